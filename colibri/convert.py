@@ -1,0 +1,249 @@
+"""Hugging Face safetensors folder -> one .coli container (`colibri convert`).
+
+Tensors stream one at a time (pread -> sanitize -> quantize -> write), so peak RSS stays
+near the largest tensor. Routed experts become one contiguous record each; per-expert and
+fused `[E, ...]` checkpoints both work. The family's `sanitize()` owns name mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .container import Container, Writer
+from .errors import ColibriError
+from .models.base import build, expected_tensors, family
+from .progress import Progress
+from .quant import SCHEMES, can_quantize, quantize
+from .safetensors_reader import SafetensorsFolder
+
+# Per-expert (`experts.3.w1.weight`) and fused (`experts.gate_up_proj`, leading [E]) names.
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>gate_up_proj|gate_proj|up_proj|down_proj)(?P<bias>_bias)?$")
+_PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+         "gate_up_proj": "gate_up"}
+FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Default expert layout: gate_up = [gate rows; up rows] ([2I, H]), down [H, I]."""
+    gate_up = parts["gate_up"] if "gate_up" in parts else torch.cat([parts["gate"], parts["up"]], 0)
+    return {"gate_up.weight": gate_up, "down.weight": parts["down"]}
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ColibriError(f"{path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ColibriError(f"{path} is not valid JSON ({e})") from None
+
+
+def _num_experts(cfg: dict) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
+def read_tokenizer(folder: Path) -> dict:
+    tok = folder / "tokenizer.json"
+    if not tok.exists():
+        raise ColibriError(f"no tokenizer.json in {folder}: colibri embeds the tokenizer in the container, "
+                           "so copy tokenizer.json (and tokenizer_config.json) from the model's repository")
+    out = {"json": tok.read_text()}
+    for extra in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        if (folder / extra).exists():
+            out[extra.removesuffix(".json")] = _load_json(folder / extra)
+    return out
+
+
+class Plan:
+    """Where each canonical tensor comes from and how it is stored."""
+
+    def __init__(self, st: SafetensorsFolder, fam, model_type: str, cfg: dict, scheme: str, group_size: int):
+        self.st, self.fam, self.scheme, self.group_size = st, fam, scheme, group_size
+        model, _ = build(model_type, cfg)
+        self.expected = expected_tensors(model)
+        self.sources: dict[str, str] = {}  # canonical name -> HF name
+        self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
+        sanitize = getattr(fam, "sanitize", lambda n: n)
+        dropped = []
+        for hf in st.names():
+            name = sanitize(hf)
+            if name is None:
+                dropped.append(hf)
+                continue
+            if m := _PER_EXPERT.match(name):
+                self.experts.setdefault(m["prefix"], {})[(int(m["e"]), _PART[m["part"]])] = hf
+            elif (m := _FUSED.match(name)) and m["prefix"] in self.expected:
+                part = _PART[m["part"]] + ("_bias" if m["bias"] else "")
+                self.experts.setdefault(m["prefix"], {})[(None, part)] = hf
+            else:
+                self.sources[name] = hf
+        self.dropped = dropped
+        if "lm_head.weight" in self.expected and "lm_head.weight" not in self.sources:
+            if "model.embed_tokens.weight" in self.sources and cfg.get("tie_word_embeddings", False):
+                self.sources["lm_head.weight"] = self.sources["model.embed_tokens.weight"]
+        self._check()
+
+    def _check(self) -> None:
+        want = {n for n, (kind, _) in self.expected.items() if kind != "experts"}
+        missing = sorted(want - set(self.sources))
+        extra = sorted(set(self.sources) - want)
+        if missing:
+            raise ColibriError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+        if extra:
+            raise ColibriError(f"checkpoint has {len(extra)} tensors this family does not use, e.g. {extra[:3]}")
+        for n, (kind, shape) in self.expected.items():
+            if kind == "experts":
+                if n not in self.experts:
+                    raise ColibriError(f"checkpoint has no routed experts for {n}")
+            elif self.st.shape(self.sources[n]) != shape:
+                raise ColibriError(f"{self.sources[n]}: shape {self.st.shape(self.sources[n])}, "
+                                   f"config implies {shape}")
+
+    def storage(self, name: str, kind: str, shape: tuple[int, ...]) -> str:
+        """The scheme a tensor is stored with (see docs/FORMAT.md, 'what stays at higher precision')."""
+        s = self.scheme
+        if kind == "param":
+            return "f32"  # norms, routers, biases, sinks: tiny, and precision-critical
+        float_s = s if s in FLOAT_DTYPES else "bf16"
+        if kind == "embedding" or s in FLOAT_DTYPES:
+            return float_s
+        if name == "lm_head.weight" and s != "int8":
+            s = "int8"  # the output projection is the most sensitive; llama.cpp keeps it >= 6 bits too
+        if not can_quantize(shape, s, self.group_size):
+            s = "int8"  # e.g. an input dim not divisible by the group size
+        return s
+
+    def total_bytes(self) -> int:
+        n = sum(self.st.nbytes(h) for h in self.sources.values())
+        return n + sum(self.st.nbytes(h) for parts in self.experts.values() for h in parts.values())
+
+
+def _write_weight(put, name: str, w: torch.Tensor, scheme: str, group_size: int) -> None:
+    if scheme in FLOAT_DTYPES:
+        put(name, w.to(FLOAT_DTYPES[scheme]), {})
+        return
+    q = quantize(w.float(), scheme, group_size)
+    for suffix, t in q.items():
+        attrs = {"quant": {"scheme": scheme, "group_size": group_size, "shape": list(w.shape)}} if not suffix else {}
+        put(name + suffix, t, attrs)
+
+
+def _expert_parts(plan: Plan, prefix: str, e: int) -> dict[str, torch.Tensor]:
+    parts = {}
+    for (idx, part), hf in plan.experts[prefix].items():
+        if idx == e:
+            parts[part] = plan.st.read(hf)
+        elif idx is None:
+            parts[part] = plan.st.read(hf, index=e)
+    return parts
+
+
+def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: int = 64,
+            arch: str | None = None, progress: bool | None = None) -> Path:
+    """Convert an HF folder into a verified container at `dst`; returns the path."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ColibriError(f"input folder {src} does not exist")
+    if scheme not in SCHEMES:
+        raise ColibriError(f"unknown --quant '{scheme}' (choose from {', '.join(SCHEMES)})")
+    cfg = _load_json(src / "config.json")
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise ColibriError(f"{src / 'config.json'} has no model_type")
+    n_exp = _num_experts(cfg)
+    if arch == "dense" and n_exp:
+        raise ColibriError(f"--arch dense, but {src} is a Mixture-of-Experts checkpoint "
+                           f"({model_type}, {n_exp} experts): use --arch moe")
+    if arch == "moe" and not n_exp:
+        raise ColibriError(f"--arch moe, but {src} is a dense checkpoint ({model_type}, no experts); "
+                           "colibri runs MoE models only")
+    fam = family(model_type)
+    if hasattr(fam, "check_config"):
+        fam.check_config(cfg)  # refuses what the family cannot honour, naming the field
+    tokenizer = read_tokenizer(src)
+    st = SafetensorsFolder(src)
+    plan = Plan(st, fam, model_type, cfg, scheme, group_size)
+    meta = {"model_type": model_type, "config": cfg, "tokenizer": tokenizer,
+            "quant": {"scheme": scheme, "group_size": group_size},
+            "converter": {"colibri": __version__, "source": str(src), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                          "dropped": plan.dropped}}
+    record_fn = getattr(fam, "expert_record", expert_record)
+    with Progress(plan.total_bytes(), f"converting {src.name} -> {dst.name} ({scheme})", enabled=progress) as bar, \
+            Writer(dst, meta) as w:
+        def put(name, t, attrs):
+            w.add_tensor(name, t, **attrs)
+
+        for name, (kind, shape) in plan.expected.items():
+            if kind == "experts":
+                for e in range(shape[0]):
+                    parts = _expert_parts(plan, name, e)
+                    bar.update(sum(t.nbytes for t in parts.values()))
+                    members: dict[str, tuple[torch.Tensor, dict]] = {}
+                    for pname, t in record_fn(parts).items():
+                        if pname.endswith(".bias"):
+                            members[pname] = (t.float(), {})
+                        else:
+                            s = plan.storage(f"{name}.{e}.{pname}", "linear", tuple(t.shape))
+                            _write_weight(lambda n, tt, a: members.__setitem__(n, (tt, a)), pname, t, s, group_size)
+                    w.add_record(f"{name}.{e}", members)
+                continue
+            t = st.read(plan.sources[name])
+            bar.update(t.nbytes)
+            stored = plan.storage(name, kind, shape)
+            if stored in FLOAT_DTYPES or kind != "linear":
+                put(name, t.to(FLOAT_DTYPES[stored]), {})
+            else:
+                _write_weight(put, name, t, stored, group_size)
+    verify_converted(dst, plan)
+    return dst
+
+
+def verify_converted(path: Path, plan: Plan) -> None:
+    """The converter's own check: checksums, and every tensor the config implies is there and shaped right."""
+    with Container(path) as c:
+        c.verify()
+        for name, (kind, shape) in plan.expected.items():
+            if kind == "experts":
+                for e in range(shape[0]):
+                    if not c.has_record(f"{name}.{e}"):
+                        raise ColibriError(f"verification failed: expert record {name}.{e} missing in {path}")
+                continue
+            info = c.info(name)
+            logical = tuple(info.get("quant", {}).get("shape", info["shape"]))
+            if logical != shape:
+                raise ColibriError(f"verification failed: {name} has shape {logical}, config implies {shape}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="colibri convert", description="Convert a Hugging Face safetensors "
+                                "checkpoint folder into a single .coli container.")
+    p.add_argument("--input", "-i", required=True, help="HF model folder (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--output", "-o", required=True, help="output container path (.coli)")
+    p.add_argument("--arch", choices=["moe", "dense"], help="expected architecture; refused if the checkpoint differs")
+    p.add_argument("--quant", default="bf16", choices=SCHEMES,
+                   help="weight format: f32/f16/bf16, int8 (per-channel), int4 (group-wise); int2/int3 experimental")
+    p.add_argument("--group-size", type=int, default=64, help="group size for int4/int3/int2 (default 64)")
+    p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    a = p.parse_args(argv)
+    if a.group_size <= 0 or a.group_size % 2:
+        raise ColibriError("--group-size must be a positive even number")
+    if a.quant in ("int2", "int3"):
+        print(f"warning: --quant {a.quant} is experimental: expect a visible quality loss", file=sys.stderr)
+    t0 = time.perf_counter()
+    out = convert(a.input, a.output, a.quant, a.group_size, a.arch, progress=False if a.no_progress else None)
+    size = out.stat().st_size
+    print(f"wrote {out} ({size / 2**20:.1f} MiB, {a.quant}) in {time.perf_counter() - t0:.1f}s; "
+          "checksums and shapes verified", file=sys.stderr)
+    return 0

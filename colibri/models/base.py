@@ -1,0 +1,135 @@
+"""What every family shares: config dataclasses, the decoder skeleton, binding weights from a store."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import ColibriError
+from .layers import Embedding, Linear, RMSNorm
+from .moe import SwitchGLU
+
+SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+ALIASES: dict[str, str] = {}
+
+
+@dataclasses.dataclass
+class BaseArgs:
+    aliases: ClassVar[dict[str, str]] = {}  # other spellings of a field seen in configs (v4 vs v5 names)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BaseArgs:
+        """Keep the keys this family knows; `__post_init__` derives the rest."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {cls.aliases.get(k, k): v for k, v in d.items()} | {k: v for k, v in d.items() if k in names}
+        kw = {k: v for k, v in d.items() if k in names and v is not None}
+        if "raw" in names:  # families that need derived fields read the full config
+            kw["raw"] = d
+        return cls(**kw)
+
+
+def family(model_type: str):
+    """The module `colibri.models.<model_type>`; a clear error naming what is supported otherwise."""
+    name = ALIASES.get(model_type, model_type)
+    if name not in SUPPORTED:
+        raise ColibriError(f"unsupported model_type '{model_type}' (supported: {', '.join(SUPPORTED)})")
+    try:
+        return importlib.import_module(f"colibri.models.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"colibri.models.{name}":
+            raise ColibriError(f"model_type '{model_type}' is not implemented in this build") from e
+        raise
+
+
+def build(model_type: str, config: dict) -> tuple[nn.Module, Any]:
+    """Instantiate a family's model skeleton (placeholders only: cheap, no big tensors)."""
+    fam = family(model_type)
+    args = fam.ModelArgs.from_dict(config)
+    return fam.Model(args), args
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder blocks -> norm -> lm_head. Blocks take `(h [T, H], cache, start)`."""
+
+    def __init__(self, vocab: int, hidden: int, eps: float, blocks: list[nn.Module]):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = Embedding(vocab, hidden)
+        self.model.layers = nn.ModuleList(blocks)
+        self.model.norm = RMSNorm(hidden, eps)
+        self.lm_head = Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, caches: list, start: int, last_only: bool = False) -> torch.Tensor:
+        """tokens [T] at positions start..start+T -> logits [T, V] (or [1, V] with last_only), f32."""
+        h = self.model.embed_tokens(tokens)  # [T, H]
+        for layer, cache in zip(self.model.layers, caches):
+            h = layer(h, cache, start)
+        if last_only:
+            h = h[-1:]
+        return self.lm_head(self.model.norm(h)).float()
+
+    def make_cache(self, max_len: int, dtype: torch.dtype) -> list:
+        return [layer.self_attn.make_cache(max_len, dtype) for layer in self.model.layers]
+
+
+# ----------------------------------------------------------------------------- binding
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{canonical name: (kind, shape)} the model needs; kind is linear|embedding|param|experts."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            out[f"{mname}.weight"] = ("linear", (mod.out_features, mod.in_features))
+            if mod.bias:
+                out[f"{mname}.bias"] = ("param", (mod.out_features,))
+        elif isinstance(mod, Embedding):
+            out[f"{mname}.weight"] = ("embedding", (mod.num_embeddings, mod.dim))
+        elif isinstance(mod, SwitchGLU):
+            out[mname] = ("experts", (mod.num_experts, mod.intermediate, mod.hidden))
+    for pname, p in model.named_parameters():
+        out[pname] = ("param", tuple(p.shape))
+    return out
+
+
+def bind(model: nn.Module, store) -> None:
+    """Swap placeholders for the store's weights and fill parameters; strict on names and shapes."""
+    for mname, mod in list(model.named_modules()):
+        if isinstance(mod, Linear):
+            q = store.linear(mname, bias=mod.bias)
+            if (q.out_features, q.in_features) != (mod.out_features, mod.in_features):
+                raise ColibriError(f"{mname}: shape {(q.out_features, q.in_features)} in the file, model expects "
+                                   f"{(mod.out_features, mod.in_features)}")
+            parent, attr = _parent(model, mname)
+            setattr(parent, attr, q)
+        elif isinstance(mod, Embedding):
+            w = store.tensor(f"{mname}.weight")
+            if tuple(w.shape) != (mod.num_embeddings, mod.dim):
+                raise ColibriError(f"{mname}: shape {tuple(w.shape)} in the file, model expects "
+                                   f"{(mod.num_embeddings, mod.dim)}")
+            mod.weight = w
+        elif isinstance(mod, SwitchGLU):
+            mod.source = store.experts(mname, mod)
+    for pname, p in list(model.named_parameters()):
+        t = store.tensor(pname)
+        if tuple(t.shape) != tuple(p.shape):
+            raise ColibriError(f"{pname}: shape {tuple(t.shape)} in the file, model expects {tuple(p.shape)}")
+        p.data = t.to(p.dtype)
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    head, _, attr = name.rpartition(".")
+    return (model.get_submodule(head) if head else model), attr
+

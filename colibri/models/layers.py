@@ -1,0 +1,295 @@
+"""Shared building blocks: weight placeholders, RMSNorm, RoPE, KV cache, attention, dense MLP.
+
+Hidden states are 2-D `[T, H]` everywhere (one sequence). Placeholders (`Linear`,
+`Embedding`) hold no weights: `models.base.bind()` swaps in what the store hands out,
+so a model file never decides where or how a weight is stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """Shape-only stand-in for a projection; replaced by a `quant.QLinear` at bind time."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.bias = in_features, out_features, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - replaced before use
+        raise RuntimeError("Linear placeholder used before the weights were bound")
+
+
+class Embedding(nn.Module):
+    """Token embedding bound to a container tensor (kept in its stored dtype)."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.weight: torch.Tensor | None = None  # [V, H], set at bind time
+        self.out_dtype = torch.float32
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight).to(self.out_dtype)  # [T, H]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in f32 like the reference, then come back to the compute dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_theta(cfg: dict, default: float = 10000.0) -> float:
+    """rope_theta from a v4 (top-level) or v5 (`rope_parameters`) config."""
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", default)))
+
+
+def rope_scaling(cfg: dict) -> dict | None:
+    """The rope scaling dict, or None for plain RoPE (v4 `rope_scaling` or v5 `rope_parameters`)."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    return None if kind in (None, "default") else {**params, "rope_type": kind}
+
+
+def _yarn_find_dim(num_rot: float, dim: int, base: float, max_pos: int) -> float:
+    return (dim * math.log(max_pos / (num_rot * 2 * math.pi))) / (2 * math.log(base))
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[dim // 2]` and the cos/sin scale for the supported rope types."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if scaling is None:
+        return inv, 1.0
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(is_mid, mid, scaled), 1.0
+    if kind == "yarn":
+        old = int(scaling.get("original_max_position_embeddings") or max_pos)
+        beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attn = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all)
+        else:
+            attn = float(scaling.get("attention_factor") or yarn_get_mscale(factor))
+        low = _yarn_find_dim(beta_fast, dim, base, old)
+        high = _yarn_find_dim(beta_slow, dim, base, old)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrap = 1 - ramp
+        return (inv / factor) * (1 - extrap) + inv * extrap, attn
+    raise ValueError(f"unsupported rope_type '{kind}' (supported: default, linear, llama3, yarn)")
+
+
+class RoPE(nn.Module):
+    """Rotary embedding over the first `dim` channels of each head, with cos/sin tables cached."""
+
+    def __init__(self, dim: int, base: float, scaling: dict | None = None, max_pos: int = 4096,
+                 interleaved: bool = False):
+        super().__init__()
+        inv, self.mscale = rope_inv_freq(dim, base, scaling, max_pos)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.dim, self.interleaved = dim, interleaved
+        self._cos = self._sin = torch.empty(0)
+
+    def tables(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + T
+        if self._cos.shape[0] < end or self._cos.dtype != dtype:
+            n = max(end, 2 * self._cos.shape[0], 256)
+            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.float()[None]  # [n, d/2]
+            emb = torch.cat((freqs, freqs), -1)  # [n, d]
+            self._cos = (emb.cos() * self.mscale).to(dtype)
+            self._sin = (emb.sin() * self.mscale).to(dtype)
+        return self._cos[start:end], self._sin[start:end]
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x: [T, heads, head_dim]; rotates the first `dim` channels."""
+        cos, sin = self.tables(start, x.shape[0], x.dtype)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        if self.interleaved:  # pairs (0,1),(2,3)...: de-interleave, rotate, re-interleave
+            rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), -1)
+        half = self.dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), -1)
+        out = rot * cos + rotated * sin
+        if self.interleaved:
+            out = torch.stack((out[..., :half], out[..., half:]), -1).flatten(-2)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), -1)
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+class KVCache:
+    """Keys/values of one layer, preallocated for the whole context: `[Hkv, ctx, D]` each."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
+                 v_head_dim: int | None = None, device: torch.device | str = "cpu"):
+        self.k = torch.zeros(n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(n_kv_heads, max_len, v_head_dim or head_dim, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [Hkv, T, D] at positions start..start+T; returns everything up to there."""
+        end = start + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"context full: position {end} exceeds ctx-size {self.max_len}")
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return self.k[:, :end], self.v[:, :end]
+
+    def to(self, device: torch.device | str) -> KVCache:
+        self.k, self.v = self.k.to(device), self.v.to(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def attention_mask(T: int, S: int, start: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean [T, S] mask (True = may attend) for queries at start..start+T over keys 0..S."""
+    if T == 1 and (window is None or S <= window):
+        return None
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    k_pos = torch.arange(S, device=device)[None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+           window: int | None = None) -> torch.Tensor:
+    """q: [H, T, D], k/v: [Hkv, S, D] (GQA by head groups) -> [T, H * Dv]."""
+    H, T, _ = q.shape
+    S = k.shape[1]
+    if k.shape[0] != H:  # GQA: each kv head serves H / Hkv query heads
+        rep = H // k.shape[0]
+        k = k.repeat_interleave(rep, 0)
+        v = v.repeat_interleave(rep, 0)
+    if T > 1 and start == 0 and window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        mask = attention_mask(T, S, start, window, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(T, -1)  # [T, H * Dv]
+
+
+@dataclass
+class AttentionArgs:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None = None
+    max_pos: int = 4096
+    bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # None | "head" (per head, Qwen3) | "full" (whole projection, OLMoE)
+    norm_eps: float = 1e-6
+    rotary_dim: int | None = None  # partial rotary (GLM)
+    sliding_window: int | None = None
+    clip_qkv: float | None = None
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, RoPE, optional q/k norm, bias and sliding window."""
+
+    def __init__(self, a: AttentionArgs):
+        super().__init__()
+        self.a = a
+        self.q_proj = Linear(a.hidden, a.heads * a.head_dim, a.bias)
+        self.k_proj = Linear(a.hidden, a.kv_heads * a.head_dim, a.bias)
+        self.v_proj = Linear(a.hidden, a.kv_heads * a.head_dim, a.bias)
+        self.o_proj = Linear(a.heads * a.head_dim, a.hidden, a.o_bias)
+        if a.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(a.head_dim, a.norm_eps), RMSNorm(a.head_dim, a.norm_eps)
+        elif a.qk_norm == "full":
+            self.q_norm = RMSNorm(a.heads * a.head_dim, a.norm_eps)
+            self.k_norm = RMSNorm(a.kv_heads * a.head_dim, a.norm_eps)
+        self.rope = RoPE(a.rotary_dim or a.head_dim, a.rope_theta, a.rope_scaling, a.max_pos)
+        self.scale = a.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        a, T = self.a, x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*D], [T, Hkv*D] x2
+        if a.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        q = q.view(T, a.heads, a.head_dim)
+        k = k.view(T, a.kv_heads, a.head_dim)
+        v = v.view(T, a.kv_heads, a.head_dim)
+        if a.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, start), self.rope(k, start)
+        k_all, v_all = cache.update(k.transpose(0, 1), v.transpose(0, 1), start)
+        out = attend(q.transpose(0, 1), k_all, v_all, start, self.scale, a.sliding_window)
+        return self.o_proj(out)
+
+    def make_cache(self, max_len: int, dtype: torch.dtype) -> KVCache:
+        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward (dense layers, shared experts)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, h: torch.Tensor, cache, start: int) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cache, start)
+        return h + self.mlp(self.post_attention_layernorm(h))

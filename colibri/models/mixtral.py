@@ -1,0 +1,52 @@
+"""Mixtral: GQA attention + softmax top-k router (renormalised) over SwiGLU experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import BaseArgs, CausalLM
+from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from .moe import SparseMoE, SwitchGLU, TopKRouter
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 32768
+    sliding_window: int | None = None
+    raw: dict | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             rope_theta(a.raw or {}, 1e6), rope_scaling(a.raw or {}), a.max_position_embeddings,
+                             norm_eps=a.rms_norm_eps, sliding_window=a.sliding_window)
+        blocks = [
+            DecoderBlock(
+                Attention(attn),
+                SparseMoE(TopKRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, True),
+                          SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
+                a.hidden_size, a.rms_norm_eps)
+            for i in range(a.num_hidden_layers)
+        ]
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
+        self.args = a
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name (Mixtral calls its MoE block `block_sparse_moe`)."""
+    return name.replace(".block_sparse_moe.", ".mlp.")

@@ -1,0 +1,113 @@
+"""Routed experts over stacked per-expert weights, fed by an expert source from the store.
+
+The source decides where expert weights live (resident, cached from disk, GPU); this
+module only says which experts it needs and combines their outputs in a fixed order,
+so the result is bit-identical whatever order the source delivers them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ExpertWeights:
+    gate_up: nn.Module  # [H] -> [2I] (gate rows, then up rows)
+    down: nn.Module  # [I] -> [H]
+
+
+class ExpertSource(Protocol):
+    def stream(self, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (expert id, weights) once per id, in any order; weights stay valid until the next step."""
+        ...
+
+    def prefetch(self, ids: list[int]) -> None:
+        """A hint that these experts are needed soon (may be a no-op)."""
+        ...
+
+
+def silu_glu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SwitchGLU(nn.Module):
+    """The routed experts of one layer: `forward(x [T, H], idx [T, k], weights [T, k]) -> [T, H]`."""
+
+    def __init__(self, layer: int, hidden: int, intermediate: int, num_experts: int,
+                 act: Callable[[torch.Tensor], torch.Tensor] = silu_glu):
+        super().__init__()
+        self.layer, self.hidden, self.intermediate, self.num_experts = layer, hidden, intermediate, num_experts
+        self.act = act
+        self.source: ExpertSource | None = None  # bound by the store
+        self.on_route: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # debug/stats hook
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        T, k = idx.shape
+        if self.on_route is not None:
+            self.on_route(self.layer, idx, weights)
+        ys = x.new_empty(T * k, self.hidden)  # one output row per (token, slot)
+        if T == 1:
+            slot = {e: j for j, e in enumerate(idx[0].tolist())}
+            for e, w in self.source.stream(list(slot)):
+                j = slot[e]
+                ys[j : j + 1] = w.down(self.act(w.gate_up(x)))
+        else:
+            flat = idx.reshape(-1)  # [T*k]
+            order = flat.argsort(stable=True)
+            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+            ends = torch.tensor(counts).cumsum(0).tolist()
+            ids = [e for e, c in enumerate(counts) if c]
+            for e, w in self.source.stream(ids):
+                sel = order[ends[e] - counts[e] : ends[e]]  # slots routed to expert e
+                ys[sel] = w.down(self.act(w.gate_up(x[sel // k])))
+        # Weighted sum over the k slots in slot order, in f32: deterministic and precise.
+        out = (ys.view(T, k, -1).float() * weights.float()[..., None]).sum(1)
+        return out.to(x.dtype)
+
+
+class TopKRouter(nn.Module):
+    """Softmax over all experts, keep the top k (Mixtral, OLMoE, Qwen-MoE); optionally renormalised."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H], f32
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]
+        weights, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return idx, weights
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (+ an optional shared expert, optionally sigmoid-gated as in Qwen2-MoE)."""
+
+    def __init__(self, gate: nn.Module, experts: SwitchGLU, shared: nn.Module | None = None,
+                 shared_gate: nn.Module | None = None, shared_name: str = "shared_expert"):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+        self.shared_name = shared_name
+        if shared is not None:
+            setattr(self, shared_name, shared)
+        if shared_gate is not None:
+            self.shared_expert_gate = shared_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weights = self.gate(x)
+        out = self.experts(x, idx, weights)
+        shared = getattr(self, self.shared_name, None)
+        if shared is not None:
+            s = shared(x)
+            if hasattr(self, "shared_expert_gate"):
+                s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            out = out + s
+        return out

@@ -1,0 +1,35 @@
+"""Qwen2-MoE: q/k/v bias, softmax top-k router, plus a shared expert behind a sigmoid gate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import CausalLM
+from .layers import MLP, Attention, DecoderBlock, Linear
+from .moe import SparseMoE, SwitchGLU, TopKRouter
+from .qwen3_moe import ModelArgs as _Qwen3Args
+from .qwen3_moe import attention_args
+
+
+@dataclass
+class ModelArgs(_Qwen3Args):
+    shared_expert_intermediate_size: int = 0
+    qkv_bias: bool = True
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        attn = attention_args(a, a.qkv_bias, None)
+
+        def mlp(i: int):
+            if not a.is_sparse(i):
+                return MLP(a.hidden_size, a.intermediate_size)
+            shared = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+            return SparseMoE(TopKRouter(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob),
+                             SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.num_experts),
+                             shared, Linear(a.hidden_size, 1))
+
+        blocks = [DecoderBlock(Attention(attn), mlp(i), a.hidden_size, a.rms_norm_eps)
+                  for i in range(a.num_hidden_layers)]
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
+        self.args = a

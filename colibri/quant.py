@@ -1,0 +1,376 @@
+"""Weight quantization: canonical on-disk layouts and the `QLinear` module that runs them.
+
+A linear weight of logical shape [out, in] is stored as a small dict of tensors keyed by
+name suffix ("" for the main data, ".scale", ".min"). The layouts are *canonical*: plain,
+documented byte layouts that any reader can decode, never a torch-internal packing (those
+change between torch versions and CPU ISAs). `QLinear` repacks into a kernel's private
+format at construction when that makes the matmul faster.
+
+Schemes (see docs/DESIGN.md and docs/FORMAT.md):
+- ``f32`` / ``f16`` / ``bf16``: the weight itself.
+- ``int8``: symmetric per output channel. ``""`` int8 [out, in], ``.scale`` f32 [out];
+  w = q * scale[:, None].
+- ``int4``: asymmetric, group-wise along ``in`` (group g). ``""`` uint8 [out, in // 2] with the
+  even column in the low nibble and the odd column in the high nibble (values 0..15);
+  ``.scale`` f16 [out, in // g]; ``.min`` f16 [out, in // g]; w = q * scale + min.
+- ``int2`` (EXPERIMENTAL): as int4 but 4 values per byte, column 4k + j in bits 2j..2j+1
+  (lowest bits = lowest column); ``""`` uint8 [out, in // 4], values 0..3.
+- ``int3`` (EXPERIMENTAL): 8 values in 3 bytes. Columns 8k..8k+7 form one little-endian
+  24-bit word (byte 3k is bits 0..7), column 8k + j in bits 3j..3j+2; ``""`` uint8
+  [out, in * 3 // 8], values 0..7.
+int2/int3 have no fused kernel: QLinear dequantizes them on every forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SCHEMES = ("f32", "f16", "bf16", "int8", "int4", "int2", "int3")
+FLOAT_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# Bits per value and values per packing unit (the smallest run of columns that fills whole bytes).
+_BITS = {"int4": 4, "int2": 2, "int3": 3}
+_PACK = {"int4": 2, "int2": 4, "int3": 8}
+KERNELS = ("auto", "fused", "dequant")
+
+# Quantize at most this many elements at a time: the f32 working copy of a large
+# tensor (lm_head, embeddings) would otherwise cost 4 bytes per weight of extra peak RAM.
+_QUANT_CHUNK_ELEMS = 1 << 24
+# The int4 CPU repack needs an int32 [rows, in] temporary; bound it the same way.
+_REPACK_CHUNK_ELEMS = 1 << 22
+# torch's CPU int4 packing works on 64-row blocks; chunks must be multiples of it to concat.
+_INT4_ROW_BLOCK = 64
+_INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {SCHEMES}")
+
+
+def can_quantize(shape: tuple[int, ...] | torch.Size, scheme: str, group_size: int = 64) -> bool:
+    """Whether `quantize` accepts a weight of this shape (the converter falls back to int8 if not)."""
+    _check_scheme(scheme)
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        return False
+    if scheme in FLOAT_DTYPES or scheme == "int8":
+        return True
+    n_in = shape[1]
+    return group_size > 0 and n_in % group_size == 0 and n_in % _PACK[scheme] == 0
+
+
+def layout(shape: tuple[int, int], scheme: str, group_size: int = 64) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Canonical tensors of a quantized weight: suffix -> (shape, dtype). Raises if not quantizable."""
+    _check_scheme(scheme)
+    if not can_quantize(shape, scheme, group_size):
+        raise ValueError(_shape_error(shape, scheme, group_size))
+    out, n_in = int(shape[0]), int(shape[1])
+    if scheme in FLOAT_DTYPES:
+        return {"": ((out, n_in), FLOAT_DTYPES[scheme])}
+    if scheme == "int8":
+        return {"": ((out, n_in), torch.int8), ".scale": ((out,), torch.float32)}
+    n_groups = n_in // group_size
+    return {
+        "": ((out, n_in * _BITS[scheme] // 8), torch.uint8),
+        ".scale": ((out, n_groups), torch.float16),
+        ".min": ((out, n_groups), torch.float16),
+    }
+
+
+def _shape_error(shape: tuple[int, ...] | torch.Size, scheme: str, group_size: int) -> str:
+    if len(shape) != 2:
+        return f"{scheme}: expected a 2-D [out, in] weight, got shape {tuple(shape)}"
+    return (
+        f"{scheme}: in_features={shape[1]} must be a multiple of group_size={group_size} "
+        f"(and of {_PACK.get(scheme, 1)} for byte packing); use can_quantize() and fall back to int8"
+    )
+
+
+# ----------------------------------------------------------------------------- bit packing
+
+
+def _pack(q: Tensor, scheme: str) -> Tensor:
+    """q uint8 [out, in] (values < 2**bits) -> canonical packed uint8 [out, in * bits // 8]."""
+    out, n_in = q.shape
+    if scheme == "int4":
+        return q[:, 0::2] | (q[:, 1::2] << 4)
+    if scheme == "int2":
+        q4 = q.view(out, n_in // 4, 4)
+        return (q4[..., 0] | (q4[..., 1] << 2) | (q4[..., 2] << 4) | (q4[..., 3] << 6)).contiguous()
+    q8 = q.view(out, n_in // 8, 8).to(torch.int32)
+    word = q8[..., 0]  # [out, in // 8], 24 bits used
+    for j in range(1, 8):
+        word = word | (q8[..., j] << (3 * j))
+    packed = torch.stack((word & 0xFF, (word >> 8) & 0xFF, word >> 16), dim=-1)  # [out, in // 8, 3]
+    return packed.to(torch.uint8).view(out, n_in * 3 // 8)
+
+
+def _unpack(data: Tensor, scheme: str, n_in: int) -> Tensor:
+    """Canonical packed uint8 [out, in * bits // 8] -> uint8 [out, in]. Never writes into `data`."""
+    out = data.shape[0]
+    if scheme == "int4":
+        return torch.stack((data & 0xF, data >> 4), dim=-1).view(out, n_in)
+    if scheme == "int2":
+        return torch.stack([(data >> s) & 0x3 for s in (0, 2, 4, 6)], dim=-1).view(out, n_in)
+    b = data.view(out, n_in // 8, 3).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # [out, in // 8]
+    return torch.stack([(word >> (3 * j)) & 0x7 for j in range(8)], dim=-1).to(torch.uint8).view(out, n_in)
+
+
+# ----------------------------------------------------------------------------- quantize / dequantize
+
+
+def _quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    wf = w.float()
+    scale = wf.abs().amax(dim=1) / 127.0  # [out]
+    # All-zero rows: any divisor works (q = 0); avoid 0/0.
+    q = torch.round(wf / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def _quantize_group(w: Tensor, scheme: str, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    out, n_in = w.shape
+    qmax = (1 << _BITS[scheme]) - 1
+    wg = w.float().view(out, n_in // group_size, group_size)  # [out, G, g]
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, G]
+    # Round scale/min to their stored f16 first, so that q is chosen against the values the
+    # reader will actually use (keeps |w - deq| <= scale / 2 after storage).
+    mn = lo.to(torch.float16)
+    scale = ((hi - lo) / qmax).to(torch.float16)
+    s32 = scale.float()
+    safe = torch.where(s32 > 0, s32, 1.0)  # constant group (or f16 underflow): q = 0, w = min
+    q = torch.round((wg - mn.float()[..., None]) / safe[..., None]).clamp_(0, qmax)
+    q = torch.where(s32[..., None] > 0, q, 0.0)
+    return _pack(q.to(torch.uint8).view(out, n_in), scheme), scale, mn
+
+
+def quantize(w: Tensor, scheme: str, group_size: int = 64) -> dict[str, Tensor]:
+    """Quantize a [out, in] weight (any float dtype) into its canonical tensors, keyed by suffix.
+
+    Float schemes return {"": w cast} (w itself when the dtype already matches). int2/int3
+    are EXPERIMENTAL. Raises ValueError if the shape does not fit the scheme (see can_quantize).
+    """
+    _check_scheme(scheme)
+    if not w.is_floating_point():
+        raise ValueError(f"quantize expects a float weight, got {w.dtype}")
+    if not can_quantize(w.shape, scheme, group_size):
+        raise ValueError(_shape_error(w.shape, scheme, group_size))
+    if scheme in FLOAT_DTYPES:
+        return {"": w.to(FLOAT_DTYPES[scheme])}
+    out, n_in = w.shape
+    rows = max(1, _QUANT_CHUNK_ELEMS // n_in)
+    parts = []
+    for r in range(0, out, rows):
+        chunk = w[r : r + rows]
+        parts.append(_quantize_int8(chunk) if scheme == "int8" else _quantize_group(chunk, scheme, group_size))
+    if scheme == "int8":
+        return {"": torch.cat([p[0] for p in parts]), ".scale": torch.cat([p[1] for p in parts])}
+    return {
+        "": torch.cat([p[0] for p in parts]),
+        ".scale": torch.cat([p[1] for p in parts]),
+        ".min": torch.cat([p[2] for p in parts]),
+    }
+
+
+def _check_tensors(tensors: dict[str, Tensor], scheme: str, shape: tuple[int, int], group_size: int) -> None:
+    for suffix, (shp, dt) in layout(shape, scheme, group_size).items():
+        t = tensors.get(suffix)
+        if t is None:
+            raise ValueError(f"{scheme} weight {tuple(shape)}: missing tensor {suffix!r}")
+        if tuple(t.shape) != shp or t.dtype != dt:
+            raise ValueError(
+                f"{scheme} weight {tuple(shape)}: tensor {suffix!r} is {t.dtype} {tuple(t.shape)}, "
+                f"expected {dt} {shp}"
+            )
+
+
+def _dequant_group(tensors: dict[str, Tensor], scheme: str, shape: tuple[int, int], group_size: int,
+                   dtype: torch.dtype) -> Tensor:
+    out, n_in = shape
+    q = _unpack(tensors[""], scheme, n_in).view(out, n_in // group_size, group_size)  # [out, G, g]
+    # f32 math then one cast: measured faster on CPU than broadcasting bf16 ops (which also
+    # round twice), and in-place ops are safe because q is a fresh tensor.
+    w = q.float().mul_(tensors[".scale"].float()[..., None]).add_(tensors[".min"].float()[..., None])
+    return w.view(out, n_in).to(dtype)
+
+
+def dequantize(tensors: dict[str, Tensor], scheme: str, shape: tuple[int, int], group_size: int = 64,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """Canonical tensors -> dense [out, in] weight in `dtype` (arithmetic in f32, then cast).
+
+    For a float scheme whose dtype equals `dtype` the stored tensor itself is returned (no copy).
+    """
+    shape = (int(shape[0]), int(shape[1]))
+    _check_tensors(tensors, scheme, shape, group_size)
+    if scheme in FLOAT_DTYPES:
+        return tensors[""].to(dtype)
+    if scheme == "int8":
+        return (tensors[""].float() * tensors[".scale"].float()[:, None]).to(dtype)
+    return _dequant_group(tensors, scheme, shape, group_size, dtype)
+
+
+# ----------------------------------------------------------------------------- QLinear
+
+
+def _int4_cpu_fusable(shape: tuple[int, int], group_size: int, compute_dtype: torch.dtype) -> bool:
+    # Constraints of torch's _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu.
+    return shape[0] % 16 == 0 and group_size in _INT4_GROUP_SIZES and compute_dtype in FLOAT_DTYPES.values()
+
+
+def _int4_pack_cpu(data: Tensor, shape: tuple[int, int]) -> Tensor:
+    """Canonical int4 [out, in // 2] -> torch's CPU int4 packing (a fresh [out, in // 2] uint8).
+
+    Done in row chunks (multiples of torch's 64-row block, which concatenate exactly) so the
+    int32 [rows, in] temporary the converter insists on stays small.
+    """
+    out, n_in = shape
+    rows = max(_INT4_ROW_BLOCK, (_REPACK_CHUNK_ELEMS // n_in) // _INT4_ROW_BLOCK * _INT4_ROW_BLOCK)
+    packed = torch.empty(out, n_in // 2, dtype=torch.uint8)
+    for r in range(0, out, rows):
+        q32 = _unpack(data[r : r + rows], "int4", n_in).to(torch.int32)  # [rows, in]
+        packed[r : r + rows] = torch._convert_weight_to_int4pack_for_cpu(q32, 2)
+    return packed
+
+
+class QLinear(nn.Module):
+    """y = x @ W.T (+ bias) for a weight in any scheme; output in `compute_dtype`.
+
+    Build with `from_tensors` (canonical tensors, possibly zero-copy read-only mmap views that
+    are never written) or `from_dense`. Paths (`self.path`):
+    - "dense": float schemes, F.linear; the weight is cast once at construction only if its
+      dtype differs from compute_dtype.
+    - "fused": CPU weight-only kernels. int8: torch._weight_int8pack_mm on the stored int8
+      directly (only the [out] scale is converted). int4: torch._weight_int4pack_mm_for_cpu on
+      a repacked copy made at construction -- this ALLOCATES a new uint8 [out, in // 2] plus
+      scales_and_zeros [in // g, out, 2] in compute_dtype; see `nbytes`.
+    - "dequant": the canonical tensors are dequantized on every forward (CUDA, int2/int3,
+      shapes/group sizes the fused kernels reject, or kernel="dequant"). int8 applies the
+      scale to the output instead of the weight (same math, one less pass over W).
+    `nbytes` counts tensors this module allocated itself; `borrowed_nbytes` those it only
+    references (whatever was passed to from_tensors).
+    """
+
+    def __init__(self, scheme: str, shape: tuple[int, int], group_size: int, compute_dtype: torch.dtype,
+                 path: str) -> None:
+        super().__init__()
+        self.scheme = scheme
+        self.out_features, self.in_features = int(shape[0]), int(shape[1])
+        self.group_size = group_size
+        self.compute_dtype = compute_dtype
+        self.path = path
+        self._owned: set[str] = set()
+
+    def _hold(self, name: str, t: Tensor | None, owned: bool) -> None:
+        # Non-persistent buffers: .to(device) moves them, state_dict stays free of packings.
+        self.register_buffer(name, t, persistent=False)
+        if owned and t is not None:
+            self._owned.add(name)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], scheme: str, shape: tuple[int, int], group_size: int,
+                     bias: Tensor | None, compute_dtype: torch.dtype, *, kernel: str = "auto") -> QLinear:
+        """Build from canonical tensors. kernel: "auto" (fastest known path), "fused", "dequant"."""
+        _check_scheme(scheme)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        shape = (int(shape[0]), int(shape[1]))
+        _check_tensors(tensors, scheme, shape, group_size)
+        data = tensors[""]
+        on_cpu = data.device.type == "cpu"
+        fusable = on_cpu and compute_dtype in FLOAT_DTYPES.values() and (
+            scheme == "int8" or (scheme == "int4" and _int4_cpu_fusable(shape, group_size, compute_dtype)))
+        if scheme in FLOAT_DTYPES:
+            path = "dense"
+        elif kernel == "fused" and not fusable:
+            raise ValueError(f"no fused kernel for {scheme} {shape} g={group_size} {compute_dtype} "
+                             f"on {data.device.type}")
+        else:
+            path = "fused" if fusable and kernel != "dequant" else "dequant"
+
+        m = cls(scheme, shape, group_size, compute_dtype, path)
+        if bias is not None:
+            if tuple(bias.shape) != (shape[0],):
+                raise ValueError(f"bias shape {tuple(bias.shape)} != ({shape[0]},)")
+            m._hold("bias", bias.to(compute_dtype), owned=bias.dtype != compute_dtype)
+        else:
+            m._hold("bias", None, owned=False)
+
+        if path == "dense":
+            m._hold("weight", data.to(compute_dtype), owned=data.dtype != compute_dtype)
+        elif scheme == "int8":
+            m._hold("qweight", data, owned=False)  # [out, in] int8, used as is by both paths
+            scale = tensors[".scale"]
+            # The fused kernel wants scales in x's dtype; bf16 scales round at 2^-9 relative,
+            # on par with the bf16 activations themselves.
+            m._hold("scale", scale.to(compute_dtype), owned=compute_dtype != scale.dtype)  # [out]
+        elif path == "fused":  # int4 on CPU
+            m._hold("packed", _int4_pack_cpu(data, shape), owned=True)  # torch-private [out, in // 2]
+            scale = tensors[".scale"].float()  # [out, G]
+            # torch dequantizes (q - 8) * scale + zero, ours is q * scale + min.
+            zero = tensors[".min"].float() + 8.0 * scale
+            sz = torch.stack((scale.t(), zero.t()), dim=-1).to(compute_dtype).contiguous()  # [G, out, 2]
+            m._hold("scales_and_zeros", sz, owned=True)
+        else:  # grouped schemes dequantized per forward: keep the canonical views
+            m._hold("qweight", data, owned=False)
+            m._hold("scale", tensors[".scale"], owned=False)
+            m._hold("min", tensors[".min"], owned=False)
+        return m
+
+    @classmethod
+    def from_dense(cls, w: Tensor, scheme: str, group_size: int = 64, bias: Tensor | None = None,
+                   compute_dtype: torch.dtype = torch.float32, *, kernel: str = "auto") -> QLinear:
+        """quantize(w) then from_tensors -- convenience for tests and tools."""
+        tensors = quantize(w, scheme, group_size)
+        return cls.from_tensors(tensors, scheme, tuple(w.shape), group_size, bias, compute_dtype, kernel=kernel)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensors this module allocated itself (repacks, dtype conversions)."""
+        return sum(t.numel() * t.element_size() for n, t in self.named_buffers(recurse=False) if n in self._owned)
+
+    @property
+    def borrowed_nbytes(self) -> int:
+        """Bytes of tensors held by reference (e.g. views into the container's mmap)."""
+        return sum(t.numel() * t.element_size() for n, t in self.named_buffers(recurse=False)
+                   if n not in self._owned)
+
+    def dequantized_weight(self) -> Tensor:
+        """Dense [out, in] weight in compute_dtype (for the dequant path and for debugging)."""
+        if self.path == "dense":
+            return self.weight
+        if self.scheme == "int8":
+            return self.qweight.to(self.compute_dtype) * self.scale[:, None]
+        if self.path == "fused":
+            raise RuntimeError("int4 fused QLinear keeps only torch's private packing; dequantize the source")
+        tensors = {"": self.qweight, ".scale": self.scale, ".min": self.min}
+        return _dequant_group(tensors, self.scheme, (self.out_features, self.in_features), self.group_size,
+                              self.compute_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out]
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        if self.path == "dense":
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [T, in]
+        if self.path == "fused" and x2.device.type == "cpu":
+            x2 = x2.contiguous()
+            if self.scheme == "int8":
+                y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)  # [T, out]
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        elif self.scheme == "int8":
+            # Scale the [T, out] output rather than the [out, in] weight: fewer multiplies.
+            y = F.linear(x2, self.qweight.to(self.compute_dtype)) * self.scale
+        elif self.path == "fused":
+            raise RuntimeError("int4 fused QLinear was moved off the CPU; rebuild it from canonical tensors")
+        else:
+            y = F.linear(x2, self.dequantized_weight())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, g={self.group_size}, "
+                f"path={self.path}, compute={self.compute_dtype}, bias={self.bias is not None}")

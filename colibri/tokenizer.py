@@ -1,0 +1,79 @@
+"""The tokenizer embedded in the container (HF `tokenizers` JSON) plus its chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .errors import ColibriError
+
+
+def _token_text(tok: Any) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+class Tokenizer:
+    def __init__(self, meta: dict, config: dict | None = None):
+        if not meta or "json" not in meta:
+            raise ColibriError("the container has no embedded tokenizer")
+        self.tk = _HFTokenizer.from_str(meta["json"])
+        self.config = meta.get("tokenizer_config", {})
+        self.chat_template = self.config.get("chat_template")
+        self.eos_ids = self._eos_ids(meta, config or {})
+        self.bos_token = _token_text(self.config.get("bos_token"))
+
+    def _eos_ids(self, meta: dict, config: dict) -> set[int]:
+        ids: set[int] = set()
+        for src in (meta.get("generation_config", {}).get("eos_token_id"), config.get("eos_token_id")):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list):
+                ids.update(i for i in src if isinstance(i, int))
+        eos = _token_text(self.config.get("eos_token"))
+        if eos is not None and (i := self.tk.token_to_id(eos)) is not None:
+            ids.add(i)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ColibriError("this model has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ColibriError(msg))
+        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :]

@@ -1,0 +1,454 @@
+"""Tiny, deterministic Hugging Face checkpoints for the oracle tests.
+
+Everything is built offline in a few seconds: a byte-level BPE tokenizer trained
+on an embedded English text, and one random-init model per supported MoE
+family, built with ``transformers`` itself so that ``transformers`` can act as
+the reference ("oracle") implementation that colibri is compared against.
+
+API::
+
+    FAMILIES: tuple[str, ...]
+    VOCAB_SIZE, PAD_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, CHAT_TEMPLATE, TRAIN_TEXT
+    make_tokenizer_files(folder) -> Path
+    tiny_config_kwargs(model_type) -> dict[str, Any]
+    make_tiny_checkpoint(model_type, folder, *, seed=0, fused=False,
+                         dtype=torch.float32, **config_overrides) -> Path
+    load_hf(folder) -> PreTrainedModel            # eval, float32, eager attention
+    hf_logits(model, ids) -> Tensor [T, V]         # one full forward, no cache
+    hf_greedy(model, ids, n) -> list[int]          # n new tokens, eos never stops it
+    hf_greedy_with_logits(model, ids, n) -> (list[int], Tensor [n, V])
+    top2_margins(logits [..., V]) -> Tensor [...]  # top1 - top2 per row
+
+Tensor names on disk
+--------------------
+``make_tiny_checkpoint(..., fused=False)`` uses ``save_pretrained``, which in
+transformers v5 converts the in-memory fused experts back to the *legacy*
+per-expert layout that real hub checkpoints have:
+
+- mixtral: ``model.layers.{i}.block_sparse_moe.gate.weight`` and
+  ``model.layers.{i}.block_sparse_moe.experts.{e}.w1/w2/w3.weight``
+  (w1 = gate [I, H], w3 = up [I, H], w2 = down [H, I]).
+- olmoe, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3:
+  ``model.layers.{i}.mlp.gate.weight`` and
+  ``model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``.
+- gpt_oss: saved fused even by ``save_pretrained`` (as the real hub
+  checkpoints are, minus MXFP4): ``mlp.router.weight/bias``,
+  ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate/up *interleaved* along the
+  last dim (gate = [..., ::2], up = [..., 1::2]), ``mlp.experts.gate_up_proj_bias``
+  [E, 2I] (same interleave), ``mlp.experts.down_proj`` [E, I, H],
+  ``mlp.experts.down_proj_bias`` [E, H]; note both are [in, out], not [out, in].
+
+``fused=True`` writes the in-memory v5 ``state_dict()`` verbatim:
+
+- mixtral, olmoe, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3:
+  ``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows then up
+  rows, i.e. ``F.linear(x, w).chunk(2, -1)``) and
+  ``model.layers.{i}.mlp.experts.down_proj`` [E, H, I]; the router stays
+  ``model.layers.{i}.mlp.gate.weight`` (mixtral too: its ``block_sparse_moe``
+  prefix becomes ``mlp``).
+- gpt_oss: identical to its ``save_pretrained`` layout above.
+
+Other family-specific tensors (both layouts): qwen2_moe
+``mlp.shared_expert.{gate,up,down}_proj.weight`` + ``mlp.shared_expert_gate.weight``
+[1, H] and q/k/v biases; glm4_moe / deepseek_v3 ``mlp.gate.e_score_correction_bias``
+[E]; glm4_moe / deepseek_* ``mlp.shared_experts.*``; olmoe ``self_attn.q_norm/k_norm``
+over the whole projection, qwen3_moe / glm4_moe (use_qk_norm) per head;
+deepseek ``self_attn.q_proj`` (q_lora_rank None) or ``q_a_proj``/``q_a_layernorm``/
+``q_b_proj``, plus ``kv_a_proj_with_mqa``/``kv_a_layernorm``/``kv_b_proj``;
+gpt_oss ``self_attn.sinks`` [n_heads] and biases on q/k/v/o.
+
+Every weight is re-drawn by ``_randomize`` (not left at transformers' init), so
+norm weights are not all ones, biases and ``e_score_correction_bias`` are not all
+zeros: an engine that forgets to load one of them gives different logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+FAMILIES: tuple[str, ...] = (
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
+    "qwen2_moe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+)
+
+# Special tokens come first so their ids are fixed and small, whatever BPE learns.
+SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+# 256 byte symbols + 6 specials + 122 merges. The model vocab equals the
+# tokenizer vocab exactly, so every id the model can emit decodes.
+VOCAB_SIZE = 384
+
+# Mistral-style: the template writes the bos text itself, so a caller must
+# encode the rendered prompt with add_special_tokens=False (exactly what
+# transformers' apply_chat_template does) or the prompt gets two <s>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Fixed tokenizer training text. Changing it changes every token id and hence
+# every tiny checkpoint, so treat it as frozen.
+TRAIN_TEXT = """\
+Once upon a time there was a little girl who lived in a small house near the woods.
+Every morning she walked to the river to fetch water, and every evening she sat by
+the fire and listened to the stories her grandmother told. The old woman knew the
+names of all the birds and all the trees, and she said that the wind could speak if
+you were quiet enough to hear it.
+One day the girl found a small brown dog under the bridge. The dog was cold and
+hungry, so she carried it home and gave it bread and milk. From that day on the dog
+followed her everywhere: to the river, to the market, and into the forest where the
+tall trees grew close together and the light was green and soft.
+The weather was warm in the summer and the children played in the fields until the
+sun went down. In the winter the snow covered the roofs and the roads, and the people
+stayed inside, where it was warm, and made soup and baked bread.
+A man came to the village with a cart full of books. He said that anyone who could
+read would never be alone, because a book is a friend that waits for you. The girl
+asked him to teach her, and he did. She learned the letters, then the words, then
+whole sentences, and soon she could read the stories by herself.
+The quick brown fox jumps over the lazy dog. She sells sea shells by the sea shore.
+How much wood would a woodchuck chuck if a woodchuck could chuck wood? Numbers such
+as 1, 2, 3, 10, 42, 100 and 2024 appear in text too, as do questions, answers, lists
+and code like print("hello, world") or x = y + 1.
+What is the capital of France? The capital of France is Paris. What is two plus two?
+Two plus two is four. Can you tell me a story? Yes, of course: the sun was shining,
+the birds were singing, and everyone in the town was happy that morning.
+"""
+
+# lm_head is rescaled so that the logits over TRAIN_TEXT have this standard
+# deviation: random-init logits are otherwise nearly flat and greedy decoding
+# would hinge on 1e-4-sized differences that any bf16 / int8 error flips.
+LOGIT_STD = 4.0
+# Std of every weight matrix. Larger than transformers' 0.02 on purpose: with
+# 0.02 the residual stream is mostly the token embedding and the experts add a
+# few percent, so an engine with a broken expert path would still match.
+WEIGHT_STD = 0.08
+# 1-D parameters: norm weights are drawn around 1, biases / sinks /
+# e_score_correction_bias around 0 with this std.
+VECTOR_STD = 0.2
+
+
+@functools.cache
+def _tokenizer_json() -> str:
+    """Trains the BPE once per process; the result is a pure function of TRAIN_TEXT."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAIN_TEXT.splitlines(keepends=True), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise AssertionError(f"tokenizer trained to {tok.get_vocab_size()} ids, want {VOCAB_SIZE}")
+    # Like Llama/Mistral: plain encode() prepends <s>; the chat template
+    # instead writes <s> itself (see CHAT_TEMPLATE).
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    return tok.to_str()
+
+
+def make_tokenizer_files(folder: str | Path) -> Path:
+    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1024,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
+    """Config fields for a tiny model of `model_type` (before user overrides).
+
+    Sizes are chosen so that every family-specific code path is exercised at
+    least once: a dense first layer where the family has one, shared experts,
+    group-limited routing, MLA with and without a q LoRA, partial rotary,
+    qk-norm, sliding-window layers, biases, sinks.
+    """
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "max_position_embeddings": 256,
+        "initializer_range": WEIGHT_STD,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "num_experts_per_tok": 2,
+    }
+    moe_i = 32  # routed (and shared) expert width, smaller than the dense MLP
+    family: dict[str, dict[str, Any]] = {
+        "mixtral": {"num_local_experts": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        "olmoe": {"num_experts": 8, "norm_topk_prob": False, "clip_qkv": None},
+        "qwen3_moe": {
+            "num_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "head_dim": 16,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+        "qwen2_moe": {
+            "num_experts": 4,
+            "moe_intermediate_size": moe_i,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            # layer 1 is a plain dense MLP (intermediate_size): tests the
+            # sparse/dense layer selection.
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+            "qkv_bias": True,
+        },
+        "glm4_moe": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.5,
+            "norm_topk_prob": True,
+            "use_qk_norm": True,
+            "partial_rotary_factor": 0.5,
+            "head_dim": 16,
+            "attention_bias": True,
+        },
+        "deepseek_v2": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 1,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+            # V2-Lite style: no q LoRA, q_proj directly.
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+        },
+        "deepseek_v3": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+            "rope_interleave": True,
+        },
+        "gpt_oss": {
+            "num_local_experts": 4,
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            # Tiny window so a 32+ token run crosses it on the sliding layers.
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            # Real gpt-oss uses YaRN; keep it, with factors consistent with the
+            # tiny context so transformers does not warn.
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    }
+    if model_type not in family:
+        raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(FAMILIES)}")
+    return {**common, **family[model_type]}
+
+
+@torch.no_grad()
+def _randomize(model: PreTrainedModel, seed: int) -> None:
+    """Re-draws every saved tensor from a private generator.
+
+    transformers' own init leaves norms at 1 and biases / correction biases at
+    0, which would let an engine that never loads them pass the oracle.
+    Walking the state_dict in sorted order with our own generator also keeps the
+    weights independent of transformers' init order across versions.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name]
+        if not t.is_floating_point():
+            continue
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        if t.dim() >= 2:
+            t.copy_(noise * WEIGHT_STD)
+        elif "norm" in name:
+            t.copy_(1.0 + noise * VECTOR_STD)
+        else:
+            t.copy_(noise * VECTOR_STD)
+
+
+@torch.no_grad()
+def _calibrate_lm_head(model: PreTrainedModel) -> None:
+    # Calibrate on real text so the scale reflects the states greedy decoding sees.
+    ids = torch.tensor([_encode(TRAIN_TEXT)[:128]])
+    logits = model(input_ids=ids).logits.float()
+    model.get_output_embeddings().weight.mul_(LOGIT_STD / logits.std().item())
+
+
+@functools.cache
+def _tokenizer() -> Tokenizer:
+    return Tokenizer.from_str(_tokenizer_json())
+
+
+def _encode(text: str) -> list[int]:
+    return _tokenizer().encode(text).ids
+
+
+def make_tiny_checkpoint(
+    model_type: str,
+    folder: str | Path,
+    *,
+    seed: int = 0,
+    fused: bool = False,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+) -> Path:
+    """Builds, randomizes and saves a tiny `model_type` model plus tokenizer in `folder`.
+
+    `dtype` is the on-disk dtype (weights are drawn in f32 then rounded).
+    See the module docstring for the tensor names each layout produces.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    kwargs = {**tiny_config_kwargs(model_type), **config_overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)  # from_config's own init; overwritten below but keeps it quiet and stable
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    _randomize(model, seed)
+    _calibrate_lm_head(model)
+    model.to(dtype)
+    model.config.dtype = dtype
+    if fused:
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(folder)
+    else:
+        model.save_pretrained(folder)
+    make_tokenizer_files(folder)
+    return folder
+
+
+def load_hf(folder: str | Path) -> PreTrainedModel:
+    """The transformers model in eval mode, float32, eager attention (the oracle)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(model: PreTrainedModel, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] (float32) of one full forward over `ids`, no cache."""
+    x = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    return model(input_ids=x, use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy_with_logits(
+    model: PreTrainedModel, ids: list[int] | torch.Tensor, n: int
+) -> tuple[list[int], torch.Tensor]:
+    """`n` greedy tokens after `ids` and the logits [n, V] each was chosen from.
+
+    A manual argmax loop over the model's own KV cache rather than
+    ``generate``: it never stops at eos and applies no logits processors.
+    """
+    x = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    cache = DynamicCache(config=model.config)
+    out: list[int] = []
+    steps: list[torch.Tensor] = []
+    pos = 0
+    for _ in range(n):
+        positions = torch.arange(pos, pos + x.shape[1]).unsqueeze(0)
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True, position_ids=positions).logits
+        last = logits[0, -1].float()
+        pos += x.shape[1]
+        tok = int(last.argmax())
+        out.append(tok)
+        steps.append(last)
+        x = torch.tensor([[tok]])
+    return out, torch.stack(steps) if steps else torch.empty(0, model.config.vocab_size)
+
+
+def hf_greedy(model: PreTrainedModel, ids: list[int] | torch.Tensor, n: int) -> list[int]:
+    """`n` greedy new tokens after `ids` (eos does not stop it)."""
+    return hf_greedy_with_logits(model, ids, n)[0]
+
+
+def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+    """top1 - top2 of each row of `logits` [..., V]: how robust an argmax is."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+__all__ = [
+    "BOS_ID",
+    "CHAT_TEMPLATE",
+    "EOS_ID",
+    "FAMILIES",
+    "PAD_ID",
+    "SPECIAL_TOKENS",
+    "TRAIN_TEXT",
+    "VOCAB_SIZE",
+    "hf_greedy",
+    "hf_greedy_with_logits",
+    "hf_logits",
+    "load_hf",
+    "make_tiny_checkpoint",
+    "make_tokenizer_files",
+    "tiny_config_kwargs",
+    "top2_margins",
+]
