@@ -9,69 +9,75 @@ forward and the ratio to bf16 dense (< 1 = faster). Also times the one-off int4 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from colibri.quant import QLinear, quantize
 
 
-def _median_ms(fn: Callable[[], object], iters: int, min_s: float = 0.2) -> float:
+def _best_ms(fn: Callable[[], object], iters: int, min_s: float = 0.2) -> float:
+    """Fastest of >= iters calls (and >= min_s seconds): robust to other load on a small box."""
     for _ in range(3):  # warm-up: first calls pay oneDNN primitive creation
         fn()
-    times = []
+    best = float("inf")
+    n = 0
     t_end = time.perf_counter() + min_s
-    while len(times) < iters or time.perf_counter() < t_end:
+    while n < iters or time.perf_counter() < t_end:
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best * 1e3
+
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+CASES = [("dense", "auto"), ("int8", "fused"), ("int8", "dequant"), ("int8", "auto"),
+         ("int4", "fused"), ("int4", "dequant"), ("int4", "auto"), ("int2", "dequant"), ("int3", "dequant")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype (and baseline)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--shapes", nargs="+", default=["2048x1024", "1024x2048", "4096x4096"], help="OUTxIN")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dt = torch.bfloat16
-    g = args.group_size
+    dt, g = DTYPES[args.dtype], args.group_size
     print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"threads {torch.get_num_threads()}, compute {dt}, int4 group {g}")
+          f"threads {torch.get_num_threads()}, compute {args.dtype}, group {g}; best-of ms and x vs dense")
 
-    cases = [("bf16", "dense"), ("int8", "fused"), ("int8", "dequant"), ("int4", "fused"), ("int4", "dequant"),
-             ("int2", "dequant"), ("int3", "dequant")]
-    header = f"{'shape [out,in]':>16} {'T':>3} " + " ".join(f"{s + '/' + k:>14}" for s, k in cases)
+    header = f"{'[out,in]':>12} {'T':>3} " + " ".join(f"{s + '/' + k:>15}" for s, k in CASES)
     print(header)
     print("-" * len(header))
-    for shape in [(2048, 1024), (1024, 2048), (4096, 4096)]:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    for shape in shapes:
         w = torch.randn(shape) * 0.02
-        mods = {(s, k): QLinear.from_dense(w, s, g, None, dt, kernel="auto" if s == "bf16" else k)
-                for s, k in cases}
-        w_bf16 = w.to(dt)
-        for rows in (1, 64):
+        mods = {(s, k): QLinear.from_dense(w, args.dtype if s == "dense" else s, g, None, dt, kernel=k)
+                for s, k in CASES}
+        for rows in args.rows:
             x = torch.randn(rows, shape[1], dtype=dt)
-            base = _median_ms(lambda x=x: F.linear(x, w_bf16), args.iters)
-            cells = []
+            cells, base = [], 0.0
             with torch.inference_mode():
-                for key in cases:
-                    m = mods[key]
-                    ms = base if key == ("bf16", "dense") else _median_ms(lambda m=m, x=x: m(x), args.iters)
+                for key in CASES:
+                    ms = _best_ms(lambda m=mods[key], x=x: m(x), args.iters)
+                    base = base or ms  # first case is the dense baseline
                     cells.append(f"{ms:7.3f} {ms / base:5.2f}x")
-            print(f"{str(list(shape)):>16} {rows:>3} " + " ".join(f"{c:>14}" for c in cells))
+            print(f"{str(list(shape)):>12} {rows:>3} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 
-    print("\nint4 one-off repack at QLinear construction (canonical -> torch CPU packing):")
-    for shape in [(2048, 1024), (4096, 4096)]:
+    print(f"\nint4 one-off repack at QLinear construction (canonical -> torch CPU packing), {args.dtype}:")
+    for shape in shapes:
         t = quantize(torch.randn(shape) * 0.02, "int4", g)
-        ms = _median_ms(lambda t=t, shape=shape: QLinear.from_tensors(t, "int4", shape, g, None, dt), 5, 0.0)
-        m = QLinear.from_tensors(t, "int4", shape, g, None, dt)
+        build = lambda t=t, shape=shape: QLinear.from_tensors(t, "int4", shape, g, None, dt, kernel="fused")
+        ms = _best_ms(build, 3, 0.0)
+        m = build()
         print(f"  {list(shape)}: {ms:.2f} ms, allocates {m.nbytes / 2**20:.2f} MiB "
-              f"(canonical held by reference: {m.borrowed_nbytes / 2**20:.2f} MiB)")
+              f"(canonical, held by reference: {m.borrowed_nbytes / 2**20:.2f} MiB)")
 
 
 if __name__ == "__main__":

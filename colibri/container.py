@@ -573,6 +573,8 @@ class Container:
         for dt, nb in sorted(by_dtype.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {dt + ':':<25}{_human(nb)}")
         conv = self.meta.get("converter")
-        if conv:
-            lines.append(f"converter:   {conv if not isinstance(conv, dict) else json.dumps(conv)}")
+        if isinstance(conv, dict):
+            # Lists (e.g. dropped source tensors) can run to thousands of names: show counts.
+            items = (f"{k}={len(v)}" if isinstance(v, list | dict) else f"{k}={v}" for k, v in conv.items())
+            lines.append("converter:   " + ", ".join(items))
         return "\n".join(lines)

@@ -42,6 +42,17 @@ _REPACK_CHUNK_ELEMS = 1 << 22
 # torch's CPU int4 packing works on 64-row blocks; chunks must be multiples of it to concat.
 _INT4_ROW_BLOCK = 64
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
+# kernel="auto": the largest input row count for which the fused CPU kernel beats
+# dequantize-then-GEMM (benchmarks/bench_quant.py, 2 threads, AVX-512). The fused kernels
+# are weight-only GEMV-style loops: great for decode, far behind oneDNN's GEMM for prefill,
+# and slow in f32 (int4 f32 loses even at one row). Missing key = never fused.
+FUSED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {
+    ("int8", torch.bfloat16): 16,
+    ("int8", torch.float16): 16,
+    ("int8", torch.float32): 1,
+    ("int4", torch.bfloat16): 32,
+    ("int4", torch.float16): 32,
+}
 
 
 def _check_scheme(scheme: str) -> None:
@@ -60,7 +71,10 @@ def can_quantize(shape: tuple[int, ...] | torch.Size, scheme: str, group_size: i
     return group_size > 0 and n_in % group_size == 0 and n_in % _PACK[scheme] == 0
 
 
-def layout(shape: tuple[int, int], scheme: str, group_size: int = 64) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def layout(shape: tuple[int, int], scheme: str, group_size: int = 64) -> Layout:
     """Canonical tensors of a quantized weight: suffix -> (shape, dtype). Raises if not quantizable."""
     _check_scheme(scheme)
     if not can_quantize(shape, scheme, group_size):
@@ -163,7 +177,10 @@ def quantize(w: Tensor, scheme: str, group_size: int = 64) -> dict[str, Tensor]:
     parts = []
     for r in range(0, out, rows):
         chunk = w[r : r + rows]
-        parts.append(_quantize_int8(chunk) if scheme == "int8" else _quantize_group(chunk, scheme, group_size))
+        if scheme == "int8":
+            parts.append(_quantize_int8(chunk))
+        else:
+            parts.append(_quantize_group(chunk, scheme, group_size))
     if scheme == "int8":
         return {"": torch.cat([p[0] for p in parts]), ".scale": torch.cat([p[1] for p in parts])}
     return {
@@ -236,29 +253,34 @@ def _int4_pack_cpu(data: Tensor, shape: tuple[int, int]) -> Tensor:
 class QLinear(nn.Module):
     """y = x @ W.T (+ bias) for a weight in any scheme; output in `compute_dtype`.
 
-    Build with `from_tensors` (canonical tensors, possibly zero-copy read-only mmap views that
-    are never written) or `from_dense`. Paths (`self.path`):
+    Build with `from_tensors` (canonical tensors, possibly zero-copy read-only mmap views; they
+    are never written) or `from_dense`. `self.path` is fixed at construction:
     - "dense": float schemes, F.linear; the weight is cast once at construction only if its
-      dtype differs from compute_dtype.
-    - "fused": CPU weight-only kernels. int8: torch._weight_int8pack_mm on the stored int8
-      directly (only the [out] scale is converted). int4: torch._weight_int4pack_mm_for_cpu on
-      a repacked copy made at construction -- this ALLOCATES a new uint8 [out, in // 2] plus
-      scales_and_zeros [in // g, out, 2] in compute_dtype; see `nbytes`.
+      dtype differs from compute_dtype (otherwise it is used as is, no copy).
+    - "fused": CPU weight-only kernels, used for inputs of at most `fused_max_rows` rows
+      (decode); larger inputs (prefill) dequantize, since there a dense GEMM wins.
+      int8: torch._weight_int8pack_mm reads the stored int8 directly (only the [out] scale is
+      converted to compute_dtype, which that kernel requires). int4:
+      torch._weight_int4pack_mm_for_cpu needs torch's private packing, so construction
+      ALLOCATES a repacked uint8 [out, in // 2] plus scales_and_zeros [in // g, out, 2] in
+      compute_dtype (~in*out/2 * (1 + 4/g) bytes for bf16; see `nbytes`) and costs a few ms
+      per million weights. The canonical tensors stay referenced for the large-input path.
     - "dequant": the canonical tensors are dequantized on every forward (CUDA, int2/int3,
-      shapes/group sizes the fused kernels reject, or kernel="dequant"). int8 applies the
-      scale to the output instead of the weight (same math, one less pass over W).
+      shapes/group sizes the fused kernels reject, f32 int4, or kernel="dequant"). int8
+      applies the scale to the output instead of the weight (same math, one less pass over W).
     `nbytes` counts tensors this module allocated itself; `borrowed_nbytes` those it only
     references (whatever was passed to from_tensors).
     """
 
     def __init__(self, scheme: str, shape: tuple[int, int], group_size: int, compute_dtype: torch.dtype,
-                 path: str) -> None:
+                 path: str, fused_max_rows: int = 0) -> None:
         super().__init__()
         self.scheme = scheme
         self.out_features, self.in_features = int(shape[0]), int(shape[1])
         self.group_size = group_size
         self.compute_dtype = compute_dtype
         self.path = path
+        self.fused_max_rows = fused_max_rows
         self._owned: set[str] = set()
 
     def _hold(self, name: str, t: Tensor | None, owned: bool) -> None:
@@ -270,25 +292,34 @@ class QLinear(nn.Module):
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], scheme: str, shape: tuple[int, int], group_size: int,
                      bias: Tensor | None, compute_dtype: torch.dtype, *, kernel: str = "auto") -> QLinear:
-        """Build from canonical tensors. kernel: "auto" (fastest known path), "fused", "dequant"."""
+        """Build from canonical tensors (see `layout`), placed on the device they are on.
+
+        kernel: "auto" (fused for small inputs where it is measured faster), "fused" (fused for
+        every input size; ValueError if there is no fused kernel) or "dequant".
+        """
         _check_scheme(scheme)
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         shape = (int(shape[0]), int(shape[1]))
         _check_tensors(tensors, scheme, shape, group_size)
         data = tensors[""]
-        on_cpu = data.device.type == "cpu"
-        fusable = on_cpu and compute_dtype in FLOAT_DTYPES.values() and (
+        fusable = data.device.type == "cpu" and compute_dtype in FLOAT_DTYPES.values() and (
             scheme == "int8" or (scheme == "int4" and _int4_cpu_fusable(shape, group_size, compute_dtype)))
+        max_rows = 0
         if scheme in FLOAT_DTYPES:
             path = "dense"
-        elif kernel == "fused" and not fusable:
-            raise ValueError(f"no fused kernel for {scheme} {shape} g={group_size} {compute_dtype} "
-                             f"on {data.device.type}")
+        elif kernel == "fused":
+            if not fusable:
+                raise ValueError(f"no fused kernel for {scheme} {shape} g={group_size} {compute_dtype} "
+                                 f"on {data.device.type}")
+            path, max_rows = "fused", 1 << 62
+        elif kernel == "auto" and fusable:
+            max_rows = FUSED_MAX_ROWS.get((scheme, compute_dtype), 0)
+            path = "fused" if max_rows > 0 else "dequant"
         else:
-            path = "fused" if fusable and kernel != "dequant" else "dequant"
+            path = "dequant"
 
-        m = cls(scheme, shape, group_size, compute_dtype, path)
+        m = cls(scheme, shape, group_size, compute_dtype, path, max_rows)
         if bias is not None:
             if tuple(bias.shape) != (shape[0],):
                 raise ValueError(f"bias shape {tuple(bias.shape)} != ({shape[0]},)")
@@ -304,17 +335,17 @@ class QLinear(nn.Module):
             # The fused kernel wants scales in x's dtype; bf16 scales round at 2^-9 relative,
             # on par with the bf16 activations themselves.
             m._hold("scale", scale.to(compute_dtype), owned=compute_dtype != scale.dtype)  # [out]
-        elif path == "fused":  # int4 on CPU
-            m._hold("packed", _int4_pack_cpu(data, shape), owned=True)  # torch-private [out, in // 2]
-            scale = tensors[".scale"].float()  # [out, G]
-            # torch dequantizes (q - 8) * scale + zero, ours is q * scale + min.
-            zero = tensors[".min"].float() + 8.0 * scale
-            sz = torch.stack((scale.t(), zero.t()), dim=-1).to(compute_dtype).contiguous()  # [G, out, 2]
-            m._hold("scales_and_zeros", sz, owned=True)
-        else:  # grouped schemes dequantized per forward: keep the canonical views
-            m._hold("qweight", data, owned=False)
-            m._hold("scale", tensors[".scale"], owned=False)
+        else:
+            m._hold("qweight", data, owned=False)  # canonical [out, in * bits // 8]
+            m._hold("scale", tensors[".scale"], owned=False)  # [out, G] f16
             m._hold("min", tensors[".min"], owned=False)
+            if path == "fused":  # int4 on CPU
+                m._hold("packed", _int4_pack_cpu(data, shape), owned=True)  # torch-private [out, in // 2]
+                scale = tensors[".scale"].float()  # [out, G]
+                # torch dequantizes (q - 8) * scale + zero, ours is q * scale + min.
+                zero = tensors[".min"].float() + 8.0 * scale
+                sz = torch.stack((scale.t(), zero.t()), dim=-1).to(compute_dtype).contiguous()  # [G, out, 2]
+                m._hold("scales_and_zeros", sz, owned=True)
         return m
 
     @classmethod
@@ -322,12 +353,14 @@ class QLinear(nn.Module):
                    compute_dtype: torch.dtype = torch.float32, *, kernel: str = "auto") -> QLinear:
         """quantize(w) then from_tensors -- convenience for tests and tools."""
         tensors = quantize(w, scheme, group_size)
-        return cls.from_tensors(tensors, scheme, tuple(w.shape), group_size, bias, compute_dtype, kernel=kernel)
+        shape = (int(w.shape[0]), int(w.shape[1]))
+        return cls.from_tensors(tensors, scheme, shape, group_size, bias, compute_dtype, kernel=kernel)
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensors this module allocated itself (repacks, dtype conversions)."""
-        return sum(t.numel() * t.element_size() for n, t in self.named_buffers(recurse=False) if n in self._owned)
+        return sum(t.numel() * t.element_size() for n, t in self.named_buffers(recurse=False)
+                   if n in self._owned)
 
     @property
     def borrowed_nbytes(self) -> int:
@@ -336,13 +369,11 @@ class QLinear(nn.Module):
                    if n not in self._owned)
 
     def dequantized_weight(self) -> Tensor:
-        """Dense [out, in] weight in compute_dtype (for the dequant path and for debugging)."""
+        """Dense [out, in] weight in compute_dtype (what the dequant path multiplies with)."""
         if self.path == "dense":
             return self.weight
         if self.scheme == "int8":
             return self.qweight.to(self.compute_dtype) * self.scale[:, None]
-        if self.path == "fused":
-            raise RuntimeError("int4 fused QLinear keeps only torch's private packing; dequantize the source")
         tensors = {"": self.qweight, ".scale": self.scale, ".min": self.min}
         return _dequant_group(tensors, self.scheme, (self.out_features, self.in_features), self.group_size,
                               self.compute_dtype)
@@ -354,7 +385,7 @@ class QLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, in]
-        if self.path == "fused" and x2.device.type == "cpu":
+        if self.path == "fused" and 0 < x2.shape[0] <= self.fused_max_rows and x2.device.type == "cpu":
             x2 = x2.contiguous()
             if self.scheme == "int8":
                 y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)  # [T, out]
@@ -363,8 +394,6 @@ class QLinear(nn.Module):
         elif self.scheme == "int8":
             # Scale the [T, out] output rather than the [out, in] weight: fewer multiplies.
             y = F.linear(x2, self.qweight.to(self.compute_dtype)) * self.scale
-        elif self.path == "fused":
-            raise RuntimeError("int4 fused QLinear was moved off the CPU; rebuild it from canonical tensors")
         else:
             y = F.linear(x2, self.dequantized_weight())
         if self.bias is not None:

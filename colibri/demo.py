@@ -1,0 +1,28 @@
+"""The built-in demo model: a small Mixtral-style MoE shipped as an HF folder, converted on first use."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DEMO_HF = Path(__file__).parent / "data" / "demo"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("COLIBRI_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME")
+                                                         or os.path.expanduser("~/.cache"), "colibri")
+    return Path(root)
+
+
+def demo_model(scheme: str = "bf16") -> Path:
+    """Path to the demo container, converting the shipped checkpoint the first time."""
+    from .convert import convert
+
+    out = cache_dir() / f"demo-{scheme}.coli"
+    newest_src = max(f.stat().st_mtime for f in DEMO_HF.iterdir())
+    if not out.exists() or out.stat().st_mtime < newest_src:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"colibri: converting the built-in demo model to {out} (once)", file=sys.stderr)
+        convert(DEMO_HF, out, scheme, progress=False)
+    return out

@@ -1,0 +1,39 @@
+"""`colibri inspect FILE`: print the header summary and verify every checksum."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .container import Container
+from .progress import Progress
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="colibri inspect",
+                                description="Print a container's header summary and verify every checksum.")
+    p.add_argument("file", help="path to a .coli container")
+    p.add_argument("--no-verify", action="store_true", help="only print the header (skip the checksum pass)")
+    p.add_argument("--tensors", action="store_true", help="also list every tensor (name, dtype, shape, bytes)")
+    a = p.parse_args(argv)
+    with Container(a.file) as c:
+        print(c.summary())
+        if a.tensors:
+            for name in c.names():
+                e = c.info(name)
+                print(f"  {name:64s} {e['dtype']:>4s} {str(tuple(e['shape'])):>20s} {e['nbytes']:>12d}")
+        if a.no_verify:
+            return 0
+        t0 = time.perf_counter()
+        with Progress(c.file_size, "verifying checksums") as bar:
+            last = [0]
+
+            def progress(done: int, total: int) -> None:
+                bar.update(done - last[0])
+                last[0] = done
+
+            c.verify(progress)
+        n = len(c.names())
+        print(f"checksums OK: {n} tensors verified in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
+    return 0
