@@ -41,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--min-s", type=float, default=0.5, help="time each case at least this long")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype (and baseline)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
@@ -65,7 +66,7 @@ def main() -> None:
             cells, base = [], 0.0
             with torch.inference_mode():
                 for key in CASES:
-                    ms = _best_ms(lambda m=mods[key], x=x: m(x), args.iters)
+                    ms = _best_ms(lambda m=mods[key], x=x: m(x), args.iters, args.min_s)
                     base = base or ms  # first case is the dense baseline
                     cells.append(f"{ms:7.3f} {ms / base:5.2f}x")
             print(f"{str(list(shape)):>12} {rows:>3} " + " ".join(f"{c:>15}" for c in cells), flush=True)

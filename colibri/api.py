@@ -38,7 +38,12 @@ def physical_cores() -> int:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the parent."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def compute_dtype_for(scheme: str) -> torch.dtype:

@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "run": ("colibri.cli", "run_main"),
     "convert": ("colibri.convert", "main"),
     "inspect": ("colibri.inspect", "main"),
+    "plan": ("colibri.plan", "main"),
+    "bench": ("colibri.bench", "main"),
 }
 log = logging.getLogger("colibri")
 
@@ -90,12 +92,26 @@ def run_parser() -> argparse.ArgumentParser:
                    help="number of layers (after the GPU ones) kept resident in RAM")
     t.add_argument("--disk-layers", type=_nonneg("--disk-layers"), default=None,
                    help="number of layers (the last) whose routed experts are read from disk on demand")
+    t.add_argument("--usage-file", default=None,
+                   help="learned hot set (opt-in): add this run's expert routing counts to this JSON file, and "
+                        "pin the experts hottest in past runs when planning the expert cache")
     o = p.add_argument_group("output")
     o.add_argument("--log-level", default="warning", choices=["error", "warning", "info", "debug"],
                    help="stderr verbosity; debug logs each token's experts and routing weights per layer")
     o.add_argument("--no-stats", action="store_true", help="do not print the stats line at the end")
     o.add_argument("--verify", action="store_true", help="verify every checksum of the container before running")
     return p
+
+
+def _setup_logging(level: str) -> None:
+    """colibri's own stderr handler (replaced on every call, so repeated in-process runs behave)."""
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    log.propagate = False
 
 
 def _read_prompt(a: argparse.Namespace) -> str:
@@ -122,7 +138,7 @@ def _validate_sampling(a: argparse.Namespace) -> None:
 
 def run_main(argv: list[str] | None = None) -> int:
     a = run_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    _setup_logging(a.log_level)
     _validate_sampling(a)
     prompt = _read_prompt(a)
     if a.model is None:
@@ -148,6 +164,11 @@ def run_main(argv: list[str] | None = None) -> int:
              llm.kv_bytes() / 2**20, a.ctx_size)
     if a.log_level == "debug":
         llm.trace_routing()
+    recorder = None
+    if a.usage_file:  # learned hot set: count this run's routing (colibri/usage.py)
+        from .usage import Recorder
+
+        recorder = Recorder(llm.model)
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = llm.tokenizer.encode(prompt)
@@ -161,6 +182,9 @@ def run_main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if recorder is not None:
+        total = recorder.usage().save(a.usage_file)
+        log.info("usage file %s: %d routed tokens recorded in total", a.usage_file, total.total_tokens())
     st = llm.last_stats
     if st.stop_reason == "ctx":
         print(f"colibri: stopped: the context is full (--ctx-size {a.ctx_size}); raise --ctx-size to go on",

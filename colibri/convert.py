@@ -19,14 +19,16 @@ import torch
 from . import __version__
 from .container import Container, Writer
 from .errors import ColibriError
-from .models.base import build, expected_tensors, family
+from .models.base import build, expected_tensors, family, layer_of
 from .progress import Progress
 from .quant import SCHEMES, can_quantize, quantize
 from .safetensors_reader import SafetensorsFolder
 
 # Per-expert (`experts.3.w1.weight`) and fused (`experts.gate_up_proj`, leading [E]) names.
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>gate_up_proj|gate_proj|up_proj|down_proj)(?P<bias>_bias)?$")
+# `_bias` (gpt-oss) and MXFP4 `_blocks`/`_scales` companions become parts "gate_up_bias", "down_blocks", ...
+_FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>gate_up_proj|gate_proj|up_proj|down_proj)"
+                    r"(?P<suffix>_bias|_blocks|_scales)?$")
 _PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
          "gate_up_proj": "gate_up"}
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -66,6 +68,44 @@ def read_tokenizer(folder: Path) -> dict:
     return out
 
 
+class Fp8Blocks:
+    """A safetensors folder whose float8 weights read back dequantized (f32) with their block scales.
+
+    FP8 checkpoints (quantization_config.quant_method "fp8", e.g. DeepSeek-V3) store a weight `W`
+    as F8_E4M3 plus `W_scale_inv` f32 [ceil(out / bo), ceil(in / bi)] for weight_block_size
+    [bo, bi]: w[i, j] = q[i, j] * scale_inv[i // bo, j // bi]. The scale tensors are hidden.
+    """
+
+    def __init__(self, st: SafetensorsFolder, block: tuple[int, int]):
+        self.st, self.block = st, (int(block[0]), int(block[1]))
+        self.scales = {n.removesuffix("_scale_inv"): n for n in st.names() if n.endswith("weight_scale_inv")}
+
+    def __getattr__(self, attr):  # shape, dtype, nbytes: as stored
+        return getattr(self.st, attr)
+
+    def names(self) -> list[str]:
+        return [n for n in self.st.names() if not n.endswith("weight_scale_inv")]
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        t = self.st.read(name, index)
+        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return t
+        if name not in self.scales:
+            raise ColibriError(f"{name} is {self.st.dtype(name)} but the checkpoint has no {name}_scale_inv")
+        return dequantize_fp8(t, self.st.read(self.scales[name], index), self.block, name)
+
+
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   name: str = "") -> torch.Tensor:
+    """float8 [out, in] times its per-block f32 scale [ceil(out / bo), ceil(in / bi)] -> f32 [out, in]."""
+    (out, n_in), (bo, bi) = q.shape, block
+    if tuple(scale_inv.shape) != (-(-out // bo), -(-n_in // bi)):
+        raise ColibriError(f"{name}: scale_inv shape {tuple(scale_inv.shape)} does not fit a {(out, n_in)} "
+                           f"weight in {bo}x{bi} blocks (quantization_config.weight_block_size)")
+    s = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :n_in]  # [out, in]
+    return q.float() * s
+
+
 class Plan:
     """Where each canonical tensor comes from and how it is stored."""
 
@@ -77,15 +117,20 @@ class Plan:
         self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
         sanitize = getattr(fam, "sanitize", lambda n: n)
         dropped = []
+        # Multi-token-prediction heads (GLM-4.5, DeepSeek-V3) ship as extra layers past the decoder stack.
+        n_layers, n_mtp = cfg.get("num_hidden_layers", 0), cfg.get("num_nextn_predict_layers") or 0
         for hf in st.names():
             name = sanitize(hf)
+            layer = None if name is None else layer_of(name)
+            if layer is not None and n_layers <= layer < n_layers + n_mtp:
+                name = None
             if name is None:
                 dropped.append(hf)
                 continue
             if m := _PER_EXPERT.match(name):
                 self.experts.setdefault(m["prefix"], {})[(int(m["e"]), _PART[m["part"]])] = hf
             elif (m := _FUSED.match(name)) and m["prefix"] in self.expected:
-                part = _PART[m["part"]] + ("_bias" if m["bias"] else "")
+                part = _PART[m["part"]] + (m["suffix"] or "")
                 self.experts.setdefault(m["prefix"], {})[(None, part)] = hf
             else:
                 self.sources[name] = hf
@@ -140,6 +185,15 @@ def _write_weight(put, name: str, w: torch.Tensor, scheme: str, group_size: int)
         put(name + suffix, t, attrs)
 
 
+def _check_expert(prefix: str, e: int, record: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+    _, inter, hidden = shape
+    want = {"gate_up.weight": (2 * inter, hidden), "down.weight": (hidden, inter)}
+    for part, expect in want.items():
+        got = tuple(record[part].shape)
+        if got != expect:
+            raise ColibriError(f"{prefix}.{e}.{part}: shape {got}, config implies {expect}")
+
+
 def _expert_parts(plan: Plan, prefix: str, e: int) -> dict[str, torch.Tensor]:
     parts = {}
     for (idx, part), hf in plan.experts[prefix].items():
@@ -174,6 +228,9 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
         fam.check_config(cfg)  # refuses what the family cannot honour, naming the field
     tokenizer = read_tokenizer(src)
     st = SafetensorsFolder(src)
+    qc = cfg.get("quantization_config") or {}
+    if qc.get("quant_method") == "fp8":  # block-quantized float8 weights: dequantize while reading
+        st = Fp8Blocks(st, qc.get("weight_block_size") or (128, 128))
     plan = Plan(st, fam, model_type, cfg, scheme, group_size)
     meta = {"model_type": model_type, "config": cfg, "tokenizer": tokenizer,
             "quant": {"scheme": scheme, "group_size": group_size},
@@ -191,7 +248,9 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                     parts = _expert_parts(plan, name, e)
                     bar.update(sum(t.nbytes for t in parts.values()))
                     members: dict[str, tuple[torch.Tensor, dict]] = {}
-                    for pname, t in record_fn(parts).items():
+                    record = record_fn(parts)
+                    _check_expert(name, e, record, shape)
+                    for pname, t in record.items():
                         if pname.endswith(".bias"):
                             members[pname] = (t.float(), {})
                         else:

@@ -138,6 +138,8 @@ def _unpack(data: Tensor, scheme: str, n_in: int) -> Tensor:
 def _quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     wf = w.float()
     scale = wf.abs().amax(dim=1) / 127.0  # [out]
+    if not torch.isfinite(scale).all():
+        raise ValueError("int8: weight has non-finite values")
     # All-zero rows: any divisor works (q = 0); avoid 0/0.
     q = torch.round(wf / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127)
     return q.to(torch.int8), scale
@@ -153,6 +155,8 @@ def _quantize_group(w: Tensor, scheme: str, group_size: int) -> tuple[Tensor, Te
     mn = lo.to(torch.float16)
     scale = ((hi - lo) / qmax).to(torch.float16)
     s32 = scale.float()
+    if not (torch.isfinite(s32).all() and torch.isfinite(mn).all()):
+        raise ValueError(f"{scheme}: weight has non-finite values or exceeds the f16 range of scale/min")
     safe = torch.where(s32 > 0, s32, 1.0)  # constant group (or f16 underflow): q = 0, w = min
     q = torch.round((wg - mn.float()[..., None]) / safe[..., None]).clamp_(0, qmax)
     q = torch.where(s32[..., None] > 0, q, 0.0)

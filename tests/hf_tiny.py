@@ -11,6 +11,7 @@ API::
     VOCAB_SIZE, PAD_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, CHAT_TEMPLATE, TRAIN_TEXT
     make_tokenizer_files(folder) -> Path
     tiny_config_kwargs(model_type) -> dict[str, Any]
+    build_tiny_model(model_type, *, seed=0, **config_overrides) -> PreTrainedModel
     make_tiny_checkpoint(model_type, folder, *, seed=0, fused=False,
                          dtype=torch.float32, **config_overrides) -> Path
     load_hf(folder) -> PreTrainedModel            # eval, float32, eager attention
@@ -130,17 +131,28 @@ Two plus two is four. Can you tell me a story? Yes, of course: the sun was shini
 the birds were singing, and everyone in the town was happy that morning.
 """
 
-# lm_head is rescaled so that the logits over TRAIN_TEXT have this standard
-# deviation: random-init logits are otherwise nearly flat and greedy decoding
-# would hinge on 1e-4-sized differences that any bf16 / int8 error flips.
-LOGIT_STD = 4.0
+# How the weights are drawn (see _randomize / _calibrate_lm_head). Measured
+# with transformers 5.23 / torch 2.13 CPU f32, seed 0, 16 prompts x 48 greedy
+# steps x 8 families = 6144 steps: median top1-top2 gap 5.0, 0.11% of steps
+# with a gap < 1e-2, and in 121 of the 128 runs every one of the 48 gaps is
+# >= 1e-2; runs still produce 9-24 distinct tokens out of 48. With
+# transformers' defaults (std 0.02, plain lm_head) the gaps are ~100x smaller.
+#
 # Std of every weight matrix. Larger than transformers' 0.02 on purpose: with
 # 0.02 the residual stream is mostly the token embedding and the experts add a
-# few percent, so an engine with a broken expert path would still match.
-WEIGHT_STD = 0.08
-# 1-D parameters: norm weights are drawn around 1, biases / sinks /
-# e_score_correction_bias around 0 with this std.
+# few percent, so an engine with a broken expert path could still match.
+WEIGHT_STD = 0.12
+# 1-D tensors: norm weights are drawn around 1, biases / sinks /
+# e_score_correction_bias around 0, with this std.
 VECTOR_STD = 0.2
+# lm_head is rescaled so that the logits over TRAIN_TEXT have this std:
+# random-init logits are otherwise nearly flat, and greedy decoding would hinge
+# on 1e-4-sized differences that summation order alone can flip.
+LOGIT_STD = 12.0
+# lm_head rows get log-normal norms (exp(N(0, s))): a heavier upper tail
+# spreads the top order statistics apart, halving the share of near-ties at a
+# cost of some diversity in the greedy text.
+LM_HEAD_ROW_LOGSTD = 0.3
 
 
 @functools.cache
@@ -328,6 +340,8 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
             t.copy_(1.0 + noise * VECTOR_STD)
         else:
             t.copy_(noise * VECTOR_STD)
+    head = model.get_output_embeddings().weight
+    head.mul_(torch.exp(LM_HEAD_ROW_LOGSTD * torch.randn(head.shape[0], 1, generator=gen)))
 
 
 @torch.no_grad()
@@ -347,6 +361,20 @@ def _encode(text: str) -> list[int]:
     return _tokenizer().encode(text).ids
 
 
+def build_tiny_model(model_type: str, *, seed: int = 0, **config_overrides: Any) -> PreTrainedModel:
+    """The in-memory float32 eager model that make_tiny_checkpoint saves."""
+    kwargs = {**tiny_config_kwargs(model_type), **config_overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    # from_config runs transformers' own init first; _randomize then overwrites
+    # every tensor, so this seed only keeps that first pass reproducible.
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    _randomize(model, seed)
+    _calibrate_lm_head(model)
+    return model
+
+
 def make_tiny_checkpoint(
     model_type: str,
     folder: str | Path,
@@ -356,25 +384,22 @@ def make_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     **config_overrides: Any,
 ) -> Path:
-    """Builds, randomizes and saves a tiny `model_type` model plus tokenizer in `folder`.
+    """Builds a tiny `model_type` model and saves it plus the tokenizer in `folder`.
 
-    `dtype` is the on-disk dtype (weights are drawn in f32 then rounded).
-    See the module docstring for the tensor names each layout produces.
+    `dtype` is the on-disk dtype (weights are drawn in f32, then rounded).
+    `fused=False` saves with save_pretrained (hub layout, per-expert tensors);
+    `fused=True` writes the in-memory v5 state_dict verbatim. The module
+    docstring lists the tensor names of both.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    kwargs = {**tiny_config_kwargs(model_type), **config_overrides}
-    config = AutoConfig.for_model(model_type, **kwargs)
-    torch.manual_seed(seed)  # from_config's own init; overwritten below but keeps it quiet and stable
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    model.eval()
-    _randomize(model, seed)
-    _calibrate_lm_head(model)
+    model = build_tiny_model(model_type, seed=seed, **config_overrides)
     model.to(dtype)
     model.config.dtype = dtype
     if fused:
         from safetensors.torch import save_file
 
+        # clone(): save_file rejects views and tensors sharing storage.
         tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         model.config.save_pretrained(folder)
@@ -443,6 +468,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TRAIN_TEXT",
     "VOCAB_SIZE",
+    "build_tiny_model",
     "hf_greedy",
     "hf_greedy_with_logits",
     "hf_logits",

@@ -82,7 +82,7 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_pos: int) -> 
     if scaling is None:
         return inv, 1.0
     kind = scaling["rope_type"]
-    factor = float(scaling.get("factor", 1.0))
+    factor = float(scaling.get("factor") or 1.0)
     if kind == "linear":
         return inv / factor, 1.0
     if kind == "llama3":
@@ -96,12 +96,16 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_pos: int) -> 
         return torch.where(is_mid, mid, scaled), 1.0
     if kind == "yarn":
         old = int(scaling.get("original_max_position_embeddings") or max_pos)
+        if scaling.get("factor") is None:  # as transformers: the context extension ratio
+            factor = max_pos / old
         beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
         mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all:
+        if scaling.get("attention_factor") is not None:  # an explicit factor wins, as in transformers
+            attn = float(scaling["attention_factor"])
+        elif mscale and mscale_all:
             attn = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all)
         else:
-            attn = float(scaling.get("attention_factor") or yarn_get_mscale(factor))
+            attn = yarn_get_mscale(factor)
         low = _yarn_find_dim(beta_fast, dim, base, old)
         high = _yarn_find_dim(beta_slow, dim, base, old)
         if scaling.get("truncate", True):
@@ -111,7 +115,9 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_pos: int) -> 
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrap = 1 - ramp
-        return (inv / factor) * (1 - extrap) + inv * extrap, attn
+        # 1 / (factor * base^(2i/d)), rounded exactly as transformers does (inv / factor differs by an ulp)
+        interp = 1.0 / (factor * (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)))
+        return interp * (1 - extrap) + inv * extrap, attn
     raise ValueError(f"unsupported rope_type '{kind}' (supported: default, linear, llama3, yarn)")
 
 
@@ -194,15 +200,25 @@ def attention_mask(T: int, S: int, start: int, window: int | None, device) -> to
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-           window: int | None = None) -> torch.Tensor:
-    """q: [H, T, D], k/v: [Hkv, S, D] (GQA by head groups) -> [T, H * Dv]."""
+           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [H, T, D], k/v: [Hkv, S, D] (GQA by head groups) -> [T, H * Dv].
+
+    `sinks` [H]: a learned per-head logit that joins the softmax denominator only (gpt-oss)."""
     H, T, _ = q.shape
     S = k.shape[1]
     if k.shape[0] != H:  # GQA: each kv head serves H / Hkv query heads
         rep = H // k.shape[0]
         k = k.repeat_interleave(rep, 0)
         v = v.repeat_interleave(rep, 0)
-    if T > 1 and start == 0 and window is None:
+    if sinks is not None:  # SDPA has no sink term: softmax over [scores | sink], then drop the sink column
+        scores = (q @ k.transpose(1, 2)).float() * scale  # [H, T, S]
+        mask = attention_mask(T, S, start, window, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(H, 1, 1).expand(H, T, 1)
+        probs = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :S]  # [H, T, S]
+        out = probs.to(v.dtype) @ v
+    elif T > 1 and start == 0 and window is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         mask = attention_mask(T, S, start, window, q.device)
@@ -226,6 +242,7 @@ class AttentionArgs:
     rotary_dim: int | None = None  # partial rotary (GLM)
     sliding_window: int | None = None
     clip_qkv: float | None = None
+    sinks: bool = False  # per-head attention sink logits (gpt-oss)
 
 
 class Attention(nn.Module):
@@ -243,6 +260,8 @@ class Attention(nn.Module):
         elif a.qk_norm == "full":
             self.q_norm = RMSNorm(a.heads * a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.kv_heads * a.head_dim, a.norm_eps)
+        if a.sinks:
+            self.sinks = nn.Parameter(torch.zeros(a.heads), requires_grad=False)  # [H]
         self.rope = RoPE(a.rotary_dim or a.head_dim, a.rope_theta, a.rope_scaling, a.max_pos)
         self.scale = a.head_dim**-0.5
 
@@ -260,7 +279,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, start), self.rope(k, start)
         k_all, v_all = cache.update(k.transpose(0, 1), v.transpose(0, 1), start)
-        out = attend(q.transpose(0, 1), k_all, v_all, start, self.scale, a.sliding_window)
+        out = attend(q.transpose(0, 1), k_all, v_all, start, self.scale, a.sliding_window,
+                     self.sinks if a.sinks else None)
         return self.o_proj(out)
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> KVCache:

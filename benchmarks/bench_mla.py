@@ -1,0 +1,105 @@
+"""Time MLA absorbed vs expanded attention (one layer, DeepSeek-V2-Lite dims) and report KV bytes.
+
+    .venv/bin/python benchmarks/bench_mla.py [--threads 2] [--ctx 512 2048] [--quant bf16|int8]
+
+Decode: one new token over a cache already holding ctx-1 tokens (the whole attention
+module: projections, RoPE, cache write, attention, o_proj). Prefill: T tokens from an
+empty cache. "auto" is what the model runs by default. KV bytes per token per layer
+compare the latent cache with the K/V an ordinary attention cache would hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from colibri.models.layers import Linear
+from colibri.models.mla import MLAArgs, MLAttention
+from colibri.quant import QLinear
+
+SHAPES = {  # heads, q_lora_rank, kv_lora_rank, nope, rope, v, hidden
+    "v2-lite": (16, None, 512, 128, 64, 128, 2048),
+    "v3": (128, 1536, 512, 128, 64, 128, 7168),
+}
+
+
+def _best_ms(fn: Callable[[], object], iters: int, min_s: float) -> float:
+    """Fastest of >= iters calls (and >= min_s seconds): robust to other load on a small box."""
+    for _ in range(2):
+        fn()
+    best, n, t_end = float("inf"), 0, time.perf_counter() + min_s
+    while n < iters or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best * 1e3
+
+
+def build(shape: str, scheme: str, dtype: torch.dtype) -> MLAttention:
+    H, q_lora, R, Dn, Dr, Dv, hidden = SHAPES[shape]
+    attn = MLAttention(MLAArgs(hidden, H, q_lora, R, Dn, Dr, Dv, 10000.0, max_pos=8192))
+    gen = torch.Generator().manual_seed(0)
+    for name, mod in list(attn.named_children()):
+        if isinstance(mod, Linear):
+            w = torch.randn(mod.out_features, mod.in_features, generator=gen) * mod.in_features**-0.5
+            setattr(attn, name, QLinear.from_dense(w, scheme, compute_dtype=dtype))
+    return attn
+
+
+def kv_bytes_per_token(shape: str, itemsize: int) -> tuple[int, int]:
+    H, _, R, Dn, Dr, Dv, _ = SHAPES[shape]
+    return (R + Dr) * itemsize, H * (Dn + Dr + Dv) * itemsize
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512])
+    ap.add_argument("--quant", choices=["bf16", "f32", "int8"], default="bf16", help="projection weights")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--min-s", type=float, default=0.5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = torch.float32 if args.quant == "f32" else torch.bfloat16
+    attn = build(args.shape, args.quant, dtype)
+    hidden = attn.a.hidden
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, shape {args.shape}, "
+          f"weights {args.quant}, compute {dtype}; best-of ms per layer call")
+
+    print(f"{'case':>16} {'absorbed':>10} {'expanded':>10} {'auto':>10} {'exp/abs':>8}")
+    gen = torch.Generator().manual_seed(1)
+    cache = attn.make_cache(max(args.ctx + args.prefill) + 1, dtype)
+    for ctx in args.ctx:
+        cache.kv[: ctx - 1] = torch.randn(ctx - 1, cache.kv.shape[1], generator=gen).to(dtype)
+        x = torch.randn(1, hidden, generator=gen).to(dtype)
+        ms = {}
+        for mode in ("absorbed", "expanded", "auto"):
+            attn.mode = mode
+            ms[mode] = _best_ms(lambda: attn(x, cache, ctx - 1), args.iters, args.min_s)
+        print(f"{'decode @' + str(ctx):>16} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ms['auto']:10.3f} "
+              f"{ms['expanded'] / ms['absorbed']:8.2f}")
+    for T in args.prefill:
+        x = torch.randn(T, hidden, generator=gen).to(dtype)
+        ms = {}
+        for mode in ("absorbed", "expanded", "auto"):
+            attn.mode = mode
+            ms[mode] = _best_ms(lambda: attn(x, cache, 0), max(3, args.iters // 4), args.min_s)
+        print(f"{'prefill T=' + str(T):>16} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ms['auto']:10.3f} "
+              f"{ms['expanded'] / ms['absorbed']:8.2f}")
+    attn.mode = "auto"
+
+    item = torch.tensor([], dtype=dtype).element_size()
+    for shape in SHAPES:
+        lat, full = kv_bytes_per_token(shape, item)
+        print(f"KV bytes/token/layer ({shape}, {dtype}): latent {lat} vs expanded K+V {full} ({full / lat:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""`colibri bench`: fixed prompts, greedy, a fixed number of tokens; speed, cache and memory figures.
+
+    colibri bench --model M.coli [--mem-budget 3G] [-n 64] [--json]
+
+Every run decodes the same embedded prompts greedily with EOS ignored, so two runs (two
+machines, two builds, two budgets) differ only in what is being measured. A short warm-up
+generation first pays one-off costs (oneDNN primitive creation, first page faults) unless
+--no-warmup; the expert cache is *not* reset after it, which is what a served model sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+
+from .errors import ColibriError
+
+# Different lengths and registers: a chat question, prose, code, a list. Fixed forever: changing
+# them changes every benchmark figure.
+PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
+    "father had taught him. On the night of the storm the light failed, and the ships in the bay "
+    "were left to find their own way through the rocks. He remembered what his father had said:",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+    "Here is a list of ten useful habits for learning a new language:\n1.",
+)
+STORE_KWARGS = ("mem_budget", "gpu_budget", "prefetch", "direct_io", "placement")
+
+
+def engine_kwargs(engine_cls, **want) -> dict:
+    """The store options the Engine accepts; refuses a given option this build does not know."""
+    params = inspect.signature(engine_cls.__init__).parameters
+    out = {}
+    for k, v in want.items():
+        if v is None:
+            continue
+        if k not in params:
+            raise ColibriError(f"this build's Engine has no '{k}' option (flag --{k.replace('_', '-')})")
+        out[k] = v
+    return out
+
+
+def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bool = True) -> dict:
+    """Run the prompts on a loaded Engine; returns the figures (see `colibri bench --help`)."""
+    from .api import peak_rss_mib
+
+    if warmup:
+        for _ in llm.generate_ids(llm.tokenizer.encode("Hello"), 4, temperature=0.0, ignore_eos=True):
+            pass
+    runs = []
+    t_all = time.perf_counter()
+    for text in prompts:
+        ids = llm.tokenizer.encode(text)
+        toks = list(llm.generate_ids(ids, n_tokens, temperature=0.0, ignore_eos=True))
+        st = llm.last_stats
+        runs.append({"prompt_tokens": st.prompt_tokens, "generated": st.generated, "prefill_s": st.prefill_s,
+                     "decode_s": st.decode_s, "ttft_s": st.ttft_s, "tokens": toks})
+    wall = time.perf_counter() - t_all
+    prompt_toks = sum(r["prompt_tokens"] for r in runs)
+    decoded = sum(max(r["generated"] - 1, 0) for r in runs)  # the first token comes from prefill
+    prefill_s = sum(r["prefill_s"] for r in runs)
+    decode_s = sum(r["decode_s"] for r in runs)
+    out = {
+        "model": llm.container.path, "scheme": llm.scheme, "threads": _threads(),
+        "prompts": len(runs), "n_tokens": n_tokens, "prompt_tokens": prompt_toks, "generated": decoded + len(runs),
+        "prefill_tok_s": prompt_toks / prefill_s if prefill_s else 0.0,
+        "decode_tok_s": decoded / decode_s if decode_s else 0.0,
+        "ttft_ms": 1e3 * sum(r["ttft_s"] for r in runs) / len(runs),
+        "wall_s": wall,
+        "peak_rss_mib": peak_rss_mib(),
+        "outputs": [r["tokens"] for r in runs],
+    }
+    out.update(_store_figures(llm, decoded + len(runs) + prompt_toks))
+    return out
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _store_figures(llm, tokens: int) -> dict:
+    """Cache figures from Engine.store_stats() when this build has one (None otherwise)."""
+    stats = llm.store_stats() if hasattr(llm, "store_stats") else {}
+    pick = lambda *keys: next((stats[k] for k in keys if k in stats), None)  # noqa: E731
+    hits, misses = pick("hits", "cache_hits"), pick("misses", "cache_misses")
+    hit_rate = pick("hit_rate")
+    if hit_rate is None and hits is not None and misses is not None and hits + misses:
+        hit_rate = hits / (hits + misses)
+    bpt = pick("bytes_read_per_token")
+    if bpt is None and (b := pick("bytes_read")) is not None and tokens:
+        bpt = b / tokens
+    return {"cache_hit_rate": hit_rate, "bytes_read_per_token": bpt,
+            "prefetch_precision": pick("prefetch_precision"), "prefetch_recall": pick("prefetch_recall"),
+            "store_stats": stats}
+
+
+def format_text(r: dict) -> str:
+    def opt(v, fmt: str) -> str:
+        return "n/a" if v is None else fmt.format(v)
+
+    return "\n".join([
+        f"model        {r['model']} ({r['scheme']}), {r['threads']} threads",
+        f"workload     {r['prompts']} prompts, {r['prompt_tokens']} prompt tokens, "
+        f"{r['n_tokens']} greedy tokens each (EOS ignored)",
+        f"prefill      {r['prefill_tok_s']:.1f} tok/s",
+        f"decode       {r['decode_tok_s']:.2f} tok/s",
+        f"TTFT         {r['ttft_ms']:.0f} ms (mean)",
+        f"cache        hit rate {opt(r['cache_hit_rate'], '{:.1%}')}, "
+        f"read {opt(None if r['bytes_read_per_token'] is None else r['bytes_read_per_token'] / 1e6, '{:.2f}')} "
+        f"MB/token, prefetch precision {opt(r['prefetch_precision'], '{:.1%}')}",
+        f"peak RSS     {r['peak_rss_mib']:.0f} MiB",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="colibri bench", description="Benchmark a model on fixed prompts "
+                                "(greedy, EOS ignored): decode/prefill tok/s, TTFT, cache figures, peak RSS.")
+    p.add_argument("--model", "-m", required=True, help="path to a .coli container")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"use the first N of the {len(PROMPTS)} prompts")
+    p.add_argument("--ctx-size", "-c", type=int, default=1024)
+    p.add_argument("--threads", "-t", type=int, default=None)
+    p.add_argument("--mem-budget", help="RAM budget, e.g. 3G (as for colibri run)")
+    p.add_argument("--gpu-budget", help="VRAM budget, e.g. 6G")
+    p.add_argument("--no-prefetch", action="store_true", help="disable expert prefetch")
+    p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.add_argument("--no-warmup", action="store_true", help="measure from a cold start")
+    p.add_argument("--json", action="store_true", help="print one JSON object (machines) instead of text")
+    a = p.parse_args(argv)
+    if a.n_predict < 2 or not 1 <= a.prompts <= len(PROMPTS):
+        raise ColibriError(f"need -n >= 2 and 1 <= --prompts <= {len(PROMPTS)}")
+    from .api import Engine
+    from .store.placement import parse_size
+
+    kw = engine_kwargs(Engine, mem_budget=parse_size(a.mem_budget) if a.mem_budget else None,
+                       gpu_budget=parse_size(a.gpu_budget) if a.gpu_budget else None,
+                       prefetch=False if a.no_prefetch else None, direct_io=False if a.no_direct_io else None)
+    t0 = time.perf_counter()
+    llm = Engine(a.model, ctx_size=a.ctx_size, threads=a.threads, **kw)
+    load_s = time.perf_counter() - t0
+    try:
+        r = run_bench(llm, a.n_predict, PROMPTS[: a.prompts], warmup=not a.no_warmup)
+    finally:
+        llm.close()
+    r["load_s"] = load_s
+    r["budget"] = {"mem_budget": kw.get("mem_budget"), "gpu_budget": kw.get("gpu_budget")}
+    if a.json:
+        print(json.dumps(r, default=str))
+    else:
+        print(format_text(r) + f"\nload         {load_s:.2f} s")
+    sys.stdout.flush()
+    return 0

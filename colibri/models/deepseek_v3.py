@@ -1,0 +1,84 @@
+"""DeepSeek-V3 / R1 (and configs reusing `deepseek_v3`, e.g. Kimi-K2, Moonlight): DeepSeek-V2's
+MLA + shared-expert layout with the auxiliary-loss-free sigmoid router.
+
+- Router (`topk_method` "noaux_tc", `scoring_func` "sigmoid"): s = sigmoid(x W^T). Selection
+  uses s + e_score_correction_bias: the `topk_group` best of `n_group` groups (a group scores
+  the sum of its two best experts), then the top k inside them. The weights come from the
+  *unbiased* s of the chosen experts, renormalised when `norm_topk_prob`, then multiplied by
+  `routed_scaling_factor`.
+- RoPE: `rope_interleave` (default true) rotates interleaved pairs, as DeepSeek's weights
+  expect; false rotates halves. YaRN multiplies the softmax scale by mscale(factor, mscale_all_dim)^2.
+- Converter: the multi-token-prediction module that V3 checkpoints append as layer
+  `num_hidden_layers` (embed/enorm/hnorm/eh_proj/shared_head + one decoder layer, counted by
+  `num_nextn_predict_layers`) is dropped and listed in meta["converter"]["dropped"]:
+  colibri decodes one token at a time. FP8 weights (F8_E4M3 with
+  per-128x128-block `weight_scale_inv`, quantization_config.quant_method "fp8") are
+  dequantized by the converter before re-quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ColibriError
+from . import deepseek_v2 as v2
+from .deepseek_v2 import check_common
+
+TOPK_METHODS = ("noaux_tc",)
+SCORING = "sigmoid"
+
+
+@dataclass
+class ModelArgs(v2.ModelArgs):
+    topk_method: str = "noaux_tc"
+    scoring_func: str = SCORING
+    norm_topk_prob: bool = True
+    rope_interleave: bool = True
+
+    def rope_interleaved(self) -> bool:
+        return self.rope_interleave
+
+
+class Router(nn.Module):
+    """Sigmoid scores, bias-corrected group-limited selection: `x [T, H] -> (idx [T, k], weights [T, k])`."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        E = a.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, a.hidden_size), requires_grad=False)  # [E, H]
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E), requires_grad=False)  # [E]
+        self.top_k, self.n_group, self.topk_group = a.num_experts_per_tok, a.n_group, a.topk_group
+        self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(x.float() @ self.weight.T)  # [T, E]
+        choice = scores + self.e_score_correction_bias  # [T, E]: only for choosing, never as a weight
+        T, E = choice.shape
+        per_group = E // self.n_group
+        grouped = choice.view(T, self.n_group, per_group)
+        group_score = grouped.topk(min(2, per_group), -1).values.sum(-1)  # [T, G]: sum of the two best
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(self.topk_group, -1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, 1), float("-inf"))
+        idx = choice.topk(self.top_k, -1).indices  # [T, k]
+        weights = scores.gather(1, idx)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * self.scaling
+
+
+class Model(v2.Model):
+    router_cls = Router
+
+
+def check_config(cfg: dict) -> None:
+    check_common(cfg)
+    if cfg.get("topk_method", "noaux_tc") not in TOPK_METHODS:
+        raise ColibriError(f"config topk_method '{cfg['topk_method']}' is not supported by deepseek_v3 "
+                           f"(supported: {', '.join(TOPK_METHODS)})")
+    if cfg.get("scoring_func", SCORING) != SCORING:
+        raise ColibriError(f"config scoring_func '{cfg['scoring_func']}' is not supported by deepseek_v3 "
+                           f"(supported: {SCORING})")

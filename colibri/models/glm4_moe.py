@@ -1,0 +1,134 @@
+"""GLM-4.5 / 4.6 MoE: partial RoPE, q/k/v bias, optional per-head q/k norm, dense first layers,
+shared experts, and a sigmoid router with a selection-only correction bias and group-limited top-k."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ColibriError
+from .base import BaseArgs, CausalLM
+from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from .moe import SparseMoE, SwitchGLU
+
+_ROPE_TYPES = ("linear", "llama3", "yarn")  # besides plain RoPE; what layers.rope_inv_freq implements
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    aliases = {"num_local_experts": "n_routed_experts"}
+
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 131072
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    raw: dict | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * partial_rotary_factor(self.raw or {}))
+
+
+def partial_rotary_factor(cfg: dict) -> float:
+    """v5 keeps it in `rope_parameters`, v4 at the top level; GLM's default is half the head."""
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse GLM configs whose routing, activation, rope or weight format this file does not implement."""
+    def refuse(field: str, value, want: str):
+        raise ColibriError(f"glm4_moe: {field}={value!r} is not supported ({want})")
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", cfg["hidden_act"], "only silu")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        refuse("scoring_func", cfg["scoring_func"], "only sigmoid")
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        refuse("topk_method", cfg["topk_method"], "only noaux_tc")
+    q = cfg.get("quantization_config")
+    if q:
+        refuse("quantization_config.quant_method", q.get("quant_method"), "convert from the bf16 checkpoint")
+    experts, groups = int(cfg.get("n_routed_experts", 128)), int(cfg.get("n_group") or 1)
+    if experts % groups or experts // groups < 2:
+        refuse("n_group", groups, f"must split n_routed_experts={experts} into groups of >= 2")
+    if not 1 <= int(cfg.get("topk_group") or 1) <= groups:
+        refuse("topk_group", cfg.get("topk_group"), f"must be in 1..n_group={groups}")
+    scaling = rope_scaling(cfg)
+    if scaling is not None and scaling["rope_type"] not in _ROPE_TYPES:
+        refuse("rope_scaling.rope_type", scaling["rope_type"], "supported: default, linear, llama3, yarn")
+
+
+class GroupLimitedRouter(nn.Module):
+    """Sigmoid scores per expert. `e_score_correction_bias` (a load-balancing offset) only decides
+    *which* experts win, inside the `topk_group` best groups; the mixing weights are the unbiased
+    sigmoid scores, optionally renormalised over the chosen k, then times `routed_scaling_factor`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T, E = x.shape[0], self.weight.shape[0]
+        scores = torch.sigmoid(x.float() @ self.weight.float().T)  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()  # [T, E], selection only
+        # A group's strength is the sum of its two best (biased) scores; keep the topk_group best groups.
+        groups = choice.view(T, self.n_group, E // self.n_group)  # [T, G, E/G]
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        best = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+        choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, idx)  # [T, k], unbiased
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * self.scale
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        raw = a.raw or {}
+        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             rope_theta(raw), rope_scaling(raw), a.max_position_embeddings,
+                             bias=a.attention_bias, qk_norm="head" if a.use_qk_norm else None,
+                             norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
+
+        def mlp(i: int) -> nn.Module:
+            if i < a.first_k_dense_replace:
+                return MLP(a.hidden_size, a.intermediate_size)
+            gate = GroupLimitedRouter(a.hidden_size, a.n_routed_experts, a.num_experts_per_tok, a.n_group,
+                                      a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+            shared = MLP(a.hidden_size, a.moe_intermediate_size * a.n_shared_experts)
+            return SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.n_routed_experts),
+                             shared, shared_name="shared_experts")
+
+        blocks = [DecoderBlock(Attention(attn), mlp(i), a.hidden_size, a.rms_norm_eps)
+                  for i in range(a.num_hidden_layers)]
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
+        self.args = a

@@ -1,0 +1,170 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) and its latent KV cache.
+
+Keys and values are low-rank: every token writes one normalised latent `c` [R] (R =
+kv_lora_rank) and one shared, rotated rope key `k_pe` [Dr]; `kv_b_proj` ([H*(Dn+Dv), R])
+up-projects `c` into per-head k_nope [Dn] and v [Dv]. The cache keeps only `[c, k_pe]`
+(R + Dr values per token and layer: 576 for V3 shapes, against 2 x 128 x ~160 expanded).
+
+Two equivalent ways to attend over it:
+- "expanded": up-project the cached latents to full K/V every call, then plain attention.
+  Costs S*R*H*(Dn+Dv) per call: cheap for a long prefill, ruinous for decode.
+- "absorbed": fold kv_b_proj's K part into the query (q_nope @ W_uk -> a query in latent
+  space) and its V part into the output (latent context @ W_uv^T), so attention runs as a
+  single-head MQA directly over the cache. Costs ~H*T*S*(2R+Dr): the decode path.
+"auto" (default) picks the one with fewer multiply-adds for the call at hand, which is
+"absorbed" for decode (see benchmarks/bench_mla.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import Linear, RMSNorm, RoPE, attend, attention_mask, yarn_get_mscale
+
+MODES = ("auto", "absorbed", "expanded")
+# DeepSeek builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+@dataclass
+class MLAArgs:
+    hidden: int
+    heads: int
+    q_lora_rank: int | None  # None: one q_proj (V2-Lite); else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None = None
+    max_pos: int = 4096
+    rope_interleave: bool = True  # rope pairs (0,1),(2,3)...; DeepSeek's native layout
+    bias: bool = False  # attention_bias: q_a_proj, kv_a_proj_with_mqa, o_proj
+
+
+def softmax_scale(qk_head_dim: int, scaling: dict | None, max_pos: int) -> float:
+    """1/sqrt(d), times mscale^2 under YaRN when `mscale_all_dim` is set (DeepSeek's long-context fix)."""
+    scale = qk_head_dim**-0.5
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        old = int(scaling.get("original_max_position_embeddings") or max_pos)
+        factor = scaling.get("factor") or max_pos / old  # as rope_inv_freq
+        m = yarn_get_mscale(float(factor), float(scaling["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+class LatentCache:
+    """One layer's MLA cache: `[ctx, R + Dr]`, the normalised latent then the rotated rope key."""
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.kv = torch.zeros(max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        self.kv_lora_rank, self.max_len = kv_lora_rank, max_len
+
+    def update(self, latent: torch.Tensor, start: int) -> torch.Tensor:
+        """latent [T, R + Dr] at positions start..start+T; returns rows 0..start+T."""
+        end = start + latent.shape[0]
+        if end > self.max_len:
+            raise ValueError(f"context full: position {end} exceeds ctx-size {self.max_len}")
+        self.kv[start:end] = latent
+        return self.kv[:end]
+
+    def to(self, device: torch.device | str) -> LatentCache:
+        self.kv = self.kv.to(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
+class MLAttention(nn.Module):
+    def __init__(self, a: MLAArgs, mode: str = "auto"):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"MLA mode must be one of {MODES}, got {mode!r}")
+        self.a, self.mode = a, mode
+        qk_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
+        if a.q_lora_rank is None:
+            self.q_proj = Linear(a.hidden, a.heads * qk_dim)
+        else:
+            self.q_a_proj = Linear(a.hidden, a.q_lora_rank, a.bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = Linear(a.q_lora_rank, a.heads * qk_dim)
+        self.kv_a_proj_with_mqa = Linear(a.hidden, a.kv_lora_rank + a.qk_rope_head_dim, a.bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = Linear(a.kv_lora_rank, a.heads * (a.qk_nope_head_dim + a.v_head_dim))
+        self.o_proj = Linear(a.heads * a.v_head_dim, a.hidden, a.bias)
+        self.rope = RoPE(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling, a.max_pos, a.rope_interleave)
+        self.scale = softmax_scale(qk_dim, a.rope_scaling, a.max_pos)
+        self._absorbed_w: tuple[nn.Module, torch.Tensor] | None = None  # (kv_b_proj it came from, weight)
+
+    def forward(self, x: torch.Tensor, cache: LatentCache, start: int) -> torch.Tensor:
+        a, T = self.a, x.shape[0]
+        Dn, R = a.qk_nope_head_dim, a.kv_lora_rank
+        q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, a.heads, Dn + a.qk_rope_head_dim)
+        q_nope, q_pe = q[..., :Dn], self.rope(q[..., Dn:], start)  # [T, H, Dn], [T, H, Dr]
+        ckv = self.kv_a_proj_with_mqa(x)  # [T, R + Dr]
+        c = self.kv_a_layernorm(ckv[:, :R])  # [T, R]
+        k_pe = self.rope(ckv[:, None, R:], start)[:, 0]  # [T, Dr], shared by all heads
+        latent = cache.update(torch.cat((c, k_pe), -1), start)  # [S, R + Dr]
+        if self._use_absorbed(T, latent.shape[0]):
+            out = self._absorbed(q_nope, q_pe, latent, start)
+        else:
+            out = self._expanded(q_nope, q_pe, latent, start)
+        return self.o_proj(out)  # [T, hidden]
+
+    def _use_absorbed(self, T: int, S: int) -> bool:
+        if self.mode != "auto":
+            return self.mode == "absorbed"
+        a = self.a
+        H, R, Dn, Dr, Dv = a.heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        expanded = S * R * H * (Dn + Dv) + H * T * S * (Dn + Dr + Dv)  # multiply-adds per call
+        absorbed = H * T * R * (Dn + Dv) + H * T * S * (2 * R + Dr)
+        return absorbed <= expanded
+
+    def _expanded(self, q_nope, q_pe, latent, start):
+        a, S = self.a, latent.shape[0]
+        R, Dn = a.kv_lora_rank, a.qk_nope_head_dim
+        kv = self.kv_b_proj(latent[:, :R]).view(S, a.heads, Dn + a.v_head_dim)  # [S, H, Dn + Dv]
+        k_pe = latent[:, None, R:].expand(S, a.heads, a.qk_rope_head_dim)  # [S, H, Dr]
+        k = torch.cat((kv[..., :Dn], k_pe), -1).transpose(0, 1)  # [H, S, Dn + Dr]
+        v = kv[..., Dn:].transpose(0, 1)  # [H, S, Dv]
+        q = torch.cat((q_nope, q_pe), -1).transpose(0, 1)  # [H, T, Dn + Dr]
+        return attend(q, k, v, start, self.scale)  # [T, H * Dv]
+
+    def _absorbed(self, q_nope, q_pe, latent, start):
+        a, T, S = self.a, q_nope.shape[0], latent.shape[0]
+        H, R, Dn = a.heads, a.kv_lora_rank, a.qk_nope_head_dim
+        w = self.absorbed_weight(latent)  # [H, Dn + Dv, R]
+        # q_nope . (W_uk c) = (q_nope W_uk) . c: a query in latent space, per head
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :Dn])  # [H, T, R]
+        q = torch.cat((q_lat, q_pe.transpose(0, 1)), -1)  # [H, T, R + Dr]
+        if T == 1:  # all heads share the keys and no mask is needed: one [H, R+Dr] x [R+Dr, S] product
+            ctx = F.scaled_dot_product_attention(q.view(1, H, -1), latent[None], latent[None, :, :R],
+                                                 scale=self.scale).view(H, 1, R)
+        else:
+            mask = attention_mask(T, S, start, None, q.device)  # [T, S]
+            ctx = F.scaled_dot_product_attention(q, latent.expand(H, S, -1), latent[:, :R].expand(H, S, R),
+                                                 attn_mask=mask, scale=self.scale)  # [H, T, R]
+        out = torch.bmm(ctx, w[:, Dn:].transpose(1, 2))  # [H, T, Dv]: attention-weighted c, then W_uv
+        return out.transpose(0, 1).reshape(T, H * a.v_head_dim)
+
+    def absorbed_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """kv_b_proj as a dense [H, Dn + Dv, R] in `like`'s dtype/device (dequantized once, then kept)."""
+        src, kept = self.kv_b_proj, self._absorbed_w
+        if kept is None or kept[0] is not src or kept[1].device != like.device or kept[1].dtype != like.dtype:
+            w = src.dequantized_weight() if hasattr(src, "dequantized_weight") else src.weight
+            a = self.a
+            w = w.to(device=like.device, dtype=like.dtype).view(a.heads, a.qk_nope_head_dim + a.v_head_dim,
+                                                                 a.kv_lora_rank)
+            self._absorbed_w = (src, w)
+        return self._absorbed_w[1]
+
+    def make_cache(self, max_len: int, dtype: torch.dtype) -> LatentCache:
+        return LatentCache(self.a.kv_lora_rank, self.a.qk_rope_head_dim, max_len, dtype)

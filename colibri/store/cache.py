@@ -1,0 +1,365 @@
+"""The expert cache: a fixed set of engine-owned slots holding routed experts read from disk.
+
+A slot is one region of a preallocated arena (CPU: anonymous page-aligned memory; or a
+device tensor) big enough for any expert record. Slots are filled by a loader running on
+the reader's thread pool (pread into the slot, then QLinear modules built over the slot's
+bytes) and reused in place on eviction, so the memory held never exceeds the arena plus
+the loader's per-slot extras (e.g. the int4 repack), however long the run.
+
+Bookkeeping runs on the calling (compute) thread only; the pool just fills slots, so there
+are no locks: a slot being filled has a `future`, and nothing touches it until it is done.
+
+Eviction policy:
+- "fair" (default): each cached layer owns an equal share of the unpinned slots and evicts
+  its own least recently used expert once at its share; a layer below its share takes the
+  LRU expert of the layer furthest above it. Plain LRU is pathological for the layer-cyclic
+  access of decoding (layer 0..L-1, then again): with less room than one token's working
+  set, it always evicts exactly the layers needed next.
+- "lru": one least-recently-used order across all layers.
+Pinned experts (hot experts named by the placement) are loaded once and never evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Protocol
+
+import torch
+
+from ..models.moe import ExpertWeights
+from .reader import aligned_buffer
+
+POLICIES = ("fair", "lru")
+
+
+class ExpertLoader(Protocol):
+    def nbytes(self, layer: int, expert: int) -> int:
+        """Bytes read from disk to load this expert."""
+        ...
+
+    def load(self, layer: int, expert: int, buf: torch.Tensor) -> ExpertWeights:
+        """Read the expert into `buf` (the slot's memory) and return modules over it (runs on a pool thread)."""
+        ...
+
+
+class _Slot:
+    __slots__ = ("index", "buf", "key", "weights", "future", "users", "pinned", "prefetched")
+
+    def __init__(self, index: int, buf: torch.Tensor):
+        self.index, self.buf = index, buf
+        self.key: tuple[int, int] | None = None
+        self.weights: ExpertWeights | None = None
+        self.future: Future | None = None  # set while the loader fills the slot
+        self.users = 0  # claims by the running stream: never evicted while > 0
+        self.pinned = False
+        self.prefetched = False  # filled by a prefetch and not requested since
+
+    def evictable(self) -> bool:
+        return self.users == 0 and (self.future is None or self.future.done())
+
+
+def _run_now(fn: Callable, *args) -> Future:
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - delivered through the future, like a pool would
+        f.set_exception(e)
+    return f
+
+
+class ExpertCache:
+    """Routed experts of several layers under a fixed number of slots.
+
+    `n_slots` slots of `slot_bytes` bytes each live in one arena on `device`; `extra_bytes`
+    is what the loader allocates per loaded expert beyond the slot (counted in `capacity_bytes`
+    so that budgets stay honest). `submit(fn, *args) -> Future` runs loads (default: inline).
+    `layers` lists the layers served (for the fair share).
+    """
+
+    def __init__(self, loader: ExpertLoader, n_slots: int, slot_bytes: int, layers: list[int], *,
+                 submit: Callable[..., Future] | None = None, device: torch.device | str = "cpu",
+                 policy: str = "fair", extra_bytes: int = 0):
+        if n_slots < 1:
+            raise ValueError(f"an expert cache needs at least one slot, got {n_slots}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
+        self.loader, self.n_slots, self.slot_bytes = loader, n_slots, slot_bytes
+        self.extra_bytes, self.policy, self.device = extra_bytes, policy, torch.device(device)
+        self.layers = list(layers)
+        self.submit = submit or _run_now
+        if self.device.type == "cpu":
+            self.arena = aligned_buffer(n_slots * slot_bytes)
+        else:
+            self.arena = torch.empty(n_slots * slot_bytes, dtype=torch.uint8, device=self.device)
+        self.slots = [_Slot(i, self.arena[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(n_slots)]
+        # Popped from the end: the lowest slots are used first (and reused first once freed).
+        self.free: list[_Slot] = self.slots[::-1]
+        self.table: dict[tuple[int, int], _Slot] = {}
+        self.lru: dict[int, OrderedDict[int, _Slot]] = {layer: OrderedDict() for layer in self.layers}
+        self.n_pinned = 0
+        self._clock, self._tick = 0, [0] * n_slots  # last-use time per slot (the lru policy)
+        self._deferred: Callable[[], None] | None = None
+        self._predicted: dict[int, set[int]] = {}
+        self.counts = dict.fromkeys(
+            ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
+             "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "pin_bytes_read"), 0)
+        self.wait_s = 0.0
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_slots * (self.slot_bytes + self.extra_bytes)
+
+    @property
+    def used_slots(self) -> int:
+        return self.n_slots - len(self.free)
+
+    @property
+    def share(self) -> float:
+        """Unpinned slots per layer (the fair policy's per-layer quota)."""
+        return (self.n_slots - self.n_pinned) / max(1, len(self.layers))
+
+    def cached(self, layer: int) -> list[int]:
+        """Experts of `layer` currently held (loaded or loading), least recently used first."""
+        pinned = [e for (lay, e), s in self.table.items() if lay == layer and s.pinned]
+        return pinned + list(self.lru.get(layer, ()))
+
+    # ------------------------------------------------------------------ slot management
+
+    def _collect(self, s: _Slot) -> ExpertWeights:
+        """The slot's weights, waiting for its load if needed (a failed load frees the slot, then raises)."""
+        f = s.future
+        if f is not None:
+            if not f.done():
+                t0 = time.perf_counter()
+                f.exception()  # waits
+                self.wait_s += time.perf_counter() - t0
+            s.future = None
+            err = f.exception()
+            if err is not None:
+                self._drop(s)
+                self.free.append(s)
+                raise err
+            s.weights = f.result()
+        return s.weights
+
+    def _drop(self, s: _Slot) -> None:
+        layer, e = s.key
+        del self.table[s.key]
+        self.lru[layer].pop(e, None)
+        s.key = s.weights = None
+        s.prefetched = False
+
+    def _evict(self, s: _Slot) -> None:
+        if s.future is not None:  # finished loading (evictable() checked it): collect, ignore errors
+            s.future = None
+        if s.prefetched:
+            self.counts["prefetch_wasted"] += 1
+        self._drop(s)
+        self.counts["evictions"] += 1
+
+    def _victim(self, layer: int) -> _Slot | None:
+        if self.policy == "fair":
+            share = self.share
+            own = self.lru.get(layer)
+            if own is not None and len(own) >= share:
+                for s in own.values():
+                    if s.evictable():
+                        return s
+            # Below our share (or nothing of ours evictable): take from the layer furthest above its share.
+            for od in sorted(self.lru.values(), key=len, reverse=True):
+                if od is own:
+                    continue
+                for s in od.values():
+                    if s.evictable():
+                        return s
+            return None
+        # Global LRU: the oldest evictable slot over all layers (each layer's dict is in LRU order).
+        best, best_tick = None, None
+        for od in self.lru.values():
+            for s in od.values():
+                if s.evictable():
+                    if best_tick is None or self._tick[s.index] < best_tick:
+                        best, best_tick = s, self._tick[s.index]
+                    break
+        return best
+
+    def _take(self, layer: int, block: bool) -> _Slot | None:
+        """A slot to load into: a free one, else an evicted one; with `block`, wait for a load to finish."""
+        if self.free:
+            return self.free.pop()
+        s = self._victim(layer)
+        if s is None and block:
+            # Every unpinned slot is claimed or still loading (prefetches): wait for the oldest load.
+            loading = [t for od in self.lru.values() for t in od.values() if t.users == 0 and t.future is not None]
+            if not loading:
+                raise RuntimeError("expert cache deadlock: every slot is claimed (cache too small?)")
+            t0 = time.perf_counter()
+            loading[0].future.exception()
+            self.wait_s += time.perf_counter() - t0
+            s = self._victim(layer)
+        if s is not None:
+            self._evict(s)
+        return s
+
+    def _start(self, s: _Slot, layer: int, e: int, prefetched: bool) -> None:
+        s.key, s.prefetched = (layer, e), prefetched
+        self.table[s.key] = s
+        self.lru[layer][e] = s
+        self._touch(s)
+        self.counts["bytes_read"] += self.loader.nbytes(layer, e)
+        self.counts["reads"] += 1
+        s.future = self.submit(self.loader.load, layer, e, s.buf)
+
+    def _touch(self, s: _Slot) -> None:
+        self._clock += 1
+        self._tick[s.index] = self._clock
+
+    # ------------------------------------------------------------------ public API
+
+    def pin(self, layer: int, experts: list[int]) -> None:
+        """Load `experts` of `layer` now and keep them for good (outside the LRU and the shares)."""
+        for e in experts:
+            if (layer, e) in self.table:
+                continue
+            if len(self.free) <= 1:
+                raise ValueError(f"cannot pin expert {e} of layer {layer}: the cache has {self.n_slots} slots "
+                                 "and at least one must stay unpinned")
+            s = self.free.pop()
+            s.key, s.pinned = (layer, e), True
+            self.table[s.key] = s
+            s.weights = self.submit(self.loader.load, layer, e, s.buf).result()
+            self.counts["pin_bytes_read"] += self.loader.nbytes(layer, e)
+            self.n_pinned += 1
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` inside the next `stream`, once that stream has claimed its experts and
+        started its own reads (so a look-ahead prefetch never evicts what is needed now)."""
+        self._deferred = fn
+
+    def prefetch(self, layer: int, ids: list[int], track: bool = True) -> int:
+        """Start loading experts of `layer` predicted to be needed soon; returns how many reads began.
+
+        Only free or evictable slots are used, at most the layer's share (fair) or half the
+        cache (lru). With `track`, the prediction is scored against the next `stream` of the layer.
+        """
+        if track:
+            self._predicted[layer] = set(ids)
+        cap = max(1, int(self.share)) if self.policy == "fair" else max(1, (self.n_slots - self.n_pinned) // 2)
+        started = 0
+        for e in ids:
+            if started >= cap:
+                break
+            if (layer, e) in self.table:
+                continue
+            s = self._take(layer, block=False)
+            if s is None:
+                break
+            self._start(s, layer, e, prefetched=True)
+            started += 1
+        self.counts["prefetch_issued"] += started
+        return started
+
+    def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (expert, weights) for each id: cached ones first, then misses as their reads land.
+
+        Each yielded expert stays claimed (unevictable) until the consumer asks for the next.
+        """
+        c = self.counts
+        table = self.table
+        hits: list[tuple[int, _Slot]] = []
+        misses: deque[int] = deque()
+        for e in ids:
+            s = table.get((layer, e))
+            if s is None:
+                misses.append(e)
+                continue
+            s.users += 1
+            hits.append((e, s))
+            if not s.pinned:
+                self.lru[layer].move_to_end(e)
+                self._touch(s)
+                if s.prefetched:
+                    s.prefetched = False
+                    c["prefetch_used"] += 1
+        c["hits"] += len(hits)
+        c["misses"] += len(misses)
+        pred = self._predicted.pop(layer, None)
+        if pred is not None:
+            c["pred_hits"] += len(pred.intersection(ids))
+            c["pred_total"] += len(pred)
+            c["actual_total"] += len(ids)
+        held = [s for _, s in hits]
+        pending: list[tuple[int, _Slot]] = []
+        try:
+            self._issue(layer, misses, pending, held, block=False)
+            if self._deferred is not None:
+                fn, self._deferred = self._deferred, None
+                fn()
+            hits.sort(key=lambda es: es[1].future is not None)  # loaded ones first, then still loading
+            for e, s in hits:
+                w = self._collect(s)
+                yield e, w
+                s.users -= 1
+                held.remove(s)
+            while pending or misses:
+                if not pending:
+                    self._issue(layer, misses, pending, held, block=True)
+                j = next((i for i, (_, s) in enumerate(pending) if s.future is None or s.future.done()), 0)
+                e, s = pending.pop(j)
+                w = self._collect(s)
+                yield e, w
+                s.users -= 1
+                held.remove(s)
+                if misses:
+                    self._issue(layer, misses, pending, held, block=False)
+        finally:
+            for s in held:
+                s.users -= 1
+
+    def _issue(self, layer: int, misses: deque[int], pending: list, held: list, block: bool) -> None:
+        while misses:
+            s = self._take(layer, block=block and not pending)
+            if s is None:
+                return
+            e = misses.popleft()
+            s.users += 1
+            held.append(s)
+            self._start(s, layer, e, prefetched=False)
+            pending.append((e, s))
+
+    def source(self, layer: int) -> CachedExperts:
+        return CachedExperts(self, layer)
+
+    def drain(self) -> None:
+        """Wait for every load in flight (before closing the reader)."""
+        for s in self.slots:
+            if s.future is not None:
+                s.future.exception()
+
+    def stats(self) -> dict:
+        c = dict(self.counts)
+        lookups = c["hits"] + c["misses"]
+        c["hit_rate"] = c["hits"] / lookups if lookups else 0.0
+        c["prefetch_precision"] = c["pred_hits"] / c["pred_total"] if c["pred_total"] else 0.0
+        c["prefetch_recall"] = c["pred_hits"] / c["actual_total"] if c["actual_total"] else 0.0
+        c.update(io_wait_s=self.wait_s, slots=self.n_slots, used_slots=self.used_slots, pinned=self.n_pinned,
+                 slot_bytes=self.slot_bytes + self.extra_bytes, capacity_bytes=self.capacity_bytes)
+        return c
+
+
+class CachedExperts:
+    """The ExpertSource of one layer whose routed experts live in an ExpertCache."""
+
+    def __init__(self, cache: ExpertCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def stream(self, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        return self.cache.stream(self.layer, ids)
+
+    def prefetch(self, ids: list[int]) -> None:
+        self.cache.prefetch(self.layer, ids)

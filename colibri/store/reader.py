@@ -1,0 +1,150 @@
+"""Reading container bytes into engine-owned memory: page-aligned buffers, pread, O_DIRECT.
+
+The tiered store never touches the container's mapping for weights it must account for:
+mapped pages count in RSS once touched and the kernel, not us, decides when they go.
+Instead, bytes are read with `os.preadv` (which releases the GIL, so a small thread pool
+overlaps reads with compute) into anonymous, page-aligned buffers that we own and reuse.
+
+With `direct=True` the file is also opened with O_DIRECT: reads bypass the page cache (no
+second copy of the weights in kernel memory, and ~2.5x the throughput of buffered reads on
+the reference machine). O_DIRECT wants the buffer address, the file offset and the length
+aligned to the device block size; records and standalone tensors start 4096-aligned in a
+`.coli` file, buffers here are page-aligned and lengths are rounded up to 4096. Filesystems
+that refuse O_DIRECT (tmpfs, some network file systems) answer EINVAL, at open or at the first
+read; the reader then falls back to buffered reads for good.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..errors import ColibriError
+
+log = logging.getLogger("colibri")
+
+ALIGN = 4096  # O_DIRECT alignment we guarantee: page size, and the .coli record/tensor alignment
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A zero-filled, page-aligned 1-D uint8 CPU tensor backed by an anonymous mapping.
+
+    Pages are only committed (and counted in RSS) once written, so a large arena costs
+    what is actually filled. The mapping lives as long as any tensor viewing it.
+    """
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(-1, round_up(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+class RecordReader:
+    """preads byte ranges of one file into caller-owned CPU buffers, on a small thread pool.
+
+    `read_into` is synchronous; `submit(fn, *args)` runs any callable (typically one that
+    calls `read_into` then builds modules over the bytes) on the pool. `direct` tells whether
+    O_DIRECT is in use (it can turn False after a refused read). `bytes_read` counts every
+    byte requested through this reader (thread-safe).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], threads: int = 4, direct: bool = True):
+        self.path = os.fspath(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise ColibriError(f"cannot open {self.path}: {e.strerror or e}") from e
+        self._dfd = -1
+        if direct and _O_DIRECT:
+            try:
+                self._dfd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise ColibriError(f"cannot open {self.path}: {e.strerror or e}") from e
+                log.info("colibri: %s refuses O_DIRECT (%s); using buffered reads", self.path, e.strerror)
+        self.direct = self._dfd >= 0
+        self.requested_direct = direct
+        self.file_size = os.fstat(self._fd).st_size
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="colibri-io")
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.reads = 0
+
+    def _fall_back(self, err: OSError) -> None:
+        with self._lock:
+            if self.direct:
+                log.info("colibri: O_DIRECT read refused on %s (%s); using buffered reads", self.path,
+                         err.strerror)
+                self.direct = False
+
+    def read_into(self, buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        """Fill buf[:nbytes] with the file's bytes [offset, offset + nbytes).
+
+        With O_DIRECT the read covers round_up(nbytes) bytes when `buf` has room for them
+        (the tail beyond nbytes is garbage the caller ignores); otherwise it is buffered.
+        """
+        if nbytes == 0:
+            return
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < nbytes or buf.device.type != "cpu":
+            raise ValueError("read_into needs a 1-D uint8 CPU tensor with room for the bytes")
+        view = memoryview(buf.numpy())
+        span = min(round_up(nbytes), buf.numel())
+        if (self.direct and offset % ALIGN == 0 and span % ALIGN == 0
+                and buf.data_ptr() % ALIGN == 0):
+            try:
+                got = _pread_full(self._dfd, view[:span], offset, nbytes)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._fall_back(e)
+                got = _pread_full(self._fd, view[:nbytes], offset, nbytes)
+        else:
+            got = _pread_full(self._fd, view[:nbytes], offset, nbytes)
+        if got < nbytes:
+            raise ColibriError(f"{self.path}: short read at offset {offset} ({got} of {nbytes} bytes)")
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += 1
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def read_ranges(self, jobs: list[tuple[torch.Tensor, int, int]], chunk: int = 16 << 20) -> None:
+        """Read many (buf, offset, nbytes) ranges in parallel, big ones split into chunks; waits."""
+        futs = []
+        for buf, off, n in jobs:
+            for pos in range(0, n, chunk):
+                m = min(chunk, n - pos)
+                futs.append(self._pool.submit(self.read_into, buf[pos:], off + pos, m))
+        for f in futs:
+            f.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for fd in (self._fd, self._dfd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._dfd = -1
+
+
+def _pread_full(fd: int, view: memoryview, offset: int, need: int) -> int:
+    """preadv until `need` bytes are in (short counts happen); returns bytes read (may exceed need)."""
+    done = 0
+    while done < need:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done

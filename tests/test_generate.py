@@ -1,0 +1,92 @@
+"""Sampler, repetition penalty, streaming text, KV cache sizing, EOS and the Python API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colibri
+from colibri.errors import ColibriError
+from colibri.generate import apply_repetition_penalty, make_sampler
+from colibri.tokenizer import StreamDecoder
+
+
+def test_greedy_sampler_is_argmax():
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    assert make_sampler(0.0)(logits) == 1
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    s = make_sampler(5.0, top_k=1, generator=torch.Generator().manual_seed(1))
+    assert {s(logits) for _ in range(20)} == {int(logits.argmax())}
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([5.0, 4.0, 3.0, -10.0, -10.0, -10.0])
+    g = torch.Generator().manual_seed(0)
+    assert {make_sampler(1.0, top_k=2, generator=g)(logits) for _ in range(200)} == {0, 1}
+    # probs ~ [0.665, 0.245, 0.090, ...]: top_p 0.8 keeps the first two tokens only
+    assert {make_sampler(1.0, top_p=0.8, generator=g)(logits) for _ in range(200)} == {0, 1}
+    assert {make_sampler(1.0, top_p=0.5, generator=g)(logits) for _ in range(50)} == {0}
+
+
+def test_temperature_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    g = torch.Generator().manual_seed(3)
+    s = make_sampler(1.0, generator=g)
+    counts = torch.bincount(torch.tensor([s(logits) for _ in range(3000)]), minlength=3).float() / 3000
+    assert torch.allclose(counts, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_repetition_penalty_matches_transformers_rule():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    out = apply_repetition_penalty(logits, torch.tensor([0, 1, 1]), 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.5]
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # input untouched
+
+
+def test_stream_decoder_holds_back_partial_utf8(ckpt):
+    llm = colibri.load(ckpt.coli("mixtral", "f32"), ctx_size=32)
+    text = "naïve café — 東京 🙂 ok"
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    dec = StreamDecoder(llm.tokenizer)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == llm.tokenizer.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_kv_cache_is_preallocated_in_proportion_to_ctx(ckpt):
+    small = colibri.load(ckpt.coli("qwen3_moe", "f32"), ctx_size=64)
+    large = colibri.load(ckpt.coli("qwen3_moe", "f32"), ctx_size=256)
+    assert small.kv_bytes() > 0 and large.kv_bytes() == 4 * small.kv_bytes()
+
+
+def test_generation_stops_at_eos(ckpt):
+    llm = colibri.load(ckpt.coli("mixtral", "f32"), ctx_size=128)
+    prompt = [1, 17, 42, 99]
+    free = list(llm.generate_ids(prompt, 20, ignore_eos=True))
+    eos = free[5]  # pretend the 6th greedy token is end-of-sequence
+    llm.tokenizer.eos_ids = {eos}
+    stopped = list(llm.generate_ids(prompt, 20))
+    assert stopped == free[: free.index(eos) + 1]
+    assert llm.last_stats.stop_reason == "eos"
+
+
+def test_api_logits_are_independent_of_earlier_calls(ckpt):
+    llm = colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=1)
+    ids = [1, 5, 9, 13, 200, 7]
+    first = llm.logits(ids)
+    list(llm.generate("Something else entirely", max_tokens=10, temperature=0.7, seed=1))
+    assert first.shape == (6, llm.tokenizer.vocab_size) and first.dtype == torch.float32
+    assert torch.equal(first, llm.logits(ids))
+    # the last position of teacher-forced logits is what greedy decoding picks next
+    assert int(first[-1].argmax()) == next(iter(llm.generate_ids(ids, 1)))
+
+
+def test_api_rejects_bad_settings(ckpt):
+    llm = colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=16)
+    with pytest.raises(ColibriError, match="top_p"):
+        list(llm.generate("x", 4, top_p=0))
+    with pytest.raises(ColibriError, match="exceed ctx_size"):
+        llm.logits(list(range(1, 20)))
