@@ -25,7 +25,8 @@ from .quant import SCHEMES, can_quantize, quantize
 from .safetensors_reader import SafetensorsFolder
 
 # Per-expert (`experts.3.w1.weight`) and fused (`experts.gate_up_proj`, leading [E]) names.
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 # `_bias` (gpt-oss) and MXFP4 `_blocks`/`_scales` companions become parts "gate_up_bias", "down_blocks", ...
 _FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>gate_up_proj|gate_proj|up_proj|down_proj)"
                     r"(?P<suffix>_bias|_blocks|_scales)?$")
@@ -175,14 +176,13 @@ class Plan:
         return n + sum(self.st.nbytes(h) for parts in self.experts.values() for h in parts.values())
 
 
-def _write_weight(put, name: str, w: torch.Tensor, scheme: str, group_size: int) -> None:
+def stored_tensors(name: str, w: torch.Tensor, scheme: str, group_size: int) -> dict[str, tuple[torch.Tensor, dict]]:
+    """{stored name: (tensor, index attrs)} for one weight in `scheme` (quantized: data + companions)."""
     if scheme in FLOAT_DTYPES:
-        put(name, w.to(FLOAT_DTYPES[scheme]), {})
-        return
+        return {name: (w.to(FLOAT_DTYPES[scheme]), {})}
     q = quantize(w.float(), scheme, group_size)
-    for suffix, t in q.items():
-        attrs = {"quant": {"scheme": scheme, "group_size": group_size, "shape": list(w.shape)}} if not suffix else {}
-        put(name + suffix, t, attrs)
+    attrs = {"quant": {"scheme": scheme, "group_size": group_size, "shape": list(w.shape)}}
+    return {name + suffix: (t, attrs if not suffix else {}) for suffix, t in q.items()}
 
 
 def _check_expert(prefix: str, e: int, record: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
@@ -239,9 +239,6 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     record_fn = getattr(fam, "expert_record", expert_record)
     with Progress(plan.total_bytes(), f"converting {src.name} -> {dst.name} ({scheme})", enabled=progress) as bar, \
             Writer(dst, meta) as w:
-        def put(name, t, attrs):
-            w.add_tensor(name, t, **attrs)
-
         for name, (kind, shape) in plan.expected.items():
             if kind == "experts":
                 for e in range(shape[0]):
@@ -255,16 +252,13 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                             members[pname] = (t.float(), {})
                         else:
                             s = plan.storage(f"{name}.{e}.{pname}", "linear", tuple(t.shape))
-                            _write_weight(lambda n, tt, a: members.__setitem__(n, (tt, a)), pname, t, s, group_size)
+                            members.update(stored_tensors(pname, t, s, group_size))
                     w.add_record(f"{name}.{e}", members)
                 continue
             t = st.read(plan.sources[name])
             bar.update(t.nbytes)
-            stored = plan.storage(name, kind, shape)
-            if stored in FLOAT_DTYPES or kind != "linear":
-                put(name, t.to(FLOAT_DTYPES[stored]), {})
-            else:
-                _write_weight(put, name, t, stored, group_size)
+            for sname, (data, attrs) in stored_tensors(name, t, plan.storage(name, kind, shape), group_size).items():
+                w.add_tensor(sname, data, **attrs)
     verify_converted(dst, plan)
     return dst
 
