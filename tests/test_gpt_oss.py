@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 import colibri
 from colibri.convert import convert
 from colibri.errors import ColibriError
+from colibri.models import layers
 from colibri.models.gpt_oss import (
     SoftmaxTopKRouter,
     check_config,
@@ -59,6 +60,20 @@ def test_minus_infinite_sink_is_plain_attention():
     sinks = torch.full((4,), float("-inf"))
     for window in (None, 3):
         torch.testing.assert_close(attend(q, k, v, 4, 0.3, window, sinks), attend(q, k, v, 4, 0.3, window))
+        decode = q[:, -1:]  # one query at position 8 (decode: the window is the newest keys)
+        torch.testing.assert_close(attend(decode, k, v, 8, 0.3, window, sinks), attend(decode, k, v, 8, 0.3, window))
+
+
+def test_sink_path_in_query_chunks_equals_one_pass(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 7, 8, generator=g)  # 7 new queries at positions 5..11
+    k, v = torch.randn(2, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g)
+    sinks = torch.randn(4, generator=g)
+    for window in (None, 4):
+        whole = attend(q, k, v, 5, 0.3, window, sinks)
+        monkeypatch.setattr(layers, "SINK_CHUNK_SCORES", 4 * 12 * 3)  # 3 queries per chunk: 3 + 3 + 1
+        torch.testing.assert_close(attend(q, k, v, 5, 0.3, window, sinks), whole, atol=1e-6, rtol=0)
+        monkeypatch.undo()
 
 
 # ----------------------------------------------------------------------------- experts and router

@@ -199,6 +199,37 @@ def attention_mask(T: int, S: int, start: int, window: int | None, device) -> to
     return mask
 
 
+SINK_CHUNK_SCORES = 1 << 25  # scores held at once by the sink path (128 MiB of f32)
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                       window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """SDPA has no sink term: softmax over [scores | sink], then drop the sink column.
+
+    q [H, T, D], k/v [Hkv, S, D] -> [H, T, Dv]. Query heads are grouped under their kv head, so the
+    cache is never copied per query head; long prefills go in chunks of <= SINK_CHUNK_SCORES scores."""
+    H, T, D = q.shape
+    Hkv = k.shape[0]
+    rep = H // Hkv
+    if T == 1 and window is not None and k.shape[1] > window:  # decode: the window is the newest keys
+        k, v, window = k[:, -window:], v[:, -window:], None
+    S = k.shape[1]
+    mask = attention_mask(T, S, start, window, q.device)  # [T, S] or None
+    sink = sinks.float().view(Hkv, rep, 1, 1)
+    qg = q.view(Hkv, rep, T, D)  # query head h = kv head h // rep
+    step = max(1, SINK_CHUNK_SCORES // (H * S))
+    outs = []
+    for t0 in range(0, T, step):
+        qc = qg[:, :, t0 : t0 + step]  # [Hkv, rep, t, D]
+        t = qc.shape[2]
+        scores = (qc.reshape(Hkv, rep * t, D) @ k.transpose(1, 2)).float().view(Hkv, rep, t, S) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[t0 : t0 + step], float("-inf"))
+        probs = torch.softmax(torch.cat((scores, sink.expand(Hkv, rep, t, 1)), -1), -1)[..., :S]
+        outs.append((probs.to(v.dtype).reshape(Hkv, rep * t, S) @ v).view(H, t, -1))  # [H, t, Dv]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
            window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [H, T, D], k/v: [Hkv, S, D] (GQA by head groups) -> [T, H * Dv].
@@ -206,19 +237,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     `sinks` [H]: a learned per-head logit that joins the softmax denominator only (gpt-oss)."""
     H, T, _ = q.shape
     S = k.shape[1]
+    if sinks is not None:
+        return _attend_with_sinks(q, k, v, start, scale, window, sinks).transpose(0, 1).reshape(T, -1)
     if k.shape[0] != H:  # GQA: each kv head serves H / Hkv query heads
         rep = H // k.shape[0]
         k = k.repeat_interleave(rep, 0)
         v = v.repeat_interleave(rep, 0)
-    if sinks is not None:  # SDPA has no sink term: softmax over [scores | sink], then drop the sink column
-        scores = (q @ k.transpose(1, 2)).float() * scale  # [H, T, S]
-        mask = attention_mask(T, S, start, window, q.device)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        sink = sinks.float().view(H, 1, 1).expand(H, T, 1)
-        probs = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :S]  # [H, T, S]
-        out = probs.to(v.dtype) @ v
-    elif T > 1 and start == 0 and window is None:
+    if T > 1 and start == 0 and window is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         mask = attention_mask(T, S, start, window, q.device)
