@@ -12,6 +12,7 @@ import json
 import re
 import sys
 import time
+from math import prod
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from .container import Container, Writer
 from .errors import ColibriError
 from .models.base import build, expected_tensors, family, layer_of
 from .progress import Progress
-from .quant import SCHEMES, can_quantize, quantize
+from .quant import SCHEMES, can_quantize, layout, quantize
 from .safetensors_reader import SafetensorsFolder
 
 # Per-expert (`experts.3.w1.weight`) and fused (`experts.gate_up_proj`, leading [E]) names.
@@ -263,10 +264,37 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     return dst
 
 
+def expected_data_bytes(plan: Plan) -> int:
+    """Tensor bytes the config implies under the storage policy (what the seed checked by hand)."""
+    def nbytes(name: str, kind: str, shape: tuple[int, ...]) -> int:
+        scheme = plan.storage(name, kind, shape)
+        if kind != "linear":
+            return prod(shape) * (4 if scheme == "f32" else 2)
+        return sum(prod(s) * dt.itemsize for s, dt in layout(shape, scheme, plan.group_size).values())
+
+    total = 0
+    for name, (kind, shape) in plan.expected.items():
+        if kind != "experts":
+            total += nbytes(name, kind, shape)
+            continue
+        n_exp, inter, hidden = shape
+        per = nbytes(f"{name}.0.gate_up.weight", "linear", (2 * inter, hidden))
+        per += nbytes(f"{name}.0.down.weight", "linear", (hidden, inter))
+        total += n_exp * per
+    return total
+
+
 def verify_converted(path: Path, plan: Plan) -> None:
-    """The converter's own check: checksums, and every tensor the config implies is there and shaped right."""
+    """The converter's own check: checksums, every tensor the config implies present and shaped right,
+    and the data size the config implies equal to what was written."""
     with Container(path) as c:
         c.verify()
+        written = sum(c.info(n)["nbytes"] for n in c.names()
+                      if not (c.info(n).get("record") and n.endswith(".bias")))  # expert biases: extra
+        expected = expected_data_bytes(plan)
+        if written != expected:
+            raise ColibriError(f"verification failed: {path} holds {written} bytes of tensors, "
+                               f"the config implies {expected}")
         for name, (kind, shape) in plan.expected.items():
             if kind == "experts":
                 for e in range(shape[0]):
