@@ -39,6 +39,12 @@ def _best_ms(fn: Callable[[], object], iters: int, min_s: float) -> float:
     return best * 1e3
 
 
+def _time_mode(attn: MLAttention, mode: str, x: torch.Tensor, cache, start: int, iters: int,
+               min_s: float) -> float:
+    attn.mode = mode
+    return _best_ms(lambda: attn(x, cache, start), iters, min_s)
+
+
 def build(shape: str, scheme: str, dtype: torch.dtype) -> MLAttention:
     H, q_lora, R, Dn, Dr, Dv, hidden = SHAPES[shape]
     attn = MLAttention(MLAArgs(hidden, H, q_lora, R, Dn, Dr, Dv, 10000.0, max_pos=8192))
@@ -76,29 +82,25 @@ def main() -> None:
     print(f"{'case':>16} {'absorbed':>10} {'expanded':>10} {'auto':>10} {'exp/abs':>8}")
     gen = torch.Generator().manual_seed(1)
     cache = attn.make_cache(max(args.ctx + args.prefill) + 1, dtype)
-    for ctx in args.ctx:
+    cases = []
+    for ctx in args.ctx:  # one token at position ctx - 1 over a cache of random latents
         cache.kv[: ctx - 1] = torch.randn(ctx - 1, cache.kv.shape[1], generator=gen).to(dtype)
-        x = torch.randn(1, hidden, generator=gen).to(dtype)
-        ms = {}
-        for mode in ("absorbed", "expanded", "auto"):
-            attn.mode = mode
-            ms[mode] = _best_ms(lambda: attn(x, cache, ctx - 1), args.iters, args.min_s)
-        print(f"{'decode @' + str(ctx):>16} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ms['auto']:10.3f} "
-              f"{ms['expanded'] / ms['absorbed']:8.2f}")
+        cases.append((f"decode @{ctx}", torch.randn(1, hidden, generator=gen).to(dtype), ctx - 1, args.iters))
     for T in args.prefill:
         x = torch.randn(T, hidden, generator=gen).to(dtype)
-        ms = {}
-        for mode in ("absorbed", "expanded", "auto"):
-            attn.mode = mode
-            ms[mode] = _best_ms(lambda: attn(x, cache, 0), max(3, args.iters // 4), args.min_s)
-        print(f"{'prefill T=' + str(T):>16} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ms['auto']:10.3f} "
+        cases.append((f"prefill T={T}", x, 0, max(3, args.iters // 4)))
+    for label, x, start, iters in cases:
+        ms = {mode: _time_mode(attn, mode, x, cache, start, iters, args.min_s)
+              for mode in ("absorbed", "expanded", "auto")}
+        print(f"{label:>16} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ms['auto']:10.3f} "
               f"{ms['expanded'] / ms['absorbed']:8.2f}")
     attn.mode = "auto"
 
     item = torch.tensor([], dtype=dtype).element_size()
     for shape in SHAPES:
         lat, full = kv_bytes_per_token(shape, item)
-        print(f"KV bytes/token/layer ({shape}, {dtype}): latent {lat} vs expanded K+V {full} ({full / lat:.1f}x)")
+        print(f"KV bytes/token/layer ({shape}, {dtype}): latent {lat} vs expanded K+V {full} "
+              f"({full / lat:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ cache, dense first layers, shared experts, softmax router with greedy or group-l
   "group_limited_greedy" first keeps the `topk_group` best of `n_group` expert groups
   (a group scores its best expert) and picks the top k inside them. The k weights are
   multiplied by `routed_scaling_factor`, or renormalised to sum 1 instead when
-  `norm_topk_prob` (DeepSeek's reference code; every released V2 config has it false).
+  `norm_topk_prob` (DeepSeek's reference code; transformers ignores the flag, and every
+  released V2 config has it false). `moe_layer_freq` likewise follows DeepSeek's code.
 - RoPE pairs are interleaved (DeepSeek's complex-number layout); YaRN scaling also
   multiplies the softmax scale by mscale(factor, mscale_all_dim)^2.
 - Checkpoint names are already canonical (no `sanitize`). FP8 block-quantized

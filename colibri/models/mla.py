@@ -2,8 +2,9 @@
 
 Keys and values are low-rank: every token writes one normalised latent `c` [R] (R =
 kv_lora_rank) and one shared, rotated rope key `k_pe` [Dr]; `kv_b_proj` ([H*(Dn+Dv), R])
-up-projects `c` into per-head k_nope [Dn] and v [Dv]. The cache keeps only `[c, k_pe]`
-(R + Dr values per token and layer: 576 for V3 shapes, against 2 x 128 x ~160 expanded).
+up-projects `c` into per-head k_nope [Dn] and v [Dv]. The cache keeps only `[c, k_pe]`:
+R + Dr values per token and layer (576 for V3 shapes, against 128 x (192 + 128) = 40960
+for expanded K and V).
 
 Two equivalent ways to attend over it:
 - "expanded": up-project the cached latents to full K/V every call, then plain attention.
@@ -23,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Linear, RMSNorm, RoPE, attend, attention_mask, yarn_get_mscale
+from .layers import Linear, RMSNorm, RoPE, attention_mask, yarn_get_mscale
 
 MODES = ("auto", "absorbed", "expanded")
+# The absorbed path scores at most this many (query row, key) pairs at once: 64 MiB of f32.
+SCORE_ELEMS = 1 << 24
 # DeepSeek builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
 
@@ -83,6 +86,8 @@ class LatentCache:
 
 
 class MLAttention(nn.Module):
+    """MLA over a `LatentCache`: `forward(x [T, hidden], cache, start) -> [T, hidden]`."""
+
     def __init__(self, a: MLAArgs, mode: str = "auto"):
         super().__init__()
         if mode not in MODES:
@@ -129,14 +134,19 @@ class MLAttention(nn.Module):
         return absorbed <= expanded
 
     def _expanded(self, q_nope, q_pe, latent, start):
-        a, S = self.a, latent.shape[0]
-        R, Dn = a.kv_lora_rank, a.qk_nope_head_dim
-        kv = self.kv_b_proj(latent[:, :R]).view(S, a.heads, Dn + a.v_head_dim)  # [S, H, Dn + Dv]
+        a, T, S = self.a, q_nope.shape[0], latent.shape[0]
+        R, Dn, Dv = a.kv_lora_rank, a.qk_nope_head_dim, a.v_head_dim
+        kv = self.kv_b_proj(latent[:, :R]).view(S, a.heads, Dn + Dv)  # [S, H, Dn + Dv]
         k_pe = latent[:, None, R:].expand(S, a.heads, a.qk_rope_head_dim)  # [S, H, Dr]
         k = torch.cat((kv[..., :Dn], k_pe), -1).transpose(0, 1)  # [H, S, Dn + Dr]
-        v = kv[..., Dn:].transpose(0, 1)  # [H, S, Dv]
         q = torch.cat((q_nope, q_pe), -1).transpose(0, 1)  # [H, T, Dn + Dr]
-        return attend(q, k, v, start, self.scale)  # [T, H * Dv]
+        # torch's CPU flash kernel (no [H, T, S] score matrix: long prefills stay small) wants 4-D inputs
+        # and equal q/v widths, so V is zero-padded to Dn + Dr and the padding sliced off afterwards.
+        v = F.pad(kv[..., Dn:], (0, k.shape[-1] - Dv)).transpose(0, 1)  # [H, S, Dn + Dr]
+        mask = None if T == 1 or start == 0 else attention_mask(T, S, start, None, q.device)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                             is_causal=T > 1 and start == 0, scale=self.scale)[0]
+        return out[..., :Dv].transpose(0, 1).reshape(T, a.heads * Dv)  # [T, H * Dv]
 
     def _absorbed(self, q_nope, q_pe, latent, start):
         a, T, S = self.a, q_nope.shape[0], latent.shape[0]
@@ -144,15 +154,19 @@ class MLAttention(nn.Module):
         w = self.absorbed_weight(latent)  # [H, Dn + Dv, R]
         # q_nope . (W_uk c) = (q_nope W_uk) . c: a query in latent space, per head
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :Dn])  # [H, T, R]
-        q = torch.cat((q_lat, q_pe.transpose(0, 1)), -1)  # [H, T, R + Dr]
-        if T == 1:  # all heads share the keys and no mask is needed: one [H, R+Dr] x [R+Dr, S] product
-            ctx = F.scaled_dot_product_attention(q.view(1, H, -1), latent[None], latent[None, :, :R],
-                                                 scale=self.scale).view(H, 1, R)
-        else:
-            mask = attention_mask(T, S, start, None, q.device)  # [T, S]
-            ctx = F.scaled_dot_product_attention(q, latent.expand(H, S, -1), latent[:, :R].expand(H, S, R),
-                                                 attn_mask=mask, scale=self.scale)  # [H, T, R]
-        out = torch.bmm(ctx, w[:, Dn:].transpose(1, 2))  # [H, T, Dv]: attention-weighted c, then W_uv
+        q = torch.cat((q_lat, q_pe.transpose(0, 1)), -1).reshape(H * T, -1)  # [H*T, R + Dr], rows (head, t)
+        # Every head reads the same single latent "head", so all H*T query rows share one key matrix:
+        # plain matmuls (SDPA would fall back to its slow path: the value width R differs from R + Dr).
+        ctx = latent.new_empty(H * T, R)  # attention-weighted latents
+        rows = max(1, SCORE_ELEMS // S)  # bound the [rows, S] f32 score block during long prefills
+        for r in range(0, H * T, rows):
+            scores = (q[r : r + rows] @ latent.T).float() * self.scale  # [rows, S]
+            if T > 1:  # causal: query t sits at position start + t
+                t = torch.arange(r, min(r + rows, H * T), device=q.device) % T  # [rows]
+                future = torch.arange(S, device=q.device)[None] > (start + t)[:, None]  # [rows, S]
+                scores.masked_fill_(future, float("-inf"))
+            ctx[r : r + rows] = torch.softmax(scores, -1).to(latent.dtype) @ latent[:, :R]
+        out = torch.bmm(ctx.view(H, T, R), w[:, Dn:].transpose(1, 2))  # [H, T, Dv]: then W_uv per head
         return out.transpose(0, 1).reshape(T, H * a.v_head_dim)
 
     def absorbed_weight(self, like: torch.Tensor) -> torch.Tensor:
