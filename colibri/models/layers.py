@@ -239,15 +239,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     S = k.shape[1]
     if sinks is not None:
         return _attend_with_sinks(q, k, v, start, scale, window, sinks).transpose(0, 1).reshape(T, -1)
-    if k.shape[0] != H:  # GQA: each kv head serves H / Hkv query heads
-        rep = H // k.shape[0]
-        k = k.repeat_interleave(rep, 0)
-        v = v.repeat_interleave(rep, 0)
+    # 4-D inputs with enable_gqa let torch pick its fused CPU kernel and skip copying K/V per head group.
+    gqa = k.shape[0] != H
     if T > 1 and start == 0 and window is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         mask = attention_mask(T, S, start, window, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = out[0]
     return out.transpose(0, 1).reshape(T, -1)  # [T, H * Dv]
 
 
