@@ -8,7 +8,8 @@ the reference ("oracle") implementation that colibri is compared against.
 API::
 
     FAMILIES: tuple[str, ...]
-    VOCAB_SIZE, PAD_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, CHAT_TEMPLATE, TRAIN_TEXT
+    VOCAB_SIZE, PAD_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, CHAT_TEMPLATE, TRAIN_TEXT, PROMPT
+    encode(text) -> list[int]                      # with the leading <s>, like AutoTokenizer
     make_tokenizer_files(folder) -> Path
     tiny_config_kwargs(model_type) -> dict[str, Any]
     build_tiny_model(model_type, *, seed=0, **config_overrides) -> PreTrainedModel
@@ -49,14 +50,23 @@ per-expert layout that real hub checkpoints have:
   prefix becomes ``mlp``).
 - gpt_oss: identical to its ``save_pretrained`` layout above.
 
-Other family-specific tensors (both layouts): qwen2_moe
-``mlp.shared_expert.{gate,up,down}_proj.weight`` + ``mlp.shared_expert_gate.weight``
-[1, H] and q/k/v biases; glm4_moe / deepseek_v3 ``mlp.gate.e_score_correction_bias``
-[E]; glm4_moe / deepseek_* ``mlp.shared_experts.*``; olmoe ``self_attn.q_norm/k_norm``
-over the whole projection, qwen3_moe / glm4_moe (use_qk_norm) per head;
-deepseek ``self_attn.q_proj`` (q_lora_rank None) or ``q_a_proj``/``q_a_layernorm``/
-``q_b_proj``, plus ``kv_a_proj_with_mqa``/``kv_a_layernorm``/``kv_b_proj``;
-gpt_oss ``self_attn.sinks`` [n_heads] and biases on q/k/v/o.
+Other family-specific tensors (same in both layouts):
+
+- dense MLP layers ``mlp.{gate,up,down}_proj.weight`` (intermediate_size):
+  layer 0 of glm4_moe / deepseek_v2 / deepseek_v3 (first_k_dense_replace=1),
+  layer 1 of qwen2_moe (mlp_only_layers=[1]).
+- qwen2_moe: ``mlp.shared_expert.{gate,up,down}_proj.weight`` and
+  ``mlp.shared_expert_gate.weight`` [1, H]; q/k/v biases.
+- glm4_moe / deepseek_v2 / deepseek_v3: ``mlp.shared_experts.{gate,up,down}_proj.weight``
+  (width moe_intermediate_size * n_shared_experts).
+- glm4_moe / deepseek_v3: ``mlp.gate.e_score_correction_bias`` [E].
+- glm4_moe: q/k/v biases (attention_bias=True); ``self_attn.q_norm/k_norm`` [head_dim]
+  (use_qk_norm=True), as qwen3_moe; olmoe's q_norm/k_norm span the whole
+  projection ([n_heads * head_dim] and [n_kv_heads * head_dim]).
+- deepseek_v2 (q_lora_rank=None): ``self_attn.q_proj``; deepseek_v3 (q_lora_rank=24):
+  ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``; both
+  ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` / ``o_proj``.
+- gpt_oss: ``self_attn.sinks`` [n_heads]; biases on q/k/v/o; router bias.
 
 Every weight is re-drawn by ``_randomize`` (not left at transformers' init), so
 norm weights are not all ones, biases and ``e_score_correction_bias`` are not all
@@ -103,6 +113,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# A prompt the margins below were measured on; oracle tests may share it.
+PROMPT = "Once upon a time there was"
+
 # Fixed tokenizer training text. Changing it changes every token id and hence
 # every tiny checkpoint, so treat it as frozen.
 TRAIN_TEXT = """\
@@ -132,11 +145,15 @@ the birds were singing, and everyone in the town was happy that morning.
 """
 
 # How the weights are drawn (see _randomize / _calibrate_lm_head). Measured
-# with transformers 5.23 / torch 2.13 CPU f32, seed 0, 16 prompts x 48 greedy
-# steps x 8 families = 6144 steps: median top1-top2 gap 5.0, 0.11% of steps
-# with a gap < 1e-2, and in 121 of the 128 runs every one of the 48 gaps is
-# >= 1e-2; runs still produce 9-24 distinct tokens out of 48. With
-# transformers' defaults (std 0.02, plain lm_head) the gaps are ~100x smaller.
+# with transformers 5.23 / torch 2.13 CPU f32, seed 0, 16 short prompts cut
+# from TRAIN_TEXT x 48 greedy steps x 8 families = 6144 steps: median
+# top1-top2 gap 4.8, 11 of the 6144 gaps (0.18%) below 1e-2, worst 4e-4; in 118
+# of the 128 runs all 48 gaps are >= 1e-2, and a run emits 9-24 distinct
+# tokens. From "Once upon a time there was", 40 steps, the smallest gap per
+# family is: mixtral 0.011, olmoe 0.022, qwen3_moe 0.19, qwen2_moe 0.19,
+# glm4_moe 0.13, deepseek_v2 0.11, deepseek_v3 0.0030, gpt_oss 0.030.
+# With transformers' own init (std 0.02, plain lm_head) the logit std is 0.16
+# and the median gap 0.02-0.045, i.e. ~100x smaller.
 #
 # Std of every weight matrix. Larger than transformers' 0.02 on purpose: with
 # 0.02 the residual stream is mostly the token embedding and the experts add a
@@ -347,8 +364,8 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
 @torch.no_grad()
 def _calibrate_lm_head(model: PreTrainedModel) -> None:
     # Calibrate on real text so the scale reflects the states greedy decoding sees.
-    ids = torch.tensor([_encode(TRAIN_TEXT)[:128]])
-    logits = model(input_ids=ids).logits.float()
+    ids = torch.tensor([encode(TRAIN_TEXT)[:128]])
+    logits = model(input_ids=ids, use_cache=False).logits.float()
     model.get_output_embeddings().weight.mul_(LOGIT_STD / logits.std().item())
 
 
@@ -357,7 +374,8 @@ def _tokenizer() -> Tokenizer:
     return Tokenizer.from_str(_tokenizer_json())
 
 
-def _encode(text: str) -> list[int]:
+def encode(text: str) -> list[int]:
+    """Token ids of `text` with the leading <s>, as AutoTokenizer(text) gives."""
     return _tokenizer().encode(text).ids
 
 
@@ -465,10 +483,12 @@ __all__ = [
     "EOS_ID",
     "FAMILIES",
     "PAD_ID",
+    "PROMPT",
     "SPECIAL_TOKENS",
     "TRAIN_TEXT",
     "VOCAB_SIZE",
     "build_tiny_model",
+    "encode",
     "hf_greedy",
     "hf_greedy_with_logits",
     "hf_logits",
