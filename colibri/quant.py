@@ -39,19 +39,22 @@ KERNELS = ("auto", "fused", "dequant")
 _QUANT_CHUNK_ELEMS = 1 << 24
 # The int4 CPU repack needs an int32 [rows, in] temporary; bound it the same way.
 _REPACK_CHUNK_ELEMS = 1 << 22
+# Dequant path: dequantize at most this many weights at a time (a 4 MiB f32 temporary).
+_DEQUANT_CHUNK_ELEMS = 1 << 20
 # torch's CPU int4 packing works on 64-row blocks; chunks must be multiples of it to concat.
 _INT4_ROW_BLOCK = 64
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
 # kernel="auto": the largest input row count for which the fused CPU kernel beats
-# dequantize-then-GEMM (benchmarks/bench_quant.py, 2 threads, AVX-512). The fused kernels
-# are weight-only GEMV-style loops: great for decode, far behind oneDNN's GEMM for prefill,
-# and slow in f32 (int4 f32 loses even at one row). Missing key = never fused.
+# dequantize-then-GEMM, measured with benchmarks/bench_quant.py (2 threads, AVX-512 EPYC,
+# torch 2.13). The fused kernels are weight-only GEMV-style loops: 2-3x faster than bf16
+# F.linear for decode, but their time grows linearly with rows while oneDNN's GEMM barely
+# does. In f32 only int8 at one row is (marginally) ahead, and f16 lacks a vector path on
+# CPUs without AVX512-FP16 (10x slower), so both are left out. Missing key = never fused.
+# Re-measure on other CPUs (AMX, AVX512-FP16); this dict is the knob.
 FUSED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {
-    ("int8", torch.bfloat16): 16,
-    ("int8", torch.float16): 16,
+    ("int8", torch.bfloat16): 12,
     ("int8", torch.float32): 1,
-    ("int4", torch.bfloat16): 32,
-    ("int4", torch.float16): 32,
+    ("int4", torch.bfloat16): 64,
 }
 
 
@@ -127,7 +130,7 @@ def _unpack(data: Tensor, scheme: str, n_in: int) -> Tensor:
         return torch.stack((data & 0xF, data >> 4), dim=-1).view(out, n_in)
     if scheme == "int2":
         return torch.stack([(data >> s) & 0x3 for s in (0, 2, 4, 6)], dim=-1).view(out, n_in)
-    b = data.view(out, n_in // 8, 3).to(torch.int32)
+    b = data.reshape(out, n_in // 8, 3).to(torch.int32)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # [out, in // 8]
     return torch.stack([(word >> (3 * j)) & 0x7 for j in range(8)], dim=-1).to(torch.uint8).view(out, n_in)
 
@@ -234,6 +237,12 @@ def dequantize(tensors: dict[str, Tensor], scheme: str, shape: tuple[int, int], 
 # ----------------------------------------------------------------------------- QLinear
 
 
+def _int8_cpu_fusable(shape: tuple[int, int], compute_dtype: torch.dtype) -> bool:
+    # torch 2.13's _weight_int8pack_mm on CPU returns NaN/garbage or segfaults in bf16 when
+    # in_features % 16 != 0 (f32 looked fine; we keep one rule for all dtypes).
+    return shape[1] % 16 == 0 and compute_dtype in FLOAT_DTYPES.values()
+
+
 def _int4_cpu_fusable(shape: tuple[int, int], group_size: int, compute_dtype: torch.dtype) -> bool:
     # Constraints of torch's _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu.
     return shape[0] % 16 == 0 and group_size in _INT4_GROUP_SIZES and compute_dtype in FLOAT_DTYPES.values()
@@ -267,11 +276,13 @@ class QLinear(nn.Module):
       converted to compute_dtype, which that kernel requires). int4:
       torch._weight_int4pack_mm_for_cpu needs torch's private packing, so construction
       ALLOCATES a repacked uint8 [out, in // 2] plus scales_and_zeros [in // g, out, 2] in
-      compute_dtype (~in*out/2 * (1 + 4/g) bytes for bf16; see `nbytes`) and costs a few ms
-      per million weights. The canonical tensors stay referenced for the large-input path.
-    - "dequant": the canonical tensors are dequantized on every forward (CUDA, int2/int3,
-      shapes/group sizes the fused kernels reject, f32 int4, or kernel="dequant"). int8
-      applies the scale to the output instead of the weight (same math, one less pass over W).
+      compute_dtype (out * in / 2 * (1 + 8 / g) bytes for bf16; see `nbytes`) and costs a few
+      ms per million weights. The canonical tensors stay referenced for the large-input path:
+      free when they are mmap views, but a second copy if the caller passed RAM tensors.
+    - "dequant": the canonical tensors are dequantized on every forward, a block of output rows
+      at a time (CUDA, int2/int3, shapes/group sizes the fused kernels reject, dtypes missing
+      from FUSED_MAX_ROWS, or kernel="dequant"). int8 applies the scale to the output instead
+      of the weight (same math, one less pass over W).
     `nbytes` counts tensors this module allocated itself; `borrowed_nbytes` those it only
     references (whatever was passed to from_tensors).
     """
@@ -308,7 +319,8 @@ class QLinear(nn.Module):
         _check_tensors(tensors, scheme, shape, group_size)
         data = tensors[""]
         fusable = data.device.type == "cpu" and compute_dtype in FLOAT_DTYPES.values() and (
-            scheme == "int8" or (scheme == "int4" and _int4_cpu_fusable(shape, group_size, compute_dtype)))
+            (scheme == "int8" and _int8_cpu_fusable(shape, compute_dtype))
+            or (scheme == "int4" and _int4_cpu_fusable(shape, group_size, compute_dtype)))
         max_rows = 0
         if scheme in FLOAT_DTYPES:
             path = "dense"
@@ -372,15 +384,33 @@ class QLinear(nn.Module):
         return sum(t.numel() * t.element_size() for n, t in self.named_buffers(recurse=False)
                    if n not in self._owned)
 
-    def dequantized_weight(self) -> Tensor:
-        """Dense [out, in] weight in compute_dtype (what the dequant path multiplies with)."""
+    def dequantized_weight(self, rows: slice = slice(None)) -> Tensor:
+        """Dense [out, in] weight (or the given output rows of it) in compute_dtype."""
         if self.path == "dense":
-            return self.weight
+            return self.weight[rows]
         if self.scheme == "int8":
-            return self.qweight.to(self.compute_dtype) * self.scale[:, None]
-        tensors = {"": self.qweight, ".scale": self.scale, ".min": self.min}
-        return _dequant_group(tensors, self.scheme, (self.out_features, self.in_features), self.group_size,
-                              self.compute_dtype)
+            return self.qweight[rows].to(self.compute_dtype) * self.scale[rows, None]
+        tensors = {"": self.qweight[rows], ".scale": self.scale[rows], ".min": self.min[rows]}
+        n_rows = tensors[""].shape[0]
+        return _dequant_group(tensors, self.scheme, (n_rows, self.in_features), self.group_size, self.compute_dtype)
+
+    def _dequant_matmul(self, x2: Tensor) -> Tensor:  # x2 [T, in] -> [T, out]
+        if x2.device.type != "cpu":
+            chunk = self.out_features  # GPU: one pass; launches matter more than temporaries
+        else:
+            # Dequantize a block of output rows at a time: the temporaries stay cache-sized and
+            # are recycled by the allocator instead of being fresh page-faulted memory each
+            # forward (a whole-weight f32 temp is 4 bytes/weight; faults dominated on our VM).
+            chunk = max(16, _DEQUANT_CHUNK_ELEMS // self.in_features)
+        parts = []
+        for r in range(0, self.out_features, chunk):
+            rows = slice(r, r + chunk)
+            if self.scheme == "int8":
+                # Scale the [T, rows] output rather than the weight: fewer multiplies.
+                parts.append(F.linear(x2, self.qweight[rows].to(self.compute_dtype)) * self.scale[rows])
+            else:
+                parts.append(F.linear(x2, self.dequantized_weight(rows)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out]
         if x.dtype != self.compute_dtype:
@@ -395,11 +425,8 @@ class QLinear(nn.Module):
                 y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)  # [T, out]
             else:
                 y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
-        elif self.scheme == "int8":
-            # Scale the [T, out] output rather than the [out, in] weight: fewer multiplies.
-            y = F.linear(x2, self.qweight.to(self.compute_dtype)) * self.scale
         else:
-            y = F.linear(x2, self.dequantized_weight())
+            y = self._dequant_matmul(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)

@@ -196,6 +196,17 @@ def test_int4_repack_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(whole(x), chunked(x))
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int3", "int2"])
+def test_dequant_row_chunking(monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+    w = _w(72, 128)
+    x = torch.randn(3, 128)
+    whole = QLinear.from_dense(w, scheme, 32, None, torch.float32, kernel="dequant")(x)
+    monkeypatch.setattr(quant, "_DEQUANT_CHUNK_ELEMS", 128 * 20)  # 20-row blocks, ragged tail
+    chunked = QLinear.from_dense(w, scheme, 32, None, torch.float32, kernel="dequant")(x)
+    assert chunked.shape == (3, 72)
+    assert torch.allclose(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
 def test_unfusable_int4_falls_back() -> None:
     w = _w(24, 128)  # 24 rows: torch's int4 packing needs out % 16 == 0
     m = QLinear.from_dense(w, "int4", 32, None, torch.bfloat16)
@@ -204,6 +215,18 @@ def test_unfusable_int4_falls_back() -> None:
         QLinear.from_dense(w, "int4", 32, None, torch.bfloat16, kernel="fused")
     m16 = QLinear.from_dense(_w(32, 128), "int4", 16, None, torch.bfloat16)  # g=16 unsupported by torch
     assert m16.path == "dequant"
+
+
+def test_int8_fused_needs_in_multiple_of_16() -> None:
+    # torch's bf16 int8pack kernel returns garbage / segfaults for in % 16 != 0: must not be used.
+    w = _w(32, 24)
+    m = QLinear.from_dense(w, "int8", 64, None, torch.bfloat16)
+    assert m.path == "dequant"
+    with pytest.raises(ValueError, match="no fused kernel"):
+        QLinear.from_dense(w, "int8", 64, None, torch.bfloat16, kernel="fused")
+    x = torch.randn(1, 24, dtype=torch.bfloat16)
+    ref = x.float() @ dequantize(quantize(w, "int8"), "int8", (32, 24)).T
+    assert _rel(m(x), ref) < 2e-2
 
 
 def test_auto_dispatch_by_rows() -> None:
