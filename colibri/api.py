@@ -15,7 +15,8 @@ from .errors import ColibriError
 from .generate import Stats, generate_tokens, make_sampler
 from .models.base import bind, build
 from .models.moe import SwitchGLU
-from .store import WeightStore
+from .store import Placement, TieredStore
+from .store.tiered import PlacementFn, stats_delta
 from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
@@ -52,10 +53,32 @@ def compute_dtype_for(scheme: str) -> torch.dtype:
 
 
 class Engine:
-    """A loaded model: tokenizer, weights bound through the store, and a KV cache for `ctx_size`."""
+    """A loaded model: tokenizer, weights bound through the tiered store, and a KV cache for `ctx_size`.
+
+    Memory tiers (docs/TIERS.md), all keyword-only:
+    - `placement`: a `store.Placement` (per-layer "gpu" / "ram" / "disk", pinned hot experts),
+      or a function `(ModelSizes, mem_budget, gpu_budget) -> Placement | None` that plans one.
+      None: the planner (colibri/plan.py) places the layers from the budgets and the machine's
+      free memory (`store.default_placement` is the store's simpler rule: all in RAM unless
+      `mem_budget` is smaller than the model, then the last MoE layers' experts to disk).
+    - `mem_budget`: bytes of RAM for weights (dense weights, RAM-layer experts and the expert
+      cache of disk layers). Weights are then read into memory the engine owns instead of
+      being mapped. None: no bound (weights are mapped; disk layers get a small default cache).
+    - `gpu_budget`: bytes of VRAM for the GPU layers' weights; their experts go to a VRAM
+      cache when they do not all fit. None: no bound.
+    - `prefetch`: predict the next layer's experts with its router (look-ahead) and read them
+      while the current layer computes.
+    - `direct_io`: read experts with O_DIRECT (falls back to buffered reads where refused).
+    - `gpu_device`: device of the "gpu" tier (default "cuda"; "cpu" runs the GPU code path on
+      the CPU, for tests).
+    Greedy output is bit-identical whatever the tiers, budgets, prefetch and I/O settings.
+    """
 
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
-                 dtype: torch.dtype | None = None, verify: bool = False):
+                 dtype: torch.dtype | None = None, verify: bool = False, *,
+                 placement: Placement | PlacementFn | None = None, mem_budget: int | None = None,
+                 gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
+                 gpu_device: str | None = None):
         if ctx_size <= 0:
             raise ColibriError(f"ctx_size must be positive, got {ctx_size}")
         torch.set_num_threads(threads or physical_cores())
@@ -66,12 +89,25 @@ class Engine:
         self.scheme = c.quant.get("scheme", "bf16")
         self.dtype = dtype or compute_dtype_for(self.scheme)
         self.model, self.args = build(c.model_type, self.config)
-        self.store = WeightStore(c, self.dtype)
-        bind(self.model, self.store)
+        if placement is None:  # planner (colibri/plan.py): no tier flags -> place by budgets and free memory
+            from .plan import placement_fn
+
+            placement = placement_fn(c, ctx_size)
+        self.store = TieredStore(c, self.dtype, placement, mem_budget=mem_budget, gpu_budget=gpu_budget,
+                                 prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device)
+        try:
+            bind(self.model, self.store)
+            self.store.attach(self.model)
+        except BaseException:
+            self.store.close()
+            raise
         self.model.model.embed_tokens.out_dtype = self.dtype
         self.model.eval()
         self.ctx_size = ctx_size
         self.caches = self.model.make_cache(ctx_size, self.dtype)
+        for i, cache in enumerate(self.caches):
+            if self.store.layer_device(i).type != "cpu":
+                cache.to(self.store.layer_device(i))
         self.last_stats = Stats()
 
     @property
@@ -106,10 +142,17 @@ class Engine:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         sampler = make_sampler(temperature, top_k, top_p, gen)
         self.last_stats = Stats()
+        before = self.store.stats()
         yield from generate_tokens(self.model, self.caches, list(prompt_ids), max_tokens, sampler,
                                    ctx_size=self.ctx_size, eos_ids=self.tokenizer.eos_ids, ignore_eos=ignore_eos,
                                    repeat_penalty=repeat_penalty, stats=self.last_stats)
         self.last_stats.extra["peak_rss_mib"] = peak_rss_mib()
+        self.last_stats.extra["store"] = stats_delta(before, self.store.stats())
+
+    def store_stats(self) -> dict:
+        """The weight store's cumulative counters (expert cache hits/misses, bytes read, prefetch
+        precision/recall, resident bytes, ...); keys in docs/TIERS.md."""
+        return self.store.stats()
 
     def generate(self, prompt: str, max_tokens: int = 256, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated (the prompt itself is not echoed)."""
@@ -135,6 +178,7 @@ class Engine:
                 m.on_route = hook if enabled else None
 
     def close(self) -> None:
+        self.store.close()
         self.container.close()
 
 

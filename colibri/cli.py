@@ -92,13 +92,27 @@ def run_parser() -> argparse.ArgumentParser:
                    help="number of layers (after the GPU ones) kept resident in RAM")
     t.add_argument("--disk-layers", type=_nonneg("--disk-layers"), default=None,
                    help="number of layers (the last) whose routed experts are read from disk on demand")
+    t.add_argument("--mem-budget", default=None, metavar="SIZE",
+                   help="RAM for weights, e.g. 12G: dense weights, RAM layers' experts and the expert "
+                        "cache of disk layers; weights are then read into engine-owned memory (peak RSS "
+                        "stays within SIZE + the runtime's fixed overhead). Without layer flags, layers' "
+                        "experts move to disk as needed to fit")
+    t.add_argument("--gpu-budget", default=None, metavar="SIZE",
+                   help="VRAM for the GPU layers' weights; their experts are cached when they do not all fit")
+    t.add_argument("--no-prefetch", action="store_true",
+                   help="do not predict and read the next layer's experts ahead (router look-ahead)")
+    t.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=True,
+                   help="read experts with O_DIRECT, bypassing the page cache (falls back when refused)")
     t.add_argument("--usage-file", default=None,
-                   help="learned hot set (opt-in): add this run's expert routing counts to this JSON file, and "
-                        "pin the experts hottest in past runs when planning the expert cache")
+                   help="learned hot set (opt-in): add this run's expert routing counts to this JSON file, "
+                        "and pin the experts hottest in past runs when planning the expert cache")
     o = p.add_argument_group("output")
     o.add_argument("--log-level", default="warning", choices=["error", "warning", "info", "debug"],
                    help="stderr verbosity; debug logs each token's experts and routing weights per layer")
     o.add_argument("--no-stats", action="store_true", help="do not print the stats line at the end")
+    o.add_argument("--stats", action="store_true",
+                   help="also print the memory-tier stats: expert cache hit rate, bytes read per token, "
+                        "prefetch precision, resident bytes")
     o.add_argument("--verify", action="store_true", help="verify every checksum of the container before running")
     return p
 
@@ -154,11 +168,23 @@ def run_main(argv: list[str] | None = None) -> int:
     import torch
 
     from .api import Engine
-    from .store.placement import from_flags
+    from .store.placement import from_flags, parse_size
 
+    mem_budget = parse_size(a.mem_budget) if a.mem_budget is not None else None
+    gpu_budget = parse_size(a.gpu_budget) if a.gpu_budget is not None else None
+    placement = None
+    if a.gpu_layers is not None or a.ram_layers is not None or a.disk_layers is not None:
+        # A planning function: the engine calls it once the layer count is known.
+        placement = lambda sizes, *_: from_flags(sizes.n_layers, a.gpu_layers, a.ram_layers,  # noqa: E731
+                                                 a.disk_layers, torch.cuda.is_available())
+    if a.usage_file and a.gpu_layers is None and a.ram_layers is None and a.disk_layers is None:
+        from .usage import hot_set_placement  # learned hot set: plan with past runs' routing counts
+
+        placement = hot_set_placement(a.model, a.usage_file, a.ctx_size)
     t0 = time.perf_counter()
-    llm = Engine(a.model, ctx_size=a.ctx_size, threads=a.threads, verify=a.verify)
-    from_flags(llm.n_layers, a.gpu_layers, a.ram_layers, a.disk_layers, torch.cuda.is_available())
+    llm = Engine(a.model, ctx_size=a.ctx_size, threads=a.threads, verify=a.verify, placement=placement,
+                 mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
+                 direct_io=a.direct_io)
     log.info("loaded %s (%s, %s, %d layers) in %.2fs; KV cache %.1f MiB for ctx %d", a.model,
              llm.container.model_type, llm.scheme, llm.n_layers, time.perf_counter() - t0,
              llm.kv_bytes() / 2**20, a.ctx_size)
@@ -191,6 +217,8 @@ def run_main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     if not a.no_stats:
         print(stats_line(st), file=sys.stderr)
+    if a.stats:
+        print(tier_stats_line(st), file=sys.stderr)
     return 0
 
 
@@ -199,6 +227,26 @@ def stats_line(st) -> str:
     return (f"[colibri] prompt {st.prompt_tokens} tok, prefill {st.prefill_tps:.1f} tok/s | "
             f"generated {st.generated} tok, decode {st.decode_tps:.2f} tok/s | "
             f"TTFT {st.ttft_s * 1000:.0f} ms | peak RSS {rss:.0f} MiB")
+
+
+def tier_stats_line(st) -> str:
+    """The --stats line: speeds, then what the memory tiers did during this run."""
+    s = st.extra.get("store", {})
+    mib = 2**20
+    line = (f"[colibri] tiers: {s.get('placement', '?')} | prefill {st.prefill_tps:.1f} tok/s, decode "
+            f"{st.decode_tps:.2f} tok/s, TTFT {st.ttft_s * 1000:.0f} ms | peak RSS "
+            f"{st.extra.get('peak_rss_mib', 0.0):.0f} MiB, weights resident "
+            f"{s.get('resident_bytes', 0) / mib:.0f} MiB")
+    if s.get("cache_slots"):
+        line += (f" | expert cache {s['cache_slots']} slots ({s['cache_bytes'] / mib:.0f} MiB): hit rate "
+                 f"{s['hit_rate']:.1%}, read {s['bytes_read'] / mib:.1f} MiB = "
+                 f"{s['bytes_per_token'] / mib:.2f} MiB/token "
+                 f"(decode {s['decode_bytes_per_token'] / mib:.2f}), "
+                 f"I/O wait {s['io_wait_s']:.2f} s, {'O_DIRECT' if s['direct_io'] else 'buffered'}")
+        if s.get("prefetch"):
+            line += (f" | prefetch precision {s['prefetch_precision']:.1%}, "
+                     f"recall {s['prefetch_recall']:.1%}, used {s['prefetch_used']}/{s['prefetch_issued']}")
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from ..models.moe import ExpertWeights
 from .reader import aligned_buffer
 
 POLICIES = ("fair", "lru")
+RANK_WARMUP = 32  # predictions of a rank scored before its precision may switch its prefetches off
 
 
 class ExpertLoader(Protocol):
@@ -81,7 +82,7 @@ class ExpertCache:
 
     def __init__(self, loader: ExpertLoader, n_slots: int, slot_bytes: int, layers: list[int], *,
                  submit: Callable[..., Future] | None = None, device: torch.device | str = "cpu",
-                 policy: str = "fair", extra_bytes: int = 0):
+                 policy: str = "fair", extra_bytes: int = 0, min_precision: float = 0.0):
         if n_slots < 1:
             raise ValueError(f"an expert cache needs at least one slot, got {n_slots}")
         if policy not in POLICIES:
@@ -102,7 +103,12 @@ class ExpertCache:
         self.n_pinned = 0
         self._clock, self._tick = 0, [0] * n_slots  # last-use time per slot (the lru policy)
         self._deferred: Callable[[], None] | None = None
-        self._predicted: dict[int, set[int]] = {}
+        self._predicted: dict[int, list[int]] = {}
+        # Look-ahead scoring per prediction rank (0 = the router's top choice): [right, made].
+        # A rank is prefetched only while its precision is >= min_precision (after a warm-up):
+        # a wrong prefetch costs a whole read and evicts a cached expert.
+        self.min_precision = min_precision
+        self._rank: list[list[int]] = []
         self.counts = dict.fromkeys(
             ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
              "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "pin_bytes_read"), 0)
@@ -162,46 +168,47 @@ class ExpertCache:
         self._drop(s)
         self.counts["evictions"] += 1
 
-    def _victim(self, layer: int) -> _Slot | None:
-        if self.policy == "fair":
+    def _victim(self, layer: int, anywhere: bool = False) -> _Slot | None:
+        """The slot to evict for a load into `layer` (None: nothing may go right now)."""
+        if self.policy == "fair" and not anywhere:
             share = self.share
             own = self.lru.get(layer)
-            if own is not None and len(own) >= share:
-                for s in own.values():
-                    if s.evictable():
-                        return s
-            # Below our share (or nothing of ours evictable): take from the layer furthest above its share.
+            if own is not None and own and len(own) >= share:
+                # At our share: only our own LRU expert may go (or we wait for one to be released).
+                return next((s for s in own.values() if s.evictable()), None)
+            # Below our share: take from the layer furthest above its share.
             for od in sorted(self.lru.values(), key=len, reverse=True):
-                if od is own:
-                    continue
-                for s in od.values():
-                    if s.evictable():
-                        return s
+                if len(od) <= share:
+                    break
+                s = next((s for s in od.values() if s.evictable()), None)
+                if s is not None:
+                    return s
             return None
         # Global LRU: the oldest evictable slot over all layers (each layer's dict is in LRU order).
         best, best_tick = None, None
         for od in self.lru.values():
-            for s in od.values():
-                if s.evictable():
-                    if best_tick is None or self._tick[s.index] < best_tick:
-                        best, best_tick = s, self._tick[s.index]
-                    break
+            s = next((s for s in od.values() if s.evictable()), None)
+            if s is not None and (best_tick is None or self._tick[s.index] < best_tick):
+                best, best_tick = s, self._tick[s.index]
         return best
 
     def _take(self, layer: int, block: bool) -> _Slot | None:
-        """A slot to load into: a free one, else an evicted one; with `block`, wait for a load to finish."""
+        """A slot to load into: a free one, else an evicted one; with `block`, wait until one can go
+        (called so only when the caller holds no claims, so every slot is free, evictable or loading)."""
         if self.free:
             return self.free.pop()
         s = self._victim(layer)
         if s is None and block:
-            # Every unpinned slot is claimed or still loading (prefetches): wait for the oldest load.
-            loading = [t for od in self.lru.values() for t in od.values() if t.users == 0 and t.future is not None]
-            if not loading:
-                raise RuntimeError("expert cache deadlock: every slot is claimed (cache too small?)")
-            t0 = time.perf_counter()
-            loading[0].future.exception()
-            self.wait_s += time.perf_counter() - t0
-            s = self._victim(layer)
+            s = self._victim(layer, anywhere=True)
+            if s is None:  # everything unpinned is still loading (prefetches): wait for our own first
+                loading = sorted((t for od in self.lru.values() for t in od.values() if t.future is not None),
+                                 key=lambda t: t.key[0] != layer)
+                if not loading:
+                    raise RuntimeError("expert cache: no slot can be freed (all claimed or pinned)")
+                t0 = time.perf_counter()
+                loading[0].future.exception()
+                self.wait_s += time.perf_counter() - t0
+                s = loading[0]
         if s is not None:
             self._evict(s)
         return s
@@ -241,20 +248,31 @@ class ExpertCache:
         started its own reads (so a look-ahead prefetch never evicts what is needed now)."""
         self._deferred = fn
 
+    def rank_ok(self, rank: int) -> bool:
+        """Whether predictions of this rank are right often enough to be worth a read."""
+        if rank >= len(self._rank) or self._rank[rank][1] < RANK_WARMUP:
+            return True
+        right, made = self._rank[rank]
+        return right >= self.min_precision * made
+
     def prefetch(self, layer: int, ids: list[int], track: bool = True) -> int:
         """Start loading experts of `layer` predicted to be needed soon; returns how many reads began.
 
-        Only free or evictable slots are used, at most the layer's share (fair) or half the
-        cache (lru). With `track`, the prediction is scored against the next `stream` of the layer.
+        `ids` are ranked (most likely first). With `track` (one token's top-k), the prediction is
+        scored against the next `stream` of the layer and each rank is read only while its
+        precision holds; without (a prefill's union), only while the top rank's does. Only free
+        or evictable slots are used, at most the layer's share (fair) or half the cache (lru).
         """
         if track:
-            self._predicted[layer] = set(ids)
+            self._predicted[layer] = list(ids)
+        elif not self.rank_ok(0):
+            return 0
         cap = max(1, int(self.share)) if self.policy == "fair" else max(1, (self.n_slots - self.n_pinned) // 2)
         started = 0
-        for e in ids:
+        for r, e in enumerate(ids):
             if started >= cap:
                 break
-            if (layer, e) in self.table:
+            if (layer, e) in self.table or (track and not self.rank_ok(r)):
                 continue
             s = self._take(layer, block=False)
             if s is None:
@@ -290,7 +308,14 @@ class ExpertCache:
         c["misses"] += len(misses)
         pred = self._predicted.pop(layer, None)
         if pred is not None:
-            c["pred_hits"] += len(pred.intersection(ids))
+            actual = set(ids)
+            while len(self._rank) < len(pred):
+                self._rank.append([0, 0])
+            for r, e in enumerate(pred):
+                right = e in actual
+                self._rank[r][0] += right
+                self._rank[r][1] += 1
+                c["pred_hits"] += right
             c["pred_total"] += len(pred)
             c["actual_total"] += len(ids)
         held = [s for _, s in hits]

@@ -73,7 +73,7 @@ class WeightStore:
         name = f"{prefix}.weight"
         if not self.c.has(name):
             raise ColibriError(f"{self.c.path}: tensor {name} missing from the container")
-        tensors = {s: self.c.tensor(name + s) for s in ("", ".scale", ".min") if self.c.has(name + s)}
+        tensors = {s: self.tensor(name + s) for s in ("", ".scale", ".min") if self.c.has(name + s)}
         b = self.tensor(f"{prefix}.bias").to(self.compute_dtype) if bias else None
         return qlinear_from(tensors, self.c.info(name), b, self.compute_dtype)
 

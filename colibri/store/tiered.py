@@ -1,0 +1,463 @@
+"""TieredStore: puts each layer's weights on the GPU, in RAM or on disk, under byte budgets.
+
+- GPU layers: dense weights and routed experts on `gpu_device` (experts in a VRAM cache
+  when `gpu_budget` cannot hold them all); activations hop devices through forward pre-hooks.
+- RAM layers: every weight resident.
+- disk layers: dense weights resident; routed experts read from the file when the router
+  picks them, into an `ExpertCache` of fixed slots sized by what `mem_budget` leaves over.
+
+With a `mem_budget`, every weight the model uses lives in memory this store allocated and
+filled with pread (never pages of the container's mapping, which would count in RSS once
+touched without any bound we control), so `stats()["resident_bytes"]` is what weights
+really occupy. Without one, dense weights stay zero-copy views of the mapping (fastest start).
+
+Model files know nothing of this: the store hands `bind()` modules and tensors, and the
+hooks it adds after binding (device hops, token counting, router look-ahead) only observe.
+See docs/TIERS.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..container import DTYPES, Container
+from ..errors import ColibriError
+from ..models.base import layer_of
+from ..models.moe import ExpertWeights
+from .cache import ExpertCache
+from .loader import RecordLoader, adopt, release_free_heap
+from .placement import Placement
+from .reader import RecordReader, aligned_buffer, round_up
+from .sizes import ModelSizes, default_placement, human, model_sizes, qlinear_extra_bytes, slot_bytes
+from .weights import ResidentExperts, WeightStore, expert_weights
+
+# Planning lives in sizes.py; these names stay importable from here.
+__all__ = ["ModelSizes", "PlacementFn", "TieredStore", "default_placement", "model_sizes", "qlinear_extra_bytes",
+           "slot_bytes", "stats_delta"]
+
+log = logging.getLogger("colibri")
+
+# Cache size when disk layers are asked for without --mem-budget: this many experts per
+# disk layer, in units of the router's top-k.
+DEFAULT_CACHE_TOPK_PER_LAYER = 4
+# Look-ahead predictions of a rank are read ahead only while at least this share of them is
+# right (measured per run; see ExpertCache.rank_ok and docs/TIERS.md).
+PREFETCH_MIN_PRECISION = 0.75
+PlacementFn = Callable[["ModelSizes", "int | None", "int | None"], "Placement | None"]
+
+
+class LayerExperts:
+    """The ExpertSource bound into a layer's SwitchGLU; `inner` (resident or cached) is chosen
+    once every dense weight is loaded and the budgets left over are known."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+        self.inner = None
+
+    def stream(self, ids: list[int]):
+        return self.inner.stream(ids)
+
+    def prefetch(self, ids: list[int]) -> None:
+        self.inner.prefetch(ids)
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+class TieredStore(WeightStore):
+    """A WeightStore that places layers in tiers (see module doc). Use: `bind(model, store)`,
+    then `store.attach(model)`; `stats()` any time; `close()` at the end."""
+
+    def __init__(self, container: Container, compute_dtype: torch.dtype,
+                 placement: Placement | PlacementFn | None = None, *, mem_budget: int | None = None,
+                 gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
+                 gpu_device: str | torch.device | None = None, io_threads: int = 4, policy: str = "fair",
+                 prefetch_min_precision: float = PREFETCH_MIN_PRECISION):
+        super().__init__(container, compute_dtype)
+        self.sizes = sizes = model_sizes(container, compute_dtype)
+        if callable(placement):
+            placement = placement(sizes, mem_budget, gpu_budget)
+        if placement is None:
+            placement = default_placement(sizes, mem_budget)
+        if len(placement.tiers) != sizes.n_layers:
+            raise ColibriError(f"placement has {len(placement.tiers)} layers, the model {sizes.n_layers}")
+        self.placement = placement
+        self.mem_budget = mem_budget if mem_budget is not None else placement.mem_budget
+        self.gpu_budget = gpu_budget if gpu_budget is not None else placement.gpu_budget
+        self.prefetch_enabled, self.policy = prefetch, policy
+        self.prefetch_min_precision = prefetch_min_precision
+        self._gpu_layers = set(placement.layers("gpu"))
+        self.gpu: torch.device | None = None
+        if self._gpu_layers:
+            self.gpu = torch.device(gpu_device or "cuda")
+            if self.gpu.type == "cuda" and not torch.cuda.is_available():
+                raise ColibriError("GPU layers were placed, but torch sees no CUDA device")
+        self.reader = RecordReader(container.path, io_threads, direct_io)
+        # With a RAM budget, weights go to memory we allocate and fill (honest accounting);
+        # without one, dense weights stay mmap views.
+        self.read_mode = self.mem_budget is not None
+        self.acct = {"ram_dense": 0, "ram_experts": 0, "gpu_dense": 0, "gpu_experts": 0}
+        self._dense: dict[str, torch.Tensor] = {}
+        self._sources: dict[int, LayerExperts] = {}
+        self._prefixes: dict[int, str] = {}
+        self.caches: dict[str, ExpertCache] = {}
+        self._hooks: list = []
+        self.tok = {"prefill_tokens": 0, "prefill_bytes_read": 0, "decode_tokens": 0, "decode_bytes_read": 0}
+        self._resident_pin_bytes = 0
+        if self.read_mode or self._gpu_layers:
+            self._load_dense()
+        if not self.read_mode:  # mapped dense weights: count what forward passes will touch
+            self.acct["ram_dense"] += sum(e["nbytes"] for n, e in container.header["tensors"].items()
+                                          if "record" not in e and self._device_of(n) is None)
+        self.load_bytes_read = self.reader.bytes_read
+
+    # ------------------------------------------------------------------ dense weights
+
+    def _device_of(self, name: str) -> torch.device | None:
+        i = layer_of(name)
+        return self.gpu if i is not None and i in self._gpu_layers else None
+
+    def _load_dense(self) -> None:
+        """Read the dense tensors that need owned memory: all of them with a RAM budget (into one
+        page-aligned arena, in parallel, O_DIRECT when allowed), and the GPU layers' ones."""
+        entries = [(n, e) for n, e in self.c.header["tensors"].items() if "record" not in e]
+        cpu = [(n, e) for n, e in entries if self.read_mode and self._device_of(n) is None]
+        gpu = [(n, e) for n, e in entries if self._device_of(n) is not None]
+        if cpu:
+            total = sum(round_up(e["nbytes"]) for _, e in cpu)
+            arena = aligned_buffer(total)
+            jobs, pos = [], 0
+            for n, e in sorted(cpu, key=lambda ne: ne[1]["offset"]):
+                span = round_up(e["nbytes"])
+                jobs.append((arena[pos : pos + span], e["offset"], e["nbytes"]))
+                self._dense[n] = _typed(arena[pos : pos + e["nbytes"]], e)
+                pos += span
+            self.reader.read_ranges(jobs)
+            self.acct["ram_dense"] += total
+        if gpu:
+            chunk = 16 << 20
+            staging = aligned_buffer(chunk)
+            for n, e in gpu:
+                nb = e["nbytes"]
+                dev = torch.empty(nb, dtype=torch.uint8, device=self.gpu)
+                for pos in range(0, nb, chunk):
+                    m = min(chunk, nb - pos)
+                    self.reader.read_into(staging, e["offset"] + pos, m)
+                    dev[pos : pos + m].copy_(staging[:m])
+                self._dense[n] = _typed(dev, e)
+                self.acct["gpu_dense"] += nb
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._dense.get(name)
+        return t if t is not None else super().tensor(name)
+
+    def linear(self, prefix: str, bias: bool):
+        q = super().linear(prefix, bias)  # tensors come through self.tensor
+        extra = q.nbytes
+        if bias and self.tensor(prefix + ".bias").dtype != self.compute_dtype:
+            extra += q.bias.nbytes  # the bias cast to the compute dtype
+        self.acct["gpu_dense" if self._device_of(prefix + ".weight") is not None else "ram_dense"] += extra
+        return q
+
+    def experts(self, prefix: str, module) -> LayerExperts:
+        src = self._sources[module.layer] = LayerExperts(module.layer)
+        self._prefixes[module.layer] = prefix
+        return src
+
+    # ------------------------------------------------------------------ after bind
+
+    def attach(self, model: nn.Module) -> None:
+        """Give every layer its expert source, move GPU layers, add the hooks. Call after bind()."""
+        p, s = self.placement, self.sizes
+        loader = RecordLoader(self, self._prefixes)
+        self.loader = loader
+        by_tier: dict[str, list[int]] = {"gpu": [], "ram": [], "disk": []}
+        for layer in sorted(self._sources):
+            by_tier[p.tiers[layer]].append(layer)
+
+        # GPU layers: resident on the device if the budget allows, else a VRAM expert cache.
+        gpu_cached: list[int] = []
+        if by_tier["gpu"]:
+            # (the gpu tier on a CPU device, for tests, builds CPU kernels with their extras)
+            self._gpu_expert_bytes = s.gpu_expert_bytes if self.gpu.type != "cpu" else s.expert_bytes
+            need = sum(s.n_experts[i] * self._gpu_expert_bytes[i] for i in by_tier["gpu"])
+            left = None if self.gpu_budget is None else self.gpu_budget - self.acct["gpu_dense"]
+            if left is not None and left < 0:
+                raise ColibriError(f"--gpu-budget {human(self.gpu_budget)} is smaller than the GPU layers' "
+                                   f"dense weights ({human(self.acct['gpu_dense'])})")
+            if left is None or need <= left:
+                self._make_resident(by_tier["gpu"], self.gpu, "gpu_experts")
+            else:
+                gpu_cached = by_tier["gpu"]
+                slot = self._slot_span(gpu_cached, self._gpu_expert_bytes)
+                if left < slot:
+                    raise ColibriError(f"--gpu-budget {human(self.gpu_budget)} leaves no room for one expert "
+                                       f"({human(slot)}) next to the GPU layers' dense weights "
+                                       f"({human(self.acct['gpu_dense'])})")
+                self._make_cache("gpu", gpu_cached, left // slot, self.gpu)
+
+        # RAM layers resident; what the budget leaves goes to the disk layers' cache.
+        if self.read_mode:
+            self._make_resident(by_tier["ram"], torch.device("cpu"), "ram_experts")
+        else:
+            for layer in by_tier["ram"]:
+                self._sources[layer].inner = self._mapped_experts(layer)
+        if by_tier["disk"]:
+            disk = by_tier["disk"]
+            slot = self._slot_span(disk, s.expert_bytes)
+            if self.mem_budget is None:
+                n_slots = sum(min(s.n_experts[i], DEFAULT_CACHE_TOPK_PER_LAYER * s.top_k) for i in disk)
+            else:
+                left = self.mem_budget - self.acct["ram_dense"] - self.acct["ram_experts"]
+                n_slots = left // slot
+                if n_slots < 1:
+                    raise ColibriError(
+                        f"--mem-budget {human(self.mem_budget)} leaves no room for the expert cache: dense "
+                        f"weights take {human(self.acct['ram_dense'])}, RAM-layer experts "
+                        f"{human(self.acct['ram_experts'])}, and one expert needs {human(slot)} "
+                        f"(raise the budget to at least "
+                        f"{human(self.acct['ram_dense'] + self.acct['ram_experts'] + slot)} or move layers "
+                        "to the disk tier)")
+            self._make_cache("ram", disk, n_slots, torch.device("cpu"))
+
+        if self.mem_budget is not None and self.resident_bytes() > self.mem_budget:
+            raise ColibriError(f"--mem-budget {human(self.mem_budget)} is too small for this placement "
+                               f"({p.describe()}): the resident weights alone take "
+                               f"{human(self.resident_bytes())}; put more layers on the disk tier")
+
+        release_free_heap()
+        blocks = model.model.layers
+        self._move_gpu_layers(model, blocks)
+        self._hooks.append(model.register_forward_pre_hook(self._before_forward))
+        self._hooks.append(model.register_forward_hook(self._after_forward))
+        if self.prefetch_enabled and self.caches:
+            self._add_lookahead(blocks)
+
+    def _mapped_experts(self, layer: int) -> ResidentExperts:
+        """A RAM layer's experts as views of the mapping (no budget). The buffers the modules
+        allocate (int4 repack, casts) move into one arena as each expert is built: left on the
+        heap, interleaved with the repack's large temporaries, they fragment it (int4 RSS was
+        ~1.8x the weights)."""
+        s = self.sizes
+        n, tail = s.n_experts[layer], s.expert_bytes[layer] - round_up(s.record_bytes[layer])
+        arena = aligned_buffer(n * tail)
+        infos = self.record_infos(f"{self._prefixes[layer]}.0")
+        experts = []
+        for e in range(n):
+            r = self.c.record(f"{self._prefixes[layer]}.{e}")
+            w = expert_weights({sub: self.c.tensor(full) for sub, full in r["tensors"].items()}, infos,
+                               self.compute_dtype)
+            if tail:
+                adopt(w, arena[e * tail : (e + 1) * tail])
+            experts.append(w)
+        self.acct["ram_experts"] += n * (s.record_bytes[layer] + tail)
+        release_free_heap()
+        return ResidentExperts(experts)
+
+    def _make_resident(self, layers: list[int], device: torch.device, bucket: str) -> None:
+        """Read whole layers' experts into one arena (each expert a slot: record, then the
+        modules' own buffers), in parallel on the reader pool."""
+        if not layers:
+            return
+        jobs = [(layer, e) for layer in layers for e in range(self.sizes.n_experts[layer])]
+        per = self._gpu_expert_bytes if bucket == "gpu_experts" else self.sizes.expert_bytes
+        span_of = {layer: self._slot_span([layer], per) for layer in layers}
+        spans = [span_of[layer] for layer, _ in jobs]
+        total = sum(spans)
+        arena = (aligned_buffer(total) if device.type == "cpu"
+                 else torch.empty(total, dtype=torch.uint8, device=device))
+        futs, pos = [], 0
+        for (layer, e), span in zip(jobs, spans):
+            futs.append(self.reader.submit(self.loader.load, layer, e, arena[pos : pos + span]))
+            pos += span
+        experts: dict[int, list[ExpertWeights]] = {layer: [] for layer in layers}
+        for (layer, _), f in zip(jobs, futs):
+            experts[layer].append(f.result())
+        for layer in layers:
+            self._sources[layer].inner = ResidentExperts(experts[layer])
+        self.acct[bucket] += total  # module buffers included: they were moved into the arena
+
+    def _make_cache(self, name: str, layers: list[int], n_slots: int, device: torch.device) -> None:
+        s = self.sizes
+        cap = sum(s.n_experts[i] for i in layers)
+        n_slots = max(1, min(n_slots, cap))
+        span = self._slot_span(layers, self._gpu_expert_bytes if name == "gpu" else s.expert_bytes)
+        cache = ExpertCache(self.loader, n_slots, span, layers, submit=self.reader.submit, device=device,
+                            policy=self.policy, min_precision=self.prefetch_min_precision)
+        for layer in layers:
+            pins = self.placement.pinned.get(layer, [])
+            if pins:
+                cache.pin(layer, [e for e in pins if 0 <= e < s.n_experts[layer]])
+            self._sources[layer].inner = cache.source(layer)
+        self.caches[name] = cache
+        log.info("colibri: %s expert cache: %d slots of %s for layers %s%s", name, n_slots,
+                 human(cache.slot_bytes), _ranges(layers),
+                 " (O_DIRECT)" if self.reader.direct else "")
+
+    def _slot_span(self, layers: list[int], per: list[int]) -> int:
+        """Bytes of one cache slot for these layers: the loader's record span (where every slot's
+        module buffers start), then the largest module tail (see slot_bytes)."""
+        s = self.sizes
+        return self.loader.rec_span + max(per[i] - round_up(s.record_bytes[i]) for i in layers)
+
+    def _move_gpu_layers(self, model: nn.Module, blocks) -> None:
+        if not self._gpu_layers:
+            return
+        cpu = torch.device("cpu")
+        prev = cpu
+        for i, block in enumerate(blocks):
+            dev = self.gpu if i in self._gpu_layers else cpu
+            if dev != cpu:
+                block.to(dev)
+            if dev != prev:
+                self._hooks.append(block.register_forward_pre_hook(partial(_move_first_arg, dev)))
+            prev = dev
+        if prev != cpu:
+            self._hooks.append(model.model.norm.register_forward_pre_hook(partial(_move_first_arg, cpu)))
+
+    def layer_device(self, layer: int) -> torch.device:
+        return self.gpu if layer in self._gpu_layers else torch.device("cpu")
+
+    # ------------------------------------------------------------------ look-ahead
+
+    def _add_lookahead(self, blocks) -> None:
+        """Layer L's residual, seen by the next layer's norm and router, predicts L+1's experts;
+        they are read while layer L computes."""
+        cached = {layer: cache for cache in self.caches.values() for layer in cache.layers}
+        for L in range(len(blocks) - 1):
+            target = cached.get(L + 1)
+            nxt = blocks[L + 1]
+            norm, gate = getattr(nxt, "post_attention_layernorm", None), getattr(nxt.mlp, "gate", None)
+            here = getattr(blocks[L], "post_attention_layernorm", None)
+            if target is None or norm is None or gate is None or here is None:
+                continue
+            hook = partial(_predict, norm, gate, target, L + 1, cached.get(L))
+            self._hooks.append(here.register_forward_pre_hook(hook))
+
+    # ------------------------------------------------------------------ stats
+
+    def _bytes_read(self) -> int:
+        return sum(c.counts["bytes_read"] for c in self.caches.values())
+
+    def _before_forward(self, module, args) -> None:
+        self._fwd = (args[0].numel(), self._bytes_read())
+
+    def _after_forward(self, module, args, out) -> None:
+        T, b0 = self._fwd
+        phase = "decode" if T == 1 else "prefill"
+        self.tok[f"{phase}_tokens"] += T
+        self.tok[f"{phase}_bytes_read"] += self._bytes_read() - b0
+
+    def resident_bytes(self) -> int:
+        """RAM held by weights: dense + RAM-layer experts + the RAM expert cache (at capacity)."""
+        cache = self.caches.get("ram")
+        return self.acct["ram_dense"] + self.acct["ram_experts"] + (cache.capacity_bytes if cache else 0)
+
+    def stats(self) -> dict:
+        """Cumulative counters since load plus derived rates (keys documented in docs/TIERS.md)."""
+        keys = ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
+                "prefetch_wasted", "pred_hits", "pred_total", "actual_total")
+        out: dict = {k: sum(c.counts[k] for c in self.caches.values()) for k in keys}
+        out["io_wait_s"] = sum(c.wait_s for c in self.caches.values())
+        out.update(self.tok)
+        ram, gpu = self.caches.get("ram"), self.caches.get("gpu")
+        out.update(
+            placement=self.placement.describe(), tiers=list(self.placement.tiers),
+            mem_budget=self.mem_budget, gpu_budget=self.gpu_budget,
+            direct_io=self.reader.direct, prefetch=self.prefetch_enabled and bool(self.caches),
+            policy=self.policy, read_mode=self.read_mode,
+            dense_bytes=self.acct["ram_dense"], ram_expert_bytes=self.acct["ram_experts"],
+            cache_bytes=ram.capacity_bytes if ram else 0, cache_slots=ram.n_slots if ram else 0,
+            cache_used_slots=ram.used_slots if ram else 0, cache_pinned=ram.n_pinned if ram else 0,
+            resident_bytes=self.resident_bytes(),
+            gpu_dense_bytes=self.acct["gpu_dense"], gpu_expert_bytes=self.acct["gpu_experts"],
+            gpu_cache_bytes=gpu.capacity_bytes if gpu else 0, gpu_cache_slots=gpu.n_slots if gpu else 0,
+            load_bytes_read=self.load_bytes_read,
+        )
+        return derive(out)
+
+    def close(self) -> None:
+        for c in self.caches.values():
+            c.drain()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.reader.close()
+
+
+COUNTERS = ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
+            "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "io_wait_s", "prefill_tokens",
+            "prefill_bytes_read", "decode_tokens", "decode_bytes_read")
+
+
+def derive(s: dict) -> dict:
+    """Add the ratios (hit rate, bytes per token, prefetch precision/recall) to a counter dict."""
+    lookups = s["hits"] + s["misses"]
+    s["lookups"] = lookups
+    s["hit_rate"] = s["hits"] / lookups if lookups else 0.0
+    s["tokens"] = s["prefill_tokens"] + s["decode_tokens"]
+    s["bytes_per_token"] = s["bytes_read"] / s["tokens"] if s["tokens"] else 0.0
+    s["decode_bytes_per_token"] = s["decode_bytes_read"] / s["decode_tokens"] if s["decode_tokens"] else 0.0
+    s["prefetch_precision"] = s["pred_hits"] / s["pred_total"] if s["pred_total"] else 0.0
+    s["prefetch_recall"] = s["pred_hits"] / s["actual_total"] if s["actual_total"] else 0.0
+    return s
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """`after` with its counters replaced by after - before (one run's share), ratios recomputed."""
+    out = dict(after)
+    for k in COUNTERS:
+        out[k] = after[k] - before[k]
+    return derive(out)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _typed(raw: torch.Tensor, e: dict) -> torch.Tensor:
+    """A uint8 span -> the tensor's dtype and shape (spans are 4096-aligned, so any dtype view is legal)."""
+    dtype = DTYPES[e["dtype"]]
+    if e["nbytes"] == 0:
+        return torch.empty(e["shape"], dtype=dtype, device=raw.device)
+    return raw.view(dtype).view(e["shape"])
+
+
+def _move_first_arg(device: torch.device, module, args):
+    return (args[0].to(device),) + tuple(args[1:])
+
+
+def _predict(norm: nn.Module, gate: nn.Module, target: ExpertCache, layer: int, defer_in: ExpertCache | None,
+             module, args) -> None:
+    h = args[0]  # [T, H]: layer L's residual after attention
+    x = norm(h.to(norm.weight.device))
+    idx = gate(x)[0]  # [T, k] the next layer's router applied to it
+    if idx.shape[0] == 1:
+        ids, track = idx[0].tolist(), True
+    else:  # prefill: the union, most requested first (the cache caps how many it starts)
+        counts = torch.bincount(idx.reshape(-1))
+        order = torch.argsort(counts, descending=True, stable=True)
+        ids, track = order[: int((counts > 0).sum())].tolist(), False
+    fn = partial(target.prefetch, layer, ids, track)
+    if defer_in is not None:
+        defer_in.defer(fn)  # run once layer L's own experts are claimed and their reads started
+    else:
+        fn()
+
+
+def _ranges(layers: list[int]) -> str:
+    if not layers:
+        return "-"
+    out, start, prev = [], layers[0], layers[0]
+    for i in layers[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)

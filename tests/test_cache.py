@@ -1,0 +1,178 @@
+"""ExpertCache unit tests with a fake loader: eviction order, pinning, slot bound, buffer reuse,
+prefetch bookkeeping, and that a stream always delivers every requested expert exactly once."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from colibri.models.moe import ExpertWeights
+from colibri.store.cache import ExpertCache
+
+SLOT = 4096
+
+
+class FakeLoader:
+    """Writes (layer, expert) into the slot and returns weights that remember which slot they use."""
+
+    def __init__(self):
+        self.loads: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        return 1000
+
+    def load(self, layer: int, expert: int, buf: torch.Tensor) -> ExpertWeights:
+        with self.lock:
+            self.loads.append((layer, expert))
+        buf[:2] = torch.tensor([layer, expert], dtype=torch.uint8)
+        return ExpertWeights(gate_up=buf, down=None)
+
+
+def drain(cache: ExpertCache, layer: int, ids: list[int]) -> list[int]:
+    """Consume a stream like SwitchGLU does, checking each delivered slot holds what it claims."""
+    got = []
+    for e, w in cache.stream(layer, ids):
+        assert w.gate_up[:2].tolist() == [layer, e]
+        got.append(e)
+    return got
+
+
+def make(n_slots: int, layers=(0,), policy="lru", pool=None) -> tuple[ExpertCache, FakeLoader]:
+    loader = FakeLoader()
+    submit = pool.submit if pool is not None else None
+    return ExpertCache(loader, n_slots, SLOT, list(layers), submit=submit, policy=policy), loader
+
+
+def test_lru_order_and_hits():
+    cache, loader = make(3)
+    drain(cache, 0, [0, 1, 2])
+    drain(cache, 0, [0])  # 0 becomes most recent: 1 is now the oldest
+    drain(cache, 0, [3])
+    assert cache.cached(0) == [2, 0, 3]  # 1 evicted, LRU order oldest first
+    drain(cache, 0, [1])
+    assert cache.cached(0) == [0, 3, 1]
+    s = cache.stats()
+    assert (s["hits"], s["misses"], s["evictions"]) == (1, 5, 2)
+    assert loader.loads == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 1)]
+
+
+def test_pinned_experts_are_never_evicted():
+    cache, loader = make(3)
+    cache.pin(0, [7])
+    for e in range(10):
+        drain(cache, 0, [e, e + 1])
+    assert 7 in cache.cached(0)
+    assert loader.loads.count((0, 7)) == 1  # loaded once by pin(), then always a hit
+    assert cache.stats()["pinned"] == 1
+    with pytest.raises(ValueError, match="unpinned"):
+        cache.pin(0, [8, 9])  # would leave no slot to stream through
+
+
+@pytest.mark.parametrize("policy", ["lru", "fair"])
+def test_slots_bounded_and_buffers_reused(policy):
+    cache, _ = make(4, layers=range(3), policy=policy)
+    ptrs = {s.buf.data_ptr() for s in cache.slots}
+    arena = (cache.arena.data_ptr(), cache.arena.numel())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        layer = int(torch.randint(0, 3, (1,), generator=g))
+        ids = torch.randperm(16, generator=g)[:3].tolist()
+        assert sorted(drain(cache, layer, ids)) == sorted(ids)
+        assert len(cache.table) <= cache.n_slots
+        assert cache.used_slots <= cache.n_slots
+        # every expert held sits in one of the original slots: memory is reused, never grown
+        assert {s.buf.data_ptr() for s in cache.table.values()} <= ptrs
+    assert (cache.arena.data_ptr(), cache.arena.numel()) == arena
+    assert cache.capacity_bytes == 4 * SLOT
+
+
+def test_one_slot_streams_any_request():
+    """Down to a single slot: a request for k experts still completes (each reused in turn)."""
+    with ThreadPoolExecutor(2) as pool:
+        cache, loader = make(1, pool=pool)
+        assert sorted(drain(cache, 0, [5, 1, 3])) == [1, 3, 5]
+        assert sorted(drain(cache, 0, [3, 2])) == [2, 3]
+        assert cache.used_slots == 1
+
+
+def test_fair_policy_keeps_each_layers_share():
+    """Cyclic layer access (decode) with room for half a token's experts: plain LRU always
+    evicts what the next layer needs; the fair share keeps half of every layer's experts."""
+    hits = {}
+    for policy in ("lru", "fair"):
+        cache, _ = make(8, layers=range(4), policy=policy)
+        for _ in range(20):
+            for layer in range(4):
+                drain(cache, layer, [0, 1, 2, 3])
+        hits[policy] = cache.stats()["hit_rate"]
+    assert hits["lru"] == 0.0
+    assert hits["fair"] > 0.4
+
+
+def test_prefetch_never_evicts_claimed_experts():
+    cache, _ = make(3, layers=(0, 1))
+    assert cache.prefetch(1, [5]) == 1
+    # The look-ahead runs inside layer 0's stream once its experts are claimed: it may only
+    # take the one unclaimed slot (the unused prefetch of expert 5), never 0 or 1.
+    cache.defer(lambda: cache.prefetch(1, [7, 8]))
+    got = []
+    for e, w in cache.stream(0, [0, 1]):
+        got.append(e)
+        assert w.gate_up[:2].tolist() == [0, e]
+    assert sorted(got) == [0, 1]
+    assert sorted(cache.cached(1)) == [7]
+    s = cache.stats()
+    assert (s["prefetch_issued"], s["prefetch_wasted"]) == (2, 1)
+
+
+def test_prefetch_hits_and_prediction_scores():
+    cache, loader = make(6, layers=(0, 1))
+    cache.prefetch(1, [5, 6])
+    cache.prefetch(1, [7])  # the last prediction for a layer is the one scored
+    assert sorted(drain(cache, 1, [5, 7])) == [5, 7]
+    s = cache.stats()
+    assert (s["hits"], s["misses"], s["prefetch_used"]) == (2, 0, 2)
+    assert (s["pred_hits"], s["pred_total"], s["actual_total"]) == (1, 1, 2)
+    assert (s["prefetch_precision"], s["prefetch_recall"]) == (1.0, 0.5)
+    assert loader.loads == [(1, 5), (1, 6), (1, 7)]
+
+
+def test_stream_releases_claims_when_abandoned():
+    cache, _ = make(2)
+    it = cache.stream(0, [0, 1])
+    next(it)
+    it.close()  # consumer stopped early (an exception in the layer, say)
+    assert all(s.users == 0 for s in cache.slots)
+    assert sorted(drain(cache, 0, [2, 3])) == [2, 3]
+
+
+def test_failed_load_frees_the_slot():
+    class Failing(FakeLoader):
+        def load(self, layer, expert, buf):
+            if expert == 13:
+                raise OSError("disk on fire")
+            return super().load(layer, expert, buf)
+
+    cache = ExpertCache(Failing(), 2, SLOT, [0])
+    with pytest.raises(OSError, match="fire"):
+        drain(cache, 0, [13])
+    assert 13 not in cache.cached(0)
+    assert sorted(drain(cache, 0, [1, 2])) == [1, 2]
+
+
+def test_prefetch_stops_reading_ranks_that_mispredict():
+    cache, loader = make(8, layers=(0, 1))
+    cache.min_precision = 0.75
+    for _ in range(40):  # rank 0 always right, rank 1 always wrong
+        cache.prefetch(1, [1, 7])
+        drain(cache, 1, [1, 2])
+    assert cache.rank_ok(0) and not cache.rank_ok(1)
+    loads = len(loader.loads)
+    cache.prefetch(1, [3, 6])  # only rank 0 (expert 3) is read ahead now
+    assert loader.loads[loads:] == [(1, 3)]
+    s = cache.stats()
+    assert s["pred_total"] == 80 and s["pred_hits"] == 40  # every prediction is still scored
