@@ -154,9 +154,12 @@ class Engine:
         precision/recall, resident bytes, ...); keys in docs/TIERS.md."""
         return self.store.stats()
 
-    def generate(self, prompt: str, max_tokens: int = 256, **kw) -> Iterator[str]:
-        """Yield text pieces as they are generated (the prompt itself is not echoed)."""
-        ids = self.tokenizer.encode(prompt)
+    def generate(self, prompt: str, max_tokens: int = 256, *, add_special_tokens: bool = True, **kw) -> Iterator[str]:
+        """Yield text pieces as they are generated (the prompt itself is not echoed).
+
+        A prompt rendered by `tokenizer.apply_chat_template` already holds its special tokens:
+        pass `add_special_tokens=False` for it (as transformers does)."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         dec = StreamDecoder(self.tokenizer)
         for tok in self.generate_ids(ids, max_tokens, **kw):
             if tok in self.tokenizer.eos_ids and not kw.get("ignore_eos"):

@@ -197,12 +197,13 @@ def run_main(argv: list[str] | None = None) -> int:
         recorder = Recorder(llm.model)
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    ids = llm.tokenizer.encode(prompt)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=not a.chat)  # a chat template writes its own
     if len(ids) + a.n_predict > a.ctx_size:
         log.warning("colibri: prompt (%d tokens) + -n %d exceeds --ctx-size %d: generation stops when the "
                     "context is full", len(ids), a.n_predict, a.ctx_size)
     pieces = llm.generate(prompt, a.n_predict, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                          repeat_penalty=a.repeat_penalty, seed=a.seed, ignore_eos=a.ignore_eos)
+                          repeat_penalty=a.repeat_penalty, seed=a.seed, ignore_eos=a.ignore_eos,
+                          add_special_tokens=not a.chat)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()

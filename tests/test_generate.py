@@ -90,3 +90,17 @@ def test_api_rejects_bad_settings(ckpt):
         list(llm.generate("x", 4, top_p=0))
     with pytest.raises(ColibriError, match="exceed ctx_size"):
         llm.logits(list(range(1, 20)))
+
+
+def test_chat_prompt_gets_no_second_bos(ckpt, capsys):
+    from colibri.cli import main
+
+    model = ckpt.coli("mixtral", "f32")
+    llm = colibri.load(model, ctx_size=128)
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert ids.count(1) == 1  # the template's own <s>
+    expected = llm.tokenizer.decode(list(llm.generate_ids(ids, 6, ignore_eos=True)))
+    assert main(["-m", str(model), "-p", "Hi there", "--chat", "-n", "6", "--temp", "0", "--ignore-eos",
+                 "--no-stats"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
