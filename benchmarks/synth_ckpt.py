@@ -24,18 +24,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 # OLMoE-1B-7B-0924's config.json, minus the fields transformers fills in by default.
-OLMOE_7B = {"hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
-            "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "vocab_size": 50304}
+OLMOE_7B = {"hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+            "vocab_size": 50304}
 _SHARD_BYTES = 4 << 30  # like HF's default max_shard_size: few files, none huge
-_ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
 def olmoe_config(**kw) -> dict:
     from hf_tiny import BOS_ID, EOS_ID, PAD_ID
 
     c = {**OLMOE_7B, **kw}
-    return {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", **c, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    return {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", **c,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
             "clip_qkv": None, "norm_topk_prob": False, "attention_bias": False, "tie_word_embeddings": False,
             "hidden_act": "silu", "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
             "dtype": "bfloat16"}
@@ -49,24 +50,27 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], float, float]]:
     matters next to the block outputs, the router a wider std so routing is peaked rather
     than uniform-flat, lm_head 4x so greedy top-1 gaps are far above bf16 rounding.
     """
-    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    H, F, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]  # F: expert width
     E, V = cfg["num_experts"], cfg["vocab_size"]
     hd = H // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * hd
     out: list[tuple[str, tuple[int, ...], float, float]] = [("model.embed_tokens.weight", (V, H), 0.0, 1.0)]
     for i in range(L):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (H,), 1.0, 0.1), (p + "post_attention_layernorm.weight", (H,), 1.0, 0.1),
+        out += [(p + "input_layernorm.weight", (H,), 1.0, 0.1),
+                (p + "post_attention_layernorm.weight", (H,), 1.0, 0.1),
                 (p + "self_attn.q_proj.weight", (H, H), 0.0, H ** -0.5),
                 (p + "self_attn.k_proj.weight", (kv, H), 0.0, H ** -0.5),
                 (p + "self_attn.v_proj.weight", (kv, H), 0.0, H ** -0.5),
                 (p + "self_attn.o_proj.weight", (H, H), 0.0, H ** -0.5),
-                (p + "self_attn.q_norm.weight", (H,), 1.0, 0.1), (p + "self_attn.k_norm.weight", (kv,), 1.0, 0.1),
+                (p + "self_attn.q_norm.weight", (H,), 1.0, 0.1),
+                (p + "self_attn.k_norm.weight", (kv,), 1.0, 0.1),
                 (p + "mlp.gate.weight", (E, H), 0.0, 2 * H ** -0.5)]
         for e in range(E):
             q = f"{p}mlp.experts.{e}."
-            out += [(q + "gate_proj.weight", (I, H), 0.0, H ** -0.5), (q + "up_proj.weight", (I, H), 0.0, H ** -0.5),
-                    (q + "down_proj.weight", (H, I), 0.0, I ** -0.5)]
+            out += [(q + "gate_proj.weight", (F, H), 0.0, H ** -0.5),
+                    (q + "up_proj.weight", (F, H), 0.0, H ** -0.5),
+                    (q + "down_proj.weight", (H, F), 0.0, F ** -0.5)]
     out += [("model.norm.weight", (H,), 1.0, 0.1), ("lm_head.weight", (V, H), 0.0, 4 * H ** -0.5)]
     return out
 

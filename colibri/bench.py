@@ -11,8 +11,8 @@ generation first pays one-off costs (oneDNN primitive creation, first page fault
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
+import os
 import sys
 import time
 
@@ -28,20 +28,6 @@ PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
     "Here is a list of ten useful habits for learning a new language:\n1.",
 )
-STORE_KWARGS = ("mem_budget", "gpu_budget", "prefetch", "direct_io", "placement")
-
-
-def engine_kwargs(engine_cls, **want) -> dict:
-    """The store options the Engine accepts; refuses a given option this build does not know."""
-    params = inspect.signature(engine_cls.__init__).parameters
-    out = {}
-    for k, v in want.items():
-        if v is None:
-            continue
-        if k not in params:
-            raise ColibriError(f"this build's Engine has no '{k}' option (flag --{k.replace('_', '-')})")
-        out[k] = v
-    return out
 
 
 def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bool = True) -> dict:
@@ -52,6 +38,7 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
         for _ in llm.generate_ids(llm.tokenizer.encode("Hello"), 4, temperature=0.0, ignore_eos=True):
             pass
     runs = []
+    before = llm.store_stats()
     t_all = time.perf_counter()
     for text in prompts:
         ids = llm.tokenizer.encode(text)
@@ -66,7 +53,8 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
     decode_s = sum(r["decode_s"] for r in runs)
     out = {
         "model": llm.container.path, "scheme": llm.scheme, "threads": _threads(),
-        "prompts": len(runs), "n_tokens": n_tokens, "prompt_tokens": prompt_toks, "generated": decoded + len(runs),
+        "prompts": len(runs), "n_tokens": n_tokens, "prompt_tokens": prompt_toks,
+        "generated": decoded + len(runs),
         "prefill_tok_s": prompt_toks / prefill_s if prefill_s else 0.0,
         "decode_tok_s": decoded / decode_s if decode_s else 0.0,
         "ttft_ms": 1e3 * sum(r["ttft_s"] for r in runs) / len(runs),
@@ -74,7 +62,8 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
         "peak_rss_mib": peak_rss_mib(),
         "outputs": [r["tokens"] for r in runs],
     }
-    out.update(_store_figures(llm, decoded + len(runs) + prompt_toks))
+    out.update(_store_figures(before, llm.store_stats()))
+    out["loadavg"] = os.getloadavg()[0]  # other load on the box skews every figure: keep it on record
     return out
 
 
@@ -84,25 +73,25 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _store_figures(llm, tokens: int) -> dict:
-    """Cache figures from Engine.store_stats() when this build has one (None otherwise)."""
-    stats = llm.store_stats() if hasattr(llm, "store_stats") else {}
-    pick = lambda *keys: next((stats[k] for k in keys if k in stats), None)  # noqa: E731
-    hits, misses = pick("hits", "cache_hits"), pick("misses", "cache_misses")
-    hit_rate = pick("hit_rate")
-    if hit_rate is None and hits is not None and misses is not None and hits + misses:
-        hit_rate = hits / (hits + misses)
-    bpt = pick("bytes_read_per_token")
-    if bpt is None and (b := pick("bytes_read")) is not None and tokens:
-        bpt = b / tokens
-    return {"cache_hit_rate": hit_rate, "bytes_read_per_token": bpt,
-            "prefetch_precision": pick("prefetch_precision"), "prefetch_recall": pick("prefetch_recall"),
-            "store_stats": stats}
+def _store_figures(before: dict, after: dict) -> dict:
+    """Cache figures of the measured runs only (the warm-up and the load excluded)."""
+    from .store.tiered import stats_delta
+
+    s = stats_delta(before, after)
+    cached = s.get("lookups", 0) > 0  # no disk tier: hit rate and prefetch do not apply
+    return {"cache_hit_rate": s["hit_rate"] if cached else None,
+            "bytes_read_per_token": s["bytes_per_token"],
+            "decode_bytes_read_per_token": s["decode_bytes_per_token"],
+            "prefetch_precision": s["prefetch_precision"] if s.get("pred_total") else None,
+            "prefetch_recall": s["prefetch_recall"] if s.get("actual_total") else None,
+            "store_stats": s}
 
 
 def format_text(r: dict) -> str:
     def opt(v, fmt: str) -> str:
         return "n/a" if v is None else fmt.format(v)
+
+    bpt = r["decode_bytes_read_per_token"]
 
     return "\n".join([
         f"model        {r['model']} ({r['scheme']}), {r['threads']} threads",
@@ -112,9 +101,10 @@ def format_text(r: dict) -> str:
         f"decode       {r['decode_tok_s']:.2f} tok/s",
         f"TTFT         {r['ttft_ms']:.0f} ms (mean)",
         f"cache        hit rate {opt(r['cache_hit_rate'], '{:.1%}')}, "
-        f"read {opt(None if r['bytes_read_per_token'] is None else r['bytes_read_per_token'] / 1e6, '{:.2f}')} "
-        f"MB/token, prefetch precision {opt(r['prefetch_precision'], '{:.1%}')}",
+        f"read {opt(None if bpt is None else bpt / 1e6, '{:.2f}')} "
+        f"MB/decode token, prefetch precision {opt(r['prefetch_precision'], '{:.1%}')}",
         f"peak RSS     {r['peak_rss_mib']:.0f} MiB",
+        f"load avg     {r['loadavg']:.1f} (other work on this machine while measuring)",
     ])
 
 
@@ -123,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "(greedy, EOS ignored): decode/prefill tok/s, TTFT, cache figures, peak RSS.")
     p.add_argument("--model", "-m", required=True, help="path to a .coli container")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"use the first N of the {len(PROMPTS)} prompts")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS),
+                   help=f"use the first N of the {len(PROMPTS)} prompts")
     p.add_argument("--ctx-size", "-c", type=int, default=1024)
     p.add_argument("--threads", "-t", type=int, default=None)
     p.add_argument("--mem-budget", help="RAM budget, e.g. 3G (as for colibri run)")
@@ -131,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefetch", action="store_true", help="disable expert prefetch")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument("--no-warmup", action="store_true", help="measure from a cold start")
+    p.add_argument("--usage-file", help="learned hot set, as for colibri run: pin experts hot in past runs, "
+                   "add this run's routing counts")
     p.add_argument("--json", action="store_true", help="print one JSON object (machines) instead of text")
     a = p.parse_args(argv)
     if a.n_predict < 2 or not 1 <= a.prompts <= len(PROMPTS):
@@ -138,18 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     from .api import Engine
     from .store.placement import parse_size
 
-    kw = engine_kwargs(Engine, mem_budget=parse_size(a.mem_budget) if a.mem_budget else None,
-                       gpu_budget=parse_size(a.gpu_budget) if a.gpu_budget else None,
-                       prefetch=False if a.no_prefetch else None, direct_io=False if a.no_direct_io else None)
+    kw = {"mem_budget": parse_size(a.mem_budget) if a.mem_budget else None,
+          "gpu_budget": parse_size(a.gpu_budget) if a.gpu_budget else None,
+          "prefetch": not a.no_prefetch, "direct_io": not a.no_direct_io}
+    if a.usage_file:
+        from .usage import Recorder, hot_set_placement
+
+        kw["placement"] = hot_set_placement(a.model, a.usage_file, a.ctx_size)
     t0 = time.perf_counter()
     llm = Engine(a.model, ctx_size=a.ctx_size, threads=a.threads, **kw)
     load_s = time.perf_counter() - t0
+    recorder = Recorder(llm.model) if a.usage_file else None
     try:
         r = run_bench(llm, a.n_predict, PROMPTS[: a.prompts], warmup=not a.no_warmup)
     finally:
         llm.close()
+    if recorder is not None:
+        recorder.usage().save(a.usage_file)
     r["load_s"] = load_s
-    r["budget"] = {"mem_budget": kw.get("mem_budget"), "gpu_budget": kw.get("gpu_budget")}
+    r["budget"] = {"mem_budget": kw["mem_budget"], "gpu_budget": kw["gpu_budget"]}
     if a.json:
         print(json.dumps(r, default=str))
     else:

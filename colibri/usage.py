@@ -29,12 +29,11 @@ FORMAT, VERSION = "colibri-usage", 1
 class Usage:
     """Routing counts of one model: `counts[layer][expert]`, `tokens[layer]` routed tokens."""
 
-    def __init__(self, experts: list[int], path: str | os.PathLike[str] | None = None, top_k: int | None = None):
+    def __init__(self, experts: list[int], path: str | os.PathLike[str] | None = None):
         self.experts = list(experts)
         self.path = os.fspath(path) if path is not None else None
         self.counts: dict[int, list[int]] = {i: [0] * e for i, e in enumerate(self.experts) if e}
         self.tokens: dict[int, int] = {i: 0 for i in self.counts}
-        self.top_k = top_k
 
     # ------------------------------------------------------------------ queries
 
@@ -99,8 +98,8 @@ class Usage:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ColibriError(f"cannot read usage file {p}: {e}") from None
         if u.experts != list(experts):
-            raise ColibriError(f"usage file {p} was recorded for another model ({_shape(u.experts)}; this one "
-                               f"has {_shape(experts)}): use a separate --usage-file per model")
+            raise ColibriError(f"usage file {p} was recorded for another model ({_shape(u.experts)}; this "
+                               f"one has {_shape(experts)}): use a separate --usage-file per model")
         return u
 
     def merge(self, other: Usage) -> None:
@@ -111,7 +110,7 @@ class Usage:
             self.tokens[i] += other.tokens[i]
 
     def save(self, path: str | os.PathLike[str] | None = None) -> Usage:
-        """Add these counts to the file's (under a lock) and replace it atomically; returns the merged total."""
+        """Add these counts to the file's (under a lock), replace it atomically; returns the merged total."""
         p = Path(path or self.path)
         p.parent.mkdir(parents=True, exist_ok=True)
         # The lock file, not the data file, is locked: os.replace swaps the data file's inode.
@@ -179,3 +178,15 @@ class Recorder:
         for m, prev in self._prev.items():
             m.on_route = prev
         self._prev = {}
+
+
+def hot_set_placement(model_path: str | os.PathLike[str], usage_file: str | os.PathLike[str], ctx_size: int):
+    """The planner's PlacementFn with the usage file's counts (hot experts pinned first), for an
+    Engine run with `--usage-file` and no tier flags; plain planner until the file has counts."""
+    from .container import Container
+    from .plan import placement_fn
+    from .store.tiered import model_sizes
+
+    with Container(model_path) as c:  # the planner needs only the parsed header, kept after close
+        usage = Usage.load(usage_file, model_sizes(c).n_experts)
+    return placement_fn(c, ctx_size, usage if usage.total_tokens() else None)
