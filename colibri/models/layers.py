@@ -239,9 +239,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     S = k.shape[1]
     if sinks is not None:
         return _attend_with_sinks(q, k, v, start, scale, window, sinks).transpose(0, 1).reshape(T, -1)
+    if T == 1:  # decode: two small matmuls beat SDPA's kernel setup; heads grouped per kv head, no copies
+        if window is not None and S > window:
+            k, v = k[:, S - window :], v[:, S - window :]
+        Hkv = k.shape[0]
+        qg = q.view(Hkv, H // Hkv, -1)  # [Hkv, rep, D]
+        probs = torch.softmax((qg @ k.transpose(1, 2)).float() * scale, dim=-1).to(v.dtype)  # [Hkv, rep, S]
+        return (probs @ v).reshape(1, -1)  # [1, H * Dv]
     # 4-D inputs with enable_gqa let torch pick its fused CPU kernel and skip copying K/V per head group.
     gqa = k.shape[0] != H
-    if T > 1 and start == 0 and window is None:
+    if start == 0 and window is None:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         mask = attention_mask(T, S, start, window, q.device)
