@@ -3,6 +3,8 @@
     colibri [run] --model M.coli --prompt "Hello" -n 64 --ctx-size 1024 --threads 2
     colibri convert --input HF_FOLDER --output M.coli --arch moe --quant int8
     colibri inspect M.coli
+    colibri plan --model M.coli --mem-budget 3G
+    colibri bench --model M.coli --mem-budget 3G --json
 
 stdout carries only generated text; banner, logs and stats go to stderr.
 """
@@ -66,7 +68,7 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri",
         description="Run a Mixture-of-Experts model from a .coli container (models larger than RAM welcome). "
-                    "Subcommands: run (default), convert, inspect. 'colibri SUBCOMMAND --help' for each.",
+                    "Subcommands: run (default), convert, inspect, plan, bench. 'colibri SUBCOMMAND --help' for each.",
         formatter_class=_Help)
     g = p.add_argument_group("model and prompt")
     g.add_argument("--model", "-m", help="path to a .coli container; omitted: the built-in demo model")
