@@ -5,16 +5,21 @@ from __future__ import annotations
 import logging
 import os
 import resource
-from collections.abc import Iterator
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from .container import Container
+from .engine.kv import SlotPool
+from .engine.request import EngineClosedError, QueueFullError, RequestHandle, RequestStats, SamplingParams
+from .engine.runner import Runner
+from .engine.scheduler import Scheduler
+from .engine.stats import StepInfo
 from .errors import ColibriError
-from .generate import Stats, generate_tokens, make_sampler
 from .models.base import bind, build
-from .models.moe import SwitchGLU
 from .store import Placement, TieredStore
 from .store.tiered import PlacementFn, stats_delta
 from .tokenizer import StreamDecoder, Tokenizer
@@ -53,14 +58,22 @@ def compute_dtype_for(scheme: str) -> torch.dtype:
 
 
 class Engine:
-    """A loaded model: tokenizer, weights bound through the tiered store, and a KV cache for `ctx_size`.
+    """A loaded model serving requests: tokenizer, weights bound through the tiered store, N KV slots,
+    and one engine thread that runs every forward pass (docs/ENGINE.md). Every public method is safe
+    to call from any thread; concurrent requests share decode steps (continuous batching).
+
+    Slots and scheduling, keyword-only:
+    - `slots`: sequences decoded together, each with a KV cache of `ctx_size` positions
+      (`kv_bytes()` = slots x ctx_size x bytes per position).
+    - `max_queue`: requests allowed to wait for a slot (`QueueFullError` beyond it).
+    - `prefill_chunk`: prompt tokens per step (a long prompt is read in chunks, interleaved
+      with the decode steps of the running requests).
+    - `route_trace`: path of a routing trace to append to (docs/ROUTING.md).
 
     Memory tiers (docs/TIERS.md), all keyword-only:
     - `placement`: a `store.Placement` (per-layer "gpu" / "ram" / "disk", pinned hot experts),
       or a function `(ModelSizes, mem_budget, gpu_budget) -> Placement | None` that plans one.
-      None: the planner (colibri/plan.py) places the layers from the budgets and the machine's
-      free memory (`store.default_placement` is the store's simpler rule: all in RAM unless
-      `mem_budget` is smaller than the model, then the last MoE layers' experts to disk).
+      None: the planner places the layers from the budgets and the machine's free memory.
     - `mem_budget`: bytes of RAM for weights (dense weights, RAM-layer experts and the expert
       cache of disk layers). Weights are then read into memory the engine owns instead of
       being mapped. None: no bound (weights are mapped; disk layers get a small default cache).
@@ -71,17 +84,22 @@ class Engine:
     - `direct_io`: read experts with O_DIRECT (falls back to buffered reads where refused).
     - `gpu_device`: device of the "gpu" tier (default "cuda"; "cpu" runs the GPU code path on
       the CPU, for tests).
-    Greedy output is bit-identical whatever the tiers, budgets, prefetch and I/O settings.
+    Greedy output is the same whatever the tiers, budgets, prefetch, I/O settings and batch.
     """
 
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
-                 dtype: torch.dtype | None = None, verify: bool = False, *,
+                 dtype: torch.dtype | None = None, verify: bool = False, *, slots: int = 1, max_queue: int = 64,
+                 prefill_chunk: int = 512, route_trace: str | os.PathLike | None = None,
                  placement: Placement | PlacementFn | None = None, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | None = None):
-        if ctx_size <= 0:
-            raise ColibriError(f"ctx_size must be positive, got {ctx_size}")
-        torch.set_num_threads(threads or physical_cores())
+        for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
+                            ("prefill_chunk", prefill_chunk, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ColibriError(f"{name} must be an integer >= {lo}, got {v!r}")
+        self._closed = True  # until fully built: close() and __del__ then have nothing to undo
+        self.threads = threads or physical_cores()
+        torch.set_num_threads(self.threads)
         self.container = Container(path, verify=verify)
         c = self.container
         self.config = c.config
@@ -89,106 +107,254 @@ class Engine:
         self.scheme = c.quant.get("scheme", "bf16")
         self.dtype = dtype or compute_dtype_for(self.scheme)
         self.model, self.args = build(c.model_type, self.config)
-        if placement is None:  # planner (colibri/plan.py): no tier flags -> place by budgets and free memory
+        if placement is None:  # the planner: no tier flags -> place by budgets and free memory
             from .plan import placement_fn
 
-            placement = placement_fn(c, ctx_size)
+            placement = placement_fn(c, ctx_size * slots)
         self.store = TieredStore(c, self.dtype, placement, mem_budget=mem_budget, gpu_budget=gpu_budget,
                                  prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device)
         try:
             bind(self.model, self.store)
             self.store.attach(self.model)
+            self.model.model.embed_tokens.out_dtype = self.dtype
+            self.model.eval()
+            self.ctx_size, self.n_slots = ctx_size, slots
+            self.vocab_rows = self.model.model.embed_tokens.num_embeddings
+            self.slots = SlotPool(self.model, slots, ctx_size, self.dtype, self.store.layer_device)
         except BaseException:
             self.store.close()
             raise
-        self.model.model.embed_tokens.out_dtype = self.dtype
-        self.model.eval()
-        self.ctx_size = ctx_size
-        self.caches = self.model.make_cache(ctx_size, self.dtype)
-        for i, cache in enumerate(self.caches):
-            if self.store.layer_device(i).type != "cpu":
-                cache.to(self.store.layer_device(i))
-        self.last_stats = Stats()
+        self._sched = Scheduler(self.slots, max_queue, prefill_chunk)
+        self._runner = Runner(self.model, self._sched, self.store, self.threads, lambda: self.tokenizer.eos_ids)
+        self._local = threading.local()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.store, self.container)
+        self._trace = None
+        if route_trace is not None:
+            from .trace import RouteTraceWriter
+
+            self._trace = RouteTraceWriter(route_trace, self.tokenizer)
+            self.add_step_listener(self._trace)
+
+    # ------------------------------------------------------------------ facts
 
     @property
     def n_layers(self) -> int:
         return len(self.model.model.layers)
 
-    def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+    @property
+    def caches(self) -> list:
+        """Slot 0's per-layer caches (introspection)."""
+        return self.slots.caches[0]
 
-    @torch.inference_mode()
-    def logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits [T, vocab] (f32) for `token_ids`, from an empty cache."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        if ids.numel() == 0:
-            raise ColibriError("logits() needs at least one token")
-        if ids.numel() > self.ctx_size:
-            raise ColibriError(f"{ids.numel()} tokens exceed ctx_size {self.ctx_size}")
-        return self.model(ids, self.caches, 0)
+    def kv_bytes(self) -> int:
+        """Bytes of all KV slots: slots x ctx_size x bytes per position."""
+        return self.slots.nbytes
+
+    @property
+    def last_stats(self) -> RequestStats:
+        """Stats of the last request this thread ran through generate / generate_ids."""
+        return getattr(self._local, "stats", None) or RequestStats()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this Engine is closed; load the model again to use it")
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt_ids: list[int], max_tokens: int = 256, *, sampling: SamplingParams | None = None,
+               stop_ids: tuple[int, ...] | frozenset[int] = (), ignore_eos: bool = False,
+               prompt_logprobs: int | None = None, request_id: str | None = None, _want_logits: bool = False,
+               **sampling_kw) -> RequestHandle:
+        """Queue a request; returns its handle at once (iterate it for tokens, `cancel()` to stop it).
+
+        Raises `QueueFullError` when `max_queue` requests already wait, `ColibriError` for bad input."""
+        self._check_open()
+        if sampling is None:
+            try:
+                sampling = SamplingParams(**sampling_kw)
+            except TypeError as e:
+                raise ColibriError(f"unknown sampling setting: {e}") from None
+        elif sampling_kw:
+            raise ColibriError("give either sampling= or sampling keywords, not both")
+        sampling.validate()
+        ids = self._check_prompt(prompt_ids)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ColibriError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        if len(ids) > self.ctx_size or (max_tokens > 0 and len(ids) >= self.ctx_size):
+            raise ColibriError(f"the prompt has {len(ids)} tokens, which does not fit ctx-size {self.ctx_size} "
+                               "(raise --ctx-size or shorten the prompt)")
+        if prompt_logprobs is not None and (isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int)
+                                            or not 0 <= prompt_logprobs <= 20):
+            raise ColibriError(f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}")
+        h = RequestHandle(ids, max_tokens, sampling, stop_ids=frozenset(stop_ids), ignore_eos=ignore_eos,
+                          prompt_logprobs=prompt_logprobs, want_logits=_want_logits, request_id=request_id)
+        self._sched.submit(h)
+        self._runner.counters.requests += 1
+        self._runner.counters.prompt_tokens += len(ids)
+        return h
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.reshape(-1).tolist()
+        try:
+            ids = [int(i) for i in prompt_ids]
+        except (TypeError, ValueError):
+            raise ColibriError("the prompt must be a list of token ids (integers)") from None
+        if any(isinstance(i, bool) or (isinstance(i, float) and not float(i).is_integer()) for i in prompt_ids):
+            raise ColibriError("the prompt must be a list of token ids (integers)")
+        if not ids:
+            raise ColibriError("the prompt is empty (no tokens)")
+        bad = next((i for i in ids if not 0 <= i < self.vocab_rows), None)
+        if bad is not None:
+            raise ColibriError(f"token id {bad} is out of range: the vocabulary has {self.vocab_rows} entries")
+        return ids
 
     def generate_ids(self, prompt_ids: list[int], max_tokens: int = 256, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, repeat_penalty: float = 1.0, seed: int | None = None,
-                     ignore_eos: bool = False) -> Iterator[int]:
-        """Yield generated token ids; statistics land in `self.last_stats`."""
-        if not prompt_ids:
-            raise ColibriError("the prompt is empty (no tokens)")
-        if len(prompt_ids) >= self.ctx_size:
-            raise ColibriError(f"the prompt has {len(prompt_ids)} tokens, which does not fit ctx-size "
-                               f"{self.ctx_size} (raise --ctx-size or shorten the prompt)")
-        if not 0 < top_p <= 1 or top_k < 0 or temperature < 0 or repeat_penalty <= 0:
-            raise ColibriError("bad sampling settings: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
-                               "repeat_penalty > 0")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        sampler = make_sampler(temperature, top_k, top_p, gen)
-        self.last_stats = Stats()
+                     ignore_eos: bool = False, **kw) -> Iterator[int]:
+        """Yield generated token ids (EOS ends the stream and is not yielded); stats land in `last_stats`.
+        Closing the iterator early cancels the request."""
         before = self.store.stats()
-        yield from generate_tokens(self.model, self.caches, list(prompt_ids), max_tokens, sampler,
-                                   ctx_size=self.ctx_size, eos_ids=self.tokenizer.eos_ids, ignore_eos=ignore_eos,
-                                   repeat_penalty=repeat_penalty, stats=self.last_stats)
-        self.last_stats.extra["peak_rss_mib"] = peak_rss_mib()
-        self.last_stats.extra["store"] = stats_delta(before, self.store.stats())
-
-    def store_stats(self) -> dict:
-        """The weight store's cumulative counters (expert cache hits/misses, bytes read, prefetch
-        precision/recall, resident bytes, ...); keys in docs/TIERS.md."""
-        return self.store.stats()
+        h = self.submit(prompt_ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos, **kw)
+        try:
+            for ev in h:
+                yield ev.token
+        finally:
+            if not h.done:
+                h.cancel()
+                self._sched.wake()
+                h._done.wait(10)  # the engine ends it at its next step; then its stats are final
+            h.stats.extra["peak_rss_mib"] = peak_rss_mib()
+            if not self._closed:
+                h.stats.extra["store"] = stats_delta(before, self.store.stats())
+            self._local.stats = h.stats
 
     def generate(self, prompt: str, max_tokens: int = 256, *, add_special_tokens: bool = True, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated (the prompt itself is not echoed).
 
         A prompt rendered by `tokenizer.apply_chat_template` already holds its special tokens:
         pass `add_special_tokens=False` for it (as transformers does)."""
+        self._check_open()
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         dec = StreamDecoder(self.tokenizer)
         for tok in self.generate_ids(ids, max_tokens, **kw):
-            if tok in self.tokenizer.eos_ids and not kw.get("ignore_eos"):
-                break
             if piece := dec.push(tok):
                 yield piece
         if rest := dec.flush():
             yield rest
 
-    def trace_routing(self, enabled: bool = True) -> None:
-        """Log, per layer, the experts each generated token picked and their weights (debug level)."""
-        def hook(layer: int, idx: torch.Tensor, weights: torch.Tensor) -> None:
-            if idx.shape[0] == 1:
-                pairs = ", ".join(f"{e}:{w:.3f}" for e, w in zip(idx[0].tolist(), weights[0].tolist()))
-                log.debug("layer %2d experts %s", layer, pairs)
+    def generate_batch(self, prompts: list[str], max_tokens: int = 256, *, add_special_tokens: bool = True,
+                       **sampling) -> list[str]:
+        """Run several prompts concurrently (they share decode steps); their texts, in order."""
+        self._check_open()
+        ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
+        handles = self._submit_all([dict(prompt_ids=i, max_tokens=max_tokens, **sampling) for i in ids])
+        return [self.tokenizer.decode(h.wait()) for h in handles]
 
-        for m in self.model.modules():
-            if isinstance(m, SwitchGLU):
-                m.on_route = hook if enabled else None
+    def _submit_all(self, requests: list[dict]) -> list[RequestHandle]:
+        """Submit in order; when the queue is full, wait for the oldest unfinished request first."""
+        handles: list[RequestHandle] = []
+        try:
+            for kw in requests:
+                while True:
+                    try:
+                        handles.append(self.submit(**kw))
+                        break
+                    except QueueFullError:
+                        next(h for h in handles if not h.done)._done.wait()
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
+    def logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [T, vocab] (f32) for `token_ids`, from an empty slot."""
+        return self.logits_batch([token_ids])[0]
+
+    def logits_batch(self, windows: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced logits [T_i, vocab] for each window; windows share steps (one slot each)."""
+        self._check_open()
+        handles = self._submit_all([dict(prompt_ids=w, max_tokens=0, _want_logits=True) for w in windows])
+        for h in handles:
+            h.wait()
+        return [h.logits for h in handles]
+
+    # ------------------------------------------------------------------ watching
+
+    def health(self) -> dict:
+        """Slots busy/free and queue length."""
+        self._check_open()
+        return self._sched.counts()
+
+    def metrics(self) -> dict:
+        """Engine counters (requests, tokens, steps, batching gain) and the store's (hit rate, bytes read)."""
+        self._check_open()
+        k = self._runner.counters
+        out = {"requests": k.requests, "finished": dict(self._sched.finished), "prompt_tokens": k.prompt_tokens,
+               "generated_tokens": k.generated_tokens, "steps": k.steps, "rows": k.rows,
+               "decode_rows": k.decode_rows, "experts_unique": k.experts_unique,
+               "experts_summed": k.experts_summed, "busy_s": k.busy_s,
+               "batching_gain": k.experts_summed / k.experts_unique if k.experts_unique else 1.0}
+        out.update(self._sched.counts())
+        out["store"] = self.store.stats()
+        return out
+
+    def store_stats(self) -> dict:
+        """The weight store's cumulative counters (expert cache hits/misses, bytes read, prefetch
+        precision/recall, resident bytes, ...); keys in docs/TIERS.md."""
+        self._check_open()
+        return self.store.stats()
+
+    def add_step_listener(self, fn: Callable[[StepInfo], None]) -> None:
+        """Call `fn(StepInfo)` on the engine thread after every step (keep it quick)."""
+        self._check_open()
+        self._runner.listeners.append(fn)
+
+    def remove_step_listener(self, fn: Callable[[StepInfo], None]) -> None:
+        if fn in self._runner.listeners:
+            self._runner.listeners.remove(fn)
+
+    def trace_routing(self, enabled: bool = True) -> None:
+        """Log every token's experts and routing weights per layer (debug level; docs/ROUTING.md)."""
+        from .routelog import RouteLogger
+
+        if enabled and getattr(self, "_route_logger", None) is None:
+            self._route_logger = RouteLogger(self.tokenizer)
+            self.add_step_listener(self._route_logger)
+        elif not enabled and getattr(self, "_route_logger", None) is not None:
+            self.remove_step_listener(self._route_logger)
+            self._route_logger = None
 
     def close(self) -> None:
-        self.store.close()
-        self.container.close()
+        """Cancel what is running, stop the engine thread, release the file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+        if self._trace is not None:
+            self._trace.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shutdown(runner: Runner, store: TieredStore, container: Container) -> None:
+    runner.close()
+    store.close()
+    container.close()
 
 
 def load(path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None, **kw) -> Engine:
     """Open a .coli container and return a ready `Engine`.
 
-    `llm = colibri.load("m.coli", ctx_size=2048, threads=2)`;
-    `for piece in llm.generate("Hello", max_tokens=32, temperature=0): print(piece, end="")`.
+    `llm = colibri.load("m.coli", ctx_size=2048, threads=2, slots=4)`;
+    `for piece in llm.generate("Hello", max_tokens=32, temperature=0): print(piece, end="")`;
+    `llm.generate_batch(["a", "b"], max_tokens=16)`; `h = llm.submit(ids, 32)` for a cancellable handle.
     """
     return Engine(path, ctx_size=ctx_size, threads=threads, **kw)

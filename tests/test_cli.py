@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import colibri
 from colibri.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,10 +67,13 @@ def test_context_overflow_stops_with_a_message(ckpt, capsys):
 def test_debug_logs_experts_per_layer(ckpt, capsys):
     rc, out, err = run(["-m", str(ckpt.coli("mixtral", "f32")), "-p", "Hi", "-n", "3", "--temp", "0",
                         "--log-level", "debug", "--ignore-eos"], capsys)
-    lines = [ln for ln in err.splitlines() if ln.startswith("layer")]
+    lines = [ln for ln in err.splitlines() if ln.startswith("[req-") and " layer " in ln]
     n_layers = 3  # the tiny mixtral
-    assert rc == 0 and len(lines) == 2 * n_layers  # tokens 2 and 3 are decode steps; token 1 is the prefill
-    assert all(":" in ln.split("experts")[1] for ln in lines)
+    llm = colibri.load(ckpt.coli("mixtral", "f32"), ctx_size=16)
+    n_prompt = len(llm.tokenizer.encode("Hi"))
+    llm.close()
+    assert rc == 0 and len(lines) == (n_prompt + 3) * n_layers  # every prompt and every generated token
+    assert all(" pos " in ln and " tok " in ln and ":" in ln.split(": ", 1)[1] for ln in lines)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -69,8 +69,9 @@ def test_generation_stops_at_eos(ckpt):
     eos = free[5]  # pretend the 6th greedy token is end-of-sequence
     llm.tokenizer.eos_ids = {eos}
     stopped = list(llm.generate_ids(prompt, 20))
-    assert stopped == free[: free.index(eos) + 1]
-    assert llm.last_stats.stop_reason == "eos"
+    assert stopped == free[: free.index(eos)]  # EOS ends the stream; it is not a generated token
+    assert llm.last_stats.stop_reason == "stop"
+    assert llm.last_stats.generated == len(stopped)
 
 
 def test_api_logits_are_independent_of_earlier_calls(ckpt):
@@ -88,7 +89,7 @@ def test_api_rejects_bad_settings(ckpt):
     llm = colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=16)
     with pytest.raises(ColibriError, match="top_p"):
         list(llm.generate("x", 4, top_p=0))
-    with pytest.raises(ColibriError, match="exceed ctx_size"):
+    with pytest.raises(ColibriError, match="does not fit ctx-size"):
         llm.logits(list(range(1, 20)))
 
 

@@ -12,6 +12,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 import colibri
 from colibri.convert import convert
+from colibri.models.batch import StepBatch
 from colibri.models.layers import Linear, rope_inv_freq, rope_scaling, rope_theta
 from colibri.models.mla import LatentCache, MLAArgs, MLAttention
 from colibri.models.moe import SwitchGLU
@@ -81,7 +82,7 @@ def _run(m: MLAttention, mode: str, x: torch.Tensor, chunks: list[int]) -> tuple
     cache = m.make_cache(64, torch.float32)
     outs, start = [], 0
     for n in chunks:
-        outs.append(m(x[start : start + n], cache, start))
+        outs.append(m(x[start : start + n], StepBatch.single([cache], start, n).layer(0)))
         start += n
     return torch.cat(outs), cache
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
+from .batch import StepBatch
 from .layers import Embedding, Linear, RMSNorm
 from .moe import SwitchGLU
 
@@ -54,7 +55,7 @@ def build(model_type: str, config: dict) -> tuple[nn.Module, Any]:
 
 
 class CausalLM(nn.Module):
-    """Embedding -> decoder blocks -> norm -> lm_head. Blocks take `(h [T, H], cache, start)`."""
+    """Embedding -> decoder blocks -> norm -> lm_head. Blocks take `(h [T, H], LayerKV)`."""
 
     def __init__(self, vocab: int, hidden: int, eps: float, blocks: list[nn.Module]):
         super().__init__()
@@ -64,13 +65,14 @@ class CausalLM(nn.Module):
         self.model.norm = RMSNorm(hidden, eps)
         self.lm_head = Linear(hidden, vocab)
 
-    def forward(self, tokens: torch.Tensor, caches: list, start: int, last_only: bool = False) -> torch.Tensor:
-        """tokens [T] at positions start..start+T -> logits [T, V] (or [1, V] with last_only), f32."""
+    def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [T]: the step's rows (see models/batch.py) -> logits [T, V] f32, or [len(out_rows), V]
+        for just those rows (the head is the biggest matmul of a decode step: skip rows nobody samples)."""
         h = self.model.embed_tokens(tokens)  # [T, H]
-        for layer, cache in zip(self.model.layers, caches):
-            h = layer(h, cache, start)
-        if last_only:
-            h = h[-1:]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, batch.layer(i))
+        if out_rows is not None:
+            h = h[out_rows]
         return self.lm_head(self.model.norm(h)).float()
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> list:

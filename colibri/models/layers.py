@@ -1,6 +1,7 @@
 """Shared building blocks: weight placeholders, RMSNorm, RoPE, KV cache, attention, dense MLP.
 
-Hidden states are 2-D `[T, H]` everywhere (one sequence). Placeholders (`Linear`,
+Hidden states are 2-D `[T, H]` everywhere: the rows of one step, possibly of several sequences
+(models/batch.py); attention alone splits them per sequence. Placeholders (`Linear`,
 `Embedding`) hold no weights: `models.base.bind()` swaps in what the store hands out,
 so a model file never decides where or how a weight is stored.
 """
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .batch import LayerKV
 
 
 class Linear(nn.Module):
@@ -132,19 +135,22 @@ class RoPE(nn.Module):
         self.dim, self.interleaved = dim, interleaved
         self._cos = self._sin = torch.empty(0)
 
-    def tables(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + T
+    def tables(self, pos: int | torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for positions pos..pos+T (int) or for each of the positions in `pos` ([T] tensor)."""
+        end = pos + T if isinstance(pos, int) else int(pos.max()) + 1
         if self._cos.shape[0] < end or self._cos.dtype != dtype:
             n = max(end, 2 * self._cos.shape[0], 256)
             freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.float()[None]  # [n, d/2]
             emb = torch.cat((freqs, freqs), -1)  # [n, d]
             self._cos = (emb.cos() * self.mscale).to(dtype)
             self._sin = (emb.sin() * self.mscale).to(dtype)
-        return self._cos[start:end], self._sin[start:end]
+        if isinstance(pos, int):
+            return self._cos[pos:end], self._sin[pos:end]
+        return self._cos[pos], self._sin[pos]  # gathered rows: the same values a slice would give
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x: [T, heads, head_dim]; rotates the first `dim` channels."""
-        cos, sin = self.tables(start, x.shape[0], x.dtype)
+    def forward(self, x: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] at positions pos..pos+T (int) or `pos` ([T]); rotates the first `dim` channels."""
+        cos, sin = self.tables(pos, x.shape[0], x.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]
         rot, rest = x[..., : self.dim], x[..., self.dim :]
         if self.interleaved:  # pairs (0,1),(2,3)...: de-interleave, rotate, re-interleave
@@ -296,7 +302,8 @@ class Attention(nn.Module):
         self.rope = RoPE(a.rotary_dim or a.head_dim, a.rope_theta, a.rope_scaling, a.max_pos)
         self.scale = a.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        """x [T, hidden]: the step's rows; projections run on all rows, attention per sequence."""
         a, T = self.a, x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*D], [T, Hkv*D] x2
         if a.qk_norm == "full":
@@ -308,11 +315,14 @@ class Attention(nn.Module):
         v = v.view(T, a.kv_heads, a.head_dim)
         if a.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, start), self.rope(k, start)
-        k_all, v_all = cache.update(k.transpose(0, 1), v.transpose(0, 1), start)
-        out = attend(q.transpose(0, 1), k_all, v_all, start, self.scale, a.sliding_window,
-                     self.sinks if a.sinks else None)
-        return self.o_proj(out)
+        q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
+        sinks = self.sinks if a.sinks else None
+        outs = []
+        for r0, r1, start, cache in kv.segs:
+            k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
+            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.sliding_window, sinks))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> KVCache:
         return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype)
@@ -341,6 +351,6 @@ class DecoderBlock(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, h: torch.Tensor, cache, start: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cache, start)
+    def forward(self, h: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), kv)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch import LayerKV
 from .layers import Linear, RMSNorm, RoPE, attention_mask, yarn_get_mscale
 
 MODES = ("auto", "absorbed", "expanded")
@@ -86,7 +87,7 @@ class LatentCache:
 
 
 class MLAttention(nn.Module):
-    """MLA over a `LatentCache`: `forward(x [T, hidden], cache, start) -> [T, hidden]`."""
+    """MLA over `LatentCache`s: `forward(x [T, hidden], kv: LayerKV) -> [T, hidden]`."""
 
     def __init__(self, a: MLAArgs, mode: str = "auto"):
         super().__init__()
@@ -108,21 +109,26 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(qk_dim, a.rope_scaling, a.max_pos)
         self._absorbed_w: tuple[nn.Module, torch.Tensor] | None = None  # (kv_b_proj it came from, weight)
 
-    def forward(self, x: torch.Tensor, cache: LatentCache, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        """x [T, hidden]: the step's rows; projections run on all rows, attention per sequence."""
         a, T = self.a, x.shape[0]
         Dn, R = a.qk_nope_head_dim, a.kv_lora_rank
         q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(T, a.heads, Dn + a.qk_rope_head_dim)
-        q_nope, q_pe = q[..., :Dn], self.rope(q[..., Dn:], start)  # [T, H, Dn], [T, H, Dr]
+        q_nope, q_pe = q[..., :Dn], self.rope(q[..., Dn:], kv.pos)  # [T, H, Dn], [T, H, Dr]
         ckv = self.kv_a_proj_with_mqa(x)  # [T, R + Dr]
         c = self.kv_a_layernorm(ckv[:, :R])  # [T, R]
-        k_pe = self.rope(ckv[:, None, R:], start)[:, 0]  # [T, Dr], shared by all heads
-        latent = cache.update(torch.cat((c, k_pe), -1), start)  # [S, R + Dr]
-        if self._use_absorbed(T, latent.shape[0]):
-            out = self._absorbed(q_nope, q_pe, latent, start)
-        else:
-            out = self._expanded(q_nope, q_pe, latent, start)
-        return self.o_proj(out)  # [T, hidden]
+        k_pe = self.rope(ckv[:, None, R:], kv.pos)[:, 0]  # [T, Dr], shared by all heads
+        new = torch.cat((c, k_pe), -1)  # [T, R + Dr]
+        outs = []
+        for r0, r1, start, cache in kv.segs:
+            latent = cache.update(new[r0:r1], start)  # [S, R + Dr]
+            qn, qp = q_nope[r0:r1], q_pe[r0:r1]
+            if self._use_absorbed(r1 - r0, latent.shape[0]):
+                outs.append(self._absorbed(qn, qp, latent, start))
+            else:
+                outs.append(self._expanded(qn, qp, latent, start))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # [T, hidden]
 
     def _use_absorbed(self, T: int, S: int) -> bool:
         if self.mode != "auto":

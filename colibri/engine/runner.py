@@ -1,0 +1,198 @@
+"""The engine thread: admit, run one batched forward over the step's rows, pick tokens, repeat.
+
+It is the only thread that touches torch and the model (so the weight store, the expert cache
+and the KV slots need no locks); callers reach it through `Scheduler.submit` and read their
+`RequestHandle`s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..errors import ColibriError
+from ..models.batch import Seq, StepBatch
+from .request import EngineClosedError, TokenEvent
+from .sampling import prompt_logprobs
+from .scheduler import Active, Chunk, Scheduler
+from .stats import EngineCounters, RouteCapture, StepInfo, batching_counts
+
+log = logging.getLogger("colibri")
+
+
+class Runner:
+    def __init__(self, model: torch.nn.Module, sched: Scheduler, store, threads: int, eos_ids: Callable[[], set]):
+        self.model, self.sched, self.store, self.threads = model, sched, store, threads
+        self.eos_ids = eos_ids
+        self.capture = RouteCapture(model)
+        self.n_experts = {m.layer: m.num_experts for m in model.modules() if hasattr(m, "num_experts")
+                          and hasattr(m, "on_route")}
+        self.listeners: list[Callable[[StepInfo], None]] = []
+        self.counters = EngineCounters()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="colibri-engine", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                if not self.sched.wait_for_work(0.5):
+                    continue
+                self.sched.admit()
+                chunks = self.sched.plan()
+                if chunks:
+                    self._step(chunks)
+
+    def _step(self, chunks: list[Chunk]) -> None:
+        t0 = time.perf_counter()
+        seqs, tokens, out_rows, r = [], [], [], 0
+        for c in chunks:
+            n = len(c.tokens)
+            seqs.append(Seq(r, r + n, c.start, self.sched.slots.caches[c.a.slot]))
+            tokens.extend(c.tokens)
+            if c.all_rows:
+                out_rows.extend(range(r, r + n))
+            elif c.sample:
+                out_rows.append(r + n - 1)
+            r += n
+        bytes0 = self._bytes_read()
+        try:
+            batch = StepBatch(seqs)
+            logits = self.model(torch.tensor(tokens, dtype=torch.long), batch,
+                                torch.tensor(out_rows, dtype=torch.long))  # [len(out_rows), V]
+        except BaseException as e:  # noqa: BLE001 - handed to the requests of the step, the engine goes on
+            self.capture.take()
+            if not isinstance(e, ColibriError | MemoryError):
+                log.exception("colibri: engine step failed")
+            for c in chunks:
+                self.sched.finish(c.a, "error", e)
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            return
+        routes = self.capture.take()
+        now = time.perf_counter()
+        o = 0
+        for c in chunks:
+            n_out = len(c.tokens) if c.all_rows else int(c.sample)
+            self._after(c, logits[o : o + n_out], now)
+            o += n_out
+        self._account(chunks, seqs, routes, bytes0, now - t0)
+
+    def _after(self, c: Chunk, logits: torch.Tensor, now: float) -> None:
+        """Feed the chunk's results back to its request: prompt scores, then the next token."""
+        a, h = c.a, c.a.h
+        a.fed += len(c.tokens)
+        if a.final:
+            self.sched.finish(a, "length")
+            return
+        if c.start < a.prompt_len:  # a prompt chunk
+            if h.want_logits:
+                a.logits_parts.append(logits.clone())
+            if h.prompt_logprobs is not None:
+                self._score_prompt(a, c, logits)
+            if a.prefilling:
+                return
+            h.stats.prefill_s = now - h.submitted_at - h.stats.queued_s
+            if h.want_logits:
+                h.logits = torch.cat(a.logits_parts) if len(a.logits_parts) > 1 else a.logits_parts[0]
+                a.logits_parts = []
+            if h.max_tokens == 0:
+                self.sched.finish(a, "length")
+                return
+        tok, lp, top = a.picker.pick(logits[-1])
+        st = h.stats
+        if st.generated == 0:
+            st.ttft_s = now - h.submitted_at
+            a.first_at = now
+        if tok in h.stop_ids or (not h.ignore_eos and tok in self.eos_ids()):
+            st.decode_s = now - a.first_at
+            self.sched.finish(a, "stop")
+            return
+        st.generated += 1
+        st.decode_s = now - a.first_at
+        self.counters.generated_tokens += 1
+        h._emit(TokenEvent(tok, lp, top))
+        if st.generated >= h.max_tokens:
+            if self.listeners and a.fed < self.sched.slots.ctx:  # route listeners see the last token too
+                a.next_token, a.final = tok, True
+            else:
+                self.sched.finish(a, "length")
+        elif a.fed >= self.sched.slots.ctx:  # no position left to feed the token just made
+            self.sched.finish(a, "ctx")
+        else:
+            a.next_token = tok
+
+    def _score_prompt(self, a: Active, c: Chunk, logits: torch.Tensor) -> None:
+        """Row t of the chunk predicts prompt token c.start + t + 1 (the last row may predict the first
+        generated token: not a prompt score)."""
+        h, P = a.h, a.prompt_len
+        if h.prompt_token_logprobs is None:
+            h.prompt_token_logprobs, h.prompt_top_logprobs = [None], [None]
+        targets = h.prompt_ids[c.start + 1 : min(c.start + len(c.tokens) + 1, P)]
+        if targets:
+            lps, tops = prompt_logprobs(logits[: len(targets)], torch.tensor(targets), h.prompt_logprobs)
+            h.prompt_token_logprobs.extend(lps)
+            h.prompt_top_logprobs.extend(tops)
+
+    # ------------------------------------------------------------------ counters and listeners
+
+    def _bytes_read(self) -> int:
+        caches = getattr(self.store, "caches", None)
+        return sum(c.counts["bytes_read"] for c in caches.values()) if caches else 0
+
+    def _account(self, chunks: list[Chunk], seqs: list[Seq], routes: dict, bytes0: int, seconds: float) -> None:
+        k = self.counters
+        k.steps += 1
+        k.rows += seqs[-1].r1
+        k.decode_rows += sum(1 for c in chunks if c.start >= c.a.prompt_len)
+        k.busy_s += seconds
+        read = self._bytes_read() - bytes0
+        bounds = [(s.r0, s.r1) for s in seqs]
+        unique, summed, own = batching_counts(routes, bounds, self.n_experts) if routes else ({}, {}, [0] * len(seqs))
+        total_unique = sum(unique.values())
+        k.experts_unique += total_unique
+        k.experts_summed += sum(summed.values())
+        n = len(chunks)
+        for c, mine in zip(chunks, own):
+            st = c.a.h.stats
+            st.experts_own += mine
+            st.experts_fetched_share += total_unique / n
+            st.bytes_read_share += read / n
+        if self.listeners:
+            rows, seq_rows = [], []
+            for c, s in zip(chunks, seqs):
+                rows.extend((c.a.h.id, c.start + t, tok) for t, tok in enumerate(c.tokens))
+                seq_rows.append((c.a.h.id, s.r0, s.r1))
+            kinds = {c.start >= c.a.prompt_len for c in chunks}
+            kind = "mixed" if len(kinds) == 2 else ("decode" if True in kinds else "prefill")
+            info = StepInfo(rows, routes, unique, summed, seq_rows, read, seconds, kind)
+            for fn in list(self.listeners):
+                try:
+                    fn(info)
+                except Exception:  # noqa: BLE001 - a listener must not take the engine down
+                    log.exception("colibri: step listener failed; removing it")
+                    self.listeners.remove(fn)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self, timeout: float = 30.0) -> None:
+        for h in self.sched.close():
+            h._finish("cancelled", EngineClosedError("the engine was closed before this request started"))
+        for a in list(self.sched.active):
+            a.h.cancel()
+        self.sched.wake()
+        # Let the loop end the running requests at its next admit, then stop it.
+        deadline = time.monotonic() + timeout
+        while self.sched.active and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._stop.set()
+        self.sched.wake()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)

@@ -1,0 +1,145 @@
+"""Continuous batching: a bounded FIFO queue, N slots, and which rows each step runs.
+
+A step runs one decode row for every request that is generating, plus prefill chunks of the
+requests still reading their prompt, up to `prefill_chunk` prompt tokens per step in all (FIFO).
+Prefill and decode share a step rather than alternate: a long prompt then stalls the running
+streams by at most one chunk's time, and the prompt's rows and the decode rows meet in the same
+expert union of every MoE layer (one fetch serves both). A request leaves at EOS / max_tokens /
+context full / cancellation, and its slot goes to the next queued request in the same step.
+
+Only the engine thread touches `Active` state; `submit` and `cancel` come from any thread and
+meet the engine thread under `cond`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv import SlotPool
+from .request import EngineClosedError, QueueFullError, RequestHandle
+from .sampling import TokenPicker
+
+
+@dataclass
+class Active:
+    """A request holding a slot."""
+
+    h: RequestHandle
+    slot: int
+    picker: TokenPicker
+    fed: int = 0  # tokens written to the slot's cache (prompt, then generated)
+    next_token: int | None = None  # sampled, not yet fed
+    logits_parts: list[torch.Tensor] = field(default_factory=list)  # want_logits: prompt logits so far
+    first_at: float = 0.0
+    final: bool = False  # done generating; its last token is fed once more only so listeners see its routing
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.h.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.prompt_len
+
+
+@dataclass
+class Chunk:
+    """One request's rows in a step: `tokens` at positions start..; `sample`: its last row is sampled;
+    `all_rows`: every row's logits are kept (prompt scoring)."""
+
+    a: Active
+    tokens: list[int]
+    start: int
+    sample: bool
+    all_rows: bool
+
+
+class Scheduler:
+    def __init__(self, slots: SlotPool, max_queue: int, prefill_chunk: int):
+        self.slots, self.max_queue, self.prefill_chunk = slots, max_queue, prefill_chunk
+        self.queue: deque[RequestHandle] = deque()
+        self.active: list[Active] = []  # admission order
+        self.cond = threading.Condition()
+        self.closed = False
+        self.finished: dict[str, int] = {}  # finish reason -> requests
+
+    # ------------------------------------------------------------------ any thread
+
+    def submit(self, h: RequestHandle) -> None:
+        with self.cond:
+            if self.closed:
+                raise EngineClosedError("the engine is closed")
+            if len(self.queue) >= self.max_queue + self.slots.free:  # free slots take queued requests first
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self.queue.append(h)
+            self.cond.notify()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify()
+
+    def counts(self) -> dict:
+        with self.cond:
+            busy = self.slots.n_slots - self.slots.free
+            return {"slots": self.slots.n_slots, "busy": busy, "free": self.slots.free,
+                    "queued": len(self.queue), "max_queue": self.max_queue}
+
+    # ------------------------------------------------------------------ engine thread
+
+    def wait_for_work(self, timeout: float) -> bool:
+        with self.cond:
+            if not self.queue and not self.active and not self.closed:
+                self.cond.wait(timeout)
+            return bool(self.queue or self.active)
+
+    def admit(self) -> None:
+        """Drop cancelled requests (queued or running), then fill free slots from the queue."""
+        with self.cond:
+            for h in [h for h in self.queue if h.cancelled]:
+                self.queue.remove(h)
+                self.finished["cancelled"] = self.finished.get("cancelled", 0) + 1
+                h._finish("cancelled")
+            for a in [a for a in self.active if a.h.cancelled]:
+                self.finish(a, "cancelled")
+            while self.queue and self.slots.free:
+                h = self.queue.popleft()
+                slot = self.slots.acquire()
+                h.stats.queued_s = time.perf_counter() - h.submitted_at
+                self.active.append(Active(h, slot, TokenPicker(h.sampling, h.prompt_ids)))
+
+    def finish(self, a: Active, reason: str, error: BaseException | None = None) -> None:
+        """End a request and free its slot at once (the next admit reuses it)."""
+        if a in self.active:
+            self.active.remove(a)
+            self.slots.release(a.slot)
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        a.h._finish(reason, error)
+
+    def plan(self) -> list[Chunk]:
+        """This step's rows: decode rows first (one per generating request), then prompt chunks."""
+        chunks = [Chunk(a, [a.next_token], a.fed, not a.final, False) for a in self.active if not a.prefilling]
+        budget = self.prefill_chunk
+        for a in self.active:
+            if not a.prefilling or budget <= 0:
+                continue
+            n = min(budget, a.prompt_len - a.fed)
+            budget -= n
+            last = a.fed + n == a.prompt_len
+            scoring = a.h.prompt_logprobs is not None or a.h.want_logits
+            chunks.append(Chunk(a, a.h.prompt_ids[a.fed : a.fed + n], a.fed, last and a.h.max_tokens > 0,
+                                scoring))
+        return chunks
+
+    def close(self) -> list[RequestHandle]:
+        """Refuse new requests; hand back the queued ones (the caller ends them)."""
+        with self.cond:
+            self.closed = True
+            queued = list(self.queue)
+            self.queue.clear()
+            self.cond.notify_all()
+            return queued
