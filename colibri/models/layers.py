@@ -176,13 +176,15 @@ class KVCache:
         self.max_len = max_len
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [Hkv, T, D] at positions start..start+T; returns everything up to there."""
+        """k, v: [Hkv, T, D] at positions start..start+T; returns everything up to there (for a one-row
+        decode in a reduced precision, up to the next multiple of KV_BUCKET: see `kv_span`)."""
         end = start + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"context full: position {end} exceeds ctx-size {self.max_len}")
         self.k[:, start:end] = k
         self.v[:, start:end] = v
-        return self.k[:, :end], self.v[:, :end]
+        span = kv_span(end, k.shape[1], self.max_len, k.dtype)
+        return self.k[:, :span], self.v[:, :span]
 
     def to(self, device: torch.device | str) -> KVCache:
         self.k, self.v = self.k.to(device), self.v.to(device)
@@ -191,6 +193,21 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+KV_BUCKET = 128
+
+
+def kv_span(end: int, T: int, max_len: int, dtype: torch.dtype) -> int:
+    """Keys a one-row decode attends over: bf16/f16 matmuls run through oneDNN, which builds (and keeps)
+    a kernel per shape, so a key length that grows every step grew RSS by ~1 GB over 4k tokens and
+    paid a kernel build per token. Rounding up (the tail masked) to a multiple of KV_BUCKET, or of a
+    quarter of the next power of two, keeps ~2 shapes per doubling of the context (each costs ~1 MiB of
+    kernels) for at most a third more attention work. f32 (the oracle path) attends over exactly `end` keys."""
+    if T != 1 or dtype == torch.float32:
+        return end
+    step = max(KV_BUCKET, 1 << max(0, end.bit_length() - 2))
+    return min(max_len, -(-end // step) * step)
 
 
 def attention_mask(T: int, S: int, start: int, window: int | None, device) -> torch.Tensor | None:
@@ -209,7 +226,7 @@ SINK_CHUNK_SCORES = 1 << 25  # scores held at once by the sink path (128 MiB of 
 
 
 def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-                       window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+                       window: int | None, sinks: torch.Tensor, valid: int) -> torch.Tensor:
     """SDPA has no sink term: softmax over [scores | sink], then drop the sink column.
 
     q [H, T, D], k/v [Hkv, S, D] -> [H, T, Dv]. Query heads are grouped under their kv head, so the
@@ -217,8 +234,8 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
     H, T, D = q.shape
     Hkv = k.shape[0]
     rep = H // Hkv
-    if T == 1 and window is not None and k.shape[1] > window:  # decode: the window is the newest keys
-        k, v, window = k[:, -window:], v[:, -window:], None
+    if T == 1 and window is not None and valid > window:  # decode: the window is the newest keys
+        k, v, window, valid = k[:, valid - window : valid], v[:, valid - window : valid], None, window
     S = k.shape[1]
     mask = attention_mask(T, S, start, window, q.device)  # [T, S] or None
     sink = sinks.float().view(Hkv, rep, 1, 1)
@@ -231,6 +248,8 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
         scores = (qc.reshape(Hkv, rep * t, D) @ k.transpose(1, 2)).float().view(Hkv, rep, t, S) * scale
         if mask is not None:
             scores = scores.masked_fill(~mask[t0 : t0 + step], float("-inf"))
+        if valid < S:  # bucketed decode keys (kv_span): the tail is not this sequence's
+            scores[..., valid:] = float("-inf")
         probs = torch.softmax(torch.cat((scores, sink.expand(Hkv, rep, t, 1)), -1), -1)[..., :S]
         outs.append((probs.to(v.dtype).reshape(Hkv, rep * t, S) @ v).view(H, t, -1))  # [H, t, Dv]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
@@ -238,20 +257,25 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
            window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [H, T, D], k/v: [Hkv, S, D] (GQA by head groups) -> [T, H * Dv].
+    """q: [H, T, D] at positions start.., k/v: [Hkv, S, D] (GQA by head groups) -> [T, H * Dv].
 
+    The keys of this sequence are the first start + T; a decode row may get more (kv_span), masked.
     `sinks` [H]: a learned per-head logit that joins the softmax denominator only (gpt-oss)."""
     H, T, _ = q.shape
-    S = k.shape[1]
+    valid = start + T
     if sinks is not None:
-        return _attend_with_sinks(q, k, v, start, scale, window, sinks).transpose(0, 1).reshape(T, -1)
+        return _attend_with_sinks(q, k, v, start, scale, window, sinks, valid).transpose(0, 1).reshape(T, -1)
     if T == 1:  # decode: two small matmuls beat SDPA's kernel setup; heads grouped per kv head, no copies
-        if window is not None and S > window:
-            k, v = k[:, S - window :], v[:, S - window :]
+        if window is not None and valid > window:
+            k, v, valid = k[:, valid - window : valid], v[:, valid - window : valid], window
         Hkv = k.shape[0]
         qg = q.view(Hkv, H // Hkv, -1)  # [Hkv, rep, D]
-        probs = torch.softmax((qg @ k.transpose(1, 2)).float() * scale, dim=-1).to(v.dtype)  # [Hkv, rep, S]
+        scores = (qg @ k.transpose(1, 2)).float() * scale  # [Hkv, rep, S]
+        if valid < k.shape[1]:
+            scores[..., valid:] = float("-inf")
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
         return (probs @ v).reshape(1, -1)  # [1, H * Dv]
+    S = k.shape[1]
     # 4-D inputs with enable_gqa let torch pick its fused CPU kernel and skip copying K/V per head group.
     gqa = k.shape[0] != H
     if start == 0 and window is None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batch import LayerKV
-from .layers import Linear, RMSNorm, RoPE, attention_mask, yarn_get_mscale
+from .layers import Linear, RMSNorm, RoPE, attention_mask, kv_span, yarn_get_mscale
 
 MODES = ("auto", "absorbed", "expanded")
 # The absorbed path scores at most this many (query row, key) pairs at once: 64 MiB of f32.
@@ -70,12 +70,13 @@ class LatentCache:
         self.kv_lora_rank, self.max_len = kv_lora_rank, max_len
 
     def update(self, latent: torch.Tensor, start: int) -> torch.Tensor:
-        """latent [T, R + Dr] at positions start..start+T; returns rows 0..start+T."""
+        """latent [T, R + Dr] at positions start..start+T; returns rows 0..start+T (a one-row decode in
+        a reduced precision: up to the next multiple of KV_BUCKET, see layers.kv_span)."""
         end = start + latent.shape[0]
         if end > self.max_len:
             raise ValueError(f"context full: position {end} exceeds ctx-size {self.max_len}")
         self.kv[start:end] = latent
-        return self.kv[:end]
+        return self.kv[: kv_span(end, latent.shape[0], self.max_len, latent.dtype)]
 
     def to(self, device: torch.device | str) -> LatentCache:
         self.kv = self.kv.to(device)
@@ -122,12 +123,12 @@ class MLAttention(nn.Module):
         new = torch.cat((c, k_pe), -1)  # [T, R + Dr]
         outs = []
         for r0, r1, start, cache in kv.segs:
-            latent = cache.update(new[r0:r1], start)  # [S, R + Dr]
+            latent = cache.update(new[r0:r1], start)  # [S, R + Dr] (S may be bucketed: see kv_span)
             qn, qp = q_nope[r0:r1], q_pe[r0:r1]
-            if self._use_absorbed(r1 - r0, latent.shape[0]):
+            if self._use_absorbed(r1 - r0, start + r1 - r0):
                 outs.append(self._absorbed(qn, qp, latent, start))
             else:
-                outs.append(self._expanded(qn, qp, latent, start))
+                outs.append(self._expanded(qn, qp, latent[: start + r1 - r0], start))
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # [T, hidden]
 
     def _use_absorbed(self, T: int, S: int) -> bool:
@@ -167,7 +168,7 @@ class MLAttention(nn.Module):
         rows = max(1, SCORE_ELEMS // S)  # bound the [rows, S] f32 score block during long prefills
         for r in range(0, H * T, rows):
             scores = (q[r : r + rows] @ latent.T).float() * self.scale  # [rows, S]
-            if T > 1:  # causal: query t sits at position start + t
+            if T > 1 or S > start + 1:  # causal (query t sits at position start + t); masks a bucketed tail too
                 t = torch.arange(r, min(r + rows, H * T), device=q.device) % T  # [rows]
                 future = torch.arange(S, device=q.device)[None] > (start + t)[:, None]  # [rows, S]
                 scores.masked_fill_(future, float("-inf"))
