@@ -14,7 +14,7 @@ import torch
 
 from .container import Container
 from .engine.kv import SlotPool
-from .engine.request import EngineClosedError, QueueFullError, RequestHandle, RequestStats, SamplingParams
+from .engine.request import EngineClosedError, QueueFullError, RequestHandle, RequestStats, SamplingParams, TokenEvent
 from .engine.runner import Runner
 from .engine.scheduler import Scheduler
 from .engine.stats import StepInfo
@@ -133,7 +133,7 @@ class Engine:
         if route_trace is not None:
             from .trace import RouteTraceWriter
 
-            self._trace = RouteTraceWriter(route_trace, self.tokenizer)
+            self._trace = RouteTraceWriter(route_trace, self.tokenizer, experts=self._runner.n_experts, model=str(path))
             self.add_step_listener(self._trace)
 
     # ------------------------------------------------------------------ facts
@@ -164,11 +164,14 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], max_tokens: int = 256, *, sampling: SamplingParams | None = None,
                stop_ids: tuple[int, ...] | frozenset[int] = (), ignore_eos: bool = False,
-               prompt_logprobs: int | None = None, request_id: str | None = None, _want_logits: bool = False,
+               prompt_logprobs: int | None = None, request_id: str | None = None,
+               listener: Callable[[TokenEvent | None], None] | None = None, _want_logits: bool = False,
                **sampling_kw) -> RequestHandle:
         """Queue a request; returns its handle at once (iterate it for tokens, `cancel()` to stop it).
 
-        Raises `QueueFullError` when `max_queue` requests already wait, `ColibriError` for bad input."""
+        `listener`: registered before the request is queued, so it sees every event (see
+        `RequestHandle.add_listener`). Raises `QueueFullError` when `max_queue` requests already wait,
+        `ColibriError` for bad input."""
         self._check_open()
         if sampling is None:
             try:
@@ -189,6 +192,8 @@ class Engine:
             raise ColibriError(f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}")
         h = RequestHandle(ids, max_tokens, sampling, stop_ids=frozenset(stop_ids), ignore_eos=ignore_eos,
                           prompt_logprobs=prompt_logprobs, want_logits=_want_logits, request_id=request_id)
+        if listener is not None:
+            h.add_listener(listener)
         self._sched.submit(h)
         self._runner.counters.requests += 1
         self._runner.counters.prompt_tokens += len(ids)

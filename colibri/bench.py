@@ -109,39 +109,32 @@ def format_text(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli.common import add_engine_args, engine_from_args, setup_logging
+
     p = argparse.ArgumentParser(prog="colibri bench", description="Benchmark a model on fixed prompts "
                                 "(greedy, EOS ignored): decode/prefill tok/s, TTFT, cache figures, peak RSS.")
-    p.add_argument("--model", "-m", required=True, help="path to a .coli container")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--prompts", type=int, default=len(PROMPTS),
                    help=f"use the first N of the {len(PROMPTS)} prompts")
-    p.add_argument("--ctx-size", "-c", type=int, default=1024)
-    p.add_argument("--threads", "-t", type=int, default=None)
-    p.add_argument("--mem-budget", help="RAM budget, e.g. 3G (as for colibri run)")
-    p.add_argument("--gpu-budget", help="VRAM budget, e.g. 6G")
-    p.add_argument("--no-prefetch", action="store_true", help="disable expert prefetch")
-    p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument("--no-warmup", action="store_true", help="measure from a cold start")
-    p.add_argument("--usage-file", help="learned hot set, as for colibri run: pin experts hot in past runs, "
-                   "add this run's routing counts")
     p.add_argument("--json", action="store_true", help="print one JSON object (machines) instead of text")
+    add_engine_args(p, model_required=True, ctx_size=1024)
     a = p.parse_args(argv)
+    setup_logging(a.log_level)
     if a.n_predict < 2 or not 1 <= a.prompts <= len(PROMPTS):
         raise ColibriError(f"need -n >= 2 and 1 <= --prompts <= {len(PROMPTS)}")
-    from .api import Engine
     from .store.placement import parse_size
 
-    kw = {"mem_budget": parse_size(a.mem_budget) if a.mem_budget else None,
-          "gpu_budget": parse_size(a.gpu_budget) if a.gpu_budget else None,
-          "prefetch": not a.no_prefetch, "direct_io": not a.no_direct_io}
-    if a.usage_file:
-        from .usage import Recorder, hot_set_placement
-
-        kw["placement"] = hot_set_placement(a.model, a.usage_file, a.ctx_size)
+    budget = {"mem_budget": parse_size(a.mem_budget) if a.mem_budget else None,
+              "gpu_budget": parse_size(a.gpu_budget) if a.gpu_budget else None}
     t0 = time.perf_counter()
-    llm = Engine(a.model, ctx_size=a.ctx_size, threads=a.threads, **kw)
+    llm = engine_from_args(a)
     load_s = time.perf_counter() - t0
-    recorder = Recorder(llm.model) if a.usage_file else None
+    recorder = None
+    if a.usage_file:
+        from .usage import Recorder
+
+        recorder = Recorder(llm.model)
     try:
         r = run_bench(llm, a.n_predict, PROMPTS[: a.prompts], warmup=not a.no_warmup)
     finally:
@@ -149,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if recorder is not None:
         recorder.usage().save(a.usage_file)
     r["load_s"] = load_s
-    r["budget"] = {"mem_budget": kw["mem_budget"], "gpu_budget": kw["gpu_budget"]}
+    r["budget"] = budget
     if a.json:
         print(json.dumps(r, default=str))
     else:

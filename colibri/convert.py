@@ -67,6 +67,10 @@ def read_tokenizer(folder: Path) -> dict:
     for extra in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
         if (folder / extra).exists():
             out[extra.removesuffix(".json")] = _load_json(folder / extra)
+    from .chat_template import read_templates  # chat_template.jinja (current transformers) or the config's
+
+    if (template := read_templates(folder, out.get("tokenizer_config"))) is not None:
+        out.setdefault("tokenizer_config", {})["chat_template"] = template
     return out
 
 
@@ -169,19 +173,47 @@ class Plan:
         if name == "lm_head.weight" and s != "int8":
             s = "int8"  # the output projection is the most sensitive; llama.cpp keeps it >= 6 bits too
         if not can_quantize(shape, s, self.group_size):
-            s = "int8"  # e.g. an input dim not divisible by the group size
+            s = "int8"  # e.g. an input dim not divisible by the group size: reported by fallbacks()
         return s
+
+    def fallbacks(self) -> dict[str, str]:
+        """{weight name: why} for the linears stored as int8 instead of the group scheme asked for
+        (routed experts once per layer, as `...experts.*.down.weight`). Written to the header
+        (`quant_fallback`), printed by convert and `colibri inspect` (docs/QUANT.md)."""
+        if self.scheme in FLOAT_DTYPES or self.scheme == "int8":
+            return {}
+        out = {}
+        for name, (kind, shape) in self.expected.items():
+            if kind == "experts":
+                _, inter, hidden = shape
+                weights = {f"{name}.*.gate_up.weight": (2 * inter, hidden), f"{name}.*.down.weight": (hidden, inter)}
+            elif kind == "linear" and name != "lm_head.weight":  # lm_head: int8 by policy, not a fallback
+                weights = {name: shape}
+            else:
+                continue
+            for wname, wshape in weights.items():
+                if not can_quantize(wshape, self.scheme, self.group_size):
+                    out[wname] = (f"int8: in_features {wshape[1]} is not a multiple of the group size "
+                                  f"{self.group_size}" if wshape[1] % self.group_size else "int8: not byte-packable")
+        return out
 
     def total_bytes(self) -> int:
         n = sum(self.st.nbytes(h) for h in self.sources.values())
         return n + sum(self.st.nbytes(h) for parts in self.experts.values() for h in parts.values())
 
 
-def stored_tensors(name: str, w: torch.Tensor, scheme: str, group_size: int) -> dict[str, tuple[torch.Tensor, dict]]:
-    """{stored name: (tensor, index attrs)} for one weight in `scheme` (quantized: data + companions)."""
+def stored_tensors(name: str, w: torch.Tensor, scheme: str, group_size: int,
+                   stats=None, full_name: str | None = None) -> dict[str, tuple[torch.Tensor, dict]]:
+    """{stored name: (tensor, index attrs)} for one weight in `scheme` (quantized: data + companions).
+    `stats` (calibrate.ActivationStats): group schemes use the importance-weighted quantizer."""
     if scheme in FLOAT_DTYPES:
         return {name: (w.to(FLOAT_DTYPES[scheme]), {})}
-    q = quantize(w.float(), scheme, group_size)
+    if stats is not None and scheme in ("int4", "int3", "int2"):
+        from .calibrate import quantize_calibrated
+
+        q = quantize_calibrated(w.float(), scheme, group_size, stats, full_name or name)
+    else:
+        q = quantize(w.float(), scheme, group_size)
     attrs = {"quant": {"scheme": scheme, "group_size": group_size, "shape": list(w.shape)}}
     return {name + suffix: (t, attrs if not suffix else {}) for suffix, t in q.items()}
 
@@ -206,8 +238,11 @@ def _expert_parts(plan: Plan, prefix: str, e: int) -> dict[str, torch.Tensor]:
 
 
 def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: int = 64,
-            arch: str | None = None, progress: bool | None = None) -> Path:
-    """Convert an HF folder into a verified container at `dst`; returns the path."""
+            arch: str | None = None, progress: bool | None = None, calibration=None) -> Path:
+    """Convert an HF folder into a verified container at `dst`; returns the path.
+
+    `calibration`: a text file, a saved statistics file or a `calibrate.ActivationStats`; the
+    int4/int3/int2 weights are then quantized with activation statistics (colibri/calibrate.py)."""
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise ColibriError(f"input folder {src} does not exist")
@@ -237,6 +272,19 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
             "quant": {"scheme": scheme, "group_size": group_size},
             "converter": {"colibri": __version__, "source": str(src), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                           "dropped": plan.dropped}}
+    if fallback := plan.fallbacks():
+        meta["quant"]["fallback_tensors"] = len(fallback)
+        meta["quant_fallback"] = fallback
+        print(f"warning: {len(fallback)} weights stored as int8, not {scheme} (e.g. {next(iter(fallback))}: "
+              f"{next(iter(fallback.values()))}); `colibri inspect` lists them", file=sys.stderr)
+    stats = None
+    if calibration is not None:
+        if scheme not in ("int4", "int3", "int2"):
+            raise ColibriError(f"--calibration applies to --quant int4/int3/int2, not {scheme}")
+        from .calibrate import stats_for_convert
+
+        stats = stats_for_convert(calibration, src, group_size)
+        meta["quant"]["calibration"] = stats.source or "uniform weights (no statistics)"
     record_fn = getattr(fam, "expert_record", expert_record)
     with Progress(plan.total_bytes(), f"converting {src.name} -> {dst.name} ({scheme})", enabled=progress) as bar, \
             Writer(dst, meta) as w:
@@ -253,13 +301,18 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                             members[pname] = (t.float(), {})
                         else:
                             s = plan.storage(f"{name}.{e}.{pname}", "linear", tuple(t.shape))
-                            members.update(stored_tensors(pname, t, s, group_size))
+                            members.update(stored_tensors(pname, t, s, group_size, stats, f"{name}.{e}.{pname}"))
                     w.add_record(f"{name}.{e}", members)
                 continue
             t = st.read(plan.sources[name])
             bar.update(t.nbytes)
-            for sname, (data, attrs) in stored_tensors(name, t, plan.storage(name, kind, shape), group_size).items():
+            for sname, (data, attrs) in stored_tensors(name, t, plan.storage(name, kind, shape), group_size,
+                                                       stats).items():
                 w.add_tensor(sname, data, **attrs)
+        if stats is not None and stats.unseen:  # e.g. a saved statistics file from another model
+            w.meta["quant"]["uncalibrated"] = len(stats.unseen)
+            print(f"warning: {len(stats.unseen)} weights had no calibration statistics and were quantized "
+                  f"without them (e.g. {stats.unseen[0]})", file=sys.stderr)
     verify_converted(dst, plan)
     return dst
 
@@ -316,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", default="bf16", choices=SCHEMES,
                    help="weight format: f32/f16/bf16, int8 (per-channel), int4 (group-wise); int2/int3 experimental")
     p.add_argument("--group-size", type=int, default=64, help="group size for int4/int3/int2 (default 64)")
+    p.add_argument("--calibration", metavar="FILE", help="int4/int3/int2: quantize with activation statistics "
+                   "gathered by running the bf16 model over this text file (or a saved .safetensors statistics "
+                   "file); see docs/QUANT.md")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     a = p.parse_args(argv)
     if a.group_size <= 0 or a.group_size % 2:
@@ -323,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quant in ("int2", "int3"):
         print(f"warning: --quant {a.quant} is experimental: expect a visible quality loss", file=sys.stderr)
     t0 = time.perf_counter()
-    out = convert(a.input, a.output, a.quant, a.group_size, a.arch, progress=False if a.no_progress else None)
+    out = convert(a.input, a.output, a.quant, a.group_size, a.arch, progress=False if a.no_progress else None,
+                  calibration=a.calibration)
     size = out.stat().st_size
     print(f"wrote {out} ({size / 2**20:.1f} MiB, {a.quant}) in {time.perf_counter() - t0:.1f}s; "
           "checksums and shapes verified", file=sys.stderr)

@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with Container(a.file) as c:
         print(c.summary())
+        if fallback := c.meta.get("quant_fallback"):  # weights the converter stored as int8 (docs/QUANT.md)
+            print(f"fallback:    {len(fallback)} weights not in {c.quant.get('scheme')}:")
+            for name, why in fallback.items():
+                print(f"  {name}: {why}")
         if a.tensors:
             for name in c.names():
                 e = c.info(name)

@@ -45,16 +45,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise ColibriError("this model has no chat template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    def template(self, name: str | None = None):
+        """The model's chat template (`colibri.chat_template.ChatTemplate`; `name`: one of several named
+        ones). ColibriError when the model has none."""
+        from .chat_template import ChatTemplate, pick_template
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ColibriError(msg))
-        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        source = pick_template(self.chat_template, name)
+        if source is None:
+            raise ColibriError("this model has no chat template")
+        return ChatTemplate(source, self.config, self.tk.token_to_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        return self.template().render(messages, add_generation_prompt, **kwargs)
 
 
 class StreamDecoder:

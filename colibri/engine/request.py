@@ -181,7 +181,8 @@ class RequestHandle:
 
     def add_listener(self, fn: Callable[[TokenEvent | None], None]) -> None:
         """Call `fn(event)` on the engine thread for every later event, and `fn(None)` once at the
-        end (also at once if the request already ended). `fn` must be quick and must not raise."""
+        end (also at once if the request already ended). `fn` must be quick and must not raise.
+        To see every event, pass the listener to `Engine.submit(listener=...)` instead."""
         with self._lock:
             if not self._done.is_set():
                 self._listeners.append(fn)
@@ -193,7 +194,9 @@ class RequestHandle:
     def _emit(self, ev: TokenEvent) -> None:
         self.tokens.append(ev.token)
         self._q.put(ev)
-        for fn in self._listeners:
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
             fn(ev)
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:

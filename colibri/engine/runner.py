@@ -78,12 +78,13 @@ class Runner:
             return
         routes = self.capture.take()
         now = time.perf_counter()
+        # Counters and listeners first: a request's stats and routing are complete when it ends.
+        self._account(chunks, seqs, routes, bytes0, now - t0)
         o = 0
         for c in chunks:
             n_out = len(c.tokens) if c.all_rows else int(c.sample)
             self._after(c, logits[o : o + n_out], now)
             o += n_out
-        self._account(chunks, seqs, routes, bytes0, now - t0)
 
     def _after(self, c: Chunk, logits: torch.Tensor, now: float) -> None:
         """Feed the chunk's results back to its request: prompt scores, then the next token."""

@@ -1,0 +1,147 @@
+"""The engine flags shared by `run`, `serve`, `chat` and `bench`, and the Engine they build.
+
+One `add_engine_args(parser)` adds them; one `engine_from_args(args)` turns them into a loaded
+`colibri.api.Engine`, so the commands cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from ..errors import ColibriError
+
+log = logging.getLogger("colibri")
+
+
+def positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got '{text}'") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be positive, got {v}")
+        return v
+    return parse
+
+
+def nonneg(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got '{text}'") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        return v
+    return parse
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default only when it has a meaningful one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in h:
+            h += " (default: %(default)s)"
+        return h
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False, ctx_size: int = 4096,
+                    slots: int = 1) -> None:
+    """The flags that load a model: model, context, threads, memory tiers, batching, logging."""
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", "-m", required=model_required,
+                   help="path to a .coli container" + ("" if model_required else "; omitted: the built-in demo model"))
+    g.add_argument("--ctx-size", "-c", type=positive("--ctx-size"), default=ctx_size,
+                   help="context length per slot; the KV cache is preallocated for it (memory grows with it)")
+    g.add_argument("--threads", "-t", type=positive("--threads"), default=None,
+                   help="torch CPU threads (default: number of physical cores)")
+    g.add_argument("--slots", type=positive("--slots"), default=slots,
+                   help="requests decoded together (one KV cache of --ctx-size each)")
+    g.add_argument("--max-queue", type=nonneg("--max-queue"), default=64,
+                   help="requests waiting for a slot beyond which new ones are refused")
+    g.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=512,
+                   help="prompt tokens prefilled per engine step (long prompts do not stall running requests)")
+    g.add_argument("--verify", action="store_true", help="verify every checksum of the container before running")
+    g.add_argument("--log-level", default="warning", choices=["error", "warning", "info", "debug"],
+                   help="stderr verbosity; debug logs each token's experts and routing weights per layer")
+    g.add_argument("--route-trace", metavar="FILE", default=None,
+                   help="append every token's experts and routing weights to FILE (JSON lines, docs/ROUTING.md; "
+                        "analyse with 'colibri routes FILE')")
+    t = p.add_argument_group("memory tiers")
+    t.add_argument("--gpu-layers", type=nonneg("--gpu-layers"), default=None,
+                   help="number of layers (from the first) kept in GPU memory")
+    t.add_argument("--ram-layers", type=nonneg("--ram-layers"), default=None,
+                   help="number of layers (after the GPU ones) kept resident in RAM")
+    t.add_argument("--disk-layers", type=nonneg("--disk-layers"), default=None,
+                   help="number of layers (the last) whose routed experts are read from disk on demand")
+    t.add_argument("--mem-budget", default=None, metavar="SIZE",
+                   help="RAM for weights, e.g. 12G: dense weights, RAM layers' experts and the expert "
+                        "cache of disk layers; weights are then read into engine-owned memory (peak RSS "
+                        "stays within SIZE + the runtime's fixed overhead). Without layer flags, layers' "
+                        "experts move to disk as needed to fit")
+    t.add_argument("--gpu-budget", default=None, metavar="SIZE",
+                   help="VRAM for the GPU layers' weights; their experts are cached when they do not all fit")
+    t.add_argument("--no-prefetch", action="store_true",
+                   help="do not predict and read the next layer's experts ahead (router look-ahead)")
+    t.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=True,
+                   help="read experts with O_DIRECT, bypassing the page cache (falls back when refused)")
+    t.add_argument("--usage-file", default=None,
+                   help="learned hot set (opt-in): add this run's expert routing counts to this JSON file, "
+                        "and pin the experts hottest in past runs when planning the expert cache")
+
+
+def setup_logging(level: str) -> None:
+    """colibri's own stderr handler (replaced on every call, so repeated in-process runs behave)."""
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def resolve_model(a: argparse.Namespace) -> str:
+    """`--model`, or the built-in demo model when it is omitted; refuses a missing file."""
+    if a.model is None:
+        from ..demo import demo_model
+
+        a.model = str(demo_model())
+        log.warning("no --model given: using the built-in demo model %s", a.model)
+    if not Path(a.model).exists():
+        raise ColibriError(f"model file {a.model} not found")
+    return a.model
+
+
+def engine_from_args(a: argparse.Namespace):
+    """Load the `colibri.api.Engine` the engine flags describe."""
+    import torch
+
+    from ..api import Engine
+    from ..store.placement import from_flags, parse_size
+
+    model = resolve_model(a)
+    mem_budget = parse_size(a.mem_budget) if a.mem_budget is not None else None
+    gpu_budget = parse_size(a.gpu_budget) if a.gpu_budget is not None else None
+    layer_flags = a.gpu_layers is not None or a.ram_layers is not None or a.disk_layers is not None
+    placement = None
+    if layer_flags:
+        # A planning function: the engine calls it once the layer count is known.
+        placement = lambda sizes, *_: from_flags(sizes.n_layers, a.gpu_layers, a.ram_layers,  # noqa: E731
+                                                 a.disk_layers, torch.cuda.is_available())
+    elif a.usage_file:
+        from ..usage import hot_set_placement  # learned hot set: plan with past runs' routing counts
+
+        placement = hot_set_placement(model, a.usage_file, a.ctx_size)
+    llm = Engine(model, ctx_size=a.ctx_size, threads=a.threads, verify=a.verify, placement=placement,
+                 mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
+                 direct_io=a.direct_io, slots=a.slots, max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
+                 route_trace=getattr(a, "route_trace", None))
+    if a.log_level == "debug":
+        llm.trace_routing()  # one stderr line per (token, MoE layer): colibri/routelog.py
+    return llm

@@ -1,0 +1,153 @@
+"""`colibri [run]`: generate from one prompt (or one chat turn with --chat) and print the text.
+
+    colibri [run] --model M.coli --prompt "Hello" -n 64 --ctx-size 1024 --threads 2
+
+stdout carries only generated text; banner, logs and stats go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ..errors import ColibriError
+from .common import HelpFormatter, add_engine_args, engine_from_args, nonneg, positive, setup_logging
+
+log = logging.getLogger("colibri")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    from . import SUBCOMMANDS  # the registry lives in the package; imported late to avoid a cycle
+
+    p = argparse.ArgumentParser(
+        prog="colibri",
+        description="Run a Mixture-of-Experts model from a .coli container (models larger than RAM welcome). "
+                    f"Subcommands: {', '.join(SUBCOMMANDS)} (run is the default). "
+                    "'colibri SUBCOMMAND --help' for each.",
+        formatter_class=HelpFormatter)
+    g = p.add_argument_group("prompt")
+    g.add_argument("--prompt", "-p", help="the prompt text")
+    g.add_argument("--file", "-f", help="read the prompt from this file instead of --prompt")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template as one user turn (see 'colibri chat')")
+    g.add_argument("-n", "--n-predict", type=positive("-n"), default=128, help="number of tokens to generate")
+    add_sampling_args(p)
+    add_engine_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--no-stats", action="store_true", help="do not print the stats line at the end")
+    o.add_argument("--stats", action="store_true",
+                   help="also print the memory-tier stats: expert cache hit rate, bytes read per token, "
+                        "prefetch precision, resident bytes")
+    return p
+
+
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", "--temp", type=float, default=temperature, help="0 = greedy decoding")
+    s.add_argument("--top-k", type=nonneg("--top-k"), default=40, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise tokens already seen (1.0 = off)")
+    s.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible output)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
+
+
+def validate_sampling(a: argparse.Namespace) -> None:
+    if a.temperature < 0:
+        raise ColibriError(f"--temperature must be >= 0, got {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        raise ColibriError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.repeat_penalty <= 0:
+        raise ColibriError(f"--repeat-penalty must be > 0, got {a.repeat_penalty}")
+
+
+def _read_prompt(a: argparse.Namespace) -> str:
+    if a.file:
+        try:
+            return Path(a.file).read_text()
+        except OSError as e:
+            raise ColibriError(f"cannot read prompt file {a.file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ColibriError(f"prompt file {a.file} is not UTF-8 text") from None
+    if a.prompt is None:
+        raise ColibriError("no prompt: give --prompt TEXT or --file PATH")
+    return a.prompt
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = run_parser().parse_args(argv)
+    setup_logging(a.log_level)
+    validate_sampling(a)
+    prompt = _read_prompt(a)
+    if a.prompt is not None and a.file:
+        raise ColibriError("give either --prompt or --file, not both")
+    t0 = time.perf_counter()
+    llm = engine_from_args(a)
+    log.info("loaded %s (%s, %s, %d layers) in %.2fs; KV cache %.1f MiB for ctx %d", a.model,
+             llm.container.model_type, llm.scheme, llm.n_layers, time.perf_counter() - t0,
+             llm.kv_bytes() / 2**20, a.ctx_size)
+    recorder = None
+    if a.usage_file:  # learned hot set: count this run's routing (colibri/usage.py)
+        from ..usage import Recorder
+
+        recorder = Recorder(llm.model)
+    if a.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=not a.chat)  # a chat template writes its own
+    if len(ids) + a.n_predict > a.ctx_size:
+        log.warning("colibri: prompt (%d tokens) + -n %d exceeds --ctx-size %d: generation stops when the "
+                    "context is full", len(ids), a.n_predict, a.ctx_size)
+    pieces = llm.generate(prompt, a.n_predict, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                          repeat_penalty=a.repeat_penalty, seed=a.seed, ignore_eos=a.ignore_eos,
+                          add_special_tokens=not a.chat)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if recorder is not None:
+        total = recorder.usage().save(a.usage_file)
+        log.info("usage file %s: %d routed tokens recorded in total", a.usage_file, total.total_tokens())
+    st = llm.last_stats
+    if st.stop_reason == "ctx":
+        print(f"colibri: stopped: the context is full (--ctx-size {a.ctx_size}); raise --ctx-size to go on",
+              file=sys.stderr)
+    if not a.no_stats:
+        print(stats_line(st), file=sys.stderr)
+    if a.stats:
+        print(tier_stats_line(st), file=sys.stderr)
+    return 0
+
+
+def stats_line(st) -> str:
+    rss = st.extra.get("peak_rss_mib", 0.0)
+    return (f"[colibri] prompt {st.prompt_tokens} tok, prefill {st.prefill_tps:.1f} tok/s | "
+            f"generated {st.generated} tok, decode {st.decode_tps:.2f} tok/s | "
+            f"TTFT {st.ttft_s * 1000:.0f} ms | peak RSS {rss:.0f} MiB")
+
+
+def tier_stats_line(st) -> str:
+    """The --stats line: speeds, then what the memory tiers did during this run."""
+    s = st.extra.get("store", {})
+    mib = 2**20
+    line = (f"[colibri] tiers: {s.get('placement', '?')} | prefill {st.prefill_tps:.1f} tok/s, decode "
+            f"{st.decode_tps:.2f} tok/s, TTFT {st.ttft_s * 1000:.0f} ms | peak RSS "
+            f"{st.extra.get('peak_rss_mib', 0.0):.0f} MiB, weights resident "
+            f"{s.get('resident_bytes', 0) / mib:.0f} MiB")
+    if s.get("cache_slots"):
+        line += (f" | expert cache {s['cache_slots']} slots ({s['cache_bytes'] / mib:.0f} MiB): hit rate "
+                 f"{s['hit_rate']:.1%}, read {s['bytes_read'] / mib:.1f} MiB = "
+                 f"{s['bytes_per_token'] / mib:.2f} MiB/token "
+                 f"(decode {s['decode_bytes_per_token'] / mib:.2f}), "
+                 f"I/O wait {s['io_wait_s']:.2f} s, {'O_DIRECT' if s['direct_io'] else 'buffered'}")
+        if s.get("prefetch"):
+            line += (f" | prefetch precision {s['prefetch_precision']:.1%}, "
+                     f"recall {s['prefetch_recall']:.1%}, used {s['prefetch_used']}/{s['prefetch_issued']}")
+    if st.experts_own:
+        # Batching: the experts this request routed to alone vs its share of what its steps' batches fetched.
+        line += (f" | experts: {st.experts_own} routed, {st.experts_fetched_share:.0f} fetched as its share "
+                 f"of the batches ({st.experts_own / max(st.experts_fetched_share, 1e-9):.2f}x batching gain), "
+                 f"{st.bytes_read_share / mib:.1f} MiB read as its share")
+    return line

@@ -1,0 +1,34 @@
+"""`colibri serve`: the OpenAI-compatible HTTP server (docs/SERVER.md).
+
+    colibri serve --model M.coli [--host 127.0.0.1] [--port 8000] [--slots 4] [--api-key KEY]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import HelpFormatter, add_engine_args, positive
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colibri serve", formatter_class=HelpFormatter,
+                                description="Serve a model over an OpenAI-compatible HTTP API "
+                                            "(/v1/chat/completions, /v1/completions, /v1/models, /health, "
+                                            "/metrics).")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    h.add_argument("--port", type=positive("--port"), default=8000, help="TCP port")
+    h.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
+    h.add_argument("--model-id", default=None,
+                   help="the model name clients send and /v1/models lists (default: the file's stem)")
+    add_engine_args(p, slots=4)
+    p.set_defaults(log_level="info")  # one line per request
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = serve_parser().parse_args(argv)
+    from ..server.main import serve
+
+    return serve(a)

@@ -1,0 +1,368 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over `Engine.submit` (docs/SERVER.md).
+
+One engine thread owns torch; handlers here only render prompts, submit requests and relay the
+tokens (colibri/server/relay.py). Errors are OpenAI-shaped JSON, never a traceback. SIGINT/SIGTERM
+drain: new requests get 503 while running ones finish (cancelled after a grace period), then the
+engine is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.request import EngineClosedError, QueueFullError, RequestHandle
+from ..errors import ColibriError
+from .dashboard import router as dashboard_router
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
+from .relay import Relay
+from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
+
+log = logging.getLogger("colibri.server")
+
+
+class ServerState:
+    """What the routes share: the engine, the model's id and template, requests in flight."""
+
+    def __init__(self, engine, model_id: str, api_key: str | None = None):
+        self.engine, self.model_id, self.api_key = engine, model_id, api_key
+        self.tok = engine.tokenizer
+        self.text_of = TokenText(self.tok)
+        self.metrics = Metrics(engine)
+        self.inflight: set[RequestHandle] = set()
+        self.draining = False
+        self.created = int(time.time())
+        try:
+            self.template, self.template_error = self.tok.template(), None
+        except ColibriError as e:  # the server still serves /v1/completions
+            self.template, self.template_error = None, str(e)
+            log.warning("colibri: /v1/chat/completions is unavailable: %s", e)
+
+    # ------------------------------------------------------------------ request plumbing
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
+                           "model_not_found", "model")
+
+    def fit(self, n_prompt: int, max_new: int | None, param: str) -> int:
+        """max_tokens for a prompt of n_prompt tokens: the rest of the context when unset; 400 when
+        prompt + max_tokens exceed the context (as OpenAI answers)."""
+        ctx = self.engine.ctx_size
+        if max_new is None:
+            max_new = ctx - n_prompt
+        if n_prompt + max_new > ctx or n_prompt >= ctx and max_new > 0:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens, but {n_prompt + max_new} "
+                           f"were requested ({n_prompt} in the {param}, {max_new} in the completion)",
+                           "context_length_exceeded", param)
+        return max_new
+
+    def submit(self, endpoint: str, ids: list[int], max_new: int, stops: list[str], **kw) -> Relay:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "shutting_down")
+        relay = Relay(self.tok, stops, on_end=lambda r: self._ended(endpoint, r), on_token_gap=self.metrics.itl.observe)
+        try:
+            h = self.engine.submit(ids, max_new, request_id=kw.pop("request_id"), listener=relay._on_event, **kw)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "queue_full") from None
+        except EngineClosedError:
+            raise APIError(503, "the server is shutting down", "shutting_down") from None
+        except ColibriError as e:
+            raise bad_request(str(e)) from None
+        relay.handle = h
+        self.inflight.add(h)
+        return relay
+
+    def _ended(self, endpoint: str, r: Relay) -> None:
+        """On the event loop when a request ends: its log line and metrics."""
+        h, st = r.handle, r.handle.stats
+        self.inflight.discard(h)
+        ttft = st.ttft_s if st.generated else None
+        self.metrics.finished(endpoint, r.finish_reason, st.prompt_tokens, st.generated, ttft,
+                              time.perf_counter() - r.started)
+        log.info("%s %s: prompt %d tok, completion %d tok, TTFT %s, %.1f tok/s, finish %s", h.id, endpoint,
+                 st.prompt_tokens, st.generated, f"{ttft * 1000:.0f} ms" if ttft is not None else "-",
+                 st.decode_tps, r.finish_reason)
+
+    def cancel_all(self) -> None:
+        for h in list(self.inflight):
+            h.cancel()
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="colibri", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.colibri = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        state.metrics.errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            err = APIError(404, f"unknown route {request.method} {request.url.path}", "unknown_url")
+        elif e.status_code == 405:
+            err = APIError(405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed")
+        else:
+            err = APIError(e.status_code, str(e.detail))
+        return await api_error(request, err)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("colibri: internal error on %s %s", request.method, request.url.path)
+        return await api_error(request, APIError(500, f"internal error: {type(e).__name__}", "internal_error"))
+
+    app.add_middleware(_Gate, state=state)
+    app.include_router(dashboard_router)  # GET /dashboard, GET /v1/colibri/stats
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok", **state.engine.health()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict:
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "colibri",
+                "max_model_len": state.engine.ctx_size}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        state.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
+        state.check_model(req.model)
+        if state.template is None:
+            raise APIError(400, f"chat completions need a chat template: {state.template_error}", "no_chat_template")
+        messages = [m.for_template() for m in req.messages]
+        try:
+            text = state.template.render(messages, True, **(req.chat_template_kwargs or {}))
+        except ColibriError as e:
+            raise bad_request(str(e), "messages", "chat_template_error") from None
+        ids = state.tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        relay = state.submit("chat", ids, state.fit(len(ids), req.max_new, "messages"), req.stop_strings(),
+                             stop_ids=() if req.ignore_eos else state.template.stop_ids,
+                             ignore_eos=req.ignore_eos, request_id=rid,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None, **req.sampling_kw())
+        bodies = ChatBodies(rid, state.model_id)
+        if req.stream:
+            return _sse(_chat_stream(state, req, relay, bodies))
+        text, events = await _until_disconnect(request, relay.text())
+        _raise_engine_error(relay)
+        lp = chat_logprobs(events, state.text_of) if req.logprobs else None
+        return bodies.full(text, relay.finish_reason, lp, usage(len(ids), relay.handle.stats.generated))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = parse(CompletionRequest, await request.body())
+        state.check_model(req.model)
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        prompts = [(p, state.tok.encode(p) if isinstance(p, str) else p) for p in req.prompts()]
+        for _, ids in prompts:
+            state.fit(len(ids), req.max_tokens, "prompt")
+        relays: list[Relay] = []
+        try:
+            for i, (_, ids) in enumerate(prompts):
+                relays.append(state.submit(
+                    "completions", ids, req.max_tokens, req.stop_strings(), ignore_eos=req.ignore_eos,
+                    request_id=rid if len(prompts) == 1 else f"{rid}-{i}", logprobs=req.logprobs,
+                    prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                    **req.sampling_kw()))
+        except APIError:
+            for r in relays:
+                r.handle.cancel()
+            raise
+        bodies = CompletionBodies(rid, state.model_id)
+        if req.stream:
+            return _sse(_completion_stream(state, req, prompts, relays, bodies))
+        results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
+        choices = []
+        for i, ((p, ids), r, (text, events)) in enumerate(zip(prompts, relays, results)):
+            _raise_engine_error(r)
+            head = _echo_text(state, p, ids) if req.echo else ""
+            lp = _completion_lp(state, req, ids, r, events) if req.logprobs is not None else None
+            choices.append(CompletionBodies.choice(i, head + text, r.finish_reason, lp))
+        return bodies.full(choices, usage(sum(len(ids) for _, ids in prompts),
+                                          sum(r.handle.stats.generated for r in relays)))
+
+    return app
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+class _Gate:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from streams):
+    the API key on /v1/*, and 503 while shutting down."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            err = None
+            if self.state.api_key is not None:
+                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                given = auth[7:] if auth[:7].lower() == "bearer " else ""
+                if not hmac.compare_digest(given.encode(), self.state.api_key.encode()):
+                    err = APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                   "invalid_api_key")
+            if err is None and self.state.draining:
+                err = APIError(503, "the server is shutting down", "shutting_down")
+            if err is not None:
+                self.state.metrics.errors.labels(str(err.status)).inc()
+                await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _sse(gen) -> EventSourceResponse:
+    return EventSourceResponse(gen, sep="\n", ping=15)
+
+
+def _json(obj: dict) -> dict:
+    return {"data": json.dumps(obj, ensure_ascii=False)}
+
+
+def _raise_engine_error(r: Relay) -> None:
+    if r.handle.finish_reason == "error":
+        raise APIError(500, f"the engine failed on this request: {r.handle.error}", "engine_error")
+    if r.finish_reason == "cancelled":
+        raise APIError(503, "the request was cancelled: the server is shutting down", "shutting_down")
+
+
+def _error_event(r: Relay) -> dict | None:
+    """The stream's last word when the request did not end normally."""
+    if r.handle.finish_reason == "error":
+        return _json(APIError(500, f"the engine failed on this request: {r.handle.error}", "engine_error").body())
+    if r.finish_reason == "cancelled":
+        return _json(APIError(503, "the request was cancelled: the server is shutting down", "shutting_down").body())
+    return None
+
+
+async def _until_disconnect(request: Request, work):
+    """Await `work`, cancelling it (and so the request: its slot is freed) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection", "client_closed")
+    return task.result()
+
+
+async def _chat_stream(state: ServerState, req: ChatCompletionRequest, relay: Relay, bodies: ChatBodies):
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage))
+    async for p in relay.pieces():
+        lp = chat_logprobs(p.events, state.text_of) if req.logprobs else None
+        yield _json(bodies.chunk({"content": p.text}, logprobs=lp, with_usage=with_usage))
+    if (err := _error_event(relay)) is not None:
+        yield err
+    else:
+        yield _json(bodies.chunk({}, relay.finish_reason, with_usage=with_usage))
+        if with_usage:
+            yield _json(bodies.usage_chunk(usage(relay.handle.stats.prompt_tokens, relay.handle.stats.generated)))
+    yield {"data": "[DONE]"}
+
+
+async def _completion_stream(state: ServerState, req: CompletionRequest, prompts: list, relays: list[Relay],
+                             bodies: CompletionBodies):
+    """Several prompts stream interleaved, each chunk naming its choice index."""
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, r: Relay) -> None:
+        try:
+            async for p in r.pieces():
+                await queue.put((i, p))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(relays)]
+    echoed, open_ = [False] * len(relays), len(relays)
+    try:
+        while open_:
+            i, p = await queue.get()
+            (prompt, ids), r = prompts[i], relays[i]
+            if req.echo and not echoed[i]:  # the prompt first (its scores are ready once a token or the end is)
+                echoed[i] = True
+                lp = _prompt_lp(state, req, ids, r) if req.logprobs is not None else None
+                yield _json(bodies.chunk(i, _echo_text(state, prompt, ids), logprobs=lp, with_usage=with_usage))
+            if p is None:
+                open_ -= 1
+                if (err := _error_event(r)) is not None:
+                    yield err
+                else:
+                    yield _json(bodies.chunk(i, "", r.finish_reason, with_usage=with_usage))
+                continue
+            lp = (completion_logprobs([(e.token, e.logprob, e.top) for e in p.events], state.text_of)
+                  if req.logprobs is not None else None)
+            yield _json(bodies.chunk(i, p.text, logprobs=lp, with_usage=with_usage))
+        if with_usage:
+            yield _json(bodies.usage_chunk(usage(sum(len(ids) for _, ids in prompts),
+                                                 sum(r.handle.stats.generated for r in relays))))
+        yield {"data": "[DONE]"}
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _echo_text(state: ServerState, prompt, ids: list[int]) -> str:
+    return prompt if isinstance(prompt, str) else state.tok.decode(ids)
+
+
+def _prompt_lp(state: ServerState, req: CompletionRequest, ids: list[int], r: Relay) -> dict:
+    h = r.handle
+    lps = h.prompt_token_logprobs or [None] * len(ids)
+    tops = h.prompt_top_logprobs or [None] * len(ids)
+    return completion_logprobs(list(zip(ids, lps, tops)), state.text_of)
+
+
+def _completion_lp(state: ServerState, req: CompletionRequest, ids: list[int], r: Relay, events) -> dict:
+    gen = [(e.token, e.logprob, e.top) for e in events]
+    if not req.echo:
+        return completion_logprobs(gen, state.text_of)
+    h = r.handle
+    lps = h.prompt_token_logprobs or [None] * len(ids)
+    tops = h.prompt_top_logprobs or [None] * len(ids)
+    return completion_logprobs(list(zip(ids, lps, tops)) + gen, state.text_of)
+
+
+def default_model_id(path: str) -> str:
+    return Path(path).stem

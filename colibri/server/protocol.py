@@ -1,0 +1,202 @@
+"""The OpenAI request bodies the server accepts, and its OpenAI-shaped errors.
+
+Bodies are validated strictly (a string where a number belongs is a 400, as OpenAI does); fields
+the server does not know are ignored; fields it knows but does not implement (n > 1, tools,
+logit_bias, ...) are refused with a 400 that names them (docs/SERVER.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "code", "param"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": STATUS_TYPES.get(self.status, "server_error"),
+                          "code": self.code, "param": self.param}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, code, param)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as a chat template sees it: content flattened to one string."""
+        if isinstance(self.content, list):
+            parts = []
+            for p in self.content:
+                if p.type != "text" or p.text is None:
+                    raise bad_request(f"content parts of type '{p.type}' are not supported (text only)",
+                                      "messages", "unsupported_content")
+                parts.append(p.text)
+            content = "".join(parts)
+        elif self.content is None:
+            if self.role != "assistant":
+                raise bad_request(f"a '{self.role}' message needs content", "messages")
+            content = ""
+        else:
+            content = self.content
+        # 'developer' is OpenAI's newer name for the system role; templates know only 'system'.
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+Temperature = Annotated[float, Field(ge=0, le=2)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class _Sampling(_Strict):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # extension (llama.cpp, vLLM)
+    repeat_penalty: Annotated[float, Field(gt=0)] | None = None  # extension (llama.cpp)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension (vLLM): generate past end-of-sequence (benchmarks)
+    n: int = 1
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise bad_request("stop strings must not be empty", "stop")
+        return stops
+
+    def sampling_kw(self) -> dict:
+        """Keywords for `Engine.submit`: OpenAI's defaults (temperature 1, top_p 1) where unset."""
+        return {"temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0,
+                "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "seed": self.seed}
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise bad_request("only n=1 is supported", "n", "unsupported_value")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        self.stop_strings()
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): extra template variables
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools or self.functions or self.tool_choice not in (None, "none"):
+            raise bad_request("tool calling is not supported", "tools", "unsupported_parameter")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise bad_request("response_format other than 'text' is not supported", "response_format",
+                              "unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0)] = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.best_of not in (None, 1):
+            raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise bad_request("prompt must not be an empty list", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+def parse(model: type[BaseModel], raw: bytes):
+    """Validate a JSON body; a one-line 400 on the first problem."""
+    try:
+        req = model.model_validate_json(raw or b"null")
+    except ValidationError as e:
+        errs = e.errors()
+        # A union field (stop, prompt, ...) reports one error per member: a range or length error
+        # says more than "wrong type" for each member.
+        err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
+        loc = ".".join(str(x) for x in err["loc"] if not _union_tag(x))
+        if err["type"] == "json_invalid":
+            raise bad_request(f"the body is not valid JSON: {err['msg']}", None, "invalid_json") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise bad_request("the body must be a JSON object", None, "invalid_json") from None
+        msg = err["msg"] if err["type"] != "missing" else "is required"
+        raise bad_request(f"{loc}: {msg}" if loc else msg, loc or None,
+                          "missing_parameter" if err["type"] == "missing" else "invalid_value") from None
+    req.refuse_unsupported()
+    return req
+
+
+def _union_tag(part) -> bool:
+    """pydantic names the member of a union in an error's location ('str', 'list[int]', ...)."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none")
+                                      or part.startswith(("constrained-", "function-")))

@@ -1,0 +1,95 @@
+"""One request's tokens, from the engine thread to the event loop, as text pieces.
+
+The engine thread calls the handle's listener per token; `loop.call_soon_threadsafe` moves each
+event into an asyncio.Queue, and `Relay.pieces()` turns them into text: incremental UTF-8 decoding
+(StreamDecoder), stop strings held back and cut (StopMatcher). Closing the generator early (client
+gone) cancels the request, which frees its slot at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from ..engine.request import RequestHandle, TokenEvent
+from ..tokenizer import StreamDecoder, Tokenizer
+from .stops import StopMatcher
+
+# engine finish reason -> OpenAI finish_reason ("ctx": the context is full, which OpenAI calls length)
+FINISH = {"stop": "stop", "length": "length", "ctx": "length", "cancelled": "cancelled", "error": "error"}
+
+
+@dataclass
+class Piece:
+    text: str
+    events: list[TokenEvent] = field(default_factory=list)  # the tokens this text came from (logprobs)
+
+
+class Relay:
+    def __init__(self, tokenizer: Tokenizer, stops: list[str],
+                 on_end: Callable[[Relay], None] | None = None, on_token_gap: Callable[[float], None] | None = None):
+        # The handle is set right after Engine.submit(listener=self._on_event) returns, on the loop thread:
+        # the listener is registered before the request is queued, so no event is missed.
+        self.handle: RequestHandle = None  # type: ignore[assignment]
+        self.tok = tokenizer
+        self.matcher = StopMatcher(stops)
+        self.stop_hit = False
+        self.on_end, self.on_token_gap = on_end, on_token_gap
+        self.started = time.perf_counter()
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+
+    def _on_event(self, ev: TokenEvent | None) -> None:
+        """On the engine thread: hand the event to the loop (must not raise)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+            if ev is None and self.on_end is not None:  # on the loop, where `handle` is surely set
+                self.loop.call_soon_threadsafe(self.on_end, self)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody is listening
+            pass
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.stop_hit else FINISH.get(self.handle.finish_reason or "", "cancelled")
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text pieces until the request ends; a stop string ends it early (and is never sent)."""
+        dec = StreamDecoder(self.tok)
+        pending: list[TokenEvent] = []
+        last = None
+        try:
+            while (ev := await self.queue.get()) is not None:
+                now = time.perf_counter()
+                if last is not None and self.on_token_gap is not None:
+                    self.on_token_gap(now - last)
+                last = now
+                if self.stop_hit:
+                    continue  # cancelled: the engine may still deliver one more token
+                pending.append(ev)
+                text, self.stop_hit = self.matcher.push(dec.push(ev.token))
+                if self.stop_hit:
+                    self.handle.cancel()
+                    if text:
+                        yield Piece(text, pending[:-1])  # the token that completed the stop string is not sent
+                    pending = []
+                elif text:
+                    yield Piece(text, pending)
+                    pending = []
+            if not self.stop_hit:
+                text, self.stop_hit = self.matcher.push(dec.flush())
+                text += self.matcher.flush()
+                if text or pending:
+                    yield Piece(text, pending)
+        finally:
+            if not self.handle.done:
+                self.handle.cancel()
+
+    async def text(self) -> tuple[str, list[TokenEvent]]:
+        """The whole completion (non-streaming)."""
+        parts, events = [], []
+        async for p in self.pieces():
+            parts.append(p.text)
+            events.extend(p.events)
+        return "".join(parts), events

@@ -1,0 +1,100 @@
+"""OpenAI response bodies: chat completions, text completions, their stream chunks, logprobs."""
+
+from __future__ import annotations
+
+import time
+
+from ..engine.request import TokenEvent
+from ..tokenizer import Tokenizer
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenText:
+    """Each token id's own text (special tokens included), for logprobs."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok, self.cache, self.shown = tok, {}, {}
+
+    def __call__(self, token: int) -> str:
+        if (s := self.cache.get(token)) is None:
+            s = self.cache[token] = self.tok.decode([token], skip_special_tokens=False)
+        return s
+
+    def visible_len(self, token: int) -> int:
+        """Characters the token adds to decoded text (0 for special tokens, which decoding skips)."""
+        if (n := self.shown.get(token)) is None:
+            n = self.shown[token] = len(self.tok.decode([token]))
+        return n
+
+
+def chat_logprobs(events: list[TokenEvent], text_of: TokenText) -> dict:
+    """`choices[].logprobs` of a chat completion: one entry per generated token."""
+    def entry(token: int, lp: float) -> dict:
+        s = text_of(token)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {"content": [{**entry(ev.token, ev.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in (ev.top or [])]} for ev in events]}
+
+
+def completion_logprobs(entries: list[tuple[int, float | None, list[tuple[int, float]] | None]],
+                        text_of: TokenText, offset: int = 0) -> dict:
+    """`choices[].logprobs` of a text completion (legacy shape): tokens, token_logprobs, top_logprobs
+    (a {token text: logprob} dict per token; None for the first prompt token), text_offset."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, lp, top in entries:
+        s = text_of(token)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if top is None else {text_of(t): v for t, v in top})
+        out["text_offset"].append(offset)
+        offset += text_of.visible_len(token)
+    return out
+
+
+class ChatBodies:
+    def __init__(self, rid: str, model: str):
+        self.base = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": None}
+
+    def full(self, text: str, finish: str, logprobs: dict | None, use: dict) -> dict:
+        return {**self.base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": logprobs, "finish_reason": finish}], "usage": use}
+
+    def chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None,
+              with_usage: bool = False) -> dict:
+        out = {**self.base, "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if with_usage:
+            out["usage"] = None  # only the extra last chunk carries usage (stream_options.include_usage)
+        return out
+
+    def usage_chunk(self, use: dict) -> dict:
+        return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": use}
+
+
+class CompletionBodies:
+    def __init__(self, rid: str, model: str):
+        self.base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                     "system_fingerprint": None}
+
+    def full(self, choices: list[dict], use: dict) -> dict:
+        return {**self.base, "choices": choices, "usage": use}
+
+    @staticmethod
+    def choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunk(self, index: int, text: str, finish: str | None = None, logprobs: dict | None = None,
+              with_usage: bool = False) -> dict:
+        out = {**self.base, "choices": [self.choice(index, text, finish, logprobs)]}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, use: dict) -> dict:
+        return {**self.base, "choices": [], "usage": use}

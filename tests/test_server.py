@@ -1,0 +1,302 @@
+"""`colibri serve` as a real process on a free local port: the official openai client (chat and
+completions, streamed and not), raw HTTP for errors, and exactness against transformers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from hf_tiny import hf_logits, load_hf
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-colibri"
+# GLM-style: the template writes the next turn's marker, and <|user|> (one token in the tiny
+# vocabulary) is then the template's stop token.
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{% elif m['role'] == "
+            "'system' %}<|system|>{% else %}<|assistant|>{% endif %}\n{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, *args: str):
+        self.port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--model", str(model), "--port",
+                                      str(self.port), "--threads", "1", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("server did not start")
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        raw = r.read()
+        conn.close()
+        return r.status, json.loads(raw) if raw else {}
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err
+
+
+@pytest.fixture(scope="module")
+def chat_model(ckpt, tmp_path_factory) -> tuple[Path, Path]:
+    """(HF folder with chat_template.jinja, its f32 container)."""
+    hf = tmp_path_factory.mktemp("srv") / "hf"
+    shutil.copytree(ckpt.hf("mixtral"), hf)
+    (hf / "chat_template.jinja").write_text(TEMPLATE)
+    from colibri.convert import convert
+
+    return hf, convert(hf, hf.parent / "m.coli", "f32", 32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    s = Server(chat_model[1], "--api-key", KEY, "--model-id", "tiny", "--slots", "4", "--ctx-size", "128")
+    yield s
+    err = s.stop()
+    assert s.proc.returncode == 0, err
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf(chat_model):
+    from transformers import AutoTokenizer
+
+    return load_hf(chat_model[0]), AutoTokenizer.from_pretrained(chat_model[0])
+
+
+MESSAGES = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Once upon a time"}]
+
+
+def test_greedy_chat_matches_transformers(client, hf):
+    model, tok = hf
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|user|>")]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=stop,
+                         pad_token_id=0)[0, len(ids):]
+    want = tok.decode(out, skip_special_tokens=True)
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(out) - (out[-1].item() in stop)
+    assert r.choices[0].finish_reason == ("stop" if out[-1].item() in stop else "length")
+    # streamed: the same text in deltas, finish_reason last, usage in the extra final chunk
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_echo_prompt_logprobs_match_transformers(client, hf):
+    model, tok = hf
+    ids = tok("Once upon a time there was a little girl").input_ids
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    ref = torch.log_softmax(hf_logits(model, ids), -1)  # [T, V]
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    want = torch.tensor([ref[t - 1, ids[t]].item() for t in range(1, len(ids))])
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4, rtol=0)
+    best = ref[0].topk(2)
+    top = lp.top_logprobs[1]  # about token 1: the two most likely after token 0
+    assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
+    assert r.choices[0].text == tok.decode(ids, skip_special_tokens=True) and r.usage.completion_tokens == 0
+
+
+def test_concurrent_streams_get_their_solo_output(client):
+    prompts = ["Once upon a time", "The weather was", "What is the capital of France?", "She sells sea"]
+
+    def solo(p):
+        return client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    def streamed(p):
+        return "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+
+    alone = [solo(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(streamed, prompts))
+    assert together == alone and len(set(alone)) > 1
+
+
+def test_multiple_prompts_and_seeded_sampling(client):
+    r = client.completions.create(model="tiny", prompt=["Once upon", "The quick"], max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 12
+    one = client.completions.create(model="tiny", prompt="The quick", max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert r.choices[1].text == one.choices[0].text
+
+    def sample(seed):
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.5,
+                                           seed=seed, top_p=0.95, extra_body={"top_k": 50})
+        return r.choices[0].message.content
+
+    assert sample(3) == sample(3) != sample(4)
+
+
+def test_stop_strings_split_across_tokens(client):
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kw, logprobs=True, extra_body={"ignore_eos": True})
+    toks = [t.token for t in full.choices[0].logprobs.content]
+    text = full.choices[0].message.content
+    assert "".join(toks) == text
+    k = next(i for i in range(2, len(toks)) if toks[i] and toks[i - 1])
+    stop = toks[k - 1][-1] + toks[k][0]  # the last character of one token and the first of the next
+    want = text[: text.index(stop)]
+    r = client.chat.completions.create(**kw, stop=[stop, "never-there"], extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kw, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs_and_penalties(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 8
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.logprob <= 0
+    plain = r.choices[0].message.content
+    pen = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
+                                         frequency_penalty=2.0, presence_penalty=2.0,
+                                         extra_body={"ignore_eos": True, "repeat_penalty": 1.5})
+    assert pen.choices[0].message.content != plain  # the penalties reach the sampler
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    status, h = server.request("GET", "/health")
+    assert status == 200 and h["slots"] == 4 and h["free"] + h["busy"] == 4 and h["queued"] == 0
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    for name in ("colibri_requests_total", "colibri_prompt_tokens_total", "colibri_generation_tokens_total",
+                 "colibri_time_to_first_token_seconds_bucket", "colibri_inter_token_latency_seconds_bucket",
+                 "colibri_expert_cache_hit_rate", "colibri_disk_read_bytes_total", "colibri_slots_busy"):
+        assert name in text, name
+    assert float(next(ln.split()[-1] for ln in text.splitlines()
+                      if ln.startswith("colibri_generation_tokens_total"))) > 0
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("path, body, status, code", [
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "many"}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 500}, 400, "context_length_exceeded"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 21, "logprobs": True}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "unsupported_value"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
+    ("/v1/chat/completions", {"max_tokens": 4}, 400, "missing_parameter"),
+    ("/v1/chat/completions", b"{not json", 400, "invalid_json"),
+    ("/v1/completions", {"prompt": "word " * 200, "max_tokens": 1}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": []}, 400, "invalid_value"),
+    ("/v1/nope", {}, 404, "unknown_url"),
+])
+def test_bad_requests_get_openai_errors(server, path, body, status, code):
+    got, r = server.request("POST", path, body, AUTH)
+    assert got == status, r
+    assert set(r["error"]) >= {"message", "type", "code"} and r["error"]["code"] == code
+    assert "Traceback" not in r["error"]["message"] and "\n" not in r["error"]["message"]
+
+
+def test_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status, r = server.request("POST", "/v1/chat/completions", CHAT, headers)
+        assert status == 401 and r["error"]["code"] == "invalid_api_key"
+    assert server.request("GET", "/v1/models", None, {})[0] == 401
+    assert server.request("GET", "/v1/models", None, AUTH)[0] == 200
+
+
+def _open_stream(port: int, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.readline().startswith(b"data: ")  # the first token is out: the request holds the slot
+    return conn, r
+
+
+def _busy(s: Server) -> int:
+    return s.request("GET", "/health")[1]["busy"]
+
+
+def test_queue_full_disconnect_and_shutdown(chat_model):
+    """One slot, no queue: a second request gets 429; a client that goes away frees its slot; SIGTERM
+    refuses new requests with 503 and lets the running one finish."""
+    s = Server(chat_model[1], "--slots", "1", "--max-queue", "0", "--ctx-size", "4096")
+    try:
+        long = {"prompt": "Once upon", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        conn, _ = _open_stream(s.port, long)
+        status, r = s.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 429 and r["error"]["code"] == "queue_full"
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 5
+        while _busy(s) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _busy(s) == 0  # freed long before its 3000 tokens
+        conn, stream = _open_stream(s.port, {**long, "max_tokens": 1500})
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        status, r = s.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and r["error"]["code"] == "shutting_down"
+        events = [ln for ln in stream.read().decode().splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert s.proc.wait(timeout=30) == 0
+    finally:
+        err = s.stop()
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if " completions: prompt " in ln]  # one per request that ran
+    assert len(lines) == 2 and lines[0].endswith("finish cancelled") and lines[1].endswith("finish length")
+    assert "completion 1500 tok" in lines[1] and "TTFT" in lines[1] and "tok/s" in lines[1]
