@@ -1,4 +1,4 @@
-"""Tiers under a memory cap: an OLMoE-1B-7B-shaped model (~7 GB at int8) in 3.5 GB, vs llama.cpp.
+"""Tiers under a memory cap: an OLMoE-1B-7B-shaped model (~7 GB at int8) in 3.5 GB.
 
     .venv/bin/python benchmarks/bench_capped.py [--workdir /tmp/colibri-bench] [--schemes int8 int4]
         [--cap 3500M] [--mem-budget 2400M] [--tokens 32] [--threads 2] [--hot-set]
@@ -12,14 +12,15 @@
    that fits in RAM), then under `memcap CAP` with the container evicted from the page cache
    and `--mem-budget` for the weights, and checks that both runs produced the same tokens.
 3. Prints tok/s, cache hit rate, GB read per token, peak RSS (process) and the cgroup's peak
-   (RSS + page cache), and the ratio to llama.cpp on this machine (9.84 tok/s uncapped,
-   1.50 tok/s under the 3.5 GB cap).
+   (RSS + page cache). colibri only: for llama.cpp on the same checkpoint, in the same run,
+   use `benchmarks/bench_vs_llamacpp.py --shape 7b` (it builds llama.cpp and runs both capped).
 4. --hot-set: the uncapped run records routing counts (--usage-file), and a third run, capped
    again, pins the experts hot in it (learned on the same prompts: the repeat-workload case).
 
 The budget is for weights only (dense + expert cache): the process adds runtime, KV cache and
 activations, and the cgroup also counts page cache, so --mem-budget must stay well under --cap
-(see BUDGET). Other work on the machine swings every figure (OpenMP threads spin-wait when a
+(see BUDGET). memcap and evict are ../shared/tools next to the checkout; without them the
+capped runs are skipped. Other work on the machine swings every figure (OpenMP threads spin-wait when a
 core is taken): compare runs made back to back, and note the load average printed with them.
 """
 
@@ -36,12 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-TOOLS = Path("/work/shared/tools")
-# Weights budget under the 3.5 GB cap, per scheme: the process adds ~0.7 GiB (runtime, KV cache,
-# activations, and mapped pages of dense linears) and int4 builds repacked copies of what it loads.
-# Measured cgroup peaks: int8 2400M -> 3.16 GiB; int4 2400M -> 3.42 GiB (too close), 2200M -> ~3.2 GiB.
-BUDGET = {"int8": "2400M", "int4": "2200M"}
-LLAMA_CPP = {"uncapped": 9.84, "capped": 1.50}  # tok/s decode, OLMoE-1B-7B Q8_0, 2 threads, this machine
+# Weights budget under the 3.5 GB cap, per scheme (shared with bench_vs_llamacpp.py, which explains it);
+# memcap/evict live in ../shared/tools next to the checkout (TOOLS, shared_tools()).
+from bench_vs_llamacpp import BUDGET, TOOLS, shared_tools  # noqa: E402
 
 
 def prepare(workdir: Path, schemes: list[str]) -> dict[str, Path]:
@@ -89,7 +87,7 @@ def bench(model: Path, a: argparse.Namespace, cap: str | None, mem_budget: str |
 
 
 def evict(path: Path) -> None:
-    subprocess.run([str(TOOLS / "evict"), str(path)], check=True)
+    subprocess.run([str(TOOLS / "evict"), str(path)], check=True)  # only called when shared_tools()
 
 
 def warm(path: Path) -> None:
@@ -104,11 +102,10 @@ def row(scheme: str, mode: str, r: dict) -> str:
     if "error" in r:
         return f"{scheme:<6}{mode:<11} failed: {r['error']}"
     hr, bpt = r.get("cache_hit_rate"), r.get("decode_bytes_read_per_token")
-    ref = LLAMA_CPP["capped" if mode.startswith("capped") else "uncapped"]
     cg = r.get("cgroup_peak_mib")
     return (f"{scheme:<6}{mode:<11}{r['decode_tok_s']:>9.2f}{r['prefill_tok_s']:>10.1f}"
             f"{'-' if hr is None else f'{hr:.1%}':>9}{'-' if bpt is None else f'{bpt / 1e9:.3f}':>10}"
-            f"{r['peak_rss_mib']:>10.0f}{'-' if cg is None else cg:>10}{r['decode_tok_s'] / ref:>11.2f}x")
+            f"{r['peak_rss_mib']:>10.0f}{'-' if cg is None else cg:>10}")
 
 
 def main() -> None:
@@ -133,7 +130,7 @@ def main() -> None:
     print(f"OLMoE-1B-7B-shaped random model; {a.prompts} prompt(s) x {a.tokens} greedy tokens, {a.threads} "
           f"threads; capped = memcap {a.cap}, cold page cache, --mem-budget {budgets}", flush=True)
     print(f"{'quant':<6}{'run':<11}{'tok/s':>9}{'prefill':>10}{'hit':>9}{'GB/tok':>10}{'RSS MiB':>10}"
-          f"{'cg MiB':>10}{'x llama.cpp':>12}")
+          f"{'cg MiB':>10}")
     results = {}
     for s, path in models.items():
         size = path.stat().st_size / 2**30
@@ -144,6 +141,9 @@ def main() -> None:
             warm(path)
             results[s, "uncapped"] = r = bench(path, a, None, None, usage)
             print(row(s, "uncapped", r), flush=True)
+        if shared_tools() is None:
+            print(f"      {s}: capped runs skipped: no memcap/evict in {TOOLS}", flush=True)
+            continue
         evict(path)
         budget = a.mem_budget or BUDGET[s]
         results[s, "capped"] = r = bench(path, a, a.cap, budget)
@@ -159,9 +159,8 @@ def main() -> None:
             same = un["outputs"] == r["outputs"]
             verdict = "==" if same else "!="
             print(f"      {s} ({size:.2f} GiB): capped output {verdict} uncapped output", flush=True)
-    print(f"load average now {os.getloadavg()[0]:.1f}; llama.cpp on this machine: {LLAMA_CPP['uncapped']} "
-          f"tok/s uncapped, {LLAMA_CPP['capped']} tok/s "
-          "under the 3.5 GB cap (Q8_0)")
+    print(f"load average now {os.getloadavg()[0]:.1f}; llama.cpp on the same checkpoint, same run: "
+          "benchmarks/bench_vs_llamacpp.py --shape 7b")
     (work / "bench_capped.json").write_text(json.dumps({f"{k[0]}/{k[1]}": v for k, v in results.items()},
                                                        default=str))
 

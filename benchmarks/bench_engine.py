@@ -8,7 +8,9 @@ Builds (once, cached in --workdir) a random OLMoE-shaped model with transformers
 first 384 ids; prompts use those). Saves it in bf16, converts it to .coli at bf16, int8 and
 int4, then times each engine in a fresh subprocess (so peak RSS is that engine's alone):
 prefill of --prompt-len tokens, then --tokens greedy decode steps. Prints a table with ratios
-to transformers. --profile SCHEME adds a torch.profiler breakdown of colibri's decode steps.
+to transformers (llama.cpp: benchmarks/bench_vs_llamacpp.py, which builds and runs it next to
+colibri; no figure of another engine is typed in here). --profile SCHEME adds a torch.profiler
+breakdown of colibri's decode steps.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ CONFIG = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16
           "num_experts": 32, "num_experts_per_tok": 4, "intermediate_size": 512, "vocab_size": 32000,
           "max_position_embeddings": 4096, "norm_topk_prob": False, "tie_word_embeddings": False}
 SCHEMES = ("bf16", "int8", "int4")
-# Same model shape, this machine (2 threads), measured by the project lead.
-REFERENCE = {"llama.cpp Q8_0": 100.0, "transformers bf16 (lead)": 2.8}
 
 
 def build(workdir: Path) -> Path:
@@ -221,7 +221,7 @@ def main() -> None:
         print(f"{name:<18}{r['decode_tok_s']:>13.2f}{r['decode_cpu_tok_s']:>8.2f}{r['prefill_tok_s']:>15.1f}"
               f"{r['prefill_cpu_tok_s']:>8.1f}{r['peak_rss_mib']:>7.0f} MiB{x('decode_tok_s'):>12}"
               f"{x('decode_cpu_tok_s'):>8}{x('prefill_tok_s'):>13}{same:>10}")
-    print("reference on this machine: " + ", ".join(f"{k} {v:g} tok/s decode" for k, v in REFERENCE.items()))
+    print("llama.cpp on the same shape, measured in the same run: benchmarks/bench_vs_llamacpp.py --shape 0.44b")
     for name, r in rows:
         if "profile" in r:
             print(f"\nprofile ({name}):\n{r['profile']}")

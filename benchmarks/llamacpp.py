@@ -1,19 +1,24 @@
 """llama.cpp as a measured baseline: build it from PyPI's llama-cpp-python sdist, convert to GGUF, time it.
 
-    from llamacpp import build, to_gguf, llama_bench, llama_server_cmd   # benchmarks/ on sys.path
+    from llamacpp import build, to_gguf, bench_cmd, server_cmd   # with benchmarks/ on sys.path
     .venv/bin/python benchmarks/llamacpp.py [--cache /tmp/colibri-bench/llamacpp]   # build only
 
-Shared by bench_vs_llamacpp.py, bench_serve.py and bench_capped.py, so every ratio to llama.cpp
+Shared by bench_vs_llamacpp.py and bench_serve.py, so every ratio to llama.cpp
 is one measured in the same run (no figure is typed into a script). Steps, all cached in
 `cache` and skipped when their output exists:
 1. `pip download --no-binary :all: --no-deps llama-cpp-python` (the sdist vendors llama.cpp and
    its gguf-py), unpacked next to the tarball.
 2. cmake with GGML_NATIVE=OFF and explicit AVX-512/VNNI/BF16 + AVX2/FMA/F16C flags, AMX OFF (AMX
    tile instructions fault on the reference VM, and -march=native would turn them on), then
-   `nice -n 10 cmake --build -j2` of llama-bench, llama-completion, llama-simple, llama-server.
-3. GGUF: the sdist's convert_hf_to_gguf.py (with its own gguf-py first on sys.path) writes the
-   f16 GGUF, llama-quantize... is not needed: the converter writes q8_0 directly and llama-quantize
-   makes Q4_0 from the f16 file (the converter has no q4_0 output type).
+   `nice -n 10 cmake --build -j2` of llama-bench, llama-completion, llama-simple, llama-server
+   (without its web UI, which the build would fetch from the network) and llama-quantize.
+3. GGUF: the sdist's convert_hf_to_gguf.py, with the sdist's own gguf-py first on sys.path,
+   writes Q8_0 directly; Q4_0 is llama-quantize's from a bf16 GGUF (the converter has no q4_0
+   output type; llama-quantize keeps output.weight at Q6_K, as it does for every Q4_0 model).
+   The converter identifies a BPE pre-tokenizer by hashing the ids of a test string and refuses
+   unknown ones, which every home-made test tokenizer is. `_CONVERT` relaxes that check by a
+   monkeypatch at run time (the sdist is never edited): our tokenizers (tests/hf_tiny.py) are
+   HF ByteLevel BPE with the default GPT-2 split regex, i.e. llama.cpp's "gpt-2" pre-tokenizer.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_F
                "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
                "-DGGML_AVX512_VBMI=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
                "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF"]
+               "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+               # llama-server without its web UI: the build would otherwise fetch it from the network
+               "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
 
 
 def _log(msg: str) -> None:
@@ -74,10 +81,103 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
     return bin_dir
 
 
+# Runs the sdist's converter as __main__ after one patch: unknown pre-tokenizer hash -> "gpt-2".
+_CONVERT = """
+import runpy, sys
+tree = sys.argv[1]
+sys.path[:0] = [tree, tree + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def to_gguf(hf: Path, out: Path, qtype: str, cache: Path = DEFAULT_CACHE) -> Path:
+    """`hf` (a HF folder) as a GGUF of `qtype` ("q8_0" or "q4_0") at `out`, made once."""
+    if out.exists():
+        return out
+    tree = source(cache)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tmp = out.with_name(out.name + ".tmp")
+    if qtype == "q8_0":
+        _log(f"converting {hf.name} -> {out.name}")
+        subprocess.run([sys.executable, "-c", _CONVERT, str(tree), str(hf), "--outtype", "q8_0",
+                        "--outfile", str(tmp)], check=True, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+    elif qtype == "q4_0":
+        bf16 = to_gguf_bf16(hf, out.with_name(out.name.replace(".q4_0.", ".bf16.")), cache)
+        _log(f"quantizing {bf16.name} -> {out.name}")
+        subprocess.run([str(build(cache) / "llama-quantize"), str(bf16), str(tmp), "Q4_0", "2"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        bf16.unlink()  # only a step to Q4_0: 2x the model's size on disk otherwise
+    else:
+        raise ValueError(f"unsupported GGUF type {qtype}")
+    os.replace(tmp, out)
+    return out
+
+
+def to_gguf_bf16(hf: Path, out: Path, cache: Path = DEFAULT_CACHE) -> Path:
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        _log(f"converting {hf.name} -> {out.name}")
+        subprocess.run([sys.executable, "-c", _CONVERT, str(source(cache)), str(hf), "--outtype", "bf16",
+                        "--outfile", str(tmp)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(tmp, out)
+    return out
+
+
+def active_bytes(gguf: Path, top_k: int, n_experts: int, cache: Path = DEFAULT_CACHE) -> int:
+    """Weight bytes one decode token reads from a GGUF: dense tensors, one embedding row, and
+    top_k / n_experts of every stacked expert tensor ([n_experts, ...] in one GGUF tensor)."""
+    sys.path.insert(0, str(source(cache) / "gguf-py"))
+    from gguf import GGUFReader
+
+    total = 0
+    for t in GGUFReader(gguf).tensors:
+        if t.name == "token_embd.weight":
+            total += int(t.n_bytes) // int(t.shape[-1])  # one row; shape is [n_embd, n_vocab] (ggml order)
+        elif "_exps." in t.name:
+            total += int(t.n_bytes) * top_k // n_experts
+        else:
+            total += int(t.n_bytes)
+    return total
+
+
+def bench_cmd(bin_dir: Path, gguf: Path, threads: int, prompt_len: int, tokens: int, repeats: int,
+              repack: bool = True) -> list[str]:
+    """llama-bench: pp`prompt_len` and tg`tokens` (mmap on, its default), JSON on stdout.
+
+    repack=False keeps the weights in the file mapping: by default llama.cpp copies Q4_0 weights
+    into an interleaved layout in anonymous memory (peak RSS ~1.7x the file), which a memory cap
+    smaller than the file cannot hold."""
+    return [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_len),
+            "-n", str(tokens), "-r", str(repeats), "-o", "json", "--repack", "1" if repack else "0"]
+
+
+def parse_bench(stdout: str) -> dict:
+    """llama-bench's JSON -> {"prefill_tok_s", "decode_tok_s"} (averages over its repeats)."""
+    out = {}
+    for r in json.loads(stdout):
+        key = "prefill_tok_s" if r["n_gen"] == 0 else "decode_tok_s"
+        out[key] = float(r["avg_ts"])
+    return out
+
+
+def server_cmd(bin_dir: Path, gguf: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
+    """llama-server with `slots` parallel sequences, each with `ctx_per_slot` positions."""
+    return [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+            "--no-webui", "--jinja"]
+
+
 def version(bin_dir: Path) -> str:
+    """The sdist's name and what llama-bench --version says (version, build number, commit)."""
     p = subprocess.run([str(bin_dir / "llama-bench"), "--version"], capture_output=True, text=True)
-    m = re.search(r"version: (\S+ \(\w+\))", p.stdout + p.stderr)
-    return m[1] if m else "?"
+    m = re.search(r"version: (.+)", p.stdout + p.stderr)
+    sdist = bin_dir.parents[3].name  # CACHE/<sdist>/vendor/llama.cpp/build-colibri/bin
+    return f"{sdist}, llama.cpp {m[1].strip()}" if m else sdist
 
 
 if __name__ == "__main__":
@@ -87,4 +187,3 @@ if __name__ == "__main__":
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     b = build(ap.parse_args().cache)
     print(json.dumps({"bin": str(b), "version": version(b)}))
-    os._exit(0)

@@ -92,7 +92,7 @@ class Engine:
                  prefill_chunk: int = 512, route_trace: str | os.PathLike | None = None,
                  placement: Placement | PlacementFn | None = None, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
-                 gpu_device: str | None = None):
+                 gpu_device: str | None = None, cache_policy: str = "reuse"):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -112,7 +112,7 @@ class Engine:
 
             placement = placement_fn(c, ctx_size * slots)
         self.store = TieredStore(c, self.dtype, placement, mem_budget=mem_budget, gpu_budget=gpu_budget,
-                                 prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device)
+                                 prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device, policy=cache_policy)
         try:
             bind(self.model, self.store)
             self.store.attach(self.model)
@@ -242,6 +242,8 @@ class Engine:
         A prompt rendered by `tokenizer.apply_chat_template` already holds its special tokens:
         pass `add_special_tokens=False` for it (as transformers does)."""
         self._check_open()
+        if not isinstance(prompt, str):
+            raise ColibriError(f"the prompt must be a string, got {type(prompt).__name__} (token ids: generate_ids)")
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         dec = StreamDecoder(self.tokenizer)
         for tok in self.generate_ids(ids, max_tokens, **kw):
@@ -254,6 +256,8 @@ class Engine:
                        **sampling) -> list[str]:
         """Run several prompts concurrently (they share decode steps); their texts, in order."""
         self._check_open()
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise ColibriError("generate_batch takes a list of prompt strings")
         ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
         handles = self._submit_all([dict(prompt_ids=i, max_tokens=max_tokens, **sampling) for i in ids])
         return [self.tokenizer.decode(h.wait()) for h in handles]

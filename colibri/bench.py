@@ -67,6 +67,17 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
     return out
 
 
+def plan_estimate(llm, budget: dict) -> float:
+    """The decode speed `colibri plan` expects for this model and these budgets on this machine
+    (its probes take about a second; run with the engine's threads, before the measured runs)."""
+    from .plan import PlanSizes, plan
+    from .probe import probe_machine
+
+    sizes = PlanSizes.from_container(llm.container)
+    m = probe_machine(llm.container.path, 0.3, max(max(sizes.record_bytes, default=0), 4096), sizes.scheme)
+    return plan(sizes, m, budget["mem_budget"], budget["gpu_budget"], llm.ctx_size).tok_s
+
+
 def _threads() -> int:
     import torch
 
@@ -130,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm = engine_from_args(a)
     load_s = time.perf_counter() - t0
+    try:
+        plan_tok_s = plan_estimate(llm, budget)
+    except BaseException:
+        llm.close()
+        raise
     recorder = None
     if a.usage_file:
         from .usage import Recorder
@@ -143,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         recorder.usage().save(a.usage_file)
     r["load_s"] = load_s
     r["budget"] = budget
+    r["plan_tok_s"] = plan_tok_s
     if a.json:
         print(json.dumps(r, default=str))
     else:
-        print(format_text(r) + f"\nload         {load_s:.2f} s")
+        ratio = r["decode_tok_s"] / plan_tok_s if plan_tok_s else 0.0
+        print(format_text(r) + f"\nplan         {plan_tok_s:.2f} tok/s expected by colibri plan (measured / "
+              f"expected = {ratio:.2f})\nload         {load_s:.2f} s")
     sys.stdout.flush()
     return 0

@@ -9,11 +9,12 @@ Hits are counted per expert. Caches:
 Policies (victims are never taken from the set being served while anything else can go):
 - lru, lfu (perfect LFU: counts over the whole past, ties by recency), lfru (frequency decayed with a
   half-life of `half_life` accesses of the cache: between LFU and LRU; the LRFU family);
-- fair: the store's policy (colibri/store/cache.py): each layer an equal share of the pool, LRU inside,
+- fair: the store's former default (colibri/store/cache.py): each layer an equal share of the pool, LRU inside,
   a layer below its share takes the LRU expert of the layer furthest above it (per-layer: plain LRU);
 - fair-lfru: the same shares, lfru inside each layer;
 - hot: the learned hot set: each layer's `size - k` most routed experts (counted on `train`, or on the
   trace itself in hindsight) are pinned, the other slots run LRU (fair in the pool);
+- reuse: evict the expert with the latest *expected* next use (colibri/store/reuse.py);
 - belady: evict the expert needed furthest in the future (optimal; the upper bound).
 """
 
@@ -25,9 +26,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from .store.reuse import ReuseEstimator
 from .trace import RouteTrace
 
-POLICIES = ("lru", "lfu", "lfru", "fair", "fair-lfru", "hot", "belady")
+POLICIES = ("lru", "lfu", "lfru", "fair", "fair-lfru", "hot", "reuse", "belady")
 INF = float("inf")
 
 
@@ -156,7 +158,7 @@ class Belady(_Scored):
 
 
 class Fair:
-    """The store's policy over a pool: each layer an equal share; a layer at its share evicts its own
+    """The store's fair policy over a pool: each layer an equal share; a layer at its share evicts its own
     victim, one below it takes from the layer furthest above its share. Inside a layer: LRU (the
     store) or any scored policy (`inner`)."""
 
@@ -201,6 +203,34 @@ class Fair:
                 return
 
 
+class Reuse:
+    """Expected-reuse-distance eviction (colibri/store/reuse.py): evict the cached expert whose
+    estimated next use is furthest ahead; an online stand-in for Belady."""
+
+    def __init__(self, capacity: float, layers: list[int]):
+        self.capacity = capacity
+        self.est = ReuseEstimator(len(layers))
+        self.cached: set = set()
+
+    def __len__(self) -> int:
+        return len(self.cached)
+
+    def serve(self, keys: tuple, t: int) -> int:
+        if not keys:
+            return 0
+        used = set(keys)
+        self.est.observe(keys[0][0], [e for _, e in keys], t)
+        hits = sum(1 for key in keys if key in self.cached)
+        for key in keys:
+            if key in self.cached or self.capacity <= 0:
+                continue
+            if len(self.cached) >= self.capacity:
+                victims = [c for c in self.cached if c not in used] or list(self.cached)
+                self.cached.discard(max(victims, key=self.est.expected_next))
+            self.cached.add(key)
+        return hits
+
+
 def _next_uses(seq: list[tuple[int, tuple]]) -> dict:
     """(t, key) -> the next t' > t at which key is accessed again."""
     nxt: dict = {}
@@ -239,6 +269,8 @@ def make_cache(policy: str, capacity: int, layers: list[int], seq, *, counts=Non
         pin_n = max(0, per_layer_size - top_k)
         pinned = [k for lay in layers for k in hot_set(counts or {}, lay, pin_n)]
         return Fair(capacity, layers, pinned) if len(layers) > 1 else LRU(capacity, pinned)
+    if policy == "reuse":
+        return Reuse(capacity, layers)
     if policy == "belady":
         return Belady(capacity, _next_uses(seq))
     raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")

@@ -2,17 +2,23 @@
 
 1. Statistics (`gather`): the bf16 model runs over a calibration text on colibri's own engine, with
    hooks that add, per linear weight, the sum over every input row x it sees of x x^T (`full`, when
-   all of them fit FULL_MAX_BYTES: the demo model needs a few MiB) or only its diagonal x^2 (llama.cpp's
+   all of them fit FULL_MAX_BYTES: the demo model needs 22 MiB) or only its diagonal x^2 (llama.cpp's
    imatrix). Routed experts see only the tokens routed to them: the hook sits on the expert source,
-   so expert e's `gate_up`/`down` count only their own rows.
+   so expert e's `gate_up`/`down` count only their own rows. When the full matrices do not all fit
+   (any large model), x x^T is kept within the budget for, in this order, each MoE layer's pooled
+   expert `gate_up` input (`<layer>.experts.pooled.gate_up.weight`: every routed row of the layer, one
+   [hidden, hidden] matrix shared by all its experts) and the dense linears, smallest first; the
+   rest (every expert's own statistics among them) keep the diagonal.
 2. Experts that see few tokens (`ActivationStats.second_moment`): an expert that saw n rows is blended
    with a prior worth PRIOR_TOKENS rows: (sum_e x x^T + PRIOR_TOKENS * prior) / (n + PRIOR_TOKENS).
    For `gate_up` the prior is the layer's pooled E[x x^T] over all routed tokens (every expert of a
    layer reads the same hidden state); for `down` it is a multiple of the identity at the layer's mean
    E[x^2] (intermediate channels mean different things in different experts). An expert no
    calibration token reached thus gets the layer's statistics (gate_up) or none in effect (down: a
-   flat prior is plain rounding); one with thousands of tokens essentially its own. A weight no hook
-   saw gets uniform weights and is counted in `unseen` (the converter reports it).
+   flat prior is plain rounding); one with thousands of tokens essentially its own. Under the budget
+   (item 1) an expert's `gate_up` gets the layer's pooled x x^T for GPTQ instead (docs/QUANT.md has
+   what that costs). A weight no hook saw gets uniform weights and is counted in `unseen` (the
+   converter reports it).
 3. Quantization (`quantize_calibrated`), into the canonical layout of `colibri.quant` (docs/FORMAT.md):
    calibration changes values, not the layout.
    - full statistics: GPTQ (`quantize_gptq`): columns rounded left to right, each one's rounding
@@ -42,6 +48,7 @@ from torch import Tensor
 from .errors import ColibriError
 from .quant import _BITS, _check_scheme, _pack, _shape_error, can_quantize
 
+POOLED = "pooled"  # in place of an expert index: a layer's statistics over all its routed rows
 PRIOR_TOKENS = 64  # an expert's own statistics outweigh the layer's once it has seen more tokens than this
 _FLOOR = 1e-3  # importance floor, relative to the tensor's mean: no channel is ignored entirely
 _SEARCH_CHUNK_ELEMS = 1 << 21  # weights searched at a time (the search holds ~10 f32 temporaries)
@@ -58,6 +65,7 @@ class ActivationStats:
 
     def __init__(self, full: bool = False) -> None:
         self.full = full
+        self.full_names: set[str] = set()  # with full=False: the weights that keep x x^T all the same
         self.sums: dict[str, Tensor] = {}
         self.counts: dict[str, int] = {}
         self.source = ""  # what the statistics were gathered on, for the container's metadata
@@ -65,7 +73,8 @@ class ActivationStats:
 
     def add(self, name: str, x: Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()  # [rows, in]
-        part = (x.T @ x if self.full else x.pow(2).sum(0)).double().cpu()  # [in, in] or [in]
+        full = self.full or name in self.full_names
+        part = (x.T @ x if full else x.pow(2).sum(0)).double().cpu()  # [in, in] or [in]
         if name in self.sums:
             self.sums[name] += part
         else:
@@ -81,7 +90,7 @@ class ActivationStats:
 
     def _layer_pool(self, prefix: str, part: str) -> tuple[Tensor | None, int]:
         """Summed x^2 and rows over every expert of the layer `prefix` for member `part`."""
-        keys = [k for k in self.sums if k.startswith(prefix + ".") and k.endswith("." + part)]
+        keys = [k for k in self.sums if _expert_name(k) == (prefix, part)]  # not the `pooled` entry
         if not keys:
             return None, 0
         return sum(self.sums[k] for k in keys), sum(self.counts[k] for k in keys)
@@ -94,6 +103,11 @@ class ActivationStats:
             n = self.counts.get(name, 0)
             return self.sums[name] / n if n else None
         prefix, part = expert
+        shared = f"{prefix}.{POOLED}.{part}"
+        if self.counts.get(shared) and self.sums[shared].dim() == 2:
+            own = self.sums.get(name)
+            if own is None or own.dim() == 1:  # the budget kept x x^T for the layer only
+                return self.sums[shared] / self.counts[shared]
         pooled, n_layer = self._layer_pool(prefix, part)
         if pooled is None or n_layer == 0:
             return None
@@ -117,18 +131,23 @@ class ActivationStats:
         tensors = {k: v.contiguous() for k, v in self.sums.items()}
         meta = {"counts": ",".join(f"{k}={v}" for k, v in self.counts.items()), "source": self.source,
                 "full": str(int(self.full))}
+        meta["full_names"] = ",".join(sorted(self.full_names))
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ActivationStats:
         from safetensors import safe_open
 
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            s = cls(full=meta.get("full") == "1")
-            s.sums = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                s = cls(full=meta.get("full") == "1")
+                s.sums = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        except Exception as e:  # safetensors' own error types: a truncated or foreign file
+            raise ColibriError(f"{path}: not a readable statistics file ({e})") from None
         s.counts = {k: int(v) for k, v in (kv.rsplit("=", 1) for kv in meta.get("counts", "").split(",") if kv)}
         s.source = meta.get("source", str(path))
+        s.full_names = {n for n in meta.get("full_names", "").split(",") if n}
         if set(s.counts) != set(s.sums):
             raise ColibriError(f"{path}: not a colibri activation-statistics file (counts do not match tensors)")
         return s
@@ -147,13 +166,14 @@ def _expert_name(name: str) -> tuple[str, str] | None:
 
 
 class _Recorded:
-    """Calls a linear and adds its input to the statistics under `name`."""
+    """Calls a linear and adds its input to the statistics under each of `names`."""
 
-    def __init__(self, inner, stats: ActivationStats, name: str):
-        self.inner, self.stats, self.name = inner, stats, name
+    def __init__(self, inner, stats: ActivationStats, names: tuple[str, ...]):
+        self.inner, self.stats, self.names = inner, stats, names
 
     def __call__(self, x: Tensor) -> Tensor:
-        self.stats.add(self.name, x)
+        for name in self.names:
+            self.stats.add(name, x)
         return self.inner(x)
 
     def __getattr__(self, attr):
@@ -166,14 +186,38 @@ class _RecordingSource:
     def __init__(self, inner, stats: ActivationStats, prefix: str):
         self.inner, self.stats, self.prefix = inner, stats, prefix
 
-    def stream(self, ids: list[int]):
-        for e, w in self.inner.stream(ids):
-            rec = {f.name: _Recorded(getattr(w, f.name), self.stats, f"{self.prefix}.{e}.{f.name}.weight")
+    def fetch(self, layer: int, ids: list[int]):
+        return self._recorded(self.inner.fetch(layer, ids))  # the inner fetch begins now, as the layer expects
+
+    def _recorded(self, fetched):
+        shared = f"{self.prefix}.{POOLED}.gate_up.weight"
+        pooled = (shared,) if shared in self.stats.full_names else ()  # the layer's x x^T (budget, item 1)
+        for e, w in fetched:
+            rec = {f.name: _Recorded(getattr(w, f.name), self.stats,
+                                     (f"{self.prefix}.{e}.{f.name}.weight", *(pooled if f.name == "gate_up" else ())))
                    for f in dataclasses.fields(w) if f.name in ("gate_up", "down")}
             yield e, dataclasses.replace(w, **rec)
 
     def __getattr__(self, attr):  # prefetch and anything else the layer asks of its source
         return getattr(self.inner, attr)
+
+
+def budget_full_names(model: torch.nn.Module, budget: int) -> set[str]:
+    """The weights whose x x^T (f64) fit in `budget` bytes, in priority order: each MoE layer's
+    pooled expert `gate_up` (one matrix serves all the layer's experts), then dense linears, smallest first."""
+    from .models.moe import SwitchGLU
+    from .quant import QLinear
+
+    pooled = [(f"{n}.{POOLED}.gate_up.weight", m.hidden ** 2) for n, m in model.named_modules()
+              if isinstance(m, SwitchGLU) and m.source is not None]
+    dense = sorted(((f"{n}.weight", m.in_features ** 2) for n, m in model.named_modules() if isinstance(m, QLinear)),
+                   key=lambda t: t[1])
+    chosen, used = set(), 0
+    for name, elems in pooled + dense:
+        if used + 8 * elems <= budget:
+            chosen.add(name)
+            used += 8 * elems
+    return chosen
 
 
 def full_stats_bytes(model: torch.nn.Module) -> int:
@@ -191,12 +235,15 @@ def full_stats_bytes(model: torch.nn.Module) -> int:
 
 
 def gather(model: str | os.PathLike, text: str, ctx_size: int = 512, threads: int | None = None,
-           slots: int = 4, progress: bool | None = None, full: bool | None = None) -> ActivationStats:
+           slots: int = 4, progress: bool | None = None, full: bool | None = None,
+           max_full_bytes: int | None = None) -> ActivationStats:
     """Run the container `model` (bf16 or f32) over `text` and collect activation statistics.
 
     The text is cut into windows of `ctx_size` tokens (the last one may be shorter); every token
     counts. Dense linears are hooked with forward pre-hooks, routed experts through their source.
-    `full`: collect E[x x^T] (for GPTQ) rather than its diagonal; None: when that fits FULL_MAX_BYTES."""
+    `full`: True: E[x x^T] (for GPTQ) for every weight; False: the diagonal only; None: all of E[x x^T]
+    when it fits `max_full_bytes` (default FULL_MAX_BYTES), else what that budget allows (module docstring,
+    item 1)."""
     from tqdm import tqdm
 
     from .api import Engine
@@ -204,14 +251,17 @@ def gather(model: str | os.PathLike, text: str, ctx_size: int = 512, threads: in
     from .quant import QLinear
 
     with Engine(model, ctx_size=ctx_size, threads=threads, slots=slots) as eng:
-        need = full_stats_bytes(eng.model)
+        need, chosen = full_stats_bytes(eng.model), set()
+        max_full_bytes = FULL_MAX_BYTES if max_full_bytes is None else max_full_bytes
         if full is None:
-            full = need <= FULL_MAX_BYTES
+            full = need <= max_full_bytes
             if not full:
-                print(f"calibration: full statistics would take {need / 2**30:.1f} GiB (> "
-                      f"{FULL_MAX_BYTES / 2**30:.0f} GiB): collecting E[x^2] only (weighted search, no GPTQ)",
-                      file=sys.stderr)
+                chosen = budget_full_names(eng.model, max_full_bytes)
+                print(f"calibration: full statistics would take {need / 2**30:.2f} GiB (> {max_full_bytes / 2**30:.2f}"
+                      f" GiB): E[x x^T] for {sum(POOLED in n for n in chosen)} MoE layers' pooled expert gate_up "
+                      f"and {sum(POOLED not in n for n in chosen)} dense linears, E[x^2] for the rest", file=sys.stderr)
         stats = ActivationStats(full=full)
+        stats.full_names = chosen
         ids = eng.tokenizer.encode(text, add_special_tokens=True)
         windows = [ids[i : i + ctx_size] for i in range(0, len(ids), ctx_size) if len(ids[i : i + ctx_size]) > 1]
         if not windows:
@@ -408,6 +458,12 @@ def quantize_calibrated(w: Tensor, scheme: str, group_size: int, stats: Activati
     moment = stats.second_moment(name)
     if moment is None:
         stats.unseen.append(name)
+    elif len(moment) != w.shape[-1]:
+        raise ColibriError(f"calibration statistics for {name} cover {len(moment)} input channels, the weight "
+                           f"has {w.shape[-1]} (statistics gathered on another model?)")
     elif moment.dim() == 2:
-        return quantize_gptq(w, scheme, group_size, moment)
+        try:
+            return quantize_gptq(w, scheme, group_size, moment)
+        except torch.linalg.LinAlgError:  # E[x x^T] not positive definite even damped (e.g. non-finite)
+            moment = moment.diagonal()
     return quantize_weighted(w, scheme, group_size, None if moment is None else moment.float())

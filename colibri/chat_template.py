@@ -151,7 +151,8 @@ class ChatTemplate:
             raise ColibriError(f"chat template: {e}") from None
         except jinja2.TemplateError as e:  # undefined variables, sandbox refusals, ...
             raise ColibriError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError) as e:
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError,
+                RecursionError) as e:
             raise ColibriError(f"the model's chat template failed on these messages: "
                                f"{type(e).__name__}: {e}") from None
 

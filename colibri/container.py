@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import mmap
 import os
 import stat
@@ -29,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from colibri.errors import ContainerError
+from colibri import integrity, validate
+from colibri.errors import ColibriError, ContainerError
 
 MAGIC = b"COLIBRI\0"
 FORMAT_VERSION = 1
@@ -49,7 +49,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
 # Keys the format owns in a tensor entry; writer attrs may not shadow them.
-_RESERVED = frozenset({"dtype", "shape", "offset", "nbytes", "crc32", "record"})
+_RESERVED = frozenset({"dtype", "shape", "offset", "nbytes", "crc32", "crc32c", "record"})
 
 TensorSpec = torch.Tensor | tuple[torch.Tensor, Mapping[str, Any]]
 
@@ -101,6 +101,10 @@ class Writer:
         except OSError as e:
             raise ContainerError(f"cannot create {self.tmp_path}: {e.strerror or e}") from e
         self._closed = False
+        # CRC-32C (zlib CRC-32 without a CRC-32C module): per tensor, and per record over its whole
+        # byte range, padding included, so one check covers a record read (colibri/integrity.py).
+        self._key = integrity.writer_key()
+        self._rec_crc: int | None = None  # running checksum of the record being written
         # Reserve the preamble; it is filled in last, when the header location is known.
         self._f.write(bytes(PREAMBLE_SIZE))
         self._pos = PREAMBLE_SIZE
@@ -124,6 +128,8 @@ class Writer:
         except OSError as e:  # e.g. disk full: a user-facing error, not a traceback
             raise ContainerError(f"cannot write {self.tmp_path}: {e.strerror or e}") from e
         self._pos += len(buf) if isinstance(buf, bytes) else buf.nbytes
+        if self._rec_crc is not None:
+            self._rec_crc = integrity.compute(self._key, buf, self._rec_crc)
 
     def _pad_to(self, a: int) -> None:
         pad = _align(self._pos, a) - self._pos
@@ -157,8 +163,8 @@ class Writer:
             "shape": list(keep.shape),
             "offset": self._pos,
             "nbytes": buf.nbytes,
-            # crc is computed from the same buffer we write: one extra read pass, no copy.
-            "crc32": zlib.crc32(buf),
+            # computed from the same buffer we write: one extra read pass, no copy.
+            self._key: integrity.compute(self._key, buf),
             **attrs,
         }
         if buf.nbytes:
@@ -195,11 +201,17 @@ class Writer:
             parts.append((sub, full, tensor, attrs))
         self._pad_to(ALIGN)
         start = self._pos
-        for _, full, tensor, attrs in parts:
-            self._pad_to(MEMBER_ALIGN)
-            self._write(full, tensor, attrs)["record"] = name
+        self._rec_crc = 0
+        try:
+            for _, full, tensor, attrs in parts:
+                self._pad_to(MEMBER_ALIGN)
+                self._write(full, tensor, attrs)["record"] = name
+            crc = self._rec_crc
+        finally:
+            self._rec_crc = None
         members_index = {sub: full for sub, full, _, _ in parts}
-        self._records[name] = {"offset": start, "nbytes": self._pos - start, "tensors": members_index}
+        self._records[name] = {"offset": start, "nbytes": self._pos - start, "tensors": members_index,
+                               self._key: crc}
 
     def close(self) -> None:
         """Append the header, fill the preamble, fsync and atomically rename into place."""
@@ -271,10 +283,6 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class Container:
     """A read-only view of a `.coli` file: header parsed on open, tensors mmapped on demand.
 
@@ -306,6 +314,9 @@ class Container:
     def _load(self) -> None:
         st = os.fstat(self.fd)
         if not stat.S_ISREG(st.st_mode):
+            if stat.S_ISDIR(st.st_mode) and os.path.isfile(os.path.join(self.path, "config.json")):
+                raise ContainerError(f"{self.path} is a Hugging Face folder: convert it first: "
+                                     f"colibri convert -i {self.path} -o OUT.coli")
             raise ContainerError(f"cannot open {self.path}: not a regular file")
         size = st.st_size
         if size == 0:
@@ -338,10 +349,15 @@ class Container:
         if zlib.crc32(raw) != h_crc:
             raise self._fail("header checksum mismatch (file is damaged)")
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise self._fail(f"header is not valid JSON: {e}") from None
-        self._validate(header, version)
+            header = validate.loads(raw, "header")
+            validate.check_index(header, version, self.data_end)
+            # A model container (one with a model_type): its config, quant and tokenizer against the index.
+            if "model_type" in header["meta"]:
+                validate.check_model(header["meta"], header["tensors"], header["records"])
+        except ContainerError:
+            raise
+        except ColibriError as e:
+            raise self._fail(str(e)) from None
         self.header: dict[str, Any] = header
         self.meta: dict[str, Any] = header["meta"]
         self._tensors: dict[str, dict[str, Any]] = header["tensors"]
@@ -350,48 +366,6 @@ class Container:
         # ACCESS_COPY (MAP_PRIVATE) gives a writable buffer, which torch.frombuffer needs
         # to stay silent; clean pages remain shared with the page cache.
         self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
-
-    def _validate(self, h: Any, version: int) -> None:
-        if not isinstance(h, dict) or h.get("format") != "colibri":
-            raise self._fail("header is not a colibri header")
-        if h.get("version") != version:
-            raise self._fail(f"header version {h.get('version')!r} disagrees with preamble version {version}")
-        for key in ("meta", "tensors", "records"):
-            if not isinstance(h.get(key), dict):
-                raise self._fail(f"header field {key!r} is missing or not an object")
-        for name, e in h["tensors"].items():
-            if not isinstance(e, dict):
-                raise self._fail(f"tensor {name}: entry is not an object")
-            dt, shape, off, nb = e.get("dtype"), e.get("shape"), e.get("offset"), e.get("nbytes")
-            if dt not in DTYPES:
-                raise self._fail(f"tensor {name}: unknown dtype {dt!r}")
-            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-                raise self._fail(f"tensor {name}: invalid shape {shape!r}")
-            if not (_is_int(off) and _is_int(nb) and _is_int(e.get("crc32"))):
-                raise self._fail(f"tensor {name}: offset, nbytes and crc32 must be integers")
-            if off < PREAMBLE_SIZE or nb < 0 or off + nb > self.data_end:
-                raise self._fail(
-                    f"tensor {name}: data [{off}, {off + nb}) outside the data region "
-                    f"[{PREAMBLE_SIZE}, {self.data_end})"
-                )
-            if off % MEMBER_ALIGN:
-                raise self._fail(f"tensor {name}: offset {off} is not {MEMBER_ALIGN}-byte aligned")
-            if nb != math.prod(shape) * ITEMSIZE[dt]:
-                raise self._fail(f"tensor {name}: {nb} bytes do not match {dt} shape {shape}")
-        for name, r in h["records"].items():
-            if not isinstance(r, dict) or not isinstance(r.get("tensors"), dict):
-                raise self._fail(f"record {name}: entry is malformed")
-            off, nb = r.get("offset"), r.get("nbytes")
-            if not (_is_int(off) and _is_int(nb)) or not PREAMBLE_SIZE <= off <= off + nb <= self.data_end:
-                raise self._fail(f"record {name}: range outside the data region")
-            if off % ALIGN:
-                raise self._fail(f"record {name}: offset {off} is not {ALIGN}-byte aligned")
-            for sub, full in r["tensors"].items():
-                t = h["tensors"].get(full) if isinstance(full, str) else None
-                if t is None:
-                    raise self._fail(f"record {name}: member {sub!r} names unknown tensor {full!r}")
-                if t["offset"] < off or t["offset"] + t["nbytes"] > off + nb:
-                    raise self._fail(f"record {name}: member {full} lies outside the record")
 
     def close(self) -> None:
         """Close the fd. The mapping is dropped, not closed: views handed out keep it alive."""
@@ -422,15 +396,19 @@ class Container:
 
     @property
     def model_type(self) -> str | None:
-        return self.meta.get("model_type")
+        t = self.meta.get("model_type")
+        return t if isinstance(t, str) else None
 
+    # Checked at open in a model container; other containers' meta is free-form, so these never raise.
     @property
     def config(self) -> dict[str, Any]:
-        return self.meta.get("config") or {}
+        c = self.meta.get("config")
+        return c if isinstance(c, dict) else {}
 
     @property
     def quant(self) -> dict[str, Any]:
-        return self.meta.get("quant") or {}
+        q = self.meta.get("quant")
+        return q if isinstance(q, dict) else {}
 
     def names(self) -> list[str]:
         """All tensor names (record members included), in file order."""
@@ -499,23 +477,9 @@ class Container:
             out[sub] = raw.view(DTYPES[m["dtype"]]).view(m["shape"])
         return out
 
-    def read_record(self, name: str, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Read a whole record with pread (one syscall for the common case) into `out`
-        (a reusable, possibly pinned, 1-D uint8 CPU tensor; allocated if None) and
-        return member views into it. Bypasses the mapping, so RSS is exactly `out`."""
-        r = self._layout(name)
-        if out is None:
-            out = torch.empty(r["nbytes"], dtype=torch.uint8)
-        elif out.device.type != "cpu":
-            raise self._fail(f"record {name}: read_record needs a CPU buffer, got {out.device}")
-        views = self.record_views(name, out)
-        n = r["nbytes"]
-        if n and _pread_into(self.fd, memoryview(out.numpy())[:n], r["offset"]) != n:
-            raise self._fail(f"record {name}: short read")
-        return views
-
     def verify(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Check every tensor's crc32, streaming with pread (not the mmap) to keep RSS flat.
+        """Check every tensor's crc32c (crc32 in older files), streaming with pread (not the mmap):
+        RSS stays flat.
 
         `progress(done_bytes, total_bytes)` is called after each chunk.
         Raises ContainerError naming the first tensor (in file order) whose data is damaged.
@@ -527,21 +491,20 @@ class Container:
         buf = memoryview(bytearray(_VERIFY_CHUNK))
         done = 0
         for name, e in entries:
+            key, want = integrity.expected(e) or ("crc32", -1)  # (_validate guarantees one)
             crc, pos, end = 0, e["offset"], e["offset"] + e["nbytes"]
             while pos < end:
                 n = _pread_into(self.fd, buf[: min(_VERIFY_CHUNK, end - pos)], pos)
                 if n == 0:
                     raise self._fail(f"tensor {name}: short read")
-                crc = zlib.crc32(buf[:n], crc)
+                crc = integrity.compute(key, buf[:n], crc)
                 pos += n
                 done += n
                 if progress is not None:
                     progress(done, total)
-            if crc != e["crc32"]:
-                raise self._fail(
-                    f"checksum mismatch in tensor {name} "
-                    f"(stored crc32 {e['crc32']:#010x}, computed {crc:#010x})"
-                )
+            if crc != want:
+                raise self._fail(f"checksum mismatch in tensor {name} "
+                                 f"(stored {key} {want:#010x}, computed {crc:#010x})")
         if progress is not None:
             progress(done, total)
 

@@ -8,7 +8,6 @@ fused `[E, ...]` checkpoints both work. The family's `sanitize()` owns name mapp
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -20,10 +19,11 @@ import torch
 from . import __version__
 from .container import Container, Writer
 from .errors import ColibriError
-from .models.base import build, expected_tensors, family, layer_of
+from .models.base import expected_tensors, layer_of
 from .progress import Progress
 from .quant import SCHEMES, can_quantize, layout, quantize
 from .safetensors_reader import SafetensorsFolder
+from .validate import build_checked, check_config, check_sizes, check_tokenizer, layers_in, loads
 
 # Per-expert (`experts.3.w1.weight`) and fused (`experts.gate_up_proj`, leading [E]) names.
 _PER_EXPERT = re.compile(
@@ -43,12 +43,28 @@ def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _load_json(path: Path) -> dict:
+    """A JSON object from a strict-JSON file (colibri/validate.py)."""
     try:
-        return json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ColibriError(f"{path} not found") from None
-    except json.JSONDecodeError as e:
-        raise ColibriError(f"{path} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ColibriError(f"cannot read {path}: {e.strerror or e}") from None
+    out = loads(raw, str(path))
+    if not isinstance(out, dict):
+        raise ColibriError(f"{path} must hold a JSON object, not a {type(out).__name__}")
+    return out
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Refuse NaN/Inf weights (any float dtype, norms included): they convert fine and generate garbage."""
+    if not t.is_floating_point():
+        return
+    flat = t.reshape(-1)
+    for i in range(0, flat.numel(), 1 << 22):  # chunked: the bool mask stays small for huge tensors
+        if not torch.isfinite(flat[i : i + (1 << 22)]).all():
+            raise ColibriError(f"{name}: the weights hold NaN or Inf values (a damaged checkpoint?): "
+                               "refusing to convert")
 
 
 def _num_experts(cfg: dict) -> int:
@@ -63,7 +79,12 @@ def read_tokenizer(folder: Path) -> dict:
     if not tok.exists():
         raise ColibriError(f"no tokenizer.json in {folder}: colibri embeds the tokenizer in the container, "
                            "so copy tokenizer.json (and tokenizer_config.json) from the model's repository")
-    out = {"json": tok.read_text()}
+    try:
+        out = {"json": tok.read_bytes().decode("utf-8")}
+    except UnicodeDecodeError as e:
+        raise ColibriError(f"{tok} is not utf-8 text ({e.reason} at byte {e.start}): a damaged download?") from None
+    except OSError as e:
+        raise ColibriError(f"cannot read {tok}: {e.strerror or e}") from None
     for extra in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
         if (folder / extra).exists():
             out[extra.removesuffix(".json")] = _load_json(folder / extra)
@@ -117,7 +138,7 @@ class Plan:
 
     def __init__(self, st: SafetensorsFolder, fam, model_type: str, cfg: dict, scheme: str, group_size: int):
         self.st, self.fam, self.scheme, self.group_size = st, fam, scheme, group_size
-        model, _ = build(model_type, cfg)
+        model, _ = build_checked(model_type, cfg, "config.json")
         self.expected = expected_tensors(model)
         self.sources: dict[str, str] = {}  # canonical name -> HF name
         self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
@@ -158,9 +179,24 @@ class Plan:
             if kind == "experts":
                 if n not in self.experts:
                     raise ColibriError(f"checkpoint has no routed experts for {n}")
+                self._check_experts(n, shape[0])
             elif self.st.shape(self.sources[n]) != shape:
                 raise ColibriError(f"{self.sources[n]}: shape {self.st.shape(self.sources[n])}, "
                                    f"config implies {shape}")
+
+    def _check_experts(self, prefix: str, n: int) -> None:
+        """Every expert 0..n-1 has the same parts (per-expert tensors), fused ones hold n experts."""
+        parts = self.experts[prefix]
+        per = sorted({p for (e, p) in parts if e is not None})
+        for (e, _), hf in parts.items():
+            if e is None and (not self.st.shape(hf) or self.st.shape(hf)[0] != n):
+                raise ColibriError(f"{hf}: shape {list(self.st.shape(hf))}, the config implies {n} experts first")
+            if e is not None and e >= n:
+                raise ColibriError(f"{hf}: expert {e}, but the config has {n} experts")
+        for e in range(n):
+            for p in per:
+                if (e, p) not in parts:
+                    raise ColibriError(f"checkpoint lacks expert {e}'s {p} weight ({prefix}.{e}.{p})")
 
     def storage(self, name: str, kind: str, shape: tuple[int, ...]) -> str:
         """The scheme a tensor is stored with (see docs/FORMAT.md, 'what stays at higher precision')."""
@@ -234,6 +270,9 @@ def _expert_parts(plan: Plan, prefix: str, e: int) -> dict[str, torch.Tensor]:
             parts[part] = plan.st.read(hf)
         elif idx is None:
             parts[part] = plan.st.read(hf, index=e)
+        else:
+            continue
+        check_finite(hf if idx is not None else f"{hf} (expert {e})", parts[part])
     return parts
 
 
@@ -244,6 +283,9 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     `calibration`: a text file, a saved statistics file or a `calibrate.ActivationStats`; the
     int4/int3/int2 weights are then quantized with activation statistics (colibri/calibrate.py)."""
     src, dst = Path(src), Path(dst)
+    if src.is_file():
+        raise ColibriError(f"-i takes the model's folder (config.json, *.safetensors, tokenizer.json), not a file: "
+                           f"use -i {src.parent}")
     if not src.is_dir():
         raise ColibriError(f"input folder {src} does not exist")
     if scheme not in SCHEMES:
@@ -252,6 +294,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     model_type = cfg.get("model_type")
     if not model_type:
         raise ColibriError(f"{src / 'config.json'} has no model_type")
+    # Types and ranges of every value the family uses, and the family's own refusals (colibri/validate.py).
+    fam = check_config(model_type, cfg, str(src / "config.json"))
     n_exp = _num_experts(cfg)
     if arch == "dense" and n_exp:
         raise ColibriError(f"--arch dense, but {src} is a Mixture-of-Experts checkpoint "
@@ -259,11 +303,12 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     if arch == "moe" and not n_exp:
         raise ColibriError(f"--arch moe, but {src} is a dense checkpoint ({model_type}, no experts); "
                            "colibri runs MoE models only")
-    fam = family(model_type)
-    if hasattr(fam, "check_config"):
-        fam.check_config(cfg)  # refuses what the family cannot honour, naming the field
     tokenizer = read_tokenizer(src)
+    check_tokenizer(tokenizer, cfg.get("vocab_size"), cfg, str(src / "tokenizer.json"))
     st = SafetensorsFolder(src)
+    embed = "model.embed_tokens.weight"
+    check_sizes(cfg, st.shape(embed) if embed in st.names() else None, layers_in(st.names()),
+                str(src / "config.json"))
     qc = cfg.get("quantization_config") or {}
     if qc.get("quant_method") == "fp8":  # block-quantized float8 weights: dequantize while reading
         st = Fp8Blocks(st, qc.get("weight_block_size") or (128, 128))
@@ -294,7 +339,11 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                     parts = _expert_parts(plan, name, e)
                     bar.update(sum(t.nbytes for t in parts.values()))
                     members: dict[str, tuple[torch.Tensor, dict]] = {}
-                    record = record_fn(parts)
+                    try:
+                        record = record_fn(parts)
+                    except KeyError as err:
+                        raise ColibriError(f"checkpoint lacks the {err.args[0]} weight of expert {e} of "
+                                           f"{name}") from None
                     _check_expert(name, e, record, shape)
                     for pname, t in record.items():
                         if pname.endswith(".bias"):
@@ -305,6 +354,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                     w.add_record(f"{name}.{e}", members)
                 continue
             t = st.read(plan.sources[name])
+            check_finite(plan.sources[name], t)
             bar.update(t.nbytes)
             for sname, (data, attrs) in stored_tensors(name, t, plan.storage(name, kind, shape), group_size,
                                                        stats).items():

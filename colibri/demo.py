@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 DEMO_HF = Path(__file__).parent / "data" / "demo"
+# What bare `colibri` (and scripts/demo.sh without arguments) runs.
+DEMO_ARGS = ("--prompt", "Once upon a time", "-n", "64", "--temperature", "0", "--ctx-size", "512")
 
 
 def cache_dir() -> Path:

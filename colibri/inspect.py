@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from .container import Container
+from .errors import ColibriError
 from .progress import Progress
 
 
@@ -17,9 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true", help="only print the header (skip the checksum pass)")
     p.add_argument("--tensors", action="store_true", help="also list every tensor (name, dtype, shape, bytes)")
     a = p.parse_args(argv)
+    if os.path.isfile(os.path.join(a.file, "config.json")):
+        raise ColibriError(f"{a.file} is a Hugging Face folder: convert it first: "
+                           f"colibri convert -i {a.file} -o OUT.coli")
     with Container(a.file) as c:
         print(c.summary())
-        if fallback := c.meta.get("quant_fallback"):  # weights the converter stored as int8 (docs/QUANT.md)
+        fallback = c.meta.get("quant_fallback")  # weights the converter stored as int8 (docs/QUANT.md)
+        if isinstance(fallback, dict) and fallback:  # (meta is free-form: a foreign value is ignored)
             print(f"fallback:    {len(fallback)} weights not in {c.quant.get('scheme')}:")
             for name, why in fallback.items():
                 print(f"  {name}: {why}")

@@ -1,43 +1,49 @@
-"""The placement planner: `colibri plan` and `auto_placement()` (what the Engine uses by default).
+"""The placement planner: the one place that decides which layer lives where (`colibri plan`,
+and `placement_fn()`, what the Engine uses when no tier flags are given).
 
-It reads only the container header (sizes, never weight data) and the machine (MemAvailable,
-free VRAM, a ~0.5 s O_DIRECT read-speed probe of the container itself), then decides per layer:
-GPU or RAM-resident, or disk with an expert cache of N slots. All dense weights (attention,
-routers, norms, embeddings, lm_head) stay resident: they are a few percent of an MoE model and
-every token needs all of them, whereas a token touches only top_k of E experts per layer.
+It reads only the container header (sizes, never weight data) and the machine (probe.py: free
+memory and VRAM; for `colibri plan` also the disk's read speed, the matrix-vector speed and the
+cost of one torch op), then decides per layer: GPU or RAM-resident, or disk with a share of one
+expert cache. All dense weights (attention, routers, norms, embeddings, lm_head) stay resident:
+they are a few percent of an MoE model and every token needs all of them, whereas a token
+touches only top_k of E experts per layer.
 
-Byte accounting is the TieredStore's own (`store.tiered.model_sizes`), so a plan's budget is
-exactly what `colibri run --mem-budget` would hold. The cost model per token:
+Byte accounting is the store's own (`store.sizes.model_sizes`), so a plan's budget is exactly
+what `colibri run --mem-budget` would hold. The speed estimate per decode token:
     disk bytes = sum over disk layers of top_k * (1 - hit) * expert record bytes
-    RAM bytes  = all resident dense bytes + top_k * expert record bytes per non-GPU MoE layer
-    tok/s bound = 1 / (disk bytes / disk speed + RAM bytes / RAM bandwidth)
+    RAM bytes  = resident dense bytes + top_k * expert record bytes per non-GPU MoE layer
+    ops        = torch operations of one forward (OPS_* below: counted on the demo model)
+    tok/s     ~= 1 / (disk bytes / disk speed + RAM bytes / matvec speed + ops * op cost * PY_PER_OP)
 hit = slots / E under uniform routing, or from recorded routing counts (--usage-file).
-The seed's hand formula (whole layers vs free memory, fixed headroom, no cache) is the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import mmap
 import os
 import sys
-import time
 from dataclasses import dataclass, field, fields
 
 from .errors import ColibriError
+from .probe import GiB, Machine, MiB, current_machine, probe_machine
 from .store.placement import Placement, parse_size
-from .store.tiered import ModelSizes, model_sizes
+from .store.sizes import ModelSizes, model_sizes
+from .usage import Usage
 
-GiB, MiB = 1 << 30, 1 << 20
-RAM_BPS = 18e9  # CPU memory bandwidth a decode step sustains on this class of machine (STREAM-like)
 RUNTIME_BYTES = 512 * MiB  # python + torch + tokenizer RSS before any weight (measured ~400 MiB)
 OUR_RAM_HEADROOM = 1 * GiB  # left to the OS and other programs when planning from MemAvailable
-SEED_RAM_HEADROOM, SEED_VRAM_HEADROOM = 4 * GiB, 1 * GiB  # the seed's hand formula
 VRAM_HEADROOM = 1 * GiB  # CUDA context + activations
 PIN_SHARE = 0.75  # at most this share of the cache's slots is pinned; the rest stays LRU (recency)
 DEFAULT_CTX = 4096
-
+# Torch operations of one decode step (TorchDispatchMode count over the engine's step on the demo
+# model, mixtral top-2: 487 = 25 + 4 x 115; a layer is attention 57 + norms and residuals 18 +
+# router, expert and batching bookkeeping 22 + 8 per routed expert; a dense MLP layer ~6).
+OPS_GLOBAL, OPS_LAYER, OPS_MOE, OPS_EXPERT, OPS_MLP = 25, 75, 22, 8, 6
+# Each op of a real step costs several times a bare op in a tight loop (the Python of modules and
+# of the engine around it): 3.2x to 8.8x on the demo model (1 thread, a shared VM at load 6-8);
+# the geometric middle keeps the estimate within 2x of `colibri bench` over that whole range.
+PY_PER_OP = 5.5
 
 @dataclass
 class PlanSizes(ModelSizes):
@@ -98,97 +104,6 @@ def _kv_measured(c) -> int | None:
 
 
 @dataclass
-class Machine:
-    mem_available: int
-    mem_free: int
-    vram_free: int | None  # None: no CUDA device
-    disk_bps: float
-    ram_bps: float = RAM_BPS
-    disk_note: str = "given"
-
-
-def meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":", 1)
-                out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
-def measure_disk(path: str, seconds: float = 0.5, chunk: int = 4 * MiB,
-                 threads: int = 4) -> tuple[float, str]:
-    """Read speed of `path`'s device: random aligned O_DIRECT reads of expert-record size, issued
-    by `threads` readers at once as the store's I/O pool does (SSDs need queue depth to reach speed).
-
-    O_DIRECT bypasses the page cache, so this is the device, not RAM, whatever was read before.
-    Falls back to buffered reads where O_DIRECT is refused (tmpfs), and says so.
-    """
-    import random
-    from concurrent.futures import ThreadPoolExecutor
-
-    size = os.path.getsize(path)
-    chunk = max(4096, min(chunk, size) // 4096 * 4096)
-    note = "O_DIRECT"
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        fd, note = os.open(path, os.O_RDONLY), "buffered (O_DIRECT refused; may be page-cache speed)"
-    slots = max(size // chunk - 1, 1)
-    deadline = time.perf_counter() + seconds
-
-    def reader(seed: int) -> int:
-        buf, rng, done = mmap.mmap(-1, chunk), random.Random(seed), 0  # page-aligned, as O_DIRECT requires
-        try:
-            while time.perf_counter() < deadline:
-                done += os.preadv(fd, [buf], rng.randrange(slots) * chunk)
-        finally:
-            buf.close()
-        return done
-
-    t0 = time.perf_counter()
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            done = sum(pool.map(reader, range(threads)))
-    except OSError:  # O_DIRECT refused at the first read (some filesystems): measure buffered
-        os.close(fd)
-        fd, note = os.open(path, os.O_RDONLY), "buffered (O_DIRECT failed; may be page-cache speed)"
-        deadline, t0 = time.perf_counter() + seconds, time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            done = sum(pool.map(reader, range(threads)))
-    finally:
-        os.close(fd)
-    dt = time.perf_counter() - t0
-    return (done / dt if dt > 0 else 0.0), (f"{note}, {seconds:.1f} s of {chunk / MiB:.1f} MiB random reads, "
-                                            f"{threads} at a time")
-
-
-def current_machine() -> Machine:
-    """Memory and VRAM now; disk speed is not probed (it changes the predicted speed, not the plan)."""
-    mi = meminfo()
-    vram = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            vram = torch.cuda.mem_get_info()[0]
-    except Exception:  # a broken CUDA install plans as CPU-only
-        vram = None
-    return Machine(mi.get("MemAvailable", 0), mi.get("MemFree", 0), vram, 1e9, RAM_BPS, "not measured")
-
-
-def probe_machine(path: str, seconds: float = 0.5, chunk: int = 4 * MiB) -> Machine:
-    """Memory and VRAM now, plus the read speed of `path`'s device."""
-    m = current_machine()
-    if seconds > 0:
-        m.disk_bps, m.disk_note = measure_disk(path, seconds, chunk)
-    return m
-
-
-@dataclass
 class LayerPlan:
     tier: str  # gpu | ram | disk
     slots: int = 0  # expert cache slots (disk layers); all experts for resident ones
@@ -198,7 +113,6 @@ class LayerPlan:
 
 @dataclass
 class PlanResult:
-    name: str
     layers: list[LayerPlan]
     weights_budget: int  # RAM for weights: dense + RAM-layer experts + expert cache (the store's mem_budget)
     gpu_budget: int
@@ -211,10 +125,19 @@ class PlanResult:
     ram_bps: float
     notes: list[str] = field(default_factory=list)
     budgeted: bool = True  # False: everything fits unbounded, keep the zero-copy mapping
+    ops_per_token: int = 0  # torch ops of one decode forward
+    op_s: float = 0.0  # one bare torch op on this machine (0: not measured)
+    kv_bytes: int = 0  # all KV slots: slots x ctx x bytes per position
+
+    @property
+    def seconds_per_token(self) -> tuple[float, float, float]:
+        """(disk, RAM, per-op overhead) seconds of one decode token."""
+        return (self.disk_per_token / max(self.disk_bps, 1.0), self.ram_per_token / self.ram_bps,
+                self.ops_per_token * self.op_s * PY_PER_OP)
 
     @property
     def tok_s(self) -> float:
-        t = self.disk_per_token / max(self.disk_bps, 1.0) + self.ram_per_token / self.ram_bps
+        t = sum(self.seconds_per_token)
         return 1.0 / t if t > 0 else math.inf
 
     def count(self, tier: str) -> int:
@@ -228,16 +151,25 @@ class PlanResult:
                          pinned={i: lp.pinned for i, lp in enumerate(self.layers) if lp.pinned})
 
 
-def weights_budget(m: Machine, sizes: PlanSizes, mem_budget: int | None, ctx: int) -> int:
+def weights_budget(m: Machine, sizes: PlanSizes, mem_budget: int | None, ctx: int, slots: int = 1) -> int:
     """RAM for weights: --mem-budget as given (as `colibri run` reads it), or what MemAvailable
-    leaves after our headroom, the KV cache and the runtime."""
+    leaves after our headroom, the KV slots and the runtime."""
     if mem_budget is not None:
         return mem_budget
-    return max(m.mem_available - OUR_RAM_HEADROOM - sizes.kv_per_token * ctx - RUNTIME_BYTES, 0)
+    return max(m.mem_available - OUR_RAM_HEADROOM - sizes.kv_per_token * ctx * slots - RUNTIME_BYTES, 0)
+
+
+def ops_per_token(sizes: PlanSizes) -> int:
+    """Torch operations of one decode forward (see OPS_*): what a small model's speed is made of."""
+    n = OPS_GLOBAL + OPS_LAYER * sizes.n_layers
+    for i in range(sizes.n_layers):
+        E = sizes.n_experts[i]
+        n += OPS_MOE + OPS_EXPERT * min(sizes.top_k, E) if E else OPS_MLP
+    return n
 
 
 def _gpu_layers(sizes: PlanSizes, gpu_budget: int) -> tuple[int, int]:
-    """Leading whole layers that fit the GPU budget, and their bytes (the seed's layer order)."""
+    """Leading whole layers that fit the GPU budget, and their bytes (layers go to the GPU in order)."""
     n = used = 0
     for i in range(sizes.n_layers):
         per_expert = (sizes.gpu_expert_bytes or sizes.expert_bytes)[i]
@@ -250,14 +182,14 @@ def _gpu_layers(sizes: PlanSizes, gpu_budget: int) -> tuple[int, int]:
 
 
 def plan(sizes: PlanSizes, m: Machine, mem_budget: int | None = None, gpu_budget: int | None = None,
-         ctx: int = DEFAULT_CTX, usage=None) -> PlanResult:
-    """The expert-granular plan. `mem_budget`: RAM for weights (None: from MemAvailable);
-    `usage`: a usage.Usage with recorded routing counts, or None."""
+         ctx: int = DEFAULT_CTX, usage: Usage | None = None, slots: int = 1) -> PlanResult:
+    """The plan. `mem_budget`: RAM for weights (None: from MemAvailable less `slots` KV caches of
+    `ctx` positions); `usage`: recorded routing counts, or None."""
     if gpu_budget is None:
         gpu_budget = max((m.vram_free or 0) - VRAM_HEADROOM, 0)
     # No CUDA device: no GPU layers, whatever --gpu-budget says (the Engine would refuse them).
     n_gpu, gpu_bytes = _gpu_layers(sizes, gpu_budget) if m.vram_free is not None else (0, 0)
-    budget = weights_budget(m, sizes, mem_budget, ctx)
+    budget = weights_budget(m, sizes, mem_budget, ctx, slots)
     rest = range(n_gpu, sizes.n_layers)
     dense = sizes.global_dense_bytes + sum(sizes.layer_dense_bytes[i] for i in rest)
     experts_all = sum(sizes.layer_experts_bytes(i) for i in rest)
@@ -289,8 +221,8 @@ def plan(sizes: PlanSizes, m: Machine, mem_budget: int | None = None, gpu_budget
             disk_tok += min(sizes.top_k, sizes.n_experts[i]) * (1 - layers[i].hit) * sizes.record_bytes[i]
     ram_tok += sizes.global_active
     budgeted = mem_budget is not None or cache > 0
-    return PlanResult("expert-granular", layers, budget, gpu_budget, dense, gpu_bytes, cache, disk_tok,
-                      ram_tok, m.disk_bps, m.ram_bps, notes, budgeted)
+    return PlanResult(layers, budget, gpu_budget, dense, gpu_bytes, cache, disk_tok, ram_tok, m.disk_bps,
+                      m.ram_bps, notes, budgeted, ops_per_token(sizes), m.op_s, sizes.kv_per_token * ctx * slots)
 
 
 def _fill_slots(sizes: PlanSizes, layers: list[LayerPlan], moe: list[int], n_slots: int, usage) -> None:
@@ -326,52 +258,32 @@ def _fill_slots(sizes: PlanSizes, layers: list[LayerPlan], moe: list[int], n_slo
             lp.hit = min(mass + (1 - mass) * (lru / rest if rest else 0.0), 1.0)
 
 
-def seed_plan(sizes: PlanSizes, m: Machine, mem_budget: int | None = None, gpu_budget: int | None = None,
-              ctx: int = DEFAULT_CTX) -> PlanResult:
-    """The seed's hand formula: whole layers into (free VRAM - 1 GiB), then (free RAM - 4 GiB), rest
-    on disk with no expert cache (each token reads its top_k experts of every disk layer).
-
-    Free RAM is MemAvailable; with --mem-budget, the memory the process would have under it
-    (budget + KV cache + runtime), so both plans get the same memory."""
-    free_vram = gpu_budget if gpu_budget is not None else (m.vram_free or 0)
-    kv_rt = sizes.kv_per_token * ctx + RUNTIME_BYTES
-    free_ram = mem_budget + kv_rt if mem_budget is not None else m.mem_available
-    n_gpu, gpu_bytes = (0, 0)
-    if m.vram_free is not None:
-        n_gpu, gpu_bytes = _gpu_layers(sizes, max(free_vram - SEED_VRAM_HEADROOM, 0))
-    room = free_ram - SEED_RAM_HEADROOM - sizes.global_dense_bytes
-    layers = [LayerPlan("gpu", sizes.n_experts[i]) for i in range(n_gpu)]
-    disk_tok = ram_tok = 0.0
-    resident = sizes.global_dense_bytes
-    for i in range(n_gpu, sizes.n_layers):
-        ram_tok += sizes.active_bytes(i)
-        if sizes.layer_bytes(i) <= room:
-            room -= sizes.layer_bytes(i)
-            layers.append(LayerPlan("ram", sizes.n_experts[i]))
-            resident += sizes.layer_bytes(i)
-        else:
-            room = -1  # layers go in order: once one misses, the rest are disk layers
-            layers.append(LayerPlan("disk", 0, hit=0.0))
-            resident += sizes.layer_dense_bytes[i]
-            disk_tok += min(sizes.top_k, sizes.n_experts[i]) * sizes.record_bytes[i]
-    ram_tok += sizes.global_active
-    return PlanResult("seed formula", layers, free_ram - kv_rt, free_vram, resident, gpu_bytes, 0,
-                      disk_tok, ram_tok, m.disk_bps, m.ram_bps)
-
-
 def auto_placement(container, mem_budget: int | None = None, gpu_budget: int | None = None,
-                   usage=None, machine: Machine | None = None, ctx: int = DEFAULT_CTX) -> Placement:
+                   usage: Usage | None = None, machine: Machine | None = None, ctx: int = DEFAULT_CTX,
+                   slots: int = 1) -> Placement:
     """The Placement for `container` on this machine (header and /proc/meminfo only, no weight read)."""
     sizes = PlanSizes.from_container(container)
-    return plan(sizes, machine or current_machine(), mem_budget, gpu_budget, ctx, usage).placement()
+    return plan(sizes, machine or current_machine(), mem_budget, gpu_budget, ctx, usage, slots).placement()
 
 
-def placement_fn(container, ctx: int = DEFAULT_CTX, usage=None, machine: Machine | None = None):
+def placement_fn(container, ctx: int = DEFAULT_CTX, usage: Usage | None = None, machine: Machine | None = None,
+                 slots: int = 1):
     """A store PlacementFn `(sizes, mem_budget, gpu_budget) -> Placement` running the planner:
     what the Engine uses when no tier flags are given."""
     def place(_sizes: ModelSizes, mem_budget: int | None, gpu_budget: int | None) -> Placement:
-        return auto_placement(container, mem_budget, gpu_budget, usage, machine, ctx)
+        return auto_placement(container, mem_budget, gpu_budget, usage, machine, ctx, slots)
     return place
+
+
+def hot_set_placement(model_path: str | os.PathLike[str], usage_file: str | os.PathLike[str], ctx_size: int,
+                      slots: int = 1):
+    """The planner's PlacementFn with the usage file's counts (hot experts pinned first), for an
+    Engine run with `--usage-file` and no tier flags; plain planner until the file has counts."""
+    from .container import Container
+
+    with Container(model_path) as c:  # the planner needs only the parsed header, kept after close
+        usage = Usage.load(usage_file, model_sizes(c).n_experts)
+    return placement_fn(c, ctx_size, usage if usage.total_tokens() else None, slots=slots)
 
 
 # ----------------------------------------------------------------------------- report
@@ -386,52 +298,58 @@ def _gb(n: float) -> str:
 
 
 def describe(r: PlanResult, sizes: PlanSizes) -> list[str]:
-    out = [f"{r.name}: {r.count('gpu')} GPU / {r.count('ram')} RAM / {r.count('disk')} disk layers"]
+    out = [f"placement: {r.count('gpu')} layers on the GPU, {r.count('ram')} in RAM, {r.count('disk')} with "
+           "experts read from disk"]
     if r.gpu_bytes:
         out.append(f"  GPU: layers 0..{r.count('gpu') - 1} ({_gib(r.gpu_bytes)} of {_gib(r.gpu_budget)})")
-    what = "whole RAM layers + dense parts of disk layers" if r.name != "expert-granular" else (
-        "every weight" if not r.count("disk") else "dense parts of every layer, embeddings, lm_head")
-    out.append(f"  resident in RAM: {_gib(r.resident)} of weights ({what})")
+    what = "every weight" if not r.count("disk") else "dense parts of every layer, embeddings, lm_head"
+    out.append(f"  kept in RAM: {_gib(r.resident)} of weights ({what})")
     disk = [lp for lp in r.layers if lp.tier == "disk"]
     if disk and r.cache_bytes:
         slots = sorted({lp.slots for lp in disk})
         s = f"{slots[0]}" if len(slots) == 1 else f"{slots[0]}..{slots[-1]}"
         hit = sum(lp.hit for lp in disk) / len(disk)
         out.append(f"  expert cache: {_gib(r.cache_bytes)} = {s} slots per disk layer "
-                   f"(of {max(sizes.n_experts)} experts), expected hit rate {hit:.1%}")
+                   f"(of {max(sizes.n_experts)} experts); expected hit rate {hit:.1%}")
     elif disk:
         out.append("  expert cache: none (disk layers read their top_k experts every token)")
-    out.append(f"  per token: {_gb(r.disk_per_token)} from disk, {_gb(r.ram_per_token)} through RAM")
-    d = r.disk_per_token / max(r.disk_bps, 1.0)
-    ram_ms = r.ram_per_token / r.ram_bps * 1e3
-    out.append(f"  bound: {r.tok_s:.2f} tok/s (disk {d * 1e3:.1f} ms + RAM {ram_ms:.1f} ms per token)")
+    out.append(f"  each token reads {_gb(r.disk_per_token)} from disk and {_gb(r.ram_per_token)} of weights in "
+               f"RAM, and runs ~{r.ops_per_token} torch operations")
+    d, ram, ops = r.seconds_per_token
+    parts = f"disk {d * 1e3:.1f} ms + RAM {ram * 1e3:.1f} ms" + (f" + per-op cost {ops * 1e3:.1f} ms" if ops else "")
+    out.append(f"  expected decode speed: about {r.tok_s:,.1f} tok/s for one sequence ({parts} per token)")
     out += [f"  note: {n}" for n in r.notes]
     return out
 
 
 def report(sizes: PlanSizes, m: Machine, mem_budget: int | None, gpu_budget: int | None, ctx: int,
-           usage=None, top: int = 8) -> str:
-    ours = plan(sizes, m, mem_budget, gpu_budget, ctx, usage)
-    seed = seed_plan(sizes, m, mem_budget, gpu_budget, ctx)
+           usage: Usage | None = None, top: int = 8, slots: int = 1) -> str:
+    ours = plan(sizes, m, mem_budget, gpu_budget, ctx, usage, slots)
     moe = sizes.moe_layers
     eb = max(sizes.record_bytes) if moe else 0
-    kv = sizes.kv_per_token * ctx
+    kv = ours.kv_bytes
     lines = [
-        f"model: {sizes.model_type} {sizes.scheme}, {sizes.n_layers} layers, {max(sizes.n_experts)} experts "
-        f"(top-{sizes.top_k}) in {len(moe)} layers; in RAM {_gib(sizes.total_bytes)} = dense "
+        f"model: {sizes.model_type} {sizes.scheme}, {sizes.n_layers} layers, {max(sizes.n_experts)} experts per "
+        f"layer in {len(moe)} layers, {sizes.top_k} used per token; in RAM {_gib(sizes.total_bytes)} = dense "
         f"{_gib(sizes.dense_bytes)} + experts {_gib(sizes.total_bytes - sizes.dense_bytes)} "
         f"({eb / MiB:.2f} MiB each on disk)",
-        f"machine: MemAvailable {_gib(m.mem_available)}, MemFree {_gib(m.mem_free)}, GPU "
+        f"machine: {_gib(m.mem_available)} of memory available, GPU "
         + (f"{_gib(m.vram_free)} free" if m.vram_free is not None else "none")
-        + f", disk {m.disk_bps / 1e9:.2f} GB/s ({m.disk_note}), RAM {m.ram_bps / 1e9:.0f} GB/s (assumed)",
-        f"budget for weights: {_gib(ours.weights_budget)} "
+        + f"; disk reads {m.disk_bps / 1e9:.2f} GB/s ({m.disk_note}); weights stream through matmuls at "
+        f"{m.ram_bps / 1e9:.1f} GB/s ({m.ram_note})"
+        + (f"; one torch op {m.op_s * 1e6:.1f} us" if m.op_s else ""),
+        f"KV cache: {_gib(kv)} = {slots} slot{'s' if slots != 1 else ''} x {ctx} positions x "
+        f"{sizes.kv_per_token / 1024:.1f} KiB",
+        f"memory for weights: {_gib(ours.weights_budget)} "
         + ("(--mem-budget)" if mem_budget is not None else
-           f"(MemAvailable - {_gib(OUR_RAM_HEADROOM)} headroom - KV {_gib(kv)} for ctx {ctx} - runtime "
+           f"(available memory - {_gib(OUR_RAM_HEADROOM)} left to the system - KV cache {_gib(kv)} - runtime "
            f"{_gib(RUNTIME_BYTES)})"),
         "",
     ]
-    lines += describe(ours, sizes) + [""] + describe(seed, sizes) + [""]
-    lines.append(_verdict(ours, seed, sizes))
+    lines += describe(ours, sizes)
+    weights = ours.resident + ours.cache_bytes
+    lines.append(f"  RAM in total: about {_gib(weights + kv + RUNTIME_BYTES)} (weights {_gib(weights)} + KV cache "
+                 f"{_gib(kv)} + runtime {_gib(RUNTIME_BYTES)})")
     if usage is not None:
         lines += ["", f"learned hot set ({usage.path}, {usage.total_tokens()} routed tokens):"]
         for i in moe:
@@ -444,32 +362,18 @@ def report(sizes: PlanSizes, m: Machine, mem_budget: int | None, gpu_budget: int
     return "\n".join(lines)
 
 
-def _verdict(ours: PlanResult, seed: PlanResult, sizes: PlanSizes) -> str:
-    if ours.disk_per_token == 0 and seed.disk_per_token == 0:
-        return "verdict: the model fits; both plans keep every weight in memory."
-    gain = ours.tok_s / seed.tok_s if seed.tok_s else math.inf
-    why = []
-    used = ours.resident + ours.cache_bytes - seed.resident
-    if used > 0:
-        layer = max(sizes.layer_bytes(i) for i in range(sizes.n_layers))
-        why.append(f"it puts {_gib(used)} more memory to work for weights (the seed keeps "
-                   f"{_gib(SEED_RAM_HEADROOM)} headroom and rounds down to whole layers of {_gib(layer)})")
-    if ours.cache_bytes:
-        why.append("disk layers keep an expert cache, so experts routed again are not re-read")
-    if any(lp.pinned for lp in ours.layers):
-        why.append("experts hot in past runs are pinned, which beats uniform slots")
-    return (f"verdict: expert-granular reads {_gb(ours.disk_per_token)}/token vs {_gb(seed.disk_per_token)}; "
-            f"bound {ours.tok_s:.2f} vs {seed.tok_s:.2f} tok/s ({gain:.2f}x): " + "; ".join(why or ["same"]))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="colibri plan", description="Print the placement colibri would use for "
-                                "a model on this machine (reads only the header and ~0.5 s of disk).")
+                                "a model on this machine, and the speed to expect (reads only the header, "
+                                "then probes the disk and the CPU for about a second).")
     p.add_argument("--model", "-m", required=True, help="path to a .coli container")
     p.add_argument("--mem-budget", help="RAM for weights (dense + expert cache), as for colibri run, e.g. "
-                   "3G; default: MemAvailable - 1 GiB - KV cache - runtime")
+                   "3G; default: available memory - 1 GiB - KV cache - runtime")
     p.add_argument("--gpu-budget", help="VRAM to use, e.g. 6G; default: free VRAM - 1 GiB")
-    p.add_argument("--ctx-size", "-c", type=int, default=DEFAULT_CTX, help="context length (KV cache size)")
+    p.add_argument("--ctx-size", "-c", type=int, default=DEFAULT_CTX,
+                   help="context length of each KV slot")
+    p.add_argument("--slots", type=int, default=1,
+                   help="sequences served at once (colibri serve --slots): each has a KV cache of --ctx-size")
     p.add_argument("--usage-file", help="routing counts recorded by `colibri run --usage-file`: "
                    "pin hot experts")
     p.add_argument("--disk-speed", help="skip the read probe and assume this many bytes/s (e.g. 2G)")
@@ -477,25 +381,27 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from .container import Container
 
+    for flag, v in (("--ctx-size", a.ctx_size), ("--slots", a.slots)):
+        if v < 1:
+            raise ColibriError(f"{flag} must be at least 1, got {v}")
+    if not math.isfinite(a.probe_seconds) or not 0 <= a.probe_seconds <= 60:
+        raise ColibriError(f"--probe-seconds must be between 0 and 60, got {a.probe_seconds}")
     if not os.path.exists(a.model):
         raise ColibriError(f"model file {a.model} not found")
+    mem = parse_size(a.mem_budget) if a.mem_budget else None
+    gpu = parse_size(a.gpu_budget) if a.gpu_budget else None
+    disk = float(parse_size(a.disk_speed)) if a.disk_speed else None
+    if disk is not None and disk <= 0:
+        raise ColibriError(f"--disk-speed must be above 0, got {a.disk_speed}")
     with Container(a.model) as c:
         sizes = PlanSizes.from_container(c)
     usage = None
     if a.usage_file:
-        from .usage import Usage
-
         usage = Usage.load(a.usage_file, sizes.n_experts)
         if usage.total_tokens() == 0:
             print(f"colibri plan: {a.usage_file} has no recorded routing yet: planning for uniform routing",
                   file=sys.stderr)
             usage = None
-    if a.disk_speed:
-        m = current_machine()
-        m.disk_bps, m.disk_note = float(parse_size(a.disk_speed)), "--disk-speed"
-    else:
-        m = probe_machine(a.model, a.probe_seconds, max(max(sizes.record_bytes, default=0), 4096))
-    mem = parse_size(a.mem_budget) if a.mem_budget else None
-    gpu = parse_size(a.gpu_budget) if a.gpu_budget else None
-    print(report(sizes, m, mem, gpu, a.ctx_size, usage))
+    m = probe_machine(a.model, a.probe_seconds, max(max(sizes.record_bytes, default=0), 4096), sizes.scheme, disk)
+    print(report(sizes, m, mem, gpu, a.ctx_size, usage, slots=a.slots))
     return 0

@@ -44,6 +44,8 @@ _DEQUANT_CHUNK_ELEMS = 1 << 20
 # torch's CPU int4 packing works on 64-row blocks; chunks must be multiples of it to concat.
 _INT4_ROW_BLOCK = 64
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
+# Alignment of a module's own buffers once moved into memory its caller owns (an expert-cache slot).
+OWNED_ALIGN = 64
 # kernel="auto": the largest input row count for which the fused CPU kernel beats
 # dequantize-then-GEMM, measured with benchmarks/bench_quant.py (2 threads, AVX-512 EPYC,
 # torch 2.13). The fused kernels are weight-only GEMV-style loops: 2-3x faster than bf16
@@ -263,6 +265,51 @@ def _int4_pack_cpu(data: Tensor, shape: tuple[int, int]) -> Tensor:
     return packed
 
 
+def owned_bytes(info: dict, compute_dtype: torch.dtype, device_type: str = "cpu") -> int:
+    """Bytes a QLinear over this stored weight allocates beyond the stored tensors (its `nbytes`),
+    from the weight's tensor-index entry alone (`dtype`, `nbytes`, optional `quant`).
+
+    Mirrors `QLinear.from_tensors`: the cast of a float weight, the int8 scale cast, and the int4
+    repack for the fused CPU kernel. tests/test_tiers.py checks it against `QLinear.nbytes`.
+    """
+    isz = torch.empty(0, dtype=compute_dtype).element_size()
+    q = info.get("quant")
+    if q is None:
+        # Float linears are cast to the compute dtype; f32 tensors are parameters (norms,
+        # routers), which keep their dtype, as do embeddings.
+        dt = FLOAT_DTYPES.get(info["dtype"])
+        if dt is None or dt in (compute_dtype, torch.float32):
+            return 0
+        return info["nbytes"] // dt.itemsize * isz
+    out, n_in = q["shape"]
+    if q["scheme"] == "int8":
+        return 0 if compute_dtype == torch.float32 else out * isz
+    if (q["scheme"] == "int4" and device_type == "cpu" and FUSED_MAX_ROWS.get(("int4", compute_dtype), 0) > 0
+            and _int4_cpu_fusable((out, n_in), q["group_size"], compute_dtype)):
+        return out * n_in // 2 + (n_in // q["group_size"]) * out * 2 * isz  # packed [out, in/2] + [G, out, 2]
+    return 0
+
+
+def bias_bytes(info: dict, compute_dtype: torch.dtype) -> int:
+    """Bytes a QLinear allocates for a stored bias (its cast to the compute dtype; 0 if none needed)."""
+    dt = FLOAT_DTYPES.get(info["dtype"])
+    if dt is None or dt == compute_dtype:
+        return 0
+    return info["nbytes"] // dt.itemsize * compute_dtype.itemsize
+
+
+def stored_linear(tensors: dict[str, Tensor], info: dict, bias: Tensor | None,
+                  compute_dtype: torch.dtype) -> QLinear:
+    """A QLinear over a stored weight: canonical tensors keyed by suffix ("", ".scale", ".min") and
+    its tensor-index entry (`quant` for quantized weights; a float weight's scheme is its dtype)."""
+    q = info.get("quant")
+    if q is None:
+        w = tensors[""]
+        scheme = next(k for k, v in FLOAT_DTYPES.items() if v == w.dtype)
+        return QLinear.from_tensors({"": w}, scheme, tuple(w.shape), 0, bias, compute_dtype)
+    return QLinear.from_tensors(tensors, q["scheme"], tuple(q["shape"]), q["group_size"], bias, compute_dtype)
+
+
 class QLinear(nn.Module):
     """y = x @ W.T (+ bias) for a weight in any scheme; output in `compute_dtype`.
 
@@ -383,6 +430,43 @@ class QLinear(nn.Module):
         """Bytes of tensors held by reference (e.g. views into the container's mmap)."""
         return sum(t.numel() * t.element_size() for n, t in self.named_buffers(recurse=False)
                    if n not in self._owned)
+
+    def move_owned(self, tail: Tensor, pos: int = 0) -> int:
+        """Move the buffers this module allocated (casts, the int4 repack) into `tail`, 1-D uint8
+        memory the caller owns, from byte `pos` (each OWNED_ALIGN-aligned); returns the next free
+        byte. A cached expert then lives wholly in its slot, so refills never grow the heap."""
+        for name in sorted(self._owned):
+            t = getattr(self, name)
+            n = t.numel() * t.element_size()
+            if pos + n > tail.numel():
+                raise ValueError(f"move_owned: {name} needs {n} bytes at {pos}, the tail has {tail.numel()}")
+            dst = tail[pos : pos + n].view(t.dtype).view(t.shape)
+            dst.copy_(t)
+            self._buffers[name] = dst
+            pos = (pos + n + OWNED_ALIGN - 1) // OWNED_ALIGN * OWNED_ALIGN
+        return pos
+
+    def refill(self, tensors: dict[str, Tensor], bias: Tensor | None = None) -> bool:
+        """Bring this module up to date after new bytes landed under the canonical tensors it
+        borrows (a refilled cache slot: same memory, same layout). `tensors`/`bias` view that memory.
+
+        Casts (int8 scale, bias, float weight) are redone in place (copy_ rounds like .to()); any
+        other derived buffer (the int4 repack) is rebuilt by a throwaway QLinear and copied into
+        this module's own buffers. False when shapes disagree: the caller then builds a new module.
+        """
+        casts = {"scale", "bias", "weight"}
+        if self._owned <= casts and ("scale" not in self._owned or self.scheme == "int8"):
+            src = {"scale": tensors.get(".scale"), "bias": bias, "weight": tensors.get("")}
+            for name in self._owned:
+                getattr(self, name).copy_(src[name])
+            return True
+        tmp = QLinear.from_tensors(tensors, self.scheme, (self.out_features, self.in_features), self.group_size,
+                                   bias, self.compute_dtype)
+        if tmp._owned != self._owned or any(getattr(tmp, n).shape != getattr(self, n).shape for n in self._owned):
+            return False
+        for name in self._owned:
+            getattr(self, name).copy_(getattr(tmp, name))
+        return True
 
     def dequantized_weight(self, rows: slice = slice(None)) -> Tensor:
         """Dense [out, in] weight (or the given output rows of it) in compute_dtype."""

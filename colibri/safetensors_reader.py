@@ -6,21 +6,60 @@ largest tensor it holds, not the size of the checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from math import prod
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .errors import ColibriError
+from .validate import is_int, loads
 
 DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
     "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+
+def _entries(f: Path, header: Any, data_len: int) -> dict[str, dict]:
+    """The header's tensor entries, checked as the safetensors library checks them: each a known
+    dtype, a non-negative integer shape, offsets inside the data whose size is the shape's, and the
+    tensors covering the data exactly (no overlap, no hole)."""
+    if not isinstance(header, dict):
+        raise ColibriError(f"{f}: corrupt safetensors header (not a JSON object)")
+    out, spans = {}, []
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{f}: tensor {name}"
+        if not isinstance(e, dict):
+            raise ColibriError(f"{where}: header entry is not an object")
+        dt, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(dt, str):
+            raise ColibriError(f"{where}: no dtype")
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise ColibriError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(is_int(o) for o in offs)
+                or not 0 <= offs[0] <= offs[1] <= data_len):
+            raise ColibriError(f"{where}: data_offsets {offs!r} are not a range inside the {data_len} data bytes")
+        if dt in DTYPES and prod(shape) * DTYPES[dt].itemsize != offs[1] - offs[0]:
+            raise ColibriError(f"{where}: {dt} shape {shape} needs {prod(shape) * DTYPES[dt].itemsize} bytes, "
+                               f"data_offsets give {offs[1] - offs[0]}")
+        out[name] = e
+        spans.append((offs[0], offs[1], name))
+    spans.sort()
+    end = 0
+    for start, stop, name in spans:
+        if start != end:
+            what = "overlaps the previous tensor" if start < end else "leaves a hole before it"
+            raise ColibriError(f"{f}: tensor {name} {what} (data_offsets start at {start}, expected {end})")
+        end = stop
+    if end != data_len:
+        raise ColibriError(f"{f}: the tensors cover {end} of the file's {data_len} data bytes (truncated or padded)")
+    return out
 
 
 class SafetensorsFolder:
@@ -38,15 +77,14 @@ class SafetensorsFolder:
                 if len(raw) != 8:
                     raise ColibriError(f"{f} is not a safetensors file (too short)")
                 (n,) = struct.unpack("<Q", raw)
-                if n > os.path.getsize(f):
+                size = os.path.getsize(f)
+                if n > size - 8:
                     raise ColibriError(f"{f} is not a safetensors file (bad header length)")
-                try:
-                    header = json.loads(fh.read(n))
-                except json.JSONDecodeError as e:
-                    raise ColibriError(f"{f}: corrupt safetensors header ({e})") from None
-            for name, e in header.items():
-                if name != "__metadata__":
-                    self.entries[name] = (f, e, 8 + n)
+                header = loads(fh.read(n), f"{f}: the safetensors header")
+            for name, e in _entries(f, header, size - 8 - n).items():
+                if name in self.entries:
+                    raise ColibriError(f"tensor {name} is in both {self.entries[name][0]} and {f}")
+                self.entries[name] = (f, e, 8 + n)
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -69,6 +107,8 @@ class SafetensorsFolder:
         dtype, shape = DTYPES[e["dtype"]], list(e["shape"])
         start, end = e["data_offsets"]
         if index is not None:
+            if not shape or not 0 <= index < shape[0]:
+                raise ColibriError(f"tensor {name} {list(shape)} has no slice {index} along its first dimension")
             row = (end - start) // shape[0]
             start, end, shape = start + index * row, start + (index + 1) * row, shape[1:]
         buf = torch.empty(end - start, dtype=torch.uint8)
@@ -77,5 +117,4 @@ class SafetensorsFolder:
             got = fh.readinto(memoryview(buf.numpy()))
         if got != end - start:
             raise ColibriError(f"{path} is truncated (tensor {name})")
-        assert prod(shape) * dtype.itemsize == end - start
-        return buf.view(dtype).view(shape)
+        return buf.view(dtype).view(shape)  # sizes checked at open (_entries)

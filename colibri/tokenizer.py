@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .errors import ColibriError
+
+
+@lru_cache(maxsize=2)
+def parse(text: str) -> _HFTokenizer:
+    """The `tokenizers.Tokenizer` of a tokenizer.json text; cached, as the container check at open and
+    the Engine parse the same text. A text the library refuses is one ColibriError line."""
+    try:
+        return _HFTokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ColibriError(f"the embedded tokenizer does not load: {msg[:200]}") from None
 
 
 def _token_text(tok: Any) -> str | None:
@@ -15,9 +27,9 @@ def _token_text(tok: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, meta: dict, config: dict | None = None):
-        if not meta or "json" not in meta:
+        if not isinstance(meta, dict) or not isinstance(meta.get("json"), str):
             raise ColibriError("the container has no embedded tokenizer")
-        self.tk = _HFTokenizer.from_str(meta["json"])
+        self.tk = parse(meta["json"])
         self.config = meta.get("tokenizer_config", {})
         self.chat_template = self.config.get("chat_template")
         self.eos_ids = self._eos_ids(meta, config or {})

@@ -178,15 +178,3 @@ class Recorder:
         for m, prev in self._prev.items():
             m.on_route = prev
         self._prev = {}
-
-
-def hot_set_placement(model_path: str | os.PathLike[str], usage_file: str | os.PathLike[str], ctx_size: int):
-    """The planner's PlacementFn with the usage file's counts (hot experts pinned first), for an
-    Engine run with `--usage-file` and no tier flags; plain planner until the file has counts."""
-    from .container import Container
-    from .plan import placement_fn
-    from .store.tiered import model_sizes
-
-    with Container(model_path) as c:  # the planner needs only the parsed header, kept after close
-        usage = Usage.load(usage_file, model_sizes(c).n_experts)
-    return placement_fn(c, ctx_size, usage if usage.total_tokens() else None)

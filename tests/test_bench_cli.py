@@ -51,7 +51,7 @@ def test_bench_text_output_and_bad_args(bench_json, capsys):
 
 def test_bench_under_a_budget_reports_cache_figures(bench_json, capsys):
     from colibri.container import Container
-    from colibri.store.tiered import model_sizes
+    from colibri.store import model_sizes
 
     with Container(bench_json) as c:
         sizes = model_sizes(c)

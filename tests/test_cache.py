@@ -1,5 +1,5 @@
 """ExpertCache unit tests with a fake loader: eviction order, pinning, slot bound, buffer reuse,
-prefetch bookkeeping, and that a stream always delivers every requested expert exactly once."""
+prefetch bookkeeping, and that a fetch always delivers every requested expert exactly once."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ class FakeLoader:
 
 
 def drain(cache: ExpertCache, layer: int, ids: list[int]) -> list[int]:
-    """Consume a stream like SwitchGLU does, checking each delivered slot holds what it claims."""
+    """Consume a fetch like SwitchGLU does, checking each delivered slot holds what it claims."""
     got = []
-    for e, w in cache.stream(layer, ids):
+    for e, w in cache.fetch(layer, ids):
         assert w.gate_up[:2].tolist() == [layer, e]
         got.append(e)
     return got
@@ -72,7 +72,7 @@ def test_pinned_experts_are_never_evicted():
         cache.pin(0, [8, 9])  # would leave no slot to stream through
 
 
-@pytest.mark.parametrize("policy", ["lru", "fair"])
+@pytest.mark.parametrize("policy", ["lru", "fair", "reuse"])
 def test_slots_bounded_and_buffers_reused(policy):
     cache, _ = make(4, layers=range(3), policy=policy)
     ptrs = {s.buf.data_ptr() for s in cache.slots}
@@ -103,7 +103,7 @@ def test_fair_policy_keeps_each_layers_share():
     """Cyclic layer access (decode) with room for half a token's experts: plain LRU always
     evicts what the next layer needs; the fair share keeps half of every layer's experts."""
     hits = {}
-    for policy in ("lru", "fair"):
+    for policy in ("lru", "fair", "reuse"):
         cache, _ = make(8, layers=range(4), policy=policy)
         for _ in range(20):
             for layer in range(4):
@@ -111,16 +111,35 @@ def test_fair_policy_keeps_each_layers_share():
         hits[policy] = cache.stats()["hit_rate"]
     assert hits["lru"] == 0.0
     assert hits["fair"] > 0.4
+    # reuse ranks by expected next use; every expert of every layer coming back each token is its worst
+    # case (it drifts towards the most recent layers) yet it still keeps some. On real route traces it
+    # beats fair (tools/policy_gaps.py, docs/ROUTING.md).
+    assert hits["reuse"] > 0.2
+
+
+def test_reuse_policy_keeps_what_comes_back():
+    """Layer 0 asks for expert 7 every token plus a stranger, layer 1 only strangers: the reuse policy
+    keeps 7 (its estimated next use is soonest), fair's equal shares let the strangers push it out."""
+    hits = {}
+    for policy in ("fair", "reuse"):
+        cache, loader = make(3, layers=range(2), policy=policy)
+        strangers = iter(range(8, 1000))
+        for _ in range(100):
+            drain(cache, 0, [7, next(strangers)])
+            drain(cache, 1, [next(strangers)])
+        hits[policy] = loader.loads.count((0, 7))
+    assert hits["reuse"] <= 3 < hits["fair"]
 
 
 def test_prefetch_never_evicts_claimed_experts():
     cache, _ = make(3, layers=(0, 1))
     assert cache.prefetch(1, [5]) == 1
-    # The look-ahead runs inside layer 0's stream once its experts are claimed: it may only
-    # take the one unclaimed slot (the unused prefetch of expert 5), never 0 or 1.
-    cache.defer(lambda: cache.prefetch(1, [7, 8]))
+    # The look-ahead runs after layer 0's fetch has claimed its experts: it may only take the
+    # one unclaimed slot (the unused prefetch of expert 5), never 0 or 1.
+    fetched = cache.fetch(0, [0, 1])
+    assert cache.prefetch(1, [7, 8]) == 1
     got = []
-    for e, w in cache.stream(0, [0, 1]):
+    for e, w in fetched:
         got.append(e)
         assert w.gate_up[:2].tolist() == [0, e]
     assert sorted(got) == [0, 1]
@@ -141,9 +160,9 @@ def test_prefetch_hits_and_prediction_scores():
     assert loader.loads == [(1, 5), (1, 6), (1, 7)]
 
 
-def test_stream_releases_claims_when_abandoned():
+def test_fetch_releases_claims_when_abandoned():
     cache, _ = make(2)
-    it = cache.stream(0, [0, 1])
+    it = cache.fetch(0, [0, 1])
     next(it)
     it.close()  # consumer stopped early (an exception in the layer, say)
     assert all(s.users == 0 for s in cache.slots)

@@ -25,7 +25,8 @@ import make_demo_model as demo  # noqa: E402  (the demo's story generator: calib
 def _layout(path: Path) -> dict[str, tuple]:
     """Everything about each stored tensor except its bytes' checksum."""
     with Container(path) as c:
-        return {n: tuple((k, str(v)) for k, v in sorted(c.info(n).items()) if k != "crc32") for n in c.names()}
+        return {n: tuple((k, str(v)) for k, v in sorted(c.info(n).items()) if not k.startswith("crc32"))
+                for n in c.names()}
 
 
 def test_calibrated_int4_keeps_the_layout_and_lowers_kl_on_the_demo(tmp_path):
@@ -135,3 +136,55 @@ def test_group_size_that_does_not_divide_is_a_reported_fallback(ckpt, tmp_path, 
     shown = capsys.readouterr().out
     assert "fallback:    3 weights not in int4" in shown
     assert all(pat in shown for pat in fallback)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("other-model", "input channels"),  # tiny mixtral's statistics (hidden 64) for the demo (hidden 128)
+    ("garbage", "not a readable statistics file"),
+    ("missing", "not found"),
+])
+def test_cli_bad_calibration_is_one_line(ckpt, tmp_path, capsys, case, message):
+    stats = tmp_path / "stats.safetensors"
+    if case == "other-model":
+        from hf_tiny import TRAIN_TEXT
+
+        C.gather(ckpt.coli("mixtral", "bf16"), TRAIN_TEXT, ctx_size=64, threads=1, progress=False).save(stats)
+    elif case == "garbage":
+        stats.write_bytes(b"not safetensors at all")
+    out = tmp_path / "x.coli"
+    rc = main(["convert", "-i", str(DEMO_HF), "-o", str(out), "--quant", "int4", "--no-progress",
+               "--calibration", str(stats)])
+    err = capsys.readouterr().err
+    assert rc == 1 and not out.exists()
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("colibri: error:") and message in lines[-1], err
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_statistics_under_a_budget_pool_the_experts_gate_up(ckpt, tmp_path):
+    """Full statistics that do not fit: x x^T for each MoE layer's pooled gate_up input, then dense linears
+    while the budget lasts; every expert's own statistics diagonal."""
+    from hf_tiny import TRAIN_TEXT
+
+    model = ckpt.coli("mixtral", "bf16")
+    full = C.gather(model, TRAIN_TEXT, ctx_size=64, threads=1, progress=False, full=True)
+    layers = sorted({C._expert_name(k)[0] for k in full.sums if C._expert_name(k)})
+    hidden = full.sums[f"{layers[0]}.0.gate_up.weight"].shape[0]
+    budget = 8 * hidden**2 * (len(layers) + 2)  # the pooled matrices and two dense linears' worth
+    part = C.gather(model, TRAIN_TEXT, ctx_size=64, threads=1, progress=False, max_full_bytes=budget)
+    assert not part.full and sum(8 * t.numel() for t in part.sums.values() if t.dim() == 2) <= budget
+    dense_full = [k for k, t in part.sums.items() if t.dim() == 2 and not C._expert_name(k) and C.POOLED not in k]
+    assert 1 <= len(dense_full) < len([k for k in full.sums if not C._expert_name(k)])
+    for layer in layers:
+        shared = f"{layer}.{C.POOLED}.gate_up.weight"
+        own = [k for k in full.sums if C._expert_name(k) == (layer, "gate_up.weight")]
+        # the pooled matrix is every expert's x x^T summed, the experts' own entries are diagonals
+        assert torch.allclose(part.sums[shared], sum(full.sums[k] for k in own), rtol=1e-6)
+        assert part.counts[shared] == sum(full.counts[k] for k in own)
+        assert all(part.sums[k].dim() == 1 and part.counts[k] == full.counts[k] for k in own)
+        assert torch.equal(part.second_moment(own[0]), part.sums[shared] / part.counts[shared])
+        assert part.second_moment(f"{layer}.0.down.weight").dim() == 1  # down: diagonal, weighted search
+    part.save(tmp_path / "s.safetensors")
+    assert C.ActivationStats.load(tmp_path / "s.safetensors").full_names == part.full_names
+    out = convert(ckpt.hf("mixtral"), tmp_path / "b.coli", "int4", 32, progress=False, calibration=part)
+    assert _layout(out) == _layout(convert(ckpt.hf("mixtral"), tmp_path / "p.coli", "int4", 32, progress=False))

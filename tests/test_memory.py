@@ -36,18 +36,28 @@ def test_bucketed_decode_equals_exact_keys(window, sinks):
     torch.testing.assert_close(padded, exact, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "int8"])
-def test_rss_is_flat_over_4000_tokens(scheme):
-    """Issue: bf16 runs grew ~1 GB over 4k tokens (a oneDNN kernel per key length). Bound: 48 MiB
-    (the benchmark prints the figure; it is ~15 MiB on the demo model)."""
+# The runtime's fixed overhead docs/TIERS.md states ("The runtime's fixed overhead"): at most 363 MiB at
+# ctx 4096 (int4; int8 320 MiB). Peak RSS under --mem-budget B must stay within B + that, load included.
+DOC_OVERHEAD_MIB = 363
+BUDGET = 3 << 20  # smaller than every demo variant (bf16 7.0 MB, int8 3.9 MB, int4 4.3 MB): experts stream
+
+
+@pytest.mark.parametrize("scheme, budget", [("bf16", None), ("bf16", BUDGET), ("int8", BUDGET), ("int4", BUDGET)])
+def test_rss_is_flat_over_4000_tokens(scheme, budget):
+    """Issue 11: bf16 runs grew ~1 GB over 4k tokens (a oneDNN kernel per key length) and an int8 model
+    under --mem-budget 100M reached 1.75 GB. RSS after 4000 tokens within 32 MiB of RSS after 100 (the
+    benchmark prints the figures: ~15 MiB); under a budget, peak RSS <= B + the documented overhead."""
     from colibri.demo import demo_model
 
     path = demo_model(scheme)
-    out = subprocess.run([sys.executable, str(BENCH), "--child", str(path), "-", "4000"], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(BENCH), "--threads", "1", "--child", str(path),
+                          "-" if budget is None else str(budget), "4000"], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr
-    rss = {int(k): v for k, v in json.loads(out.stdout).items()}
-    assert rss[4000] - rss[100] < 48, rss
+    res = json.loads(out.stdout)
+    assert res["4000"] - res["100"] < 32, res
+    if budget is not None:
+        assert res["misses"] > 0 and res["resident"] * 2**20 <= budget  # really streamed, inside the budget
+        assert res["peak"] <= budget / 2**20 + DOC_OVERHEAD_MIB, res
 
 
 def test_bucketed_mla_decode_equals_exact_latents():

@@ -223,7 +223,7 @@ def test_quantized_container_computes_what_its_weights_say(ckpt, model_type, ove
             if isinstance(mod, QLinear):
                 state[f"{name}.weight"].copy_(mod.dequantized_weight())
             elif isinstance(mod, SwitchGLU):
-                for e, w in mod.source.stream(list(range(mod.num_experts))):
+                for e, w in mod.source.fetch(mod.layer, list(range(mod.num_experts))):
                     state[f"{name}.gate_up_proj"][e].copy_(w.gate_up.dequantized_weight())
                     state[f"{name}.down_proj"][e].copy_(w.down.dequantized_weight())
         state["model.embed_tokens.weight"].copy_(llm.model.model.embed_tokens.weight.float())

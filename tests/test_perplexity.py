@@ -12,6 +12,8 @@ from transformers import AutoTokenizer
 
 from colibri.cli import main
 from colibri.container import Container
+from colibri.convert import convert
+from colibri.demo import DEMO_HF
 from colibri.errors import ColibriError
 from colibri.perplexity import perplexity
 from colibri.store import Placement, model_sizes
@@ -107,9 +109,11 @@ def test_cli_json(ckpt, tmp_path, capsys):
     ("missing-model", "not found"),
     ("missing-base", "not found"),
     ("short-text", "fewer than one window"),
+    ("other-tokenizer", "different tokenizers"),  # the demo model as the reference of a test model
 ])
 def test_cli_errors_are_one_line(ckpt, tmp_path, capsys, case, message):
     model = str(ckpt.coli("mixtral", "f32"))
+    capsys.readouterr()  # building the checkpoint on first use may have drawn a progress bar
     text = tmp_path / "t.txt"
     text.write_text("Once upon a time" if case == "short-text" else TRAIN_TEXT, encoding="utf-8")
     argv = ["perplexity", "-m", model, "-f", str(text), "--ctx-size", str(CTX), "--threads", "1"]
@@ -119,6 +123,9 @@ def test_cli_errors_are_one_line(ckpt, tmp_path, capsys, case, message):
         argv[2] = str(tmp_path / "nope.coli")
     elif case == "missing-base":
         argv += ["--kl-base", str(tmp_path / "nope.coli")]
+    elif case == "other-tokenizer":
+        argv += ["--kl-base", str(convert(DEMO_HF, tmp_path / "demo.coli", "bf16", progress=False))]
+        capsys.readouterr()
     rc, out, err = run(argv, capsys)
     assert rc == 1 and out == ""
     assert err.startswith("colibri: error:") and message in err and err.count("\n") == 1, err

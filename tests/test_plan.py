@@ -16,16 +16,13 @@ from colibri.plan import (
     OUR_RAM_HEADROOM,
     PIN_SHARE,
     RUNTIME_BYTES,
-    GiB,
-    Machine,
-    MiB,
     PlanSizes,
     auto_placement,
-    measure_disk,
+    ops_per_token,
     plan,
-    seed_plan,
 )
 from colibri.plan import main as plan_main
+from colibri.probe import GiB, Machine, MiB, measure_disk, measure_matvec, measure_op
 from colibri.usage import Recorder, Usage
 
 L, E, K = 16, 64, 8
@@ -114,21 +111,23 @@ def test_model_larger_than_memavailable_goes_to_disk(sizes):
     assert r.cache_bytes == (weights - sizes.dense_bytes) // EXPERT * EXPERT
 
 
-def test_seed_formula_whole_layers_and_headroom(sizes):
-    layer = DENSE + E * EXPERT
-    avail = 4 * GiB + GLOBAL + 5 * layer + layer // 2  # room for 5.5 layers after the 4 GiB headroom
-    s = seed_plan(sizes, machine(avail=avail))
-    assert [lp.tier for lp in s.layers] == ["ram"] * 5 + ["disk"] * (L - 5)
-    assert s.disk_per_token == (L - 5) * K * EXPERT  # no cache: every routed expert of a disk layer is read
-    assert s.resident == GLOBAL + 5 * layer + (L - 5) * DENSE
-    ours = plan(sizes, machine(avail=avail))
-    # Same memory, but no whole-layer rounding and a 1 GiB headroom instead of 4: fewer bytes per token.
-    assert ours.disk_per_token < s.disk_per_token and ours.tok_s > s.tok_s
-    # The capped benchmark's situation: 2.5 GiB for weights (3.5 GiB for the process): the seed
-    # formula's 4 GiB headroom leaves no layer in RAM at all.
-    capped = seed_plan(sizes, machine(), mem_budget=int(2.5 * GiB), ctx=1024)
-    assert capped.count("disk") == L and capped.disk_per_token == L * K * EXPERT
-    assert plan(sizes, machine(), mem_budget=int(2.5 * GiB)).disk_per_token < 0.8 * capped.disk_per_token
+def test_slots_count_their_kv_caches(sizes):
+    one = plan(sizes, machine(avail=8 * GiB), ctx=4096)
+    four = plan(sizes, machine(avail=8 * GiB), ctx=4096, slots=4)
+    assert four.kv_bytes == 4 * one.kv_bytes == 4 * KV_TOK * 4096
+    assert one.weights_budget - four.weights_budget == 3 * KV_TOK * 4096
+    # A given --mem-budget bounds weights only: the slots do not change it.
+    assert plan(sizes, machine(), mem_budget=3 * GiB, slots=8).weights_budget == 3 * GiB
+
+
+def test_speed_estimate_counts_bytes_and_per_op_cost(sizes):
+    m = machine()
+    m.op_s = 5e-6
+    r = plan(sizes, m, mem_budget=3 * GiB)
+    d, ram, ops = r.seconds_per_token
+    assert r.ops_per_token == ops_per_token(sizes) > L * K  # every layer runs top_k experts' ops at least
+    assert ops > 0 and r.tok_s == pytest.approx(1 / (d + ram + ops))
+    assert plan(sizes, machine(), mem_budget=3 * GiB).tok_s > r.tok_s  # op cost unmeasured: left out
 
 
 def test_gpu_layers_fit_vram_minus_headroom(sizes):
@@ -244,14 +243,32 @@ def test_auto_placement_and_plan_cli_on_real_container(ckpt, capsys):
     assert p.tiers == ["disk"] * sizes.n_layers and p.mem_budget == budget
     assert plan_main(["--model", str(path), "--mem-budget", str(budget), "--disk-speed", "1G"]) == 0
     out = capsys.readouterr().out
-    assert "expert-granular: 0 GPU / 0 RAM / 3 disk layers" in out and "10 slots" not in out
-    assert "3..4 slots per disk layer" in out  # 10 slots shared fairly by 3 layers
-    assert "seed formula: 0 GPU / 0 RAM / 3 disk layers" in out and "verdict:" in out
+    assert "placement: 0 layers on the GPU, 0 in RAM, 3 with experts read from disk" in out
+    assert "3..4 slots per disk layer" in out and "10 slots" not in out  # 10 slots shared fairly by 3 layers
+    assert "seed" not in out and "expected decode speed: about" in out
+    assert plan_main(["--model", str(path), "--slots", "4", "--ctx-size", "100", "--disk-speed", "1G"]) == 0
+    out = capsys.readouterr().out
+    assert f"KV cache: {sizes.kv_per_token * 400 / MiB:.1f} MiB = 4 slots x 100 positions" in out
 
 
-def test_measure_disk_reads_the_file(ckpt):
+def test_plan_cli_refuses_bad_numbers(ckpt, capsys):
+    from colibri.cli import main
+
+    path = str(ckpt.coli("olmoe", "int8"))
+    for bad in (["--ctx-size", "-5"], ["--slots", "0"], ["--mem-budget", "nan"], ["--mem-budget", "1e400"],
+                ["--disk-speed", "0"], ["--probe-seconds", "nan"]):
+        assert main(["plan", "--model", path, *bad]) != 0, bad
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "error" in err, bad
+
+
+def test_probes_measure_something(ckpt):
     bps, note = measure_disk(str(ckpt.coli("olmoe", "int8")), seconds=0.05, chunk=64 * 1024)
     assert bps > 1e6 and math.isfinite(bps) and "random reads" in note
+    assert 0 < measure_op() < 1e-2
+    for scheme in ("f32", "int8"):
+        v = measure_matvec(scheme, seconds=0.01, weight_mib=4)
+        assert math.isfinite(v) and v > 0
 
 
 def test_run_usage_file_accumulates_across_runs(ckpt, tmp_path, capsys):

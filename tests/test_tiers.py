@@ -16,12 +16,11 @@ import torch
 from colibri.api import Engine
 from colibri.cli import main as cli_main
 from colibri.container import Container
-from colibri.quant import QLinear
-from colibri.store import Placement, default_placement, model_sizes
+from colibri.plan import auto_placement
+from colibri.quant import QLinear, bias_bytes, owned_bytes, stored_linear
+from colibri.store import Placement, model_sizes
 from colibri.store import reader as reader_mod
 from colibri.store.reader import RecordReader, aligned_buffer
-from colibri.store.sizes import qlinear_extra_bytes
-from colibri.store.weights import qlinear_from
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 N_GREEDY = 24
@@ -160,6 +159,24 @@ def test_stats_add_up(ckpt):
     assert total["resident_bytes"] == total["dense_bytes"] + total["cache_bytes"] <= kw["mem_budget"]
 
 
+def test_stats_count_rows_per_step_in_a_batch(ckpt):
+    """Two sequences decoding together: every one-row-per-sequence decode counts as a decode token
+    (the runner counts per step; a rule on the forward's row count would call a 2-row step prefill)."""
+    path = ckpt.coli("olmoe", "f32")
+    llm = Engine(path, ctx_size=64, threads=2, slots=2, **configs(path)["disk-1-per-layer"])
+    try:
+        handles = [llm.submit(p, 6, temperature=0, ignore_eos=True) for p in (PROMPT, PROMPT[:5])]
+        for h in handles:
+            assert len(list(h)) == 6
+        m = llm.metrics()
+    finally:
+        llm.close()
+    total = m["store"]
+    assert total["prefill_tokens"] == len(PROMPT) + 5
+    assert total["decode_tokens"] == m["decode_rows"] == 2 * 5  # 6 tokens each: the last is never fed back
+    assert total["bytes_read"] == total["prefill_bytes_read"] + total["decode_bytes_read"] > 0
+
+
 def test_prefetch_off_issues_nothing(ckpt):
     path = ckpt.coli("olmoe", "f32")
     _, _, stats = run(path, **configs(path)["disk-1-per-layer-noprefetch-buffered"])
@@ -205,35 +222,41 @@ def test_budget_too_small_is_a_clear_error(ckpt):
         Engine(path, ctx_size=64, placement=Placement(["ram"] * 3), mem_budget=100_000)
 
 
-def test_default_placement_moves_last_layers_to_disk(ckpt):
+def test_planner_places_experts_on_disk_under_a_budget(ckpt):
+    """The Engine's default placement is the planner's (colibri/plan.py), with the store's accounting."""
     path = ckpt.coli("olmoe", "f32")
-    s = model_sizes(Container(path))
-    assert default_placement(s, None).tiers == ["ram"] * 3
-    assert default_placement(s, s.total_bytes).tiers == ["ram"] * 3
-    budget = s.total_bytes - s.layer_experts_bytes(2) + s.top_k * s.expert_bytes[2]
-    assert default_placement(s, budget).tiers == ["ram", "ram", "disk"]
-    assert default_placement(s, budget - 1).tiers == ["ram", "disk", "disk"]
-    assert default_placement(s, 0).tiers == ["disk"] * 3  # the store then says the budget is too small
-    # The store's simple rule, as a placement function (the Engine's default is the planner's).
-    _, _, stats = run(path, mem_budget=budget, placement=lambda sizes, mem, gpu: default_placement(sizes, mem))
-    assert stats["tiers"] == ["ram", "ram", "disk"]
+    c = Container(path)
+    s = model_sizes(c)
+    assert auto_placement(c, mem_budget=s.total_bytes).tiers == ["ram"] * 3
+    budget = s.dense_bytes + 3 * s.top_k * max(s.expert_bytes)
+    assert budget < s.total_bytes
+    assert auto_placement(c, mem_budget=budget).tiers == ["disk"] * 3
+    _, _, stats = run(path, mem_budget=budget)
+    assert stats["tiers"] == ["disk"] * 3
     assert stats["resident_bytes"] <= budget
 
 
-@pytest.mark.parametrize("scheme", ["f32", "int8", "int4"])
-def test_extra_bytes_estimate_matches_qlinear(ckpt, scheme):
-    """model_sizes' per-expert cost must be what the modules really allocate (budgets depend on it)."""
-    path = ckpt.coli("qwen3_moe", scheme)
+@pytest.mark.parametrize("family,scheme", [("qwen3_moe", "f32"), ("qwen3_moe", "int8"), ("qwen3_moe", "int4"),
+                                           ("gpt_oss", "f16"), ("gpt_oss", "int8")])
+def test_extra_bytes_estimate_matches_qlinear(ckpt, family, scheme):
+    """model_sizes' per-expert cost must be what the modules really allocate (budgets depend on it),
+    biases included (gpt-oss; an f16 file computes in bf16, so every weight and bias is cast)."""
+    path = ckpt.coli(family, scheme)
     with Container(path) as c:
         dtype = torch.float32 if scheme == "f32" else torch.bfloat16
+        checked = 0
         for name in c.names():
             info = c.info(name)
             if "quant" not in info and not name.endswith(("proj.weight", "up.weight", "down.weight")):
                 continue
             tensors = {s: c.tensor(name + s) for s in ("", ".scale", ".min") if c.has(name + s)}
-            q = qlinear_from(tensors, info, None, dtype)
+            bias = name.removesuffix(".weight") + ".bias"
+            b = c.tensor(bias) if c.has(bias) else None
+            q = stored_linear(tensors, info, b, dtype)
             assert isinstance(q, QLinear)
-            assert qlinear_extra_bytes(info, dtype) == q.nbytes, name
+            assert owned_bytes(info, dtype) + (bias_bytes(c.info(bias), dtype) if b is not None else 0) == q.nbytes
+            checked += 1
+        assert checked > 0
 
 
 # ----------------------------------------------------------------------------- reader
@@ -312,14 +335,16 @@ def test_cli_stats_line(ckpt, capsys):
 
 
 _RSS_SCRIPT = """
-import json, resource, sys, torch
+import json, sys, torch
 from colibri.api import Engine
 from colibri.store import Placement
 path, budget = sys.argv[1], int(sys.argv[2])
 llm = Engine(path, ctx_size=64, threads=1, placement=Placement(["disk"] * 4), mem_budget=budget)
 list(llm.generate_ids(list(range(3, 35)), 16, temperature=0, ignore_eos=True))
 s = llm.store_stats()
-print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+# VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would report pytest's own peak
+hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+print(json.dumps({"rss": hwm * 1024,
                   "resident": s["resident_bytes"], "misses": s["misses"]}))
 """
 

@@ -14,8 +14,12 @@ The engine flags are shared by run, serve, chat and bench (`colibri/cli/common.p
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
+import shlex
 import sys
+from collections.abc import Iterator
 
 from ..errors import ColibriError
 
@@ -33,13 +37,40 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """argparse reports a bad flag as a usage block plus `PROG: error: ...` and exit 2; every parser of
+    every subcommand raises a ColibriError instead while a command runs, so a flag mistake is the
+    same one `colibri: error:` line as any other mistake."""
+    def error(self: argparse.ArgumentParser, message: str) -> None:
+        # "argument --top-p: --top-p must be ...": the flag once is enough
+        head, _, rest = message.partition(": ")
+        if head.startswith("argument ") and rest.startswith("-"):
+            message = rest
+        raise ColibriError(f"{message} (see '{self.prog} --help')")
+
+    saved = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = saved  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:  # bare `colibri`: the demo, as `bash scripts/demo.sh` runs it
+        from ..demo import DEMO_ARGS
+
+        print(f"colibri: no arguments: running the built-in demo model (colibri {shlex.join(DEMO_ARGS)}); "
+              "'colibri --help' lists the flags", file=sys.stderr)
+        argv = list(DEMO_ARGS)
     name = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"  # the bare form is `run`
     rest = argv[1:] if argv and argv[0] == name else argv
     mod, fn = SUBCOMMANDS[name]
     try:
-        return getattr(importlib.import_module(mod), fn)(rest) or 0
+        with _one_line_usage_errors():
+            return getattr(importlib.import_module(mod), fn)(rest) or 0
     except ColibriError as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import ColibriError
-from .common import HelpFormatter, add_engine_args, engine_from_args, nonneg, positive, setup_logging
+from .common import HelpFormatter, add_engine_args, bounded, engine_from_args, nonneg, number, positive, setup_logging
 
 log = logging.getLogger("colibri")
 
@@ -28,6 +28,9 @@ def run_parser() -> argparse.ArgumentParser:
                     f"Subcommands: {', '.join(SUBCOMMANDS)} (run is the default). "
                     "'colibri SUBCOMMAND --help' for each.",
         formatter_class=HelpFormatter)
+    from .. import __version__
+
+    p.add_argument("--version", action="version", version=f"colibri {__version__}")
     g = p.add_argument_group("prompt")
     g.add_argument("--prompt", "-p", help="the prompt text")
     g.add_argument("--file", "-f", help="read the prompt from this file instead of --prompt")
@@ -46,15 +49,26 @@ def run_parser() -> argparse.ArgumentParser:
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:
     s = p.add_argument_group("sampling")
-    s.add_argument("--temperature", "--temp", type=float, default=temperature, help="0 = greedy decoding")
+    s.add_argument("--temperature", "--temp", type=number("--temperature", 0), default=temperature,
+                   help="0 = greedy decoding")
     s.add_argument("--top-k", type=nonneg("--top-k"), default=40, help="keep the k most likely tokens (0 = off)")
-    s.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
-    s.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise tokens already seen (1.0 = off)")
-    s.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible output)")
+    s.add_argument("--top-p", type=number("--top-p", 0, 1, lo_open=True), default=0.95,
+                   help="nucleus sampling mass (1.0 = off)")
+    s.add_argument("--repeat-penalty", type=number("--repeat-penalty", 0, lo_open=True), default=1.0,
+                   help="penalise tokens already seen (1.0 = off)")
+    # The engine's seed range (engine/request.py: SamplingParams.validate).
+    s.add_argument("--seed", type=bounded("--seed", 0, 2**63 - 1), default=None,
+                   help="random seed for sampling (reproducible output)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
 
 
 def validate_sampling(a: argparse.Namespace) -> None:
+    """The same ranges as the flag types, for namespaces built without this parser."""
+    import math
+
+    for flag, v in (("--temperature", a.temperature), ("--top-p", a.top_p), ("--repeat-penalty", a.repeat_penalty)):
+        if not math.isfinite(v):
+            raise ColibriError(f"{flag} must be a finite number, got {v}")
     if a.temperature < 0:
         raise ColibriError(f"--temperature must be >= 0, got {a.temperature}")
     if not 0 < a.top_p <= 1:
@@ -88,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loaded %s (%s, %s, %d layers) in %.2fs; KV cache %.1f MiB for ctx %d", a.model,
              llm.container.model_type, llm.scheme, llm.n_layers, time.perf_counter() - t0,
              llm.kv_bytes() / 2**20, a.ctx_size)
+    try:
+        _generate(a, llm, prompt)
+    finally:
+        llm.close()  # in-process callers (tests, the fuzz worker) must not keep the engine thread
+    return 0
+
+
+def _generate(a: argparse.Namespace, llm, prompt: str) -> None:
     recorder = None
     if a.usage_file:  # learned hot set: count this run's routing (colibri/usage.py)
         from ..usage import Recorder
@@ -96,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = llm.tokenizer.encode(prompt, add_special_tokens=not a.chat)  # a chat template writes its own
-    if len(ids) + a.n_predict > a.ctx_size:
+    if len(ids) >= a.ctx_size:  # one message, not a warning followed by the engine's refusal
+        raise ColibriError(f"the prompt has {len(ids)} tokens, which does not fit ctx-size {a.ctx_size} "
+                           "(raise --ctx-size or shorten the prompt)")
+    warned = len(ids) + a.n_predict > a.ctx_size
+    if warned:
         log.warning("colibri: prompt (%d tokens) + -n %d exceeds --ctx-size %d: generation stops when the "
                     "context is full", len(ids), a.n_predict, a.ctx_size)
     pieces = llm.generate(prompt, a.n_predict, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -111,14 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         total = recorder.usage().save(a.usage_file)
         log.info("usage file %s: %d routed tokens recorded in total", a.usage_file, total.total_tokens())
     st = llm.last_stats
-    if st.stop_reason == "ctx":
+    if st.stop_reason == "ctx" and not warned:
         print(f"colibri: stopped: the context is full (--ctx-size {a.ctx_size}); raise --ctx-size to go on",
               file=sys.stderr)
     if not a.no_stats:
         print(stats_line(st), file=sys.stderr)
     if a.stats:
         print(tier_stats_line(st), file=sys.stderr)
-    return 0
 
 
 def stats_line(st) -> str:

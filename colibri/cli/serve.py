@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import HelpFormatter, add_engine_args, positive
+from .common import HelpFormatter, add_engine_args, bounded
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -17,7 +17,7 @@ def serve_parser() -> argparse.ArgumentParser:
                                             "/metrics).")
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
-    h.add_argument("--port", type=positive("--port"), default=8000, help="TCP port")
+    h.add_argument("--port", type=bounded("--port", 1, 65535), default=8000, help="TCP port")
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
     h.add_argument("--model-id", default=None,

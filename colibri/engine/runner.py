@@ -145,16 +145,17 @@ class Runner:
     # ------------------------------------------------------------------ counters and listeners
 
     def _bytes_read(self) -> int:
-        caches = getattr(self.store, "caches", None)
-        return sum(c.counts["bytes_read"] for c in caches.values()) if caches else 0
+        return self.store.bytes_read()
 
     def _account(self, chunks: list[Chunk], seqs: list[Seq], routes: dict, bytes0: int, seconds: float) -> None:
         k = self.counters
         k.steps += 1
         k.rows += seqs[-1].r1
-        k.decode_rows += sum(1 for c in chunks if c.start >= c.a.prompt_len)
+        decode_rows = sum(1 for c in chunks if c.start >= c.a.prompt_len)
+        k.decode_rows += decode_rows
         k.busy_s += seconds
         read = self._bytes_read() - bytes0
+        self.store.count_step(seqs[-1].r1 - decode_rows, decode_rows, read)
         bounds = [(s.r0, s.r1) for s in seqs]
         unique, summed, own = batching_counts(routes, bounds, self.n_experts) if routes else ({}, {}, [0] * len(seqs))
         total_unique = sum(unique.values())

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batch import LayerKV
+from .moe import SparseMoE
 
 
 class Linear(nn.Module):
@@ -374,7 +375,10 @@ class DecoderBlock(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.routed = isinstance(mlp, SparseMoE)
 
     def forward(self, h: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        # Routed experts also get the residual: their look-ahead predicts the next layer's routes from it.
+        return h + (self.mlp(x, h) if self.routed else self.mlp(x))

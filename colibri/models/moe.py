@@ -23,12 +23,15 @@ class ExpertWeights:
 
 
 class ExpertSource(Protocol):
-    def stream(self, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (expert id, weights) once per id, in any order; weights stay valid until the next step."""
+    """Where a model's routed experts come from (the store's `Experts`): one object for all layers."""
+
+    def fetch(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """(expert id, weights) once per id, in any order; weights stay valid until the next step.
+        Reads of experts not in memory have started when it returns."""
         ...
 
-    def prefetch(self, ids: list[int]) -> None:
-        """A hint that these experts are needed soon (may be a no-op)."""
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """A hint that these experts of `layer` are needed soon (may be a no-op)."""
         ...
 
 
@@ -46,16 +49,24 @@ class SwitchGLU(nn.Module):
         self.layer, self.hidden, self.intermediate, self.num_experts = layer, hidden, intermediate, num_experts
         self.act = act
         self.source: ExpertSource | None = None  # bound by the store
+        # (layer, residual [T, H]) -> None: starts reading the next layer's predicted experts
+        # (store/lookahead.py); bound by the store when that layer's experts are cached.
+        self.lookahead: Callable[[int, torch.Tensor], None] | None = None
         self.on_route: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # debug/stats hook
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                resid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] normed rows, idx/weights [T, k] their routes, resid [T, H] the residual the
+        look-ahead predicts the next layer's routes from -> [T, H]."""
         T, k = idx.shape
         if self.on_route is not None:
             self.on_route(self.layer, idx, weights)
         ys = x.new_empty(T * k, self.hidden)  # one output row per (token, slot)
         if T == 1:
             slot = {e: j for j, e in enumerate(idx[0].tolist())}
-            for e, w in self.source.stream(list(slot)):
+            fetched = self.source.fetch(self.layer, list(slot))  # the cached claimed, the rest being read
+            self._look_ahead(resid)
+            for e, w in fetched:
                 j = slot[e]
                 ys[j : j + 1] = w.down(self.act(w.gate_up(x)))
         else:
@@ -63,13 +74,20 @@ class SwitchGLU(nn.Module):
             order = flat.argsort(stable=True)
             counts = torch.bincount(flat, minlength=self.num_experts).tolist()
             ends = torch.tensor(counts).cumsum(0).tolist()
-            ids = [e for e, c in enumerate(counts) if c]
-            for e, w in self.source.stream(ids):
+            ids = [e for e, c in enumerate(counts) if c]  # the batch's union: each expert fetched once
+            fetched = self.source.fetch(self.layer, ids)
+            self._look_ahead(resid)
+            for e, w in fetched:
                 sel = order[ends[e] - counts[e] : ends[e]]  # slots routed to expert e
                 ys[sel] = w.down(self.act(w.gate_up(x[sel // k])))
         # Weighted sum over the k slots in slot order, in f32: deterministic and precise.
         out = (ys.view(T, k, -1).float() * weights.float()[..., None]).sum(1)
         return out.to(x.dtype)
+
+    def _look_ahead(self, resid: torch.Tensor | None) -> None:
+        # After this layer's fetch (its experts are claimed: a prefetch cannot evict them).
+        if self.lookahead is not None and resid is not None:
+            self.lookahead(self.layer, resid)
 
 
 class TopKRouter(nn.Module):
@@ -101,9 +119,10 @@ class SparseMoE(nn.Module):
         if shared_gate is not None:
             self.shared_expert_gate = shared_gate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] normed rows; resid [T, H] the block's residual (for the experts' look-ahead)."""
         idx, weights = self.gate(x)
-        out = self.experts(x, idx, weights)
+        out = self.experts(x, idx, weights, resid)
         shared = getattr(self, self.shared_name, None)
         if shared is not None:
             s = shared(x)

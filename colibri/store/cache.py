@@ -1,6 +1,8 @@
 """The expert cache: a fixed set of engine-owned slots holding routed experts read from disk.
 
-A slot is one region of a preallocated arena (CPU: anonymous page-aligned memory; or a
+`fetch(layer, ids)` serves one MoE layer of a step (the batch's union of experts) and
+`prefetch(layer, ids)` starts reads ahead (store/lookahead.py decides what). A slot is one
+region of a preallocated arena (CPU: anonymous page-aligned memory; or a
 device tensor) big enough for any expert record. Slots are filled by a loader running on
 the reader's thread pool (pread into the slot, then QLinear modules built over the slot's
 bytes) and reused in place on eviction, so the memory held never exceeds the arena plus
@@ -10,12 +12,15 @@ Bookkeeping runs on the calling (compute) thread only; the pool just fills slots
 are no locks: a slot being filled has a `future`, and nothing touches it until it is done.
 
 Eviction policy:
-- "fair" (default): each cached layer owns an equal share of the unpinned slots and evicts
+- "fair": each cached layer owns an equal share of the unpinned slots and evicts
   its own least recently used expert once at its share; a layer below its share takes the
   LRU expert of the layer furthest above it. Plain LRU is pathological for the layer-cyclic
   access of decoding (layer 0..L-1, then again): with less room than one token's working
   set, it always evicts exactly the layers needed next.
 - "lru": one least-recently-used order across all layers.
+- "reuse" (TieredStore's default): the evictable expert whose expected next use is furthest
+  ahead (colibri/store/reuse.py): an online stand-in for Belady that moves slots to the layers
+  whose experts come back; measured against the others in the cache-policy lab (docs/ROUTING.md).
 Pinned experts (hot experts named by the placement) are loaded once and never evicted.
 """
 
@@ -31,8 +36,9 @@ import torch
 
 from ..models.moe import ExpertWeights
 from .reader import aligned_buffer
+from .reuse import ReuseEstimator
 
-POLICIES = ("fair", "lru")
+POLICIES = ("fair", "lru", "reuse")
 RANK_WARMUP = 32  # predictions of a rank scored before its precision may switch its prefetches off
 
 
@@ -54,7 +60,7 @@ class _Slot:
         self.key: tuple[int, int] | None = None
         self.weights: ExpertWeights | None = None
         self.future: Future | None = None  # set while the loader fills the slot
-        self.users = 0  # claims by the running stream: never evicted while > 0
+        self.users = 0  # claims by the running fetch: never evicted while > 0
         self.pinned = False
         self.prefetched = False  # filled by a prefetch and not requested since
 
@@ -102,7 +108,8 @@ class ExpertCache:
         self.lru: dict[int, OrderedDict[int, _Slot]] = {layer: OrderedDict() for layer in self.layers}
         self.n_pinned = 0
         self._clock, self._tick = 0, [0] * n_slots  # last-use time per slot (the lru policy)
-        self._deferred: Callable[[], None] | None = None
+        self._reuse = ReuseEstimator(len(self.layers)) if policy == "reuse" else None
+        self._accesses = 0  # fetches so far: the reuse estimator's clock
         self._predicted: dict[int, list[int]] = {}
         # Look-ahead scoring per prediction rank (0 = the router's top choice): [right, made].
         # A rank is prefetched only while its precision is >= min_precision (after a warm-up):
@@ -184,6 +191,15 @@ class ExpertCache:
                 if s is not None:
                     return s
             return None
+        if self._reuse is not None:
+            # The furthest expected next use goes. This layer's own experts count even while claimed: when
+            # one of them is the furthest, wait for its release (the fetch streams through it) rather than
+            # evict an expert another layer needs sooner.
+            far = self._reuse.expected_next
+            cands = [s for od in self.lru.values() for s in od.values()
+                     if s.evictable() or (not anywhere and s.key[0] == layer and s.future is None)]
+            best = max(cands, key=lambda s: far(s.key)) if cands else None
+            return best if best is not None and best.evictable() else None
         # Global LRU: the oldest evictable slot over all layers (each layer's dict is in LRU order).
         best, best_tick = None, None
         for od in self.lru.values():
@@ -243,11 +259,6 @@ class ExpertCache:
             self.counts["pin_bytes_read"] += self.loader.nbytes(layer, e)
             self.n_pinned += 1
 
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Run `fn` inside the next `stream`, once that stream has claimed its experts and
-        started its own reads (so a look-ahead prefetch never evicts what is needed now)."""
-        self._deferred = fn
-
     def rank_ok(self, rank: int) -> bool:
         """Whether predictions of this rank are right often enough to be worth a read."""
         if rank >= len(self._rank) or self._rank[rank][1] < RANK_WARMUP:
@@ -259,15 +270,15 @@ class ExpertCache:
         """Start loading experts of `layer` predicted to be needed soon; returns how many reads began.
 
         `ids` are ranked (most likely first). With `track` (one token's top-k), the prediction is
-        scored against the next `stream` of the layer and each rank is read only while its
+        scored against the next `fetch` of the layer and each rank is read only while its
         precision holds; without (a prefill's union), only while the top rank's does. Only free
-        or evictable slots are used, at most the layer's share (fair) or half the cache (lru).
+        or evictable slots are used, at most the layer's share (fair, reuse) or half the cache (lru).
         """
         if track:
             self._predicted[layer] = list(ids)
         elif not self.rank_ok(0):
             return 0
-        cap = max(1, int(self.share)) if self.policy == "fair" else max(1, (self.n_slots - self.n_pinned) // 2)
+        cap = max(1, int(self.share)) if self.policy != "lru" else max(1, (self.n_slots - self.n_pinned) // 2)
         started = 0
         for r, e in enumerate(ids):
             if started >= cap:
@@ -282,12 +293,23 @@ class ExpertCache:
         self.counts["prefetch_issued"] += started
         return started
 
-    def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (expert, weights) for each id: cached ones first, then misses as their reads land.
+    def fetch(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Claim the cached experts among `ids` and start reading the others, now; the iterator
+        returned yields (expert, weights) for each id: cached ones first, then misses as their
+        reads land. A prefetch issued after this call never evicts what it claimed.
 
-        Each yielded expert stays claimed (unevictable) until the consumer asks for the next.
+        Each yielded expert stays claimed (unevictable) until the consumer asks for the next;
+        closing the iterator early releases every claim.
         """
+        it = self._fetch(layer, ids)
+        next(it)  # runs up to the claims and the first reads (the generator's first yield)
+        return it
+
+    def _fetch(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights] | None]:
         c = self.counts
+        if self._reuse is not None:
+            self._reuse.observe(layer, ids, self._accesses)
+            self._accesses += 1
         table = self.table
         hits: list[tuple[int, _Slot]] = []
         misses: deque[int] = deque()
@@ -322,9 +344,7 @@ class ExpertCache:
         pending: list[tuple[int, _Slot]] = []
         try:
             self._issue(layer, misses, pending, held, block=False)
-            if self._deferred is not None:
-                fn, self._deferred = self._deferred, None
-                fn()
+            yield None  # (fetch returns here: claims made, reads started)
             hits.sort(key=lambda es: es[1].future is not None)  # loaded ones first, then still loading
             for e, s in hits:
                 w = self._collect(s)
@@ -357,9 +377,6 @@ class ExpertCache:
             self._start(s, layer, e, prefetched=False)
             pending.append((e, s))
 
-    def source(self, layer: int) -> CachedExperts:
-        return CachedExperts(self, layer)
-
     def drain(self) -> None:
         """Wait for every load in flight (before closing the reader)."""
         for s in self.slots:
@@ -375,16 +392,3 @@ class ExpertCache:
         c.update(io_wait_s=self.wait_s, slots=self.n_slots, used_slots=self.used_slots, pinned=self.n_pinned,
                  slot_bytes=self.slot_bytes + self.extra_bytes, capacity_bytes=self.capacity_bytes)
         return c
-
-
-class CachedExperts:
-    """The ExpertSource of one layer whose routed experts live in an ExpertCache."""
-
-    def __init__(self, cache: ExpertCache, layer: int):
-        self.cache, self.layer = cache, layer
-
-    def stream(self, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        return self.cache.stream(self.layer, ids)
-
-    def prefetch(self, ids: list[int]) -> None:
-        self.cache.prefetch(self.layer, ids)

@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..container import Container
 from ..models.moe import ExpertWeights
-from .reader import aligned_buffer, round_up
-from .sizes import EXTRA_ALIGN
-from .weights import expert_weights, qlinear_from
+from .reader import RecordReader, aligned_buffer, round_up
+from .weights import expert_weights
 
-if TYPE_CHECKING:
-    from .tiered import TieredStore
 
 class RecordLoader:
     """Reads expert records into a given buffer (CPU, or a device through a staging buffer) and
     builds their QLinears there. `load` runs on the reader's pool threads."""
 
-    def __init__(self, store: TieredStore, prefixes: dict[int, str]):
-        self.c, self.reader, self.dtype = store.c, store.reader, store.compute_dtype
+    def __init__(self, container: Container, reader: RecordReader, compute_dtype: torch.dtype,
+                 prefixes: dict[int, str]):
+        self.c, self.reader, self.dtype = container, reader, compute_dtype
         self.prefixes = prefixes
         self._where: dict[tuple[int, int], tuple[str, int, int]] = {}
         self._infos: dict[int, dict[str, dict]] = {}
@@ -39,8 +37,9 @@ class RecordLoader:
                 self._where[layer, e] = (name, r["offset"], r["nbytes"])
                 e += 1
             # Every expert of a layer has the same members, schemes and shapes.
-            self._infos[layer] = infos = store.record_infos(f"{prefix}.0")
-            members = self.c.record(f"{prefix}.0")["members"]
+            first = self.c.record(f"{prefix}.0")
+            self._infos[layer] = infos = {sub: self.c.info(full) for sub, full in first["tensors"].items()}
+            members = first["members"]
             self._layout[layer] = tuple(sorted(
                 (sub, m["rel_offset"], m["dtype"], tuple(m["shape"]), repr(infos[sub].get("quant")))
                 for sub, m in members.items()))
@@ -71,8 +70,7 @@ class RecordLoader:
         # Building modules costs about as much as computing the expert once, under the GIL.
         key = buf.data_ptr()
         prev = self._built.get(key)
-        if prev is not None and prev[0] == self._layout[layer] and _refresh(prev[1], views, self._infos[layer],
-                                                                             self.dtype):
+        if prev is not None and prev[0] == self._layout[layer] and _refresh(prev[1], views):
             return prev[1]
         w = expert_weights(views, self._infos[layer], self.dtype, buf.device)
         self.builds += 1
@@ -83,45 +81,21 @@ class RecordLoader:
 
 
 def adopt(w: ExpertWeights, tail: torch.Tensor) -> None:
-    """Move the buffers the modules allocated (casts, int4 repack) into `tail`, the slot's own
-    memory: nothing of a cached expert then lives outside the arena, so refills never grow RSS."""
+    """Move the buffers the expert's modules allocated into `tail`, the slot's own memory
+    (QLinear.move_owned): nothing of a cached expert then lives outside the arena."""
     pos = 0
     for q in (w.gate_up, w.down):
-        for name in sorted(q._owned):
-            t = getattr(q, name)
-            n = t.numel() * t.element_size()
-            if pos + n > tail.numel():
-                return  # (cannot happen with slots sized by slot_bytes)
-            dst = tail[pos : pos + n].view(t.dtype).view(t.shape)
-            dst.copy_(t)
-            q._buffers[name] = dst
-            pos = round_up(pos + n, EXTRA_ALIGN)
+        pos = q.move_owned(tail, pos)
 
 
-def _refresh(w: ExpertWeights, views: dict[str, torch.Tensor], infos: dict[str, dict], dtype: torch.dtype) -> bool:
-    """Bring an expert's modules up to date after new bytes landed under their weight views.
-
-    Casts (int8 scale, bias, float weight) are redone in place (copy_ rounds like .to()); any
-    other derived buffer (the int4 repack) is rebuilt by a throwaway QLinear and copied into
-    the module's own buffers, so the repack recipe stays quant.py's alone. False when shapes
-    disagree (the caller then builds new modules). tests/test_tiers.py checks the bits.
-    """
-    casts = {"scale", "bias", "weight"}
+def _refresh(w: ExpertWeights, views: dict[str, torch.Tensor]) -> bool:
+    """Bring an expert's modules up to date after new bytes landed under their weight views
+    (QLinear.refill); False when a module cannot be refilled (the caller then builds new ones)."""
     for part in ("gate_up", "down"):
-        q = getattr(w, part)
         wname = f"{part}.weight"
-        if q._owned <= casts and ("scale" not in q._owned or q.scheme == "int8"):
-            src = {"scale": wname + ".scale", "bias": f"{part}.bias", "weight": wname}
-            for name in q._owned:
-                getattr(q, name).copy_(views[src[name]])
-            continue
-        bias = views.get(f"{part}.bias")
-        tmp = qlinear_from({sfx: views[wname + sfx] for sfx in ("", ".scale", ".min") if wname + sfx in views},
-                           infos[wname], bias, dtype)
-        if tmp._owned != q._owned or any(getattr(tmp, n).shape != getattr(q, n).shape for n in q._owned):
+        tensors = {sfx: views[wname + sfx] for sfx in ("", ".scale", ".min") if wname + sfx in views}
+        if not getattr(w, part).refill(tensors, views.get(f"{part}.bias")):
             return False
-        for name in q._owned:
-            getattr(q, name).copy_(getattr(tmp, name))
     return True
 
 

@@ -1,7 +1,9 @@
-"""Which tier each layer lives in, from the seed-compatible flags (--gpu/--ram/--disk-layers)."""
+"""Which tier each layer lives in: the Placement the planner (colibri/plan.py) or the tier flags
+(--gpu/--ram/--disk-layers) give the store."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import ColibriError
@@ -14,7 +16,7 @@ class Placement:
     """Per-layer tiers plus the byte budgets that bound the expert caches.
 
     Layers are assigned in order: the first `gpu` layers to the GPU, then `ram`, then `disk`
-    (the seed's convention). `mem_budget` / `gpu_budget` (bytes) bound the routed-expert
+    (layer order). `mem_budget` / `gpu_budget` (bytes) bound the routed-expert
     caches; None means "no cache limit" (everything of that tier resident).
     """
 
@@ -68,6 +70,8 @@ def parse_size(text: str) -> int:
         value = float(s[:-1] if s[-1:] in "KMGT" else s)
     except ValueError:
         raise ColibriError(f"bad size '{text}' (examples: 3G, 1500M, 512K)") from None
+    if not math.isfinite(value * mult) or value * mult >= 2**63:
+        raise ColibriError(f"bad size '{text}': must be a finite number of bytes")
     if value < 0:
         raise ColibriError(f"bad size '{text}': must not be negative")
     return int(value * mult)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ColibriError
+from ..integrity import Checks
 
 log = logging.getLogger("colibri")
 
@@ -57,11 +58,14 @@ class RecordReader:
     `read_into` is synchronous; `submit(fn, *args)` runs any callable (typically one that
     calls `read_into` then builds modules over the bytes) on the pool. `direct` tells whether
     O_DIRECT is in use (it can turn False after a refused read). `bytes_read` counts every
-    byte requested through this reader (thread-safe).
+    byte requested through this reader (thread-safe). With `checks`, every read of a whole
+    record or tensor is checksummed before it returns (a ContainerError naming the tensor).
     """
 
-    def __init__(self, path: str | os.PathLike[str], threads: int = 4, direct: bool = True):
+    def __init__(self, path: str | os.PathLike[str], threads: int = 4, direct: bool = True,
+                 checks: Checks | None = None):
         self.path = os.fspath(path)
+        self.checks = checks
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
@@ -89,8 +93,8 @@ class RecordReader:
                          err.strerror)
                 self.direct = False
 
-    def read_into(self, buf: torch.Tensor, offset: int, nbytes: int) -> None:
-        """Fill buf[:nbytes] with the file's bytes [offset, offset + nbytes).
+    def read_into(self, buf: torch.Tensor, offset: int, nbytes: int, check: bool = True) -> None:
+        """Fill buf[:nbytes] with the file's bytes [offset, offset + nbytes), verified (see Checks).
 
         With O_DIRECT the read covers round_up(nbytes) bytes when `buf` has room for them
         (the tail beyond nbytes is garbage the caller ignores); otherwise it is buffered.
@@ -114,6 +118,8 @@ class RecordReader:
             got = _pread_full(self._fd, view[:nbytes], offset, nbytes)
         if got < nbytes:
             raise ColibriError(f"{self.path}: short read at offset {offset} ({got} of {nbytes} bytes)")
+        if check and self.checks is not None:
+            self.checks.after_read(buf, offset, nbytes)
         with self._lock:
             self.bytes_read += nbytes
             self.reads += 1
@@ -122,14 +128,18 @@ class RecordReader:
         return self._pool.submit(fn, *args)
 
     def read_ranges(self, jobs: list[tuple[torch.Tensor, int, int]], chunk: int = 16 << 20) -> None:
-        """Read many (buf, offset, nbytes) ranges in parallel, big ones split into chunks; waits."""
+        """Read many (buf, offset, nbytes) ranges in parallel, big ones split into chunks; waits.
+        Each range is verified once all its chunks are in."""
         futs = []
         for buf, off, n in jobs:
             for pos in range(0, n, chunk):
                 m = min(chunk, n - pos)
-                futs.append(self._pool.submit(self.read_into, buf[pos:], off + pos, m))
+                futs.append(self._pool.submit(self.read_into, buf[pos:], off + pos, m, False))
         for f in futs:
             f.result()
+        if self.checks is not None:
+            for f in [self._pool.submit(self.checks.verify, buf, off, n) for buf, off, n in jobs]:
+                f.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

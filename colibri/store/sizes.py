@@ -1,6 +1,8 @@
-"""What a container's parts cost in memory once loaded, and the store's simple placement rule.
+"""What a container's parts cost in memory once loaded (header only: nothing here reads a weight).
 
-Header only: nothing here reads a weight. The planner (colibri/plan.py) builds on `ModelSizes`.
+The store sizes its arenas and caches with it; the planner (colibri/plan.py) builds on `ModelSizes`,
+so a plan's budget is exactly what the store will hold. A quantized linear's own allocations
+come from quant.owned_bytes.
 """
 
 from __future__ import annotations
@@ -9,13 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..container import DTYPES, Container
+from ..container import Container
 from ..models.base import layer_of
-from ..quant import FUSED_MAX_ROWS, _int4_cpu_fusable
-from .placement import Placement
+from ..quant import OWNED_ALIGN, bias_bytes, owned_bytes
 from .reader import round_up
-
-EXTRA_ALIGN = 64  # alignment of module buffers moved into a cache slot's tail
 
 
 def human(n: float) -> str:
@@ -26,37 +25,12 @@ def human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-DTYPES_ITEMSIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in DTYPES.values()}
-
-
-def qlinear_extra_bytes(info: dict, compute_dtype: torch.dtype, device_type: str = "cpu") -> int:
-    """Bytes a QLinear over this stored weight allocates beyond the stored tensors (its `nbytes`).
-
-    Mirrors QLinear.from_tensors: dtype casts of float weights, the int8 scale cast, and the
-    int4 repack for the fused CPU kernel. tests/test_tiers.py checks it against QLinear.nbytes.
-    """
-    isz = torch.empty(0, dtype=compute_dtype).element_size()
-    q = info.get("quant")
-    if q is None:
-        # Float linears are cast to the compute dtype; f32 tensors are parameters (norms,
-        # routers), which keep their dtype, as do embeddings.
-        dt = DTYPES[info["dtype"]]
-        return 0 if dt in (compute_dtype, torch.float32) else info["nbytes"] // DTYPES_ITEMSIZE[dt] * isz
-    out, n_in = q["shape"]
-    if q["scheme"] == "int8":
-        return 0 if compute_dtype == torch.float32 else out * isz
-    if (q["scheme"] == "int4" and device_type == "cpu" and FUSED_MAX_ROWS.get(("int4", compute_dtype), 0) > 0
-            and _int4_cpu_fusable((out, n_in), q["group_size"], compute_dtype)):
-        return out * n_in // 2 + (n_in // q["group_size"]) * out * 2 * isz
-    return 0
-
-
 @dataclass
 class ModelSizes:
     """What each part of a container costs in memory once loaded (bytes; from the header only).
 
     Dense tensors and expert records are counted rounded up to 4096 (their buffers are
-    page-aligned for O_DIRECT), plus the modules' own allocations (qlinear_extra_bytes).
+    page-aligned for O_DIRECT), plus the modules' own allocations (quant.owned_bytes).
     """
 
     n_layers: int
@@ -97,11 +71,11 @@ def model_sizes(c: Container, compute_dtype: torch.dtype | None = None) -> Model
         if "record" in e:
             continue
         linear = name.endswith(".weight") and "embed" not in name
-        nb = round_up(e["nbytes"]) + (qlinear_extra_bytes(e, compute_dtype) if linear else 0)
-        if name.endswith(".bias") and DTYPES[e["dtype"]] != compute_dtype:
+        nb = round_up(e["nbytes"]) + (owned_bytes(e, compute_dtype) if linear else 0)
+        if name.endswith(".bias"):
             w = tensors.get(name.removesuffix(".bias") + ".weight")
-            if w is not None and ("quant" in w or w["dtype"] != "f32"):  # a linear's bias: cast
-                nb += e["nbytes"] // DTYPES_ITEMSIZE[DTYPES[e["dtype"]]] * DTYPES_ITEMSIZE[compute_dtype]
+            if w is not None and ("quant" in w or w["dtype"] != "f32"):  # a linear's bias (f32: a parameter's)
+                nb += bias_bytes(e, compute_dtype)
         i = layer_of(name)
         if i is None:
             glob += nb
@@ -117,8 +91,10 @@ def model_sizes(c: Container, compute_dtype: torch.dtype | None = None) -> Model
             continue
         rec[i] = r["nbytes"]
         members = [tensors[full] for sub, full in r["tensors"].items() if sub.endswith(".weight")]
-        exp_ram[i] = slot_bytes(r["nbytes"], [qlinear_extra_bytes(m, compute_dtype) for m in members])
-        exp_gpu[i] = slot_bytes(r["nbytes"], [qlinear_extra_bytes(m, compute_dtype, "cuda") for m in members])
+        biases = [bias_bytes(tensors[full], compute_dtype) for sub, full in r["tensors"].items()
+                  if sub.endswith(".bias")]
+        exp_ram[i] = slot_bytes(r["nbytes"], [owned_bytes(m, compute_dtype) for m in members] + biases)
+        exp_gpu[i] = slot_bytes(r["nbytes"], [owned_bytes(m, compute_dtype, "cuda") for m in members] + biases)
     top_k = int(c.config.get("num_experts_per_tok") or 1)
     return ModelSizes(n_layers, top_k, glob, per_layer, n_exp, exp_ram, rec, exp_gpu)
 
@@ -126,23 +102,5 @@ def model_sizes(c: Container, compute_dtype: torch.dtype | None = None) -> Model
 def slot_bytes(record_nbytes: int, extras: list[int]) -> int:
     """Bytes of one expert-cache slot: the record (rounded for O_DIRECT) then the modules' own
     buffers (each 64-aligned), so every byte of a cached expert lives in the cache's arena."""
-    tail = sum(round_up(x, EXTRA_ALIGN) for x in extras if x)
+    tail = sum(round_up(x, OWNED_ALIGN) for x in extras if x)
     return round_up(record_nbytes) + (round_up(tail) if tail else 0)
-
-
-def default_placement(sizes: ModelSizes, mem_budget: int | None) -> Placement:
-    """Everything in RAM, unless `mem_budget` is smaller than the model: then the routed experts
-    of the last MoE layers go to the disk tier, as few layers as leave the expert cache room for
-    top_k experts of each disk layer (or, failing that, all MoE layers on disk)."""
-    n = sizes.n_layers
-    if mem_budget is None or sizes.total_bytes <= mem_budget:
-        return Placement(["ram"] * n, mem_budget=mem_budget)
-    moe = sizes.moe_layers
-    slot = max((sizes.expert_bytes[i] for i in moe), default=0)
-    for k in range(1, len(moe) + 1):
-        disk = set(moe[-k:])
-        resident = sizes.dense_bytes + sum(sizes.layer_experts_bytes(i) for i in moe if i not in disk)
-        if mem_budget - resident >= k * sizes.top_k * slot or k == len(moe):
-            tiers = ["disk" if i in disk else "ram" for i in range(n)]
-            return Placement(tiers, mem_budget=mem_budget)
-    return Placement(["ram"] * n, mem_budget=mem_budget)  # no MoE layer at all

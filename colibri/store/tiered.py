@@ -11,9 +11,11 @@ filled with pread (never pages of the container's mapping, which would count in 
 touched without any bound we control), so `stats()["resident_bytes"]` is what weights
 really occupy. Without one, dense weights stay zero-copy views of the mapping (fastest start).
 
-Model files know nothing of this: the store hands `bind()` modules and tensors, and the
-hooks it adds after binding (device hops, token counting, router look-ahead) only observe.
-See docs/TIERS.md.
+Model files know nothing of this: the store hands `bind()` modules, tensors and one expert
+source (store/experts.py: `fetch(layer, ids)`, `prefetch(layer, ids)`), and `attach()` binds
+the look-ahead (store/lookahead.py) into the MoE layers and adds the GPU layers' device hops.
+Which layers go where is the planner's decision (colibri/plan.py), handed in as a Placement.
+See docs/TIERS.md and docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -27,18 +29,19 @@ from torch import nn
 
 from ..container import DTYPES, Container
 from ..errors import ColibriError
+from ..integrity import Checks
 from ..models.base import layer_of
-from ..models.moe import ExpertWeights
+from ..models.moe import ExpertWeights, SwitchGLU
 from .cache import ExpertCache
+from .experts import Experts
 from .loader import RecordLoader, adopt, release_free_heap
+from .lookahead import LookAhead
 from .placement import Placement
 from .reader import RecordReader, aligned_buffer, round_up
-from .sizes import ModelSizes, default_placement, human, model_sizes, qlinear_extra_bytes, slot_bytes
-from .weights import ResidentExperts, WeightStore, expert_weights
+from .sizes import ModelSizes, human, model_sizes
+from .weights import WeightStore, expert_weights
 
-# Planning lives in sizes.py; these names stay importable from here.
-__all__ = ["ModelSizes", "PlacementFn", "TieredStore", "default_placement", "model_sizes", "qlinear_extra_bytes",
-           "slot_bytes", "stats_delta"]
+__all__ = ["PlacementFn", "TieredStore", "stats_delta"]
 
 log = logging.getLogger("colibri")
 
@@ -51,20 +54,6 @@ PREFETCH_MIN_PRECISION = 0.75
 PlacementFn = Callable[["ModelSizes", "int | None", "int | None"], "Placement | None"]
 
 
-class LayerExperts:
-    """The ExpertSource bound into a layer's SwitchGLU; `inner` (resident or cached) is chosen
-    once every dense weight is loaded and the budgets left over are known."""
-
-    def __init__(self, layer: int):
-        self.layer = layer
-        self.inner = None
-
-    def stream(self, ids: list[int]):
-        return self.inner.stream(ids)
-
-    def prefetch(self, ids: list[int]) -> None:
-        self.inner.prefetch(ids)
-
 
 # ----------------------------------------------------------------------------- the store
 
@@ -76,14 +65,14 @@ class TieredStore(WeightStore):
     def __init__(self, container: Container, compute_dtype: torch.dtype,
                  placement: Placement | PlacementFn | None = None, *, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
-                 gpu_device: str | torch.device | None = None, io_threads: int = 4, policy: str = "fair",
+                 gpu_device: str | torch.device | None = None, io_threads: int = 4, policy: str = "reuse",
                  prefetch_min_precision: float = PREFETCH_MIN_PRECISION):
         super().__init__(container, compute_dtype)
         self.sizes = sizes = model_sizes(container, compute_dtype)
         if callable(placement):
             placement = placement(sizes, mem_budget, gpu_budget)
-        if placement is None:
-            placement = default_placement(sizes, mem_budget)
+        if placement is None:  # the planner (colibri/plan.py) decides tiers; without one, all in RAM
+            placement = Placement(["ram"] * sizes.n_layers, mem_budget=mem_budget)
         if len(placement.tiers) != sizes.n_layers:
             raise ColibriError(f"placement has {len(placement.tiers)} layers, the model {sizes.n_layers}")
         self.placement = placement
@@ -97,18 +86,28 @@ class TieredStore(WeightStore):
             self.gpu = torch.device(gpu_device or "cuda")
             if self.gpu.type == "cuda" and not torch.cuda.is_available():
                 raise ColibriError("GPU layers were placed, but torch sees no CUDA device")
-        self.reader = RecordReader(container.path, io_threads, direct_io)
+        # every record/tensor read from the file is checksummed before use (colibri/integrity.py)
+        checks = Checks(container.path, container.header)
+        self.reader = RecordReader(container.path, io_threads, direct_io, checks=checks)
+        if self.mem_budget is None:  # no budget: weights used through the mapping, checked once before use
+            try:
+                checks.verify_mapped(self.reader.submit, self._mapped)
+            except BaseException:
+                self.reader.close()
+                raise
         # With a RAM budget, weights go to memory we allocate and fill (honest accounting);
         # without one, dense weights stay mmap views.
         self.read_mode = self.mem_budget is not None
         self.acct = {"ram_dense": 0, "ram_experts": 0, "gpu_dense": 0, "gpu_experts": 0}
         self._dense: dict[str, torch.Tensor] = {}
-        self._sources: dict[int, LayerExperts] = {}
+        # The expert source every MoE layer is bound to; which layer is resident or cached is
+        # filled in by attach(), once the dense weights are loaded and the budgets left are known.
+        self.source = Experts()
         self._prefixes: dict[int, str] = {}
         self.caches: dict[str, ExpertCache] = {}
         self._hooks: list = []
+        self._routed: list[SwitchGLU] = []  # MoE layers given the look-ahead (unbound at close)
         self.tok = {"prefill_tokens": 0, "prefill_bytes_read": 0, "decode_tokens": 0, "decode_bytes_read": 0}
-        self._resident_pin_bytes = 0
         if self.read_mode or self._gpu_layers:
             self._load_dense()
         if not self.read_mode:  # mapped dense weights: count what forward passes will touch
@@ -152,6 +151,13 @@ class TieredStore(WeightStore):
                 self._dense[n] = _typed(dev, e)
                 self.acct["gpu_dense"] += nb
 
+    def _mapped(self, name: str, is_record: bool) -> bool:
+        """Whether the engine uses this record/tensor through the file's mapping (no --mem-budget)."""
+        i = layer_of(name)
+        if is_record:
+            return i is None or i >= len(self.placement.tiers) or self.placement.tiers[i] == "ram"
+        return self._device_of(name) is None
+
     def tensor(self, name: str) -> torch.Tensor:
         t = self._dense.get(name)
         return t if t is not None else super().tensor(name)
@@ -164,20 +170,19 @@ class TieredStore(WeightStore):
         self.acct["gpu_dense" if self._device_of(prefix + ".weight") is not None else "ram_dense"] += extra
         return q
 
-    def experts(self, prefix: str, module) -> LayerExperts:
-        src = self._sources[module.layer] = LayerExperts(module.layer)
+    def experts(self, prefix: str, module) -> Experts:
         self._prefixes[module.layer] = prefix
-        return src
+        return self.source
 
     # ------------------------------------------------------------------ after bind
 
     def attach(self, model: nn.Module) -> None:
         """Give every layer its expert source, move GPU layers, add the hooks. Call after bind()."""
         p, s = self.placement, self.sizes
-        loader = RecordLoader(self, self._prefixes)
+        loader = RecordLoader(self.c, self.reader, self.compute_dtype, self._prefixes)
         self.loader = loader
         by_tier: dict[str, list[int]] = {"gpu": [], "ram": [], "disk": []}
-        for layer in sorted(self._sources):
+        for layer in sorted(self._prefixes):
             by_tier[p.tiers[layer]].append(layer)
 
         # GPU layers: resident on the device if the budget allows, else a VRAM expert cache.
@@ -206,7 +211,7 @@ class TieredStore(WeightStore):
             self._make_resident(by_tier["ram"], torch.device("cpu"), "ram_experts")
         else:
             for layer in by_tier["ram"]:
-                self._sources[layer].inner = self._mapped_experts(layer)
+                self.source.resident[layer] = self._mapped_experts(layer)
         if by_tier["disk"]:
             disk = by_tier["disk"]
             slot = self._slot_span(disk, s.expert_bytes)
@@ -233,12 +238,13 @@ class TieredStore(WeightStore):
         release_free_heap()
         blocks = model.model.layers
         self._move_gpu_layers(model, blocks)
-        self._hooks.append(model.register_forward_pre_hook(self._before_forward))
-        self._hooks.append(model.register_forward_hook(self._after_forward))
         if self.prefetch_enabled and self.caches:
-            self._add_lookahead(blocks)
+            ahead = LookAhead(self.source, blocks)
+            self._routed = [m for m in model.modules() if isinstance(m, SwitchGLU) and m.layer in ahead.next]
+            for m in self._routed:
+                m.lookahead = ahead
 
-    def _mapped_experts(self, layer: int) -> ResidentExperts:
+    def _mapped_experts(self, layer: int) -> list[ExpertWeights]:
         """A RAM layer's experts as views of the mapping (no budget). The buffers the modules
         allocate (int4 repack, casts) move into one arena as each expert is built: left on the
         heap, interleaved with the repack's large temporaries, they fragment it (int4 RSS was
@@ -257,7 +263,7 @@ class TieredStore(WeightStore):
             experts.append(w)
         self.acct["ram_experts"] += n * (s.record_bytes[layer] + tail)
         release_free_heap()
-        return ResidentExperts(experts)
+        return experts
 
     def _make_resident(self, layers: list[int], device: torch.device, bucket: str) -> None:
         """Read whole layers' experts into one arena (each expert a slot: record, then the
@@ -278,8 +284,7 @@ class TieredStore(WeightStore):
         experts: dict[int, list[ExpertWeights]] = {layer: [] for layer in layers}
         for (layer, _), f in zip(jobs, futs):
             experts[layer].append(f.result())
-        for layer in layers:
-            self._sources[layer].inner = ResidentExperts(experts[layer])
+        self.source.resident.update(experts)
         self.acct[bucket] += total  # module buffers included: they were moved into the arena
 
     def _make_cache(self, name: str, layers: list[int], n_slots: int, device: torch.device) -> None:
@@ -293,7 +298,7 @@ class TieredStore(WeightStore):
             pins = self.placement.pinned.get(layer, [])
             if pins:
                 cache.pin(layer, [e for e in pins if 0 <= e < s.n_experts[layer]])
-            self._sources[layer].inner = cache.source(layer)
+            self.source.cached[layer] = cache
         self.caches[name] = cache
         log.info("colibri: %s expert cache: %d slots of %s for layers %s%s", name, n_slots,
                  human(cache.slot_bytes), _ranges(layers),
@@ -323,35 +328,18 @@ class TieredStore(WeightStore):
     def layer_device(self, layer: int) -> torch.device:
         return self.gpu if layer in self._gpu_layers else torch.device("cpu")
 
-    # ------------------------------------------------------------------ look-ahead
-
-    def _add_lookahead(self, blocks) -> None:
-        """Layer L's residual, seen by the next layer's norm and router, predicts L+1's experts;
-        they are read while layer L computes."""
-        cached = {layer: cache for cache in self.caches.values() for layer in cache.layers}
-        for L in range(len(blocks) - 1):
-            target = cached.get(L + 1)
-            nxt = blocks[L + 1]
-            norm, gate = getattr(nxt, "post_attention_layernorm", None), getattr(nxt.mlp, "gate", None)
-            here = getattr(blocks[L], "post_attention_layernorm", None)
-            if target is None or norm is None or gate is None or here is None:
-                continue
-            hook = partial(_predict, norm, gate, target, L + 1, cached.get(L))
-            self._hooks.append(here.register_forward_pre_hook(hook))
-
     # ------------------------------------------------------------------ stats
 
-    def _bytes_read(self) -> int:
+    def bytes_read(self) -> int:
+        """Expert bytes the caches have read from disk since load."""
         return sum(c.counts["bytes_read"] for c in self.caches.values())
 
-    def _before_forward(self, module, args) -> None:
-        self._fwd = (args[0].numel(), self._bytes_read())
-
-    def _after_forward(self, module, args, out) -> None:
-        T, b0 = self._fwd
-        phase = "decode" if T == 1 else "prefill"
-        self.tok[f"{phase}_tokens"] += T
-        self.tok[f"{phase}_bytes_read"] += self._bytes_read() - b0
+    def count_step(self, prefill_rows: int, decode_rows: int, bytes_read: int) -> None:
+        """One engine step's rows and the expert bytes it read (the runner calls this per step;
+        a step with prompt rows counts its bytes as prefill)."""
+        self.tok["prefill_tokens"] += prefill_rows
+        self.tok["decode_tokens"] += decode_rows
+        self.tok["prefill_bytes_read" if prefill_rows else "decode_bytes_read"] += bytes_read
 
     def resident_bytes(self) -> int:
         """RAM held by weights: dense + RAM-layer experts + the RAM expert cache (at capacity)."""
@@ -387,6 +375,8 @@ class TieredStore(WeightStore):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for m in self._routed:
+            m.lookahead = None
         self.reader.close()
 
 
@@ -429,24 +419,6 @@ def _typed(raw: torch.Tensor, e: dict) -> torch.Tensor:
 
 def _move_first_arg(device: torch.device, module, args):
     return (args[0].to(device),) + tuple(args[1:])
-
-
-def _predict(norm: nn.Module, gate: nn.Module, target: ExpertCache, layer: int, defer_in: ExpertCache | None,
-             module, args) -> None:
-    h = args[0]  # [T, H]: layer L's residual after attention
-    x = norm(h.to(norm.weight.device))
-    idx = gate(x)[0]  # [T, k] the next layer's router applied to it
-    if idx.shape[0] == 1:
-        ids, track = idx[0].tolist(), True
-    else:  # prefill: the union, most requested first (the cache caps how many it starts)
-        counts = torch.bincount(idx.reshape(-1))
-        order = torch.argsort(counts, descending=True, stable=True)
-        ids, track = order[: int((counts > 0).sum())].tolist(), False
-    fn = partial(target.prefetch, layer, ids, track)
-    if defer_in is not None:
-        defer_in.defer(fn)  # run once layer L's own experts are claimed and their reads started
-    else:
-        fn()
 
 
 def _ranges(layers: list[int]) -> str:
