@@ -10,8 +10,10 @@ alone on a free 127.0.0.1 port with as many slots as the largest client count (`
 /v1/chat/completions requests (official openai client, greedy, --tokens tokens each,
 `ignore_eos` so every request generates them all) and is stopped. Printed per N and server:
 aggregate tok/s (all completion tokens / wall time from the first request sent to the last
-token), TTFT p50/p95, inter-token latency p50/p95, per-request decode tok/s (median), the
-ratio colibri / llama-server and the load average. --memcap LIMIT runs each server inside
+token), TTFT p50/p95, inter-token latency p50/p95 (gaps between streamed chunks; a chunk can
+carry several tokens when one ends inside a UTF-8 character), per-request tok/s (median of
+completion tokens / time from sending to the last token), the ratio colibri / llama-server
+and the load average. --memcap LIMIT runs each server inside
 `memcap LIMIT` (../shared/tools next to the checkout) after evicting its model file from the
 page cache, with --mem-budget for colibri (bench_vs_llamacpp.BUDGET) and mmap for llama.cpp.
 """
@@ -53,7 +55,7 @@ class Server:
     """One server process (its own process group, so a memcap wrapper and its child stop together)."""
 
     def __init__(self, name: str, cmd: list[str], port: int, log: Path, cap: str | None):
-        self.name, self.port = name, port
+        self.name, self.port, self.capped = name, port, bool(cap)
         if cap:
             cmd = [str(TOOLS / "memcap"), cap, *cmd]
         self.log = open(log, "w")
@@ -75,14 +77,31 @@ class Server:
         raise SystemExit(f"{self.name} not ready after {timeout:.0f}s; see {self.log.name}")
 
     def stop(self) -> None:
+        """SIGINT to the server itself; under memcap, to memcap's child only, so that memcap's
+        shell lives on to print the cgroup's peak and remove the cgroup."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
+            for pid in _group(self.proc.pid) if self.capped else [self.proc.pid]:
+                os.kill(pid, signal.SIGINT)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+
+def _group(pgid: int) -> list[int]:
+    """Processes of process group `pgid` other than its leader (from /proc/PID/stat field 5)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != pgid:
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                out.append(int(d.name))
+    return out
 
 
 async def one_request(client, model: str, prompt: str, tokens: int) -> dict:
@@ -126,8 +145,10 @@ def summarize(rs: list[dict]) -> dict:
     start = min(r["t0"] for r in rs)
     end = max(r["times"][-1] for r in rs if r["times"])
     ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in rs if r["times"]]
+    # Gaps between streamed chunks: a chunk holds several tokens when a token ends mid-character
+    # (random models emit raw bytes), so tokens come from `usage`, not from counting chunks.
     itl = [(b - a) * 1e3 for r in rs for a, b in zip(r["times"], r["times"][1:])]
-    per = [(len(r["times"]) - 1) / (r["times"][-1] - r["times"][0]) for r in rs if len(r["times"]) > 1]
+    per = [r["tokens"] / (r["times"][-1] - r["t0"]) for r in rs if r["times"]]  # what one client sees
     return {"agg_tok_s": sum(r["tokens"] for r in rs) / (end - start), "ttft_p50_ms": _pct(ttft, 0.5),
             "ttft_p95_ms": _pct(ttft, 0.95), "itl_p50_ms": _pct(itl, 0.5), "itl_p95_ms": _pct(itl, 0.95),
             "req_tok_s_p50": _pct(per, 0.5), "tokens": sum(r["tokens"] for r in rs), "load": os.getloadavg()[0]}
@@ -194,6 +215,11 @@ def main() -> None:
         print(f"{'':>3} {'ratio colibri/llama':<20}{c['agg_tok_s'] / ll['agg_tok_s']:>9.2f}x"
               f"{_x(c['ttft_p50_ms'], ll['ttft_p50_ms']):>10}{'':>8}{_x(c['itl_p50_ms'], ll['itl_p50_ms']):>9}"
               f"{'':>8}{_x(c['req_tok_s_p50'], ll['req_tok_s_p50']):>10}")
+    if a.memcap:
+        for name in (cname, lname):
+            log = (a.workdir / f"bench_serve-{name.split()[0]}.log").read_text()
+            peak = [line for line in log.splitlines() if line.startswith("memcap: limit")]
+            print(f"{name}: {peak[-1] if peak else 'no memcap summary in its log'}")
 
 
 def _ms(v: float | None) -> str:
