@@ -20,6 +20,7 @@ from .request import EngineClosedError, TokenEvent
 from .sampling import prompt_logprobs
 from .scheduler import Active, Chunk, Scheduler
 from .stats import EngineCounters, RouteCapture, StepInfo, batching_counts
+from .threads import DecodeThreads
 
 log = logging.getLogger("colibri")
 
@@ -33,6 +34,8 @@ class Runner:
                           and hasattr(m, "on_route")}
         self.listeners: list[Callable[[StepInfo], None]] = []
         self.counters = EngineCounters()
+        self.decode_threads = DecodeThreads(threads)
+        self._threads_now = threads
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="colibri-engine", daemon=True)
         self.thread.start()
@@ -50,7 +53,15 @@ class Runner:
                 if chunks:
                     self._step(chunks)
 
+    def _set_threads(self, n: int) -> None:
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            self._threads_now = n
+
     def _step(self, chunks: list[Chunk]) -> None:
+        decode_only = all(len(c.tokens) == 1 for c in chunks)
+        n_threads = self.decode_threads.pick(len(chunks)) if decode_only else self.threads
+        self._set_threads(n_threads)
         t0 = time.perf_counter()
         seqs, tokens, out_rows, r = [], [], [], 0
         for c in chunks:
@@ -78,6 +89,8 @@ class Runner:
             return
         routes = self.capture.take()
         now = time.perf_counter()
+        if decode_only:
+            self.decode_threads.record(len(chunks), n_threads, now - t0)
         # Counters and listeners first: a request's stats and routing are complete when it ends.
         self._account(chunks, seqs, routes, bytes0, now - t0)
         o = 0
