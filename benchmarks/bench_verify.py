@@ -21,25 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = dict(num_hidden_layers=8, num_experts=32, num_experts_per_tok=4, hidden_size=1024, intermediate_size=512,
-             vocab_size=32000, num_attention_heads=16, num_key_value_heads=16)
-PROMPTS = ["The history of the city begins", "In a small village by the sea", "The theory of relativity says",
-           "Once upon a time there was", "The best way to cook rice is", "Machine learning models can",
-           "The river flows through the valley", "A good night's sleep helps"]
-
-
-def prepare(work: Path) -> Path:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from synth_ckpt import write_olmoe
-
-    from colibri.convert import convert
-
-    hf, coli = work / "olmoe-0.44b-hf", work / "olmoe-0.44b.int8.coli"
-    if not (hf / "config.json").exists():
-        write_olmoe(hf, **SHAPE)
-    if not coli.exists():
-        convert(hf, coli, "int8", 64, progress=False)
-    return coli
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_batch import PROMPTS, prepare  # noqa: E402 - the same random 0.44B int8 model and prompts
 
 
 def crc_gbps() -> float:

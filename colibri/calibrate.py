@@ -369,15 +369,19 @@ def _search_group(wg: Tensor, a: Tensor, qmax: int) -> tuple[Tensor, Tensor, Ten
     return best_q, best_s, best_m
 
 
+def _check_group_args(w: Tensor, scheme: str, group_size: int, who: str) -> None:
+    _check_scheme(scheme)
+    if scheme not in _BITS:
+        raise ValueError(f"{who} handles the group schemes {tuple(_BITS)}, not {scheme}")
+    if not can_quantize(w.shape, scheme, group_size):
+        raise ValueError(_shape_error(w.shape, scheme, group_size))
+
+
 def quantize_weighted(w: Tensor, scheme: str, group_size: int, importance: Tensor | None) -> dict[str, Tensor]:
     """Like `colibri.quant.quantize` for the group schemes (int4/int3/int2), choosing each group's
     scale and min by the importance-weighted search (module docstring). `importance` [in] or None
     (uniform weights: the search then minimises the plain squared error)."""
-    _check_scheme(scheme)
-    if scheme not in _BITS:
-        raise ValueError(f"quantize_weighted handles the group schemes {tuple(_BITS)}, not {scheme}")
-    if not can_quantize(w.shape, scheme, group_size):
-        raise ValueError(_shape_error(w.shape, scheme, group_size))
+    _check_group_args(w, scheme, group_size, "quantize_weighted")
     out, n_in = w.shape
     n_groups, qmax = n_in // group_size, (1 << _BITS[scheme]) - 1
     if importance is None:
@@ -409,11 +413,7 @@ def quantize_gptq(w: Tensor, scheme: str, group_size: int, hessian: Tensor, damp
     of `hessian` = E[x x^T] [in, in]. Each group's (scale, min) is chosen by the importance-weighted
     search on the group's error-updated weights when its first column is reached. `damp`: fraction
     of the mean diagonal added to it (keeps a rank-deficient E[x x^T] invertible)."""
-    _check_scheme(scheme)
-    if scheme not in _BITS:
-        raise ValueError(f"quantize_gptq handles the group schemes {tuple(_BITS)}, not {scheme}")
-    if not can_quantize(w.shape, scheme, group_size):
-        raise ValueError(_shape_error(w.shape, scheme, group_size))
+    _check_group_args(w, scheme, group_size, "quantize_gptq")
     out, n_in = w.shape
     if tuple(hessian.shape) != (n_in, n_in):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, the weight has {n_in} inputs")

@@ -90,4 +90,6 @@ def test_conversion_reads_lazily(ckpt, tmp_path):
     grown = int(p.stdout.split()[-1])
     largest = 2 * 2048 * 512 * 4  # one expert's gate+up in f32
     print(f"checkpoint {size / 2**20:.0f} MiB, peak RSS growth {grown / 2**20:.0f} MiB")
-    assert grown < size / 3 and grown < 16 * largest
+    # Measured 61-100 MiB on 299 MiB (allocator arenas of the reader threads vary run to run, before
+    # and after the validation pass): half the checkpoint still fails any converter that holds it.
+    assert grown < size / 2 and grown < 16 * largest

@@ -4,57 +4,20 @@ and `pip install playwright`, never `playwright install`)."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from serve_proc import Server
 
-ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
-class Server:
+class DashServer(Server):
     def __init__(self, model: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--model", str(model), "--port",
-                                      str(self.port), "--threads", "1", "--slots", "2",
-                                      "--ram-layers", "1", "--disk-layers", "2"], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
-            try:
-                if self.request("GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("server did not start")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def request(self, method: str, path: str, body=None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request(method, path, None if body is None else json.dumps(body).encode(),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        raw = r.read()
-        conn.close()
-        ctype = r.getheader("content-type", "")
-        return r.status, json.loads(raw) if "json" in ctype else raw.decode()
+        super().__init__(model, "--slots", "2", "--ram-layers", "1", "--disk-layers", "2")
 
     def complete(self, prompt: str, n: int) -> dict:
         model = self.request("GET", "/v1/models")[1]["data"][0]["id"]
@@ -63,18 +26,10 @@ class Server:
         assert status == 200, body
         return body
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
-
 
 @pytest.fixture()
 def server(ckpt):
-    s = Server(ckpt.coli("mixtral", "f32"))  # 3 MoE layers, 4 experts, top-2; 2 of them on disk
+    s = DashServer(ckpt.coli("mixtral", "f32"))  # 3 MoE layers, 4 experts, top-2; 2 of them on disk
     yield s
     s.stop()
 
