@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kernels import native
+
 SCHEMES = ("f32", "f16", "bf16", "int8", "int4", "int2", "int3")
 FLOAT_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Bits per value and values per packing unit (the smallest run of columns that fills whole bytes).
 _BITS = {"int4": 4, "int2": 2, "int3": 3}
 _PACK = {"int4": 2, "int2": 4, "int3": 8}
-KERNELS = ("auto", "fused", "dequant")
+KERNELS = ("auto", "native", "fused", "dequant")
 
 # Quantize at most this many elements at a time: the f32 working copy of a large
 # tensor (lm_head, embeddings) would otherwise cost 4 bytes per weight of extra peak RAM.
@@ -44,6 +46,10 @@ _DEQUANT_CHUNK_ELEMS = 1 << 20
 # torch's CPU int4 packing works on 64-row blocks; chunks must be multiples of it to concat.
 _INT4_ROW_BLOCK = 64
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
+# kernel="auto" with the native kernels (colibri/kernels): the largest input row count for which
+# they beat dequantize-then-GEMM, measured with benchmarks/bench_quant.py (2 threads, AVX-512 EPYC,
+# bf16 and f32 alike). They read each weight row once for all rows, so decode batches stay cheap.
+NATIVE_MAX_ROWS: dict[str, int] = {"int8": 8, "int4": 32}
 # Alignment of a module's own buffers once moved into memory its caller owns (an expert-cache slot).
 OWNED_ALIGN = 64
 # kernel="auto": the largest input row count for which the fused CPU kernel beats
@@ -250,6 +256,16 @@ def _int4_cpu_fusable(shape: tuple[int, int], group_size: int, compute_dtype: to
     return shape[0] % 16 == 0 and group_size in _INT4_GROUP_SIZES and compute_dtype in FLOAT_DTYPES.values()
 
 
+def _native_ok(scheme: str, shape: tuple[int, int], group_size: int, compute_dtype: torch.dtype) -> bool:
+    """Whether the native kernels (colibri/kernels/qgemv.c) run this weight: int8 any shape, int4 with
+    in % 32 == 0 and g % 32 == 0; activations in f32 or bf16; the library built on this machine."""
+    if compute_dtype not in (torch.float32, torch.bfloat16) or scheme not in NATIVE_MAX_ROWS:
+        return False
+    if scheme == "int4" and (shape[1] % 32 or group_size % 32):
+        return False
+    return native.available()
+
+
 def _int4_pack_cpu(data: Tensor, shape: tuple[int, int]) -> Tensor:
     """Canonical int4 [out, in // 2] -> torch's CPU int4 packing (a fresh [out, in // 2] uint8).
 
@@ -282,6 +298,8 @@ def owned_bytes(info: dict, compute_dtype: torch.dtype, device_type: str = "cpu"
             return 0
         return info["nbytes"] // dt.itemsize * isz
     out, n_in = q["shape"]
+    if device_type == "cpu" and _native_ok(q["scheme"], (out, n_in), q["group_size"], compute_dtype):
+        return 0  # the native kernels read the canonical tensors as they are
     if q["scheme"] == "int8":
         return 0 if compute_dtype == torch.float32 else out * isz
     if (q["scheme"] == "int4" and device_type == "cpu" and FUSED_MAX_ROWS.get(("int4", compute_dtype), 0) > 0
@@ -365,17 +383,27 @@ class QLinear(nn.Module):
         shape = (int(shape[0]), int(shape[1]))
         _check_tensors(tensors, scheme, shape, group_size)
         data = tensors[""]
-        fusable = data.device.type == "cpu" and compute_dtype in FLOAT_DTYPES.values() and (
+        on_cpu = data.device.type == "cpu"
+        fusable = on_cpu and compute_dtype in FLOAT_DTYPES.values() and (
             (scheme == "int8" and _int8_cpu_fusable(shape, compute_dtype))
             or (scheme == "int4" and _int4_cpu_fusable(shape, group_size, compute_dtype)))
+        nativable = on_cpu and scheme not in FLOAT_DTYPES and _native_ok(scheme, shape, group_size, compute_dtype) \
+            and all(t.is_contiguous() for t in tensors.values())
         max_rows = 0
         if scheme in FLOAT_DTYPES:
             path = "dense"
+        elif kernel == "native":
+            if not nativable:
+                raise ValueError(f"no native kernel for {scheme} {shape} g={group_size} {compute_dtype} on "
+                                 f"{data.device.type} ({native.why_unavailable() or 'unsupported shape or dtype'})")
+            path, max_rows = "native", 1 << 62
         elif kernel == "fused":
             if not fusable:
                 raise ValueError(f"no fused kernel for {scheme} {shape} g={group_size} {compute_dtype} "
                                  f"on {data.device.type}")
             path, max_rows = "fused", 1 << 62
+        elif kernel == "auto" and nativable:
+            path, max_rows = "native", NATIVE_MAX_ROWS[scheme]
         elif kernel == "auto" and fusable:
             max_rows = FUSED_MAX_ROWS.get((scheme, compute_dtype), 0)
             path = "fused" if max_rows > 0 else "dequant"
@@ -392,6 +420,9 @@ class QLinear(nn.Module):
 
         if path == "dense":
             m._hold("weight", data.to(compute_dtype), owned=data.dtype != compute_dtype)
+        elif scheme == "int8" and path == "native":
+            m._hold("qweight", data, owned=False)  # [out, in] int8
+            m._hold("scale", tensors[".scale"], owned=False)  # [out] f32, as stored
         elif scheme == "int8":
             m._hold("qweight", data, owned=False)  # [out, in] int8, used as is by both paths
             scale = tensors[".scale"]
@@ -473,7 +504,7 @@ class QLinear(nn.Module):
         if self.path == "dense":
             return self.weight[rows]
         if self.scheme == "int8":
-            return self.qweight[rows].to(self.compute_dtype) * self.scale[rows, None]
+            return (self.qweight[rows].to(self.compute_dtype) * self.scale[rows, None]).to(self.compute_dtype)
         tensors = {"": self.qweight[rows], ".scale": self.scale[rows], ".min": self.min[rows]}
         n_rows = tensors[""].shape[0]
         return _dequant_group(tensors, self.scheme, (n_rows, self.in_features), self.group_size, self.compute_dtype)
@@ -491,7 +522,8 @@ class QLinear(nn.Module):
             rows = slice(r, r + chunk)
             if self.scheme == "int8":
                 # Scale the [T, rows] output rather than the weight: fewer multiplies.
-                parts.append(F.linear(x2, self.qweight[rows].to(self.compute_dtype)) * self.scale[rows])
+                y = F.linear(x2, self.qweight[rows].to(self.compute_dtype)) * self.scale[rows]
+                parts.append(y.to(self.compute_dtype))  # a native module keeps its scale in f32
             else:
                 parts.append(F.linear(x2, self.dequantized_weight(rows)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -503,7 +535,13 @@ class QLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, in]
-        if self.path == "fused" and 0 < x2.shape[0] <= self.fused_max_rows and x2.device.type == "cpu":
+        if self.path == "native" and 0 < x2.shape[0] <= self.fused_max_rows:
+            x2 = x2.contiguous()
+            if self.scheme == "int8":
+                y = native.q8_gemm(x2, self.qweight, self.scale)  # [T, out]
+            else:
+                y = native.q4_gemm(x2, self.qweight, self.scale, self.min, self.group_size)
+        elif self.path == "fused" and 0 < x2.shape[0] <= self.fused_max_rows and x2.device.type == "cpu":
             x2 = x2.contiguous()
             if self.scheme == "int8":
                 y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)  # [T, out]

@@ -207,6 +207,13 @@ def test_dequant_row_chunking(monkeypatch: pytest.MonkeyPatch, scheme: str) -> N
     assert torch.allclose(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernel selection as on a machine without the native kernels (no C compiler)."""
+    monkeypatch.setattr(quant.native, "available", lambda: False)
+
+
+@pytest.mark.usefixtures("torch_kernels")
 def test_unfusable_int4_falls_back() -> None:
     w = _w(24, 128)  # 24 rows: torch's int4 packing needs out % 16 == 0
     m = QLinear.from_dense(w, "int4", 32, None, torch.bfloat16)
@@ -217,6 +224,7 @@ def test_unfusable_int4_falls_back() -> None:
     assert m16.path == "dequant"
 
 
+@pytest.mark.usefixtures("torch_kernels")
 def test_int8_fused_needs_in_multiple_of_16() -> None:
     # torch's bf16 int8pack kernel returns garbage / segfaults for in % 16 != 0: must not be used.
     w = _w(32, 24)
@@ -229,6 +237,7 @@ def test_int8_fused_needs_in_multiple_of_16() -> None:
     assert _rel(m(x), ref) < 2e-2
 
 
+@pytest.mark.usefixtures("torch_kernels")
 def test_auto_dispatch_by_rows() -> None:
     w = _w(64, 256)
     m = QLinear.from_dense(w, "int4", 64, None, torch.bfloat16)
@@ -272,6 +281,7 @@ def test_float_qlinear_no_copy_and_nbytes() -> None:
     assert torch.allclose(cast(x), x @ w.float().T, atol=1e-5)
 
 
+@pytest.mark.usefixtures("torch_kernels")
 def test_nbytes_accounting() -> None:
     t = quantize(_w(64, 256), "int4", 64)
     fused = QLinear.from_tensors(t, "int4", (64, 256), 64, None, torch.bfloat16, kernel="fused")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import native
 from .batch import LayerKV
 from .moe import SparseMoE
 
@@ -50,6 +51,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.weight.dtype == torch.float32 \
+                and native.available():
+            return native.rmsnorm(x, self.weight, self.eps)  # one call instead of six small ops
         # Normalise in f32 like the reference, then come back to the compute dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -135,6 +139,7 @@ class RoPE(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.dim, self.interleaved = dim, interleaved
         self._cos = self._sin = torch.empty(0)
+        self._f32 = (torch.empty(0), torch.empty(0))  # f32 tables for the native kernel
 
     def tables(self, pos: int | torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions pos..pos+T (int) or for each of the positions in `pos` ([T] tensor)."""
@@ -149,8 +154,22 @@ class RoPE(nn.Module):
             return self._cos[pos:end], self._sin[pos:end]
         return self._cos[pos], self._sin[pos]  # gathered rows: the same values a slice would give
 
+    def _f32_tables(self, pos: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = pos + T if isinstance(pos, int) else int(pos.max()) + 1
+        cos, sin = self._f32
+        if cos.shape[0] < end:
+            n = max(end, 2 * cos.shape[0], 256)
+            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.float()[None]  # [n, d/2]
+            emb = torch.cat((freqs, freqs), -1)  # [n, d]
+            self._f32 = cos, sin = emb.cos() * self.mscale, emb.sin() * self.mscale
+        if isinstance(pos, int):
+            return cos[pos:end], sin[pos:end]
+        return cos[pos].contiguous(), sin[pos].contiguous()
+
     def forward(self, x: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] at positions pos..pos+T (int) or `pos` ([T]); rotates the first `dim` channels."""
+        if x.dtype == torch.bfloat16 and not self.interleaved and x.device.type == "cpu" and native.available():
+            return native.rope(x, *self._f32_tables(pos, x.shape[0]), self.dim)  # in f32, one rounding
         cos, sin = self.tables(pos, x.shape[0], x.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]
         rot, rest = x[..., : self.dim], x[..., self.dim :]
@@ -264,6 +283,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     `sinks` [H]: a learned per-head logit that joins the softmax denominator only (gpt-oss)."""
     H, T, _ = q.shape
     valid = start + T
+    if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and native.available():
+        # One query in bf16: a native loop over exactly the valid keys, f32 scores (torch's bf16 bmm on
+        # shapes this small costs ~150 us of setup per call). f32 stays on torch: the oracle path.
+        lo = valid - window if window is not None and valid > window else 0
+        return native.attn_decode(q[:, 0], k[:, lo:valid], v[:, lo:valid], scale, sinks)
     if sinks is not None:
         return _attend_with_sinks(q, k, v, start, scale, window, sinks, valid).transpose(0, 1).reshape(T, -1)
     if T == 1:  # decode: two small matmuls beat SDPA's kernel setup; heads grouped per kv head, no copies

@@ -7,6 +7,7 @@ so the result is bit-identical whatever order the source delivers them in.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -14,6 +15,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels import native
+from ..quant import QLinear
 
 
 @dataclass
@@ -32,6 +36,11 @@ class ExpertSource(Protocol):
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         """A hint that these experts of `layer` are needed soon (may be a no-op)."""
+        ...
+
+    def holds_all(self, layer: int) -> bool:
+        """Whether every expert of `layer` stays in memory through a step (no cache slots to recycle),
+        so the layer may hold all its fetched experts at once (the one-call native path)."""
         ...
 
 
@@ -53,6 +62,7 @@ class SwitchGLU(nn.Module):
         # (store/lookahead.py); bound by the store when that layer's experts are cached.
         self.lookahead: Callable[[int, torch.Tensor], None] | None = None
         self.on_route: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # debug/stats hook
+        self._tables: native.MoeTables | None = None  # the native kernel's expert pointers (built on first use)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 resid: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,11 +71,51 @@ class SwitchGLU(nn.Module):
         T, k = idx.shape
         if self.on_route is not None:
             self.on_route(self.layer, idx, weights)
+        if self.act is silu_glu and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
+                and T <= native.MOE_MAX_ROWS and native.available():
+            ids = idx[0].tolist() if T == 1 else torch.unique(idx).tolist()
+            fetched = self.source.fetch(self.layer, ids)
+            self._look_ahead(resid)
+            return self._native(x, idx, weights, fetched)
+        return self._experts(x, idx, weights, None, resid)
+
+    def _native(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                fetched: Iterator[tuple[int, ExpertWeights]]) -> torch.Tensor:
+        """The layer through the native kernel (colibri/kernels) when its experts are native int8/int4
+        QLinears of one scheme (all experts of a layer are built alike, so the first decides): one call
+        when the source holds the whole layer, else one per expert as the cache hands them over (each
+        is valid only until the next), then the weighted sum. Numerics are the same either way."""
+        first = next(fetched, None)
+        if first is None or not _native_expert(first[1]):
+            return self._experts(x, idx, weights, itertools.chain([first] if first else [], fetched))
+        m = first[1].gate_up
+        if self._tables is None:
+            self._tables = native.MoeTables(self.num_experts)
+        tables, resident = self._tables, self.source.holds_all(self.layer)
+        x, idx, weights = x.contiguous(), idx.contiguous(), weights.float().contiguous()
+        ys = torch.empty(idx.numel(), self.hidden, dtype=torch.float32)  # [T*k, H] each slot's expert output
+        args = (x, idx, weights, self.intermediate, m.scheme, m.group_size, ys)
+        for e, w in itertools.chain([first], fetched):
+            if not _native_expert(w, m):
+                raise RuntimeError(f"layer {self.layer}: expert {e} is not built like expert {first[0]}")
+            tables.set(e, w.gate_up, w.down)
+            if not resident:
+                try:
+                    native.moe(tables, *args, combine=False)
+                finally:
+                    tables.clear(e)
+        return native.moe(tables, *args)  # (a cached layer's entries are cleared: only the weighted sum)
+
+    def _experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                 fetched: list[tuple[int, ExpertWeights]] | None, resid: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts one module call at a time (any activation, scheme or device)."""
+        T, k = idx.shape
         ys = x.new_empty(T * k, self.hidden)  # one output row per (token, slot)
         if T == 1:
             slot = {e: j for j, e in enumerate(idx[0].tolist())}
-            fetched = self.source.fetch(self.layer, list(slot))  # the cached claimed, the rest being read
-            self._look_ahead(resid)
+            if fetched is None:
+                fetched = self.source.fetch(self.layer, list(slot))  # the cached claimed, the rest being read
+                self._look_ahead(resid)
             for e, w in fetched:
                 j = slot[e]
                 ys[j : j + 1] = w.down(self.act(w.gate_up(x)))
@@ -75,8 +125,9 @@ class SwitchGLU(nn.Module):
             counts = torch.bincount(flat, minlength=self.num_experts).tolist()
             ends = torch.tensor(counts).cumsum(0).tolist()
             ids = [e for e, c in enumerate(counts) if c]  # the batch's union: each expert fetched once
-            fetched = self.source.fetch(self.layer, ids)
-            self._look_ahead(resid)
+            if fetched is None:
+                fetched = self.source.fetch(self.layer, ids)
+                self._look_ahead(resid)
             for e, w in fetched:
                 sel = order[ends[e] - counts[e] : ends[e]]  # slots routed to expert e
                 ys[sel] = w.down(self.act(w.gate_up(x[sel // k])))
@@ -88,6 +139,16 @@ class SwitchGLU(nn.Module):
         # After this layer's fetch (its experts are claimed: a prefetch cannot evict them).
         if self.lookahead is not None and resid is not None:
             self.lookahead(self.layer, resid)
+
+
+def _native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:
+    """Both projections run the native kernel in one scheme and group size (and like `like`'s)."""
+    a, b = w.gate_up, w.down
+    if not (isinstance(a, QLinear) and isinstance(b, QLinear)):
+        return False
+    like = like or a
+    return all(q.path == "native" and q.bias is None and (q.scheme, q.group_size) == (like.scheme, like.group_size)
+               for q in (a, b))
 
 
 class TopKRouter(nn.Module):

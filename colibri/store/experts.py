@@ -30,6 +30,9 @@ class Experts:
         weights = self.resident[layer]
         return iter([(e, weights[e]) for e in ids])
 
+    def holds_all(self, layer: int) -> bool:
+        return layer in self.resident
+
     def prefetch(self, layer: int, ids: list[int], track: bool = True) -> int:
         """Start reading `ids` (ranked, most likely first) of a cached layer; returns reads begun.
         `track`: score this prediction against the layer's next fetch (see ExpertCache.prefetch)."""

@@ -1,0 +1,246 @@
+"""The native decode kernels (qgemv.c): built once per machine with the system C compiler, loaded
+with ctypes, and optional -- without a compiler (or with COLIBRI_NATIVE=0) QLinear keeps torch's
+kernels, with the same results up to f32 summation order.
+
+Why a C file and not torch: torch's weight-only int8 kernel moves expert-sized matrices (0.5-2 MiB)
+from RAM at a third of the machine's bandwidth, and its int4 kernel needs a private repacking that a
+weight streamed from disk pays for on every cache miss. qgemv.c reads the canonical layouts.
+
+The library goes to $COLIBRI_CACHE (default ~/.cache/colibri)/kernels/, named by a hash of the
+source, the compiler flags and the machine's CPU flags; `-march=native` is used (the code never asks
+for AMX tile instructions). OpenMP comes from the libgomp that torch already loaded, so
+torch.set_num_threads governs both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("colibri")
+
+_SRC = Path(__file__).with_name("qgemv.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing"]
+_LIBS = ["-lm"]
+# Rows (tokens) up to which a whole MoE layer runs in one native call; beyond it (prefill) the experts
+# run one module at a time, where larger inputs take the dequantize-then-GEMM path.
+MOE_MAX_ROWS = 8
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_error = ""
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("COLIBRI_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "colibri")
+    return Path(root) / "kernels"
+
+
+def _build(cc: str) -> Path:
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + cc.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"qgemv-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build to a temporary name and rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, *_LIBS], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-400:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class QW(ctypes.Structure):
+    """coli_qw: one quantized weight's tensors (int8: q, scale; int4: q, scale, min)."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.coli_moe.argtypes = [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p]
+    lib.coli_moe.restype = i
+    lib.coli_q8_gemm.argtypes = [p, i, i, i, p, p, i, p]
+    lib.coli_q8_gemm.restype = i
+    lib.coli_q4_gemm.argtypes = [p, i, i, i, p, p, p, i, i, p]
+    lib.coli_q4_gemm.restype = i
+    lib.coli_max_rows.restype = i
+    lib.coli_attn_decode.argtypes = [p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, i, ctypes.c_float, p, p]
+    lib.coli_attn_decode.restype = i
+    lib.coli_rmsnorm.argtypes = [p, i, ctypes.c_long, i, p, ctypes.c_float, p]
+    lib.coli_rmsnorm.restype = i
+    lib.coli_rope.argtypes = [p, i, i, i, i, i, p, p, p]
+    lib.coli_rope.restype = i
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (no compiler, a failed build, a non-x86/Linux machine, or
+    COLIBRI_NATIVE=0). The first call builds; later calls are free."""
+    global _lib, _tried, _error
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("COLIBRI_NATIVE", "1") == "0":
+                raise RuntimeError("disabled by COLIBRI_NATIVE=0")
+            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if cc is None:
+                raise RuntimeError("no C compiler found (cc/gcc)")
+            torch.get_num_threads()  # torch (and its libgomp) loaded before the library links to it
+            so = _build(cc)
+            lib_ = ctypes.CDLL(str(so))
+            _declare(lib_)
+            _lib = lib_
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _error = str(e)
+            log.info("native kernels unavailable (%s); using torch's", e)
+        _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def why_unavailable() -> str:
+    lib()
+    return _error
+
+
+def max_rows() -> int:
+    lb = lib()
+    return lb.coli_max_rows() if lb is not None else 0
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def q8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, K] f32/bf16 contiguous, q int8 [N, K], scale f32 [N] -> [T, N] in x's dtype."""
+    T, K = x.shape
+    N = q.shape[0]
+    y = torch.empty(T, N, dtype=x.dtype)
+    rc = _lib.coli_q8_gemm(_ptr(x), int(x.dtype == torch.bfloat16), T, K, _ptr(q), _ptr(scale), N, _ptr(y))
+    if rc != 0:
+        raise RuntimeError(f"coli_q8_gemm failed ({rc})")
+    return y
+
+
+def q4_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [T, K] f32/bf16 contiguous, q uint8 [N, K/2], scale/min f16 [N, K/g] -> [T, N] in x's dtype."""
+    T, K = x.shape
+    N = q.shape[0]
+    y = torch.empty(T, N, dtype=x.dtype)
+    rc = _lib.coli_q4_gemm(_ptr(x), int(x.dtype == torch.bfloat16), T, K, _ptr(q), _ptr(scale), _ptr(mn),
+                           group_size, N, _ptr(y))
+    if rc != 0:
+        raise RuntimeError(f"coli_q4_gemm failed ({rc})")
+    return y
+
+
+def qw(m) -> tuple[int, int, int]:
+    """A native QLinear's (q, scale, min) pointers, for `MoeTables`."""
+    mn = getattr(m, "min", None)
+    return m.qweight.data_ptr(), m.scale.data_ptr(), mn.data_ptr() if mn is not None else 0
+
+
+class MoeTables:
+    """A layer's expert pointer tables for coli_moe (gate_up and down per expert id), kept across
+    steps: a resident layer fills each entry once; a cached layer sets one entry per delivered expert
+    and clears it after its call (a cache slot's memory is only valid until the next expert)."""
+
+    def __init__(self, n_experts: int):
+        self.n = n_experts
+        self.gu, self.dn = (QW * n_experts)(), (QW * n_experts)()
+        self.owner: list[tuple[int, int] | None] = [None] * n_experts  # (id(gate_up), id(down)) per entry
+
+    def set(self, e: int, gate_up, down) -> None:
+        key = (id(gate_up), id(down))
+        if self.owner[e] != key:
+            self.gu[e], self.dn[e] = QW(*qw(gate_up)), QW(*qw(down))
+            self.owner[e] = key
+
+    def clear(self, e: int) -> None:
+        self.gu[e], self.dn[e] = QW(), QW()
+        self.owner[e] = None
+
+
+def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, intermediate: int,
+        scheme: str, group_size: int, ys: torch.Tensor, combine: bool = True) -> torch.Tensor | None:
+    """coli_moe: the slots whose expert has an entry in `tables` (the kernel skips the others).
+    x [T, H] f32/bf16 contiguous, idx [T, k] int64, weights [T, k] f32, ys [T*k, H] f32 scratch that
+    keeps the slots' outputs between calls -> [T, H] in x's dtype when `combine`, else None."""
+    T, H = x.shape
+    y = torch.empty(T, H, dtype=x.dtype) if combine else None
+    rc = _lib.coli_moe(x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, intermediate, idx.shape[1],
+                       idx.data_ptr(), weights.data_ptr(), tables.n, tables.gu, tables.dn,
+                       8 if scheme == "int8" else 4, group_size, ys.data_ptr(), None if y is None else y.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_moe failed ({rc})")
+    return y
+
+
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row's attention: q [H, D], k [Hkv, S, D], v [Hkv, S, Dv] (rows contiguous, any head
+    stride: views of a KV cache), all f32 or all bf16; sinks [H] or None -> [1, H * Dv] in q's dtype."""
+    H, D = q.shape
+    Hkv, S, Dv = v.shape
+    if k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != Dv or k.dtype != q.dtype:
+        raise ValueError("attn_decode: keys/values need contiguous rows in q's dtype")
+    q = q.contiguous()
+    out = torch.empty(1, H * Dv, dtype=q.dtype)
+    sk = sinks.float().contiguous() if sinks is not None else None
+    rc = _lib.coli_attn_decode(q.data_ptr(), int(q.dtype == torch.bfloat16), H, Hkv, D, Dv, k.data_ptr(), k.stride(0),
+                               v.data_ptr(), v.stride(0), S, scale, None if sk is None else sk.data_ptr(),
+                               out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_attn_decode failed ({rc})")
+    return out
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] bf16/f32, w [H] f32 -> w * x / rms(x), in x's dtype (one rounding)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib.coli_rmsnorm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // x.shape[-1], x.shape[-1],
+                      w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """x [T, nh, D] bf16/f32; cos/sin f32 [T, rot] contiguous -> x with its first `rot` channels of every
+    head rotated (rotate-half convention), in x's dtype."""
+    x = x.contiguous()
+    T, nh, D = x.shape
+    out = torch.empty_like(x)
+    _lib.coli_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), T, nh, D, rot, cos.data_ptr(), sin.data_ptr(),
+                   out.data_ptr())
+    return out

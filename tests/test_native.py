@@ -1,0 +1,144 @@
+"""The native decode kernels (colibri/kernels/qgemv.c) against the torch paths they replace.
+
+They change summation order only (f32 accumulation throughout), so at f32 they agree with the
+dequantized weights to f32 rounding, and in bf16 to bf16 rounding of the output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colibri import quant
+from colibri.kernels import native
+from colibri.models.moe import ExpertWeights, SwitchGLU
+from colibri.quant import QLinear, dequantize, quantize
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("scheme,g", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_qlinear_native_matches_dequantized(scheme: str, g: int, rows: int) -> None:
+    torch.manual_seed(rows)
+    w = torch.randn(48, 256) + 0.1
+    t = quantize(w, scheme, g or 64)
+    ref_w = dequantize(t, scheme, (48, 256), g or 64)
+    x = torch.randn(rows, 256)
+    m = QLinear.from_tensors(t, scheme, (48, 256), g or 64, None, torch.float32, kernel="native")
+    assert m.path == "native" and m.nbytes == 0  # reads the canonical tensors, allocates nothing
+    assert _rel(m(x), x @ ref_w.T) < 1e-5
+    mb = QLinear.from_tensors(t, scheme, (48, 256), g or 64, None, torch.bfloat16, kernel="native")
+    yb = mb(x.bfloat16())
+    assert yb.dtype == torch.bfloat16 and _rel(yb, x.bfloat16().float() @ ref_w.T) < 1e-2
+
+
+def test_native_rows_are_independent() -> None:
+    # A row's result must not depend on the other rows of the call (batch == solo, bit for bit).
+    t = quantize(torch.randn(64, 128), "int4", 32)
+    m = QLinear.from_tensors(t, "int4", (64, 128), 32, None, torch.bfloat16, kernel="native")
+    x = torch.randn(7, 128).bfloat16()
+    whole = m(x)
+    for r in range(7):
+        assert torch.equal(whole[r], m(x[r : r + 1])[0])
+
+
+def test_auto_prefers_native_and_falls_back_for_large_inputs() -> None:
+    t = quantize(torch.randn(32, 128), "int8")
+    m = QLinear.from_tensors(t, "int8", (32, 128), 64, None, torch.bfloat16)
+    assert m.path == "native" and m.fused_max_rows == quant.NATIVE_MAX_ROWS["int8"]
+    big = torch.randn(m.fused_max_rows + 5, 128).bfloat16()
+    ref = big.float() @ dequantize(t, "int8", (32, 128)).T
+    assert _rel(m(big), ref) < 1e-2  # the dequantize-then-GEMM path
+
+
+class _Resident:
+    def __init__(self, experts: list[ExpertWeights], holds: bool = True):
+        self.experts, self.holds = experts, holds
+
+    def fetch(self, layer: int, ids: list[int]):
+        return iter([(e, self.experts[e]) for e in ids])
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        pass
+
+    def holds_all(self, layer: int) -> bool:
+        return self.holds
+
+
+@pytest.mark.parametrize("scheme,dt,tol", [("int8", torch.float32, 1e-5), ("int4", torch.float32, 1e-5),
+                                           ("int8", torch.bfloat16, 2e-2), ("int4", torch.bfloat16, 2e-2)])
+def test_fused_moe_layer_matches_per_expert_path(scheme: str, dt: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    E, H, Im, k, T = 6, 128, 64, 2, 5
+    experts = [ExpertWeights(QLinear.from_dense(torch.randn(2 * Im, H) * 0.1, scheme, 32, None, dt),
+                             QLinear.from_dense(torch.randn(H, Im) * 0.1, scheme, 32, None, dt)) for _ in range(E)]
+    assert all(w.gate_up.path == "native" for w in experts)
+    sw = SwitchGLU(0, H, Im, E)
+    sw.source = _Resident(experts)
+    x = torch.randn(T, H).to(dt)
+    idx = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 3], [2, 4]])
+    wts = torch.rand(T, k)
+    y = sw(x, idx, wts)
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            w = experts[int(idx[t, j])]
+            gu = F.linear(x[t].float(), w.gate_up.dequantized_weight().float())
+            h = F.silu(gu[:Im]) * gu[Im:]
+            ref[t] += wts[t, j] * F.linear(h, w.down.dequantized_weight().float())
+    assert y.dtype == dt and _rel(y, ref) < tol
+    # Each row alone gives the same bits as in the batch.
+    for t in range(T):
+        assert torch.equal(sw(x[t : t + 1], idx[t : t + 1], wts[t : t + 1])[0], y[t])
+    # A cache hands experts over one at a time (one native call each): the same bits.
+    sw.source = _Resident(experts, holds=False)
+    assert torch.equal(sw(x, idx, wts), y)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bool) -> None:
+    from colibri.models.layers import attend
+
+    torch.manual_seed(1)
+    H, Hkv, D, S = 8, 2, 64, 37
+    q = torch.randn(H, 1, D).bfloat16()
+    kc, vc = torch.randn(Hkv, 100, D).bfloat16(), torch.randn(Hkv, 100, D).bfloat16()  # a cache, longer than S
+    sinks = torch.randn(H) if with_sinks else None
+    y = attend(q, kc[:, :S], vc[:, :S], S - 1, 0.125, window, sinks)
+    lo = S - window if window is not None else 0
+    kf = kc[:, lo:S].float().repeat_interleave(H // Hkv, 0)
+    vf = vc[:, lo:S].float().repeat_interleave(H // Hkv, 0)
+    scores = (q.float() @ kf.transpose(1, 2)) * 0.125  # [H, 1, S']
+    if sinks is not None:
+        probs = torch.softmax(torch.cat([scores, sinks.view(H, 1, 1)], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    ref = (probs @ vf).reshape(1, -1)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, H * D)
+    assert _rel(y, ref) < 1e-2
+
+
+def test_rmsnorm_and_rope_match_f32_reference() -> None:
+    from colibri.models.layers import RMSNorm, RoPE
+
+    torch.manual_seed(2)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.copy_(torch.rand(96) + 0.5)
+    x = torch.randn(3, 4, 96).bfloat16()
+    xf = x.float()
+    ref = norm.weight * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    y = norm(x)
+    assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2
+    for rot in (64, 32):  # full and partial rotary
+        rope = RoPE(rot, 10000.0, max_pos=64)
+        q = torch.randn(5, 3, 64).bfloat16()
+        for pos in (7, torch.tensor([3, 9, 0, 20, 1])):
+            got = rope(q, pos)
+            ref = rope(q.float(), pos)  # the f32 torch path
+            assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2
