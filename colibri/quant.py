@@ -535,7 +535,14 @@ class QLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, in]
-        if self.path == "native" and 0 < x2.shape[0] <= self.fused_max_rows:
+        rows = x2.shape[0]
+        if self.path == "native" and self.scheme == "int8" and 1 < rows <= FUSED_MAX_ROWS[("int8", torch.bfloat16)] \
+                and native.get_threads() == 1 and self.compute_dtype == torch.bfloat16 \
+                and _int8_cpu_fusable((self.out_features, self.in_features), self.compute_dtype):
+            # A prefill step (the engine gives the native pool one thread then): torch's multi-row
+            # int8 kernel on its own threads wins for a few rows (an expert's share of a prompt).
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(self.compute_dtype))
+        elif self.path == "native" and 0 < rows <= self.fused_max_rows:
             x2 = x2.contiguous()
             if self.scheme == "int8":
                 y = native.q8_gemm(x2, self.qweight, self.scale)  # [T, out]

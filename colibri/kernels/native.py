@@ -8,8 +8,8 @@ weight streamed from disk pays for on every cache miss. qgemv.c reads the canoni
 
 The library goes to $COLIBRI_CACHE (default ~/.cache/colibri)/kernels/, named by a hash of the
 source, the compiler flags and the machine's CPU flags; `-march=native` is used (the code never asks
-for AMX tile instructions). OpenMP comes from the libgomp that torch already loaded, so
-torch.set_num_threads governs both.
+for AMX tile instructions). The kernels split their work over their own thread pool (pool.c says
+why not OpenMP); `set_threads` sizes it, and the engine calls it with torch.set_num_threads.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 log = logging.getLogger("colibri")
 
-_SRC = Path(__file__).with_name("qgemv.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing"]
+_SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "qgemv.c")]
+_FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing"]
 _LIBS = ["-lm"]
 # Rows (tokens) up to which a whole MoE layer runs in one native call; beyond it (prefill) the experts
 # run one module at a time, where larger inputs take the dequantize-then-GEMM path.
@@ -54,8 +54,9 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + cc.encode()).hexdigest()[:16]
+    src = b"".join(p.read_bytes() for p in _SRCS)
+    flags = _FLAGS + os.environ.get("COLIBRI_NATIVE_CFLAGS", "").split()  # e.g. -mno-avx512vnni
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode() + cc.encode()).hexdigest()[:16]
     out = _cache_dir() / f"qgemv-{key}.so"
     if out.exists():
         return out
@@ -64,7 +65,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, *_LIBS], capture_output=True, text=True, timeout=120)
+        cmd = [cc, *flags, *map(str, _SRCS), "-o", tmp, *_LIBS]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-400:]}")
         os.replace(tmp, out)
@@ -89,6 +91,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_q4_gemm.argtypes = [p, i, i, i, p, p, p, i, i, p]
     lib.coli_q4_gemm.restype = i
     lib.coli_max_rows.restype = i
+    lib.coli_set_threads.argtypes = [i]
+    lib.coli_get_threads.restype = i
     lib.coli_attn_decode.argtypes = [p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, i, ctypes.c_float, p, p]
     lib.coli_attn_decode.restype = i
     lib.coli_rmsnorm.argtypes = [p, i, ctypes.c_long, i, p, ctypes.c_float, p]
@@ -112,10 +116,10 @@ def lib() -> ctypes.CDLL | None:
             cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
             if cc is None:
                 raise RuntimeError("no C compiler found (cc/gcc)")
-            torch.get_num_threads()  # torch (and its libgomp) loaded before the library links to it
             so = _build(cc)
             lib_ = ctypes.CDLL(str(so))
             _declare(lib_)
+            lib_.coli_set_threads(torch.get_num_threads())
             _lib = lib_
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -131,6 +135,16 @@ def available() -> bool:
 def why_unavailable() -> str:
     lib()
     return _error
+
+
+def set_threads(n: int) -> None:
+    """Threads each native kernel call uses (the calling thread included)."""
+    if lib() is not None:
+        _lib.coli_set_threads(int(n))
+
+
+def get_threads() -> int:
+    return _lib.coli_get_threads() if lib() is not None else 1
 
 
 def max_rows() -> int:

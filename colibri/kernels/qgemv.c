@@ -8,16 +8,18 @@
  * Activations are f32 or bf16 (converted to f32 once per call); accumulation is f32; the output
  * has the activations' dtype (bf16 rounded to nearest even). Each weight row is read from RAM
  * once and applied to all T rows while it sits in L1, so a batch of T rows costs about what one
- * row costs. Output rows are split across OpenMP threads (the runtime torch itself loaded: the
- * thread count is the caller's torch.set_num_threads). Built by colibri/kernels/native.py.
+ * row costs. Output rows are split across the threads of pool.c (coli_set_threads). Built by
+ * colibri/kernels/native.py.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+/* pool.c */
+typedef void (*coli_job)(void *arg, int id, int n);
+void coli_parallel(coli_job fn, void *arg, int n);
+int coli_get_threads(void);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define COLI_AVX512 1
@@ -74,13 +76,11 @@ static void store_y(const float *yf, int bf16, int T, int N, int o0, int o1, voi
         }
 }
 
-static int n_threads_for(long bytes) {
-#ifdef _OPENMP
-    return bytes >= PAR_MIN_BYTES ? omp_get_max_threads() : 1;
-#else
-    (void)bytes;
-    return 1;
-#endif
+static int n_threads_for(long bytes) { return bytes >= PAR_MIN_BYTES ? coli_get_threads() : 1; }
+
+static inline void split(long total, int id, int n, long *a, long *b) {
+    *a = total * id / n;
+    *b = total * (id + 1) / n;
 }
 
 /* ------------------------------------------------------------------------------------ int8 */
@@ -131,25 +131,106 @@ static void q8_rows(const float *xf, int T, int K, const int8_t *q, const float 
     }
 }
 
+/* int8 with activations quantized like llama.cpp's Q8_0 (bf16 compute only, see docs/QUANT.md): each
+ * run of 32 values of a row gets a scale max|x| / 127 and int8 values, so one vpdpbusd multiplies 64
+ * weights by 64 activations in integers. The weights are signed and vpdpbusd wants one unsigned
+ * side: w ^ 0x80 = w + 128, whose extra 128 * sum(xq) per block is subtracted once per row (corr).
+ * A prepared row (Q8_STRIDE floats): int8 xq [K] | f32 scale per 4-byte lane [K/4] | corr. */
+#define Q8_STRIDE(K) ((long)(K) / 2 + 1)
+#if defined(COLI_AVX512) && defined(__AVX512VNNI__)
+#define COLI_VNNI 1
+#endif
+
+static void q8_prep(const float *xf, int n, int K, float *xp) {
+    for (int t = 0; t < n; t++) {
+        const float *x = xf + (long)t * K;
+        float *base = xp + (long)t * Q8_STRIDE(K);
+        int8_t *xq = (int8_t *)base;
+        float *lane = base + K / 4;
+        double corr = 0.0;
+        for (int b = 0; b < K; b += 32) {
+            float amax = 0.f;
+            for (int i = b; i < b + 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int i = b; i < b + 32; i++) {
+                int v = (int)nearbyintf(x[i] * inv);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                xq[i] = (int8_t)v;
+                sum += v;
+            }
+            for (int l = 0; l < 8; l++) lane[b / 4 + l] = sc;
+            corr += 128.0 * sc * sum;
+        }
+        base[K / 2] = (float)corr;
+    }
+}
+
+#ifdef COLI_VNNI
+static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
+    __m512 acc[8];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
+    for (int i = 0; i < K; i += 64) {
+        __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qo + i)), flip);
+        for (int t = 0; t < TB; t++) {
+            const float *b = xp + (long)t * Q8_STRIDE(K);
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512((const void *)((const int8_t *)b + i)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(b + K / 4 + i / 4), acc[t]);
+        }
+    }
+    for (int t = 0; t < TB; t++)
+        out[(long)t * N] = so * (_mm512_reduce_add_ps(acc[t]) - xp[(long)t * Q8_STRIDE(K) + K / 2]);
+}
+#define Q8V_OK(bf16, K) ((bf16) && (K) % 64 == 0)
+#else
+static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
+    (void)xp; (void)K; (void)qo; (void)so; (void)TB; (void)out; (void)N;
+}
+#define Q8V_OK(bf16, K) 0
+#endif
+
+#define Q8V_CALL(TB, xp, K, qo, so, yo, N) \
+    q8v_row_block((xp) + (long)t0 * Q8_STRIDE(K), K, qo, so, TB, (yo) + (long)t0 * (N), N)
+
+typedef struct {
+    const float *xf;
+    int T, K;
+    const int8_t *q;
+    const float *scale;
+    int N;
+    float *yf;
+    int bf16;
+    void *y;
+    int vm;  /* xf holds q8_prep rows */
+} q8_job;
+
+static void q8_part(void *p, int id, int n) {
+    q8_job *j = (q8_job *)p;
+    long o0, o1;
+    split(j->N, id, n, &o0, &o1);
+    if (j->vm) {
+        for (long o = o0; o < o1; o++) {
+            const int8_t *qo = j->q + o * j->K;
+            ROW_BLOCKS(Q8V_CALL, j->T, j->xf, j->K, qo, j->scale[o], j->yf + o, j->N)
+        }
+    } else {
+        q8_rows(j->xf, j->T, j->K, j->q, j->scale, j->N, (int)o0, (int)o1, j->yf);
+    }
+    store_y(j->yf, j->bf16, j->T, j->N, (int)o0, (int)o1, j->y);
+}
+
 /* x [T, K] (f32, or bf16 when bf16 != 0), y [T, N] same dtype. Returns 0, or -1 if T is too large. */
 int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y) {
     if (T < 1 || T > MAX_T) return -1;
-    float *xf = (float *)malloc(sizeof(float) * ((size_t)T * K + (size_t)T * N));
+    int vm = Q8V_OK(bf16, K);
+    float *xf = (float *)malloc(sizeof(float) * ((size_t)T * K + (size_t)T * N + (size_t)T * Q8_STRIDE(K)));
     if (!xf) return -2;
-    float *yf = xf + (size_t)T * K;
+    float *yf = xf + (size_t)T * K, *xv = yf + (size_t)T * N;
     load_x(x, bf16, T, K, xf);
-    int nt = n_threads_for((long)N * K);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-#ifdef _OPENMP
-        int id = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        int id = 0, n = 1;
-#endif
-        int o0 = (int)((long)N * id / n), o1 = (int)((long)N * (id + 1) / n);
-        q8_rows(xf, T, K, q, scale, N, o0, o1, yf);
-        store_y(yf, bf16, T, N, o0, o1, y);
-    }
+    if (vm) q8_prep(xf, T, K, xv);
+    q8_job j = {vm ? xv : xf, T, K, q, scale, N, yf, bf16, y, vm};
+    coli_parallel(q8_part, &j, n_threads_for((long)N * K));
     free(xf);
     return 0;
 }
@@ -298,6 +379,32 @@ static inline const float *xrow(const float *xp, int bfm, long r, int K) {
 #define Q4_CALL(TB, xp, xs, K, G, g, qo, so, mo, yo, N, bfm) \
     q4_row_block(xrow(xp, bfm, t0, K), (xs) + (long)t0 * (G), K, G, g, qo, so, mo, TB, (yo) + (long)t0 * (N), N, bfm)
 
+typedef struct {
+    const float *xp, *xs;
+    int T, K, G, g;
+    const uint8_t *q;
+    const uint16_t *scale, *mn;
+    int N;
+    float *yf;
+    int bf16, bfm;
+    void *y;
+} q4_job;
+
+static void q4_part(void *p, int id, int n) {
+    q4_job *j = (q4_job *)p;
+    long o0, o1;
+    int K = j->K, G = j->G, g = j->g, N = j->N, bfm = j->bfm;
+    split(N, id, n, &o0, &o1);
+    for (long o = o0; o < o1; o++) {
+        const uint8_t *qo = j->q + o * (K / 2);
+        const uint16_t *so = j->scale + o * G, *mo = j->mn + o * G;
+        const float *xp = j->xp, *xs = j->xs;
+        float *yf = j->yf;
+        ROW_BLOCKS(Q4_CALL, j->T, xp, xs, K, G, g, qo, so, mo, yf + o, N, bfm)
+    }
+    store_y(j->yf, j->bf16, j->T, N, (int)o0, (int)o1, j->y);
+}
+
 /* x [T, K], q uint8 [N, K/2], scale/min f16 [N, K/g]; K % 32 == 0 and g % 32 == 0. */
 int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
                  const uint16_t *mn, int g, int N, void *y) {
@@ -311,22 +418,8 @@ int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const 
     load_x(x, bf16, T, K, xf);
     int bfm = BF_MODE(bf16);
     int4_prep(xf, T, K, g, xp, xs, bfm);
-    int nt = n_threads_for((long)N * K / 2);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-#ifdef _OPENMP
-        int id = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        int id = 0, n = 1;
-#endif
-        int o0 = (int)((long)N * id / n), o1 = (int)((long)N * (id + 1) / n);
-        for (int o = o0; o < o1; o++) {
-            const uint8_t *qo = q + (long)o * (K / 2);
-            const uint16_t *so = scale + (long)o * G, *mo = mn + (long)o * G;
-            ROW_BLOCKS(Q4_CALL, T, xp, xs, K, G, g, qo, so, mo, yf + o, N, bfm)
-        }
-        store_y(yf, bf16, T, N, o0, o1, y);
-    }
+    q4_job j = {xp, xs, T, K, G, g, q, scale, mn, N, yf, bf16, bfm, y};
+    coli_parallel(q4_part, &j, n_threads_for((long)N * K / 2));
     free(buf);
     return 0;
 }
@@ -349,7 +442,21 @@ static void rows_through(int scheme, const coli_qw *w, int K, int g, int o, cons
     for (int t0 = r0; t0 < r0 + n; t0 += 8) {
         int tb = r0 + n - t0 < 8 ? r0 + n - t0 : 8;
         float *yo = out + (long)t0 * ldo + o;
-        if (scheme == 8) {
+        if (scheme == 8 && bfm) {  /* xp holds q8_prep rows */
+            const int8_t *qo = (const int8_t *)w->q + (long)o * K;
+            float so = ((const float *)w->s)[o];
+            const float *xb = xp + (long)t0 * Q8_STRIDE(K);
+            switch (tb) {
+            case 1: q8v_row_block(xb, K, qo, so, 1, yo, ldo); break;
+            case 2: q8v_row_block(xb, K, qo, so, 2, yo, ldo); break;
+            case 3: q8v_row_block(xb, K, qo, so, 3, yo, ldo); break;
+            case 4: q8v_row_block(xb, K, qo, so, 4, yo, ldo); break;
+            case 5: q8v_row_block(xb, K, qo, so, 5, yo, ldo); break;
+            case 6: q8v_row_block(xb, K, qo, so, 6, yo, ldo); break;
+            case 7: q8v_row_block(xb, K, qo, so, 7, yo, ldo); break;
+            default: q8v_row_block(xb, K, qo, so, 8, yo, ldo); break;
+            }
+        } else if (scheme == 8) {
             const int8_t *qo = (const int8_t *)w->q + (long)o * K;
             float so = ((const float *)w->s)[o];
             switch (tb) {
@@ -373,6 +480,27 @@ static void rows_through(int scheme, const coli_qw *w, int K, int g, int o, cons
                                  yo + (long)t * ldo, ldo, bfm);
             }
         }
+    }
+}
+
+typedef struct {
+    int scheme, g, K, N, nu;  /* N output rows per expert, K inputs */
+    const int *uexp, *uoff;
+    const coli_qw *w;
+    const float *xf, *xp, *xs;
+    float *out;
+    int bfm;
+} moe_job;
+
+/* Rows (u, o) of all experts u of the call, flattened and split evenly between the threads. */
+static void moe_part(void *p, int id, int n) {
+    moe_job *j = (moe_job *)p;
+    long r0, r1;
+    split((long)j->nu * j->N, id, n, &r0, &r1);
+    for (long r = r0; r < r1; r++) {
+        int u = (int)(r / j->N), o = (int)(r % j->N);
+        rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, o, j->xf, j->xp, j->xs, j->uoff[u],
+                     j->uoff[u + 1] - j->uoff[u], j->out, j->N, j->bfm);
     }
 }
 
@@ -409,52 +537,41 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     }
     uoff[nu] = Q;
     size_t nf = (size_t)T * H + (size_t)Q * H + (size_t)Q * 2 * I + (size_t)Q * I + (size_t)Q * H;
-    size_t n4 = scheme == 4 ? (size_t)Q * H + (size_t)Q * H / g + (size_t)Q * I + (size_t)Q * I / g : 0;
+    /* prepared activations (int4: nibble-ordered or bf16 copies + group sums; int8 in bf16: q8_prep) */
+    size_t nxp = (size_t)Q * H, nxs = scheme == 4 ? (size_t)Q * H / g : 0;
+    size_t nap = (size_t)Q * I, nas = scheme == 4 ? (size_t)Q * I / g : 0;
+    size_t n4 = nxp + nxs + nap + nas;
     buf = (float *)malloc(sizeof(float) * (nf + n4 + 1));
     if (!buf) { rc = -2; goto done; }
     float *xf = buf, *xsrt = xf + (size_t)T * H, *hgu = xsrt + (size_t)Q * H, *act = hgu + (size_t)Q * 2 * I;
     float *ysrt = act + (size_t)Q * I;
-    float *xp = ysrt + (size_t)Q * H, *xsum = xp + (scheme == 4 ? (size_t)Q * H : 0);
-    float *ap = xsum + (scheme == 4 ? (size_t)Q * H / g : 0), *asum = ap + (scheme == 4 ? (size_t)Q * I : 0);
+    float *xp = ysrt + (size_t)Q * H, *xsum = xp + nxp, *ap = xsum + nxs, *asum = ap + nap;
     load_x(x, bf16, T, H, xf);
     for (int r = 0; r < Q; r++) memcpy(xsrt + (long)r * H, xf + (long)(order[r] / k) * H, sizeof(float) * H);
-    int bfm = BF_MODE(bf16);
+    int bfm = scheme == 4 ? BF_MODE(bf16) : (Q8V_OK(bf16, H) && Q8V_OK(bf16, I));
     if (scheme == 4) int4_prep(xsrt, Q, H, g, xp, xsum, bfm);
+    else if (bfm) q8_prep(xsrt, Q, H, xp);
 
     long bytes = (long)nu * 3 * H * I * (scheme == 4 ? 1 : 2) / 2;
     int nt = n_threads_for(bytes);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        /* gate+up: rows (u, o) for o < 2I, flattened so the threads split all experts' rows evenly */
-        long rows1 = (long)nu * 2 * I;
-#pragma omp for schedule(static)
-        for (long r = 0; r < rows1; r++) {
-            int u = (int)(r / (2 * I)), o = (int)(r % (2 * I));
-            rows_through(scheme, gate_up + uexp[u], H, g, o, xsrt, xp, xsum, uoff[u], uoff[u + 1] - uoff[u], hgu, 2 * I, bfm);
-        }
-#pragma omp for schedule(static)
-        for (long r = 0; r < (long)Q; r++)
-            for (int i = 0; i < I; i++) act[r * I + i] = silu(hgu[r * 2 * I + i]) * hgu[r * 2 * I + I + i];
-#pragma omp single
-        if (scheme == 4) int4_prep(act, Q, I, g, ap, asum, bfm);
-        long rows2 = (long)nu * H;
-#pragma omp for schedule(static)
-        for (long r = 0; r < rows2; r++) {
-            int u = (int)(r / H), o = (int)(r % H);
-            rows_through(scheme, down + uexp[u], I, g, o, act, ap, asum, uoff[u], uoff[u + 1] - uoff[u], ysrt, H, bfm);
-        }
-#pragma omp for schedule(static)
-        for (long r = 0; r < (long)Q; r++) memcpy(ys + (long)order[r] * H, ysrt + r * H, sizeof(float) * H);
-        if (y) {
-#pragma omp for schedule(static)
-            for (long t = 0; t < (long)T; t++)
-                for (int c = 0; c < H; c++) {
-                    float s = 0.f;
-                    for (int j = 0; j < k; j++) s += weights[t * k + j] * ys[(t * k + j) * H + c];
-                    if (bf16) ((uint16_t *)y)[t * H + c] = f32_to_bf16(s);
-                    else ((float *)y)[t * H + c] = s;
-                }
-        }
+    /* gate+up: rows (u, o) for o < 2I, flattened so the threads split all experts' rows evenly */
+    moe_job j1 = {scheme, g, H, 2 * I, nu, uexp, uoff, gate_up, xsrt, xp, xsum, hgu, bfm};
+    coli_parallel(moe_part, &j1, nt);
+    for (long r = 0; r < (long)Q; r++)
+        for (int i = 0; i < I; i++) act[r * I + i] = silu(hgu[r * 2 * I + i]) * hgu[r * 2 * I + I + i];
+    if (scheme == 4) int4_prep(act, Q, I, g, ap, asum, bfm);
+    else if (bfm) q8_prep(act, Q, I, ap);
+    moe_job j2 = {scheme, g, I, H, nu, uexp, uoff, down, act, ap, asum, ysrt, bfm};
+    coli_parallel(moe_part, &j2, nt);
+    for (long r = 0; r < (long)Q; r++) memcpy(ys + (long)order[r] * H, ysrt + r * H, sizeof(float) * H);
+    if (y) {
+        for (long t = 0; t < (long)T; t++)
+            for (int c = 0; c < H; c++) {
+                float s = 0.f;
+                for (int jj = 0; jj < k; jj++) s += weights[t * k + jj] * ys[(t * k + jj) * H + c];
+                if (bf16) ((uint16_t *)y)[t * H + c] = f32_to_bf16(s);
+                else ((float *)y)[t * H + c] = s;
+            }
     }
 done:
     free(count); free(order); free(uexp); free(uoff); free(buf);
@@ -471,15 +588,27 @@ static inline float ld(const void *p, int bf16, long i) {
  * row stride D) and v + j * vs (rows of Dv), S of them; query head h reads kv head h / (H / Hkv).
  * out [H, Dv] = softmax(scale * q k^T [| sink_h]) v, scores and sums in f32, all in x's dtype
  * (bf16 when bf16 != 0, else f32). sinks: [H] f32 logits that join the denominator only, or NULL. */
-int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
-                     const void *v, long vs, int S, float scale, const float *sinks, void *out) {
-    if (S < 1 || H % Hkv) return -3;
-    int rep = H / Hkv;
-    int nt = n_threads_for((long)Hkv * S * (D + Dv) * (bf16 ? 2 : 4) / 4);
-    float *buf = (float *)malloc(sizeof(float) * ((size_t)H * S + (size_t)H * (D + Dv)));
-    if (!buf) return -2;
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (int h = 0; h < H; h++) {
+typedef struct {
+    const void *q, *k, *v;
+    int bf16, H, rep, D, Dv, S;
+    long ks, vs;
+    float scale;
+    const float *sinks;
+    float *buf;
+    void *out;
+} attn_job;
+
+static void attn_part(void *p, int id, int n) {
+    attn_job *j = (attn_job *)p;
+    const void *q = j->q, *k = j->k, *v = j->v;
+    int bf16 = j->bf16, H = j->H, rep = j->rep, D = j->D, Dv = j->Dv, S = j->S;
+    long ks = j->ks, vs = j->vs;
+    float scale = j->scale, *buf = j->buf;
+    const float *sinks = j->sinks;
+    void *out = j->out;
+    long h0, h1;
+    split(H, id, n, &h0, &h1);
+    for (int h = (int)h0; h < (int)h1; h++) {
         float *sc = buf + (size_t)h * S, *qf = buf + (size_t)H * S + (size_t)h * (D + Dv), *of = qf + D;
         long kv = h / rep;
         for (int d = 0; d < D; d++) qf[d] = ld(q, bf16, (long)h * D + d);
@@ -523,6 +652,15 @@ int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, con
             else ((float *)out)[(long)h * Dv + d] = o;
         }
     }
+}
+
+int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
+                     const void *v, long vs, int S, float scale, const float *sinks, void *out) {
+    if (S < 1 || H % Hkv) return -3;
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)H * S + (size_t)H * (D + Dv)));
+    if (!buf) return -2;
+    attn_job j = {q, k, v, bf16, H, H / Hkv, D, Dv, S, ks, vs, scale, sinks, buf, out};
+    coli_parallel(attn_part, &j, n_threads_for((long)Hkv * S * (D + Dv) * (bf16 ? 2 : 4) / 4));
     free(buf);
     return 0;
 }

@@ -1,0 +1,114 @@
+/* The native kernels' own thread pool: a fork/join that costs a few microseconds.
+ *
+ * Why not OpenMP: libgomp keeps one team per thread that starts parallel regions. The engine runs
+ * its forward passes on its own thread, and the process's main thread has usually run torch ops
+ * too, so two teams exist; libgomp then counts more threads than cores and makes every worker
+ * sleep on a futex almost at once after each region (its "throttled" spin), and each of the
+ * hundreds of small GEMVs of a decode step pays a wake-up. Measured on a 2-core VM: int8 GEMVs at
+ * 6-8 GB/s from a second thread against 11-16 GB/s from the main thread.
+ *
+ * Here workers spin for a bounded time after each job (SPIN_NS: long enough to bridge the Python
+ * between two kernels of a step, short enough not to burn a core between tokens on a busy
+ * machine), then sleep on a condition variable. One caller at a time uses the pool; a concurrent
+ * caller runs its job on its own thread. coli_set_threads(n) sets how many threads a job uses
+ * (the engine sets it with torch.set_num_threads).
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define MAX_WORKERS 255
+#define SPIN_NS 300000L
+
+typedef void (*coli_job)(void *arg, int id, int n);
+
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;      /* sleeping workers */
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static atomic_uint gen;  /* bumped once per job */
+static atomic_int done;  /* workers finished with the current job */
+static int sleepers;     /* under mu */
+static int n_workers;    /* under call_mu */
+static int n_threads = 1;
+static coli_job job_fn;
+static void *job_arg;
+static int job_n;
+static unsigned born_gen[MAX_WORKERS + 1]; /* the job count when worker i was made: it waits for the next */
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *worker(void *p) {
+    int id = (int)(intptr_t)p;
+    unsigned seen = born_gen[id];
+    for (;;) {
+        unsigned g;
+        long t0 = now_ns();
+        int spins = 0;
+        while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) {
+            CPU_RELAX();
+            if (++spins % 256 == 0 && now_ns() - t0 > SPIN_NS) {
+                pthread_mutex_lock(&mu);
+                sleepers++;
+                while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) pthread_cond_wait(&cv, &mu);
+                sleepers--;
+                pthread_mutex_unlock(&mu);
+                break;
+            }
+        }
+        seen = g;
+        if (id < job_n) job_fn(job_arg, id, job_n);
+        atomic_fetch_add_explicit(&done, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+void coli_set_threads(int n) { n_threads = n < 1 ? 1 : (n > MAX_WORKERS + 1 ? MAX_WORKERS + 1 : n); }
+
+int coli_get_threads(void) { return n_threads; }
+
+/* fn(arg, id, n) for id in [0, n) on n threads (the caller runs id 0); returns when all are done.
+ * n <= 1, or the pool busy with another caller: fn(arg, 0, 1) on the calling thread. */
+void coli_parallel(coli_job fn, void *arg, int n) {
+    if (n > n_threads) n = n_threads;
+    if (n <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
+        fn(arg, 0, 1);
+        return;
+    }
+    while (n_workers < n - 1) {
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        born_gen[n_workers + 1] = atomic_load_explicit(&gen, memory_order_relaxed);
+        if (pthread_create(&t, &at, worker, (void *)(intptr_t)(n_workers + 1)) != 0) {
+            pthread_attr_destroy(&at);
+            break;
+        }
+        pthread_attr_destroy(&at);
+        n_workers++;
+    }
+    if (n > n_workers + 1) n = n_workers + 1;
+    job_fn = fn;
+    job_arg = arg;
+    job_n = n;
+    atomic_store_explicit(&done, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&gen, 1, memory_order_acq_rel);
+    pthread_mutex_lock(&mu);
+    if (sleepers) pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+    fn(arg, 0, n);
+    while (atomic_load_explicit(&done, memory_order_acquire) < n_workers) CPU_RELAX();
+    pthread_mutex_unlock(&call_mu);
+}
