@@ -99,7 +99,11 @@ class Engine:
                 raise ColibriError(f"{name} must be an integer >= {lo}, got {v!r}")
         self._closed = True  # until fully built: close() and __del__ then have nothing to undo
         self.threads = threads or physical_cores()
-        torch.set_num_threads(self.threads)
+        # Loading runs on one torch thread: a parallel op here would give this (the caller's) thread an
+        # OpenMP team of its own next to the engine thread's, and libgomp then puts every worker to
+        # sleep after each parallel region (more threads than cores): the engine's prefill GEMMs ran
+        # at half speed. The engine thread sets its own counts (engine/runner.py).
+        torch.set_num_threads(1)
         self.container = Container(path, verify=verify)
         c = self.container
         self.config = c.config
