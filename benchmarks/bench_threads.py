@@ -7,7 +7,9 @@ With as many threads as cores and one other busy process, a spinning worker that
 stalls every fork/join (a decode step has hundreds), which is how decode falls 3-10x. For each
 setting this runs `colibri bench --json` in a fresh process (OpenMP reads its environment once, at
 load) and prints decode tok/s quiet and busy (one extra process spinning on a core), with the ratio
-to the best quiet figure and the load average. colibri's default is what `colibri/threads.py` sets.
+to the best quiet figure and the load average. colibri's default: decode steps run on the native
+kernels' own pool (colibri/kernels/pool.c: bounded spin, then sleep), sized 1 or all threads by
+timing (colibri/engine/threads.py); prefill steps on torch's OpenMP threads.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import subprocess
 import sys
 
 SETTINGS = [  # (label, threads, extra environment)
-    ("2 threads, OMP active (spin)", 2, {"OMP_WAIT_POLICY": "ACTIVE"}),
-    ("2 threads, OMP passive", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ("2 threads, GOMP_SPINCOUNT=10000", 2, {"GOMP_SPINCOUNT": "10000"}),
     ("2 threads, colibri default", 2, {}),
     ("1 thread", 1, {}),
+    ("2 threads, OMP passive", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ("2 threads, OMP active (spin)", 2, {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ("2 threads, native kernels off (torch + OpenMP)", 2, {"COLIBRI_NATIVE": "0"}),
 ]
 
 
@@ -34,7 +36,7 @@ def spin(stop) -> None:
 
 
 def run(model: str, n: int, threads: int, env: dict) -> float:
-    full = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    full = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "COLIBRI_NATIVE")}
     full.update(env)
     out = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model", model, "-n", str(n),
                           "--threads", str(threads), "--prompts", "1", "--json"],

@@ -505,6 +505,9 @@ class QLinear(nn.Module):
             return self.weight[rows]
         if self.scheme == "int8":
             return (self.qweight[rows].to(self.compute_dtype) * self.scale[rows, None]).to(self.compute_dtype)
+        if self.path == "native" and self.scheme == "int4":  # one pass instead of five torch ops, same bits
+            return native.q4_dequant(self.qweight[rows], self.scale[rows], self.min[rows], self.group_size,
+                                     self.compute_dtype)
         tensors = {"": self.qweight[rows], ".scale": self.scale[rows], ".min": self.min[rows]}
         n_rows = tensors[""].shape[0]
         return _dequant_group(tensors, self.scheme, (n_rows, self.in_features), self.group_size, self.compute_dtype)

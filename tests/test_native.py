@@ -189,3 +189,11 @@ def test_decode_kernels_are_as_accurate_as_torchs(ckpt, monkeypatch, model_type,
     print(f"{model_type} {scheme} decode vs bf16: native cosine/top-1 {got[True]}, torch {got[False]}")
     assert got[True][0] >= floor[0] and got[True][1] >= floor[1]
     assert got[True][0] >= got[False][0] - 0.02 and got[True][1] >= got[False][1] - 0.2
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_int4_dequantize_gives_torchs_bits(dt: torch.dtype) -> None:
+    t = quantize(torch.randn(40, 256) + 0.2, "int4", 64)
+    m = QLinear.from_tensors(t, "int4", (40, 256), 64, None, dt, kernel="native")
+    assert torch.equal(m.dequantized_weight(), dequantize(t, "int4", (40, 256), 64, dt))
+    assert torch.equal(m.dequantized_weight(slice(8, 24)), dequantize(t, "int4", (40, 256), 64, dt)[8:24])

@@ -29,7 +29,10 @@ import torch
 log = logging.getLogger("colibri")
 
 _SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "qgemv.c")]
-_FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing"]
+# -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
+# (the int4 dequantization then gives quant.dequantize's bits).
+_FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing",
+          "-ffp-contract=off"]
 _LIBS = ["-lm"]
 # Rows (tokens) up to which a whole MoE layer runs in one native call; beyond it (prefill) the experts
 # run one module at a time, where larger inputs take the dequantize-then-GEMM path.
@@ -99,6 +102,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_rmsnorm.restype = i
     lib.coli_rope.argtypes = [p, i, i, i, i, i, p, p, p]
     lib.coli_rope.restype = i
+    lib.coli_q4_dequant.argtypes = [p, p, p, i, i, i, i, p]
+    lib.coli_q4_dequant.restype = i
 
 
 def lib() -> ctypes.CDLL | None:
@@ -257,4 +262,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> tor
     out = torch.empty_like(x)
     _lib.coli_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), T, nh, D, rot, cos.data_ptr(), sin.data_ptr(),
                    out.data_ptr())
+    return out
+
+
+def q4_dequant(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Canonical int4 rows (q uint8 [R, K/2], scale/min f16 [R, K/g], contiguous) -> [R, K] in dtype
+    (f32 or bf16): q * scale + min in f32, rounded once -- quant.dequantize's bits, in one pass."""
+    R, K = q.shape[0], q.shape[1] * 2
+    out = torch.empty(R, K, dtype=dtype)
+    rc = _lib.coli_q4_dequant(q.data_ptr(), scale.data_ptr(), mn.data_ptr(), R, K, group_size,
+                              int(dtype == torch.bfloat16), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_q4_dequant failed ({rc})")
     return out

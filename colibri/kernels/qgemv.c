@@ -702,3 +702,39 @@ int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const floa
         }
     return 0;
 }
+
+/* ------------------------------------------------------------------- int4 dequantize (prefill) */
+
+/* Rows of a canonical int4 weight to bf16 (or f32): w = q * scale + min, computed in f32 and rounded
+ * once, like quant.dequantize. For prefill, where a dense GEMM on the dequantized rows wins. */
+int coli_q4_dequant(const uint8_t *q, const uint16_t *scale, const uint16_t *mn, int rows, int K, int g, int bf16,
+                    void *out) {
+    if (K % 2 || g % 2 || K % g) return -3;
+    int G = K / g;
+    float tmp[1024];
+    for (long r = 0; r < rows; r++) {
+        const uint8_t *qr = q + r * (K / 2);
+        for (int gi = 0; gi < G; gi++) {
+            float sc = f16_to_f32(scale[r * G + gi]), m = f16_to_f32(mn[r * G + gi]);
+            for (int c0 = gi * g; c0 < (gi + 1) * g; c0 += 1024) {  /* runs of <= 1024 columns */
+                int n = (gi + 1) * g - c0 < 1024 ? (gi + 1) * g - c0 : 1024;
+                const uint8_t *qb = qr + c0 / 2;
+                for (int j = 0; j < n / 2; j++) {  /* vectorizable: no branches */
+                    tmp[2 * j] = (float)(qb[j] & 15) * sc + m;
+                    tmp[2 * j + 1] = (float)(qb[j] >> 4) * sc + m;
+                }
+                if (bf16) {
+                    uint16_t *o = (uint16_t *)out + r * K + c0;
+                    for (int j = 0; j < n; j++) {  /* round to nearest even (finite: scales are validated) */
+                        uint32_t u;
+                        memcpy(&u, tmp + j, 4);
+                        o[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                    }
+                } else {
+                    memcpy((float *)out + r * K + c0, tmp, sizeof(float) * n);
+                }
+            }
+        }
+    }
+    return 0;
+}
