@@ -362,6 +362,8 @@ class QLinear(nn.Module):
         self.path = path
         self.fused_max_rows = fused_max_rows
         self._owned: set[str] = set()
+        self.native_plain = False  # native path and no bias (set by from_tensors): the fast decode call
+        self._fast: tuple | None = None
 
     def _hold(self, name: str, t: Tensor | None, owned: bool) -> None:
         # Non-persistent buffers: .to(device) moves them, state_dict stays free of packings.
@@ -440,6 +442,7 @@ class QLinear(nn.Module):
                 zero = tensors[".min"].float() + 8.0 * scale
                 sz = torch.stack((scale.t(), zero.t()), dim=-1).to(compute_dtype).contiguous()  # [G, out, 2]
                 m._hold("scales_and_zeros", sz, owned=True)
+        m.native_plain = path == "native" and bias is None
         return m
 
     @classmethod
@@ -531,9 +534,26 @@ class QLinear(nn.Module):
                 parts.append(F.linear(x2, self.dequantized_weight(rows)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
+    def _apply(self, fn, recurse: bool = True):  # .to(device) etc. replace the buffers: re-take the fast view
+        out = super()._apply(fn, recurse)
+        self._fast = None
+        return out
+
+    def _native_call(self, x2: Tensor) -> Tensor:
+        """The native kernel on x2 [T, in] contiguous; the tensors come from a plain tuple (a decode
+        step calls this ~130 times: nn.Module's buffer lookup is a Python __getattr__ each)."""
+        f = self._fast
+        if f is None:
+            f = self._fast = (self.qweight, self.scale, getattr(self, "min", None))
+        if self.scheme == "int8":
+            return native.q8_gemm(x2, f[0], f[1])  # [T, out]
+        return native.q4_gemm(x2, f[0], f[1], f[2], self.group_size)
+
     def forward(self, x: Tensor) -> Tensor:  # x [..., in] -> [..., out]
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
+        if self.native_plain and x.dim() == 2 and 0 < x.shape[0] <= min(self.fused_max_rows, 1):
+            return self._native_call(x.contiguous())  # the decode row: nothing else to do
         if self.path == "dense":
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
@@ -546,11 +566,7 @@ class QLinear(nn.Module):
             # int8 kernel on its own threads wins for a few rows (an expert's share of a prompt).
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(self.compute_dtype))
         elif self.path == "native" and 0 < rows <= self.fused_max_rows:
-            x2 = x2.contiguous()
-            if self.scheme == "int8":
-                y = native.q8_gemm(x2, self.qweight, self.scale)  # [T, out]
-            else:
-                y = native.q4_gemm(x2, self.qweight, self.scale, self.min, self.group_size)
+            y = self._native_call(x2.contiguous())
         elif self.path == "fused" and 0 < x2.shape[0] <= self.fused_max_rows and x2.device.type == "cpu":
             x2 = x2.contiguous()
             if self.scheme == "int8":

@@ -147,8 +147,8 @@ def _native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:
     if not (isinstance(a, QLinear) and isinstance(b, QLinear)):
         return False
     like = like or a
-    return all(q.path == "native" and q.bias is None and (q.scheme, q.group_size) == (like.scheme, like.group_size)
-               for q in (a, b))
+    return (a.native_plain and b.native_plain and a.scheme == b.scheme == like.scheme
+            and a.group_size == b.group_size == like.group_size)
 
 
 class TopKRouter(nn.Module):
