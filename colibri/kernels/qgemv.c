@@ -283,10 +283,97 @@ static inline void q4_row_block_bf(const uint16_t *xb, const float *xs, int K, i
 }
 #endif
 
+/* int4 with activations quantized per 32 values (like int8's VNNI path; bf16 compute only): the
+ * nibbles are unsigned bytes, so vpdpbusd takes them as they are. Per 128 columns (64 weight bytes),
+ * the low nibbles hold the even columns and the high nibbles the odd ones: the prepared row keeps
+ * its int8 values in that order (64 even, then 64 odd), so one lane (4 bytes) of each product covers
+ * 8 neighbouring columns -- within one activation block and one weight group (g >= 32). A lane is
+ * scaled by its block's activation scale times its group's weight scale; the group offsets (min)
+ * multiply the group sums of the quantized x. Prepared row: xq [K] int8 | lane scales [K/8] f32. */
+#if defined(COLI_AVX512) && defined(__AVX512VNNI__)
+#define COLI_Q4V 1
+static void q4v_prep(const float *xf, int n, int K, int g, float *xp, float *xs) {
+    int G = K / g;
+    for (int t = 0; t < n; t++) {
+        const float *x = xf + (long)t * K;
+        float *base = xp + (long)t * K;
+        int8_t *xq = (int8_t *)base;
+        float *lane = base + K / 4;
+        for (int b = 0; b < K; b += 32) {
+            float amax = 0.f;
+            for (int i = b; i < b + 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = b; i < b + 32; i++) {
+                int v = (int)nearbyintf(x[i] * inv);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                int c = i & ~127, o = i & 127;  /* chunk start, offset: evens first, then odds */
+                xq[c + (o & 1) * 64 + o / 2] = (int8_t)v;
+            }
+            for (int l = 0; l < 4; l++) lane[b / 8 + l] = sc;  /* 4 lanes of 8 columns per block */
+        }
+        /* Group sums of the quantized values: min * sum then pairs with scale * q . xq, so the row
+         * computes w . xq exactly (w = q * scale + min); exact sums would leave the large q-part's
+         * quantization error uncancelled (int4's offsets are ~7.5 scales). */
+        for (int gi = 0; gi < G; gi++) {
+            float s = 0.f;
+            for (int i = gi * g; i < (gi + 1) * g; i++) {
+                int c = i & ~127, o = i & 127;
+                s += (float)xq[c + (o & 1) * 64 + o / 2] * lane[i / 8];
+            }
+            xs[(long)t * G + gi] = s;
+        }
+    }
+}
+
+static inline void q4v_row_block(const float *xp, const float *xs, int K, int G, int g, const uint8_t *qo,
+                                 const uint16_t *so, const uint16_t *mo, int TB, float *out, int N) {
+    __m512 acc[8];
+    float macc[8];
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* lane l of a 128-column chunk is in group 8l / g of the chunk's first (g a power of two >= 32) */
+    __m512i idx = g == 32 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                          : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    int per = g < 128 ? 128 / g : 1;
+    for (int t = 0; t < TB; t++) {  /* the group offsets: sum_g min_g * xs_g, 16 groups at a time */
+        acc[t] = _mm512_setzero_ps();
+        __m512 mm = _mm512_setzero_ps();
+        for (int gi = 0; gi < G; gi += 16) {
+            __mmask16 k = G - gi >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - gi)) - 1);
+            mm = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mo + gi)),
+                                 _mm512_maskz_loadu_ps(k, xs + (long)t * G + gi), mm);
+        }
+        macc[t] = _mm512_reduce_add_ps(mm);
+    }
+    for (int c = 0; c < K; c += 128) {
+        __m512i v = _mm512_loadu_si512((const void *)(qo + c / 2));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        __m512 sw;
+        if (g >= 128) sw = _mm512_set1_ps(f16_to_f32(so[c / g]));
+        else sw = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << per) - 1),
+                                                                                       so + c / g)));
+        for (int t = 0; t < TB; t++) {
+            const int8_t *xq = (const int8_t *)(xp + (long)t * K) + c;
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xq));
+            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(xq + 64)));
+            __m512 ls = _mm512_loadu_ps(xp + (long)t * K + K / 4 + c / 8);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ls, sw), acc[t]);
+        }
+    }
+    for (int t = 0; t < TB; t++) out[(long)t * N] = _mm512_reduce_add_ps(acc[t]) + macc[t];
+}
+#endif
+
+/* int4 activation modes: 0 f32 (nibble-ordered f32), 1 bf16 (vdpbf16ps), 2 int8 blocks (vpdpbusd, for
+ * widths that are multiples of 128 and groups of 32, 64 or a multiple of 128) -- bf16 activations take
+ * 2 or 1, their down-projection input too. */
 #ifdef COLI_BF16
-#define BF_MODE(bf16) (bf16)  /* bf16 activations take the vdpbf16ps path (their down-projection input too) */
+#ifdef COLI_Q4V
+#define BF_MODE(bf16, K, g) ((bf16) ? ((K) % 128 == 0 && ((g) == 32 || (g) == 64 || (g) % 128 == 0) ? 2 : 1) : 0)
 #else
-#define BF_MODE(bf16) 0
+#define BF_MODE(bf16, K, g) ((bf16) ? 1 : 0)
+#endif
+#else
+#define BF_MODE(bf16, K, g) 0
 #endif
 
 /* Rows t0..t0+TB of y for int4 output row o: per group, sum_{i in g} q_i x_i accumulates in a
@@ -294,6 +381,12 @@ static inline void q4_row_block_bf(const uint16_t *xb, const float *xs, int K, i
  * sums of x). Weight nibbles are decoded once per 32 values for all TB rows. xp is in nibble order. */
 static inline void q4_row_block(const float *xp, const float *xs, int K, int G, int g, const uint8_t *qo,
                                 const uint16_t *so, const uint16_t *mo, int TB, float *out, int N, int bfm) {
+#ifdef COLI_Q4V
+    if (bfm == 2) {
+        q4v_row_block(xp, xs, K, G, g, qo, so, mo, TB, out, N);
+        return;
+    }
+#endif
 #ifdef COLI_BF16
     if (bfm) {
         q4_row_block_bf((const uint16_t *)xp, xs, K, G, g, qo, so, mo, TB, out, N);
@@ -350,6 +443,12 @@ static inline void q4_row_block(const float *xp, const float *xs, int K, int G, 
 /* Activations prepared for the int4 kernels, n rows of K: with bfm, rounded to bf16 in natural order
  * (xp read as uint16); else f32 in nibble order. xs: per-group sums of exactly those values. */
 static void int4_prep(const float *xf, int n, int K, int g, float *xp, float *xs, int bfm) {
+#ifdef COLI_Q4V
+    if (bfm == 2) {
+        q4v_prep(xf, n, K, g, xp, xs);
+        return;
+    }
+#endif
     int G = K / g;
     for (int t = 0; t < n; t++) {
         const float *x = xf + (long)t * K;
@@ -373,7 +472,7 @@ static void int4_prep(const float *xf, int n, int K, int g, float *xp, float *xs
 }
 
 static inline const float *xrow(const float *xp, int bfm, long r, int K) {
-    return bfm ? (const float *)((const uint16_t *)xp + r * K) : xp + r * K;
+    return bfm == 1 ? (const float *)((const uint16_t *)xp + r * K) : xp + r * K;
 }
 
 #define Q4_CALL(TB, xp, xs, K, G, g, qo, so, mo, yo, N, bfm) \
@@ -416,7 +515,7 @@ int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const 
     if (!buf) return -2;
     float *xf = buf, *xp = buf + nx, *xs = xp + nx, *yf = xs + (size_t)T * G;
     load_x(x, bf16, T, K, xf);
-    int bfm = BF_MODE(bf16);
+    int bfm = BF_MODE(bf16, K, g);
     int4_prep(xf, T, K, g, xp, xs, bfm);
     q4_job j = {xp, xs, T, K, G, g, q, scale, mn, N, yf, bf16, bfm, y};
     coli_parallel(q4_part, &j, n_threads_for((long)N * K / 2));
@@ -548,7 +647,8 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     float *xp = ysrt + (size_t)Q * H, *xsum = xp + nxp, *ap = xsum + nxs, *asum = ap + nap;
     load_x(x, bf16, T, H, xf);
     for (int r = 0; r < Q; r++) memcpy(xsrt + (long)r * H, xf + (long)(order[r] / k) * H, sizeof(float) * H);
-    int bfm = scheme == 4 ? BF_MODE(bf16) : (Q8V_OK(bf16, H) && Q8V_OK(bf16, I));
+    int bfm = scheme == 4 ? (BF_MODE(bf16, H, g) < BF_MODE(bf16, I, g) ? BF_MODE(bf16, H, g) : BF_MODE(bf16, I, g))
+                          : (Q8V_OK(bf16, H) && Q8V_OK(bf16, I));
     if (scheme == 4) int4_prep(xsrt, Q, H, g, xp, xsum, bfm);
     else if (bfm) q8_prep(xsrt, Q, H, xp);
 
