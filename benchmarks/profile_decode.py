@@ -1,0 +1,72 @@
+"""Where a one-row decode step goes: time in each native kernel vs the whole step.
+
+    .venv/bin/python benchmarks/profile_decode.py --model M.coli [--threads 2] [--steps 64]
+
+Calls the model's forward directly (no engine thread, no sampling), one row per step, and wraps the
+native kernel entry points (colibri/kernels/native.py) with timers: what is left of a step is Python
+and torch glue. torch.profiler cannot see the native calls (they are ctypes calls), hence this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+import colibri
+from colibri.kernels import native
+from colibri.models.batch import StepBatch
+
+KERNELS = ("q8_gemm", "q4_gemm", "moe", "attn_decode", "rmsnorm", "rope")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=64)
+    a = ap.parse_args()
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        def call(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return call
+
+    for name in KERNELS:
+        setattr(native, name, timed(name, getattr(native, name)))
+    llm = colibri.load(a.model, ctx_size=a.steps + 16, threads=a.threads)
+    torch.set_num_threads(1)  # as the engine runs a decode step: the pool gets the threads
+    native.set_threads(a.threads)
+    caches = llm.slots.caches[0]
+    with torch.inference_mode():
+        def step(pos: int) -> None:
+            llm.model(torch.tensor([3 + pos % 200]), StepBatch.single(caches, pos, 1), torch.tensor([0]))
+
+        for pos in range(8):  # warm-up
+            step(pos)
+        spent.clear()
+        t0 = time.perf_counter()
+        for pos in range(8, 8 + a.steps):
+            step(pos)
+        total = time.perf_counter() - t0
+    llm.close()
+    per = {k: v / a.steps * 1e3 for k, v in spent.items()}
+    step_ms = total / a.steps * 1e3
+    print(f"{a.model}: {a.steps} one-row steps, {a.threads} threads, native kernels "
+          f"{'on' if native.available() else 'off'}, load {os.getloadavg()[0]:.1f}")
+    print(f"  step {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s, forward only)")
+    for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<12} {v:6.3f} ms  {v / step_ms:5.1%}")
+    rest = step_ms - sum(per.values())
+    print(f"  {'other':<12} {rest:6.3f} ms  {rest / step_ms:5.1%}  (Python, torch ops, KV writes)")
+
+
+if __name__ == "__main__":
+    main()
