@@ -8,8 +8,8 @@
  * 6-8 GB/s from a second thread against 11-16 GB/s from the main thread.
  *
  * Here workers spin for a bounded time after each job (SPIN_NS: long enough to bridge the Python
- * between two kernels of a step, short enough not to burn a core between tokens on a busy
- * machine), then sleep on a condition variable. One caller at a time uses the pool; a concurrent
+ * between two kernels of a step, short enough not to burn a core on a busy machine), then sleep
+ * on a condition variable. One caller at a time uses the pool; a concurrent
  * caller runs its job on its own thread. coli_set_threads(n) sets how many threads a job uses
  * (the engine sets it with torch.set_num_threads).
  */
@@ -26,7 +26,13 @@
 #endif
 
 #define MAX_WORKERS 255
-#define SPIN_NS 300000L
+/* 50 us bridges the Python between two kernels of a step (10-30 us); 300 us was measured to cost a
+ * busy machine (benchmarks/bench_threads.py next to a spinning process: 0.67-0.60 of quiet at
+ * 300 us, 0.85-0.95 at 50 us, the quiet figure unchanged). Override: -DSPIN_NS=... via
+ * COLIBRI_NATIVE_CFLAGS. */
+#ifndef SPIN_NS
+#define SPIN_NS 50000L
+#endif
 
 typedef void (*coli_job)(void *arg, int id, int n);
 
