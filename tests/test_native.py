@@ -199,3 +199,26 @@ def test_int4_dequantize_gives_torchs_bits(dt: torch.dtype) -> None:
     m = QLinear.from_tensors(t, "int4", (40, 256), 64, None, dt, kernel="native")
     assert torch.equal(m.dequantized_weight(), dequantize(t, "int4", (40, 256), 64, dt))
     assert torch.equal(m.dequantized_weight(slice(8, 24)), dequantize(t, "int4", (40, 256), 64, dt)[8:24])
+
+
+def test_pool_survives_fork(tmp_path) -> None:
+    """A child forked after the pool started its workers has none of them: its first parallel
+    kernel must not wait for them (pool.c resets itself at fork)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import os, torch\n"
+        "from colibri.kernels import native\n"
+        "native.set_threads(2)\n"
+        "q, s, x = torch.ones(1024, 1024, dtype=torch.int8), torch.ones(1024), torch.ones(1, 1024)\n"
+        "native.q8_gemm(x, q, s)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    y = native.q8_gemm(x, q, s)\n"
+        "    os._exit(0 if float(y[0, 0]) == 1024.0 else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "raise SystemExit(os.waitstatus_to_exitcode(status))\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -80,6 +80,19 @@ static void *worker(void *p) {
     return NULL;
 }
 
+/* A forked child has none of the parent's workers (only the forking thread survives a fork): start
+ * over, or its first parallel job would wait forever for workers that do not exist. */
+static void atfork_child(void) {
+    pthread_mutex_init(&call_mu, NULL);
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&cv, NULL);
+    n_workers = 0;
+    sleepers = 0;
+    atomic_store(&done, 0);
+}
+
+__attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
 void coli_set_threads(int n) { n_threads = n < 1 ? 1 : (n > MAX_WORKERS + 1 ? MAX_WORKERS + 1 : n); }
 
 int coli_get_threads(void) { return n_threads; }
