@@ -257,7 +257,7 @@ def _int4_cpu_fusable(shape: tuple[int, int], group_size: int, compute_dtype: to
 
 
 def _native_ok(scheme: str, shape: tuple[int, int], group_size: int, compute_dtype: torch.dtype) -> bool:
-    """Whether the native kernels (colibri/kernels/qgemv.c) run this weight: int8 any shape, int4 with
+    """Whether the native kernels (colibri/kernels/) run this weight: int8 any shape, int4 with
     in % 32 == 0 and g % 32 == 0; activations in f32 or bf16; the library built on this machine."""
     if compute_dtype not in (torch.float32, torch.bfloat16) or scheme not in NATIVE_MAX_ROWS:
         return False

@@ -1,4 +1,4 @@
-"""The native decode kernels (colibri/kernels/qgemv.c) against the torch paths they replace.
+"""The native decode kernels (colibri/kernels/*.c) against the torch paths they replace.
 
 They change summation order only (f32 accumulation throughout), so at f32 they agree with the
 dequantized weights to f32 rounding, and in bf16 to bf16 rounding of the output."""

@@ -1,10 +1,10 @@
-"""The native decode kernels (qgemv.c): built once per machine with the system C compiler, loaded
-with ctypes, and optional -- without a compiler (or with COLIBRI_NATIVE=0) QLinear keeps torch's
-kernels, with the same results up to f32 summation order.
+"""The native decode kernels (gemv.c, moe.c, attn.c over rows.h; pool.c): built once per machine
+with the system C compiler, loaded with ctypes, and optional -- without a compiler (or with
+COLIBRI_NATIVE=0) the model keeps torch's kernels, with the same results up to f32 summation order.
 
 Why a C file and not torch: torch's weight-only int8 kernel moves expert-sized matrices (0.5-2 MiB)
 from RAM at a third of the machine's bandwidth, and its int4 kernel needs a private repacking that a
-weight streamed from disk pays for on every cache miss. qgemv.c reads the canonical layouts.
+weight streamed from disk pays for on every cache miss. These kernels read the canonical layouts.
 
 The library goes to $COLIBRI_CACHE (default ~/.cache/colibri)/kernels/, named by a hash of the
 source, the compiler flags and the machine's CPU flags; `-march=native` is used (the code never asks
@@ -28,7 +28,8 @@ import torch
 
 log = logging.getLogger("colibri")
 
-_SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "qgemv.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "attn.c")]
+_HDRS = [Path(__file__).with_name(n) for n in ("common.h", "rows.h")]
 # -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
 # (the int4 dequantization then gives quant.dequantize's bits).
 _FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing",
@@ -57,10 +58,10 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(p.read_bytes() for p in _SRCS)
+    src = b"".join(p.read_bytes() for p in _SRCS + _HDRS)
     flags = _FLAGS + os.environ.get("COLIBRI_NATIVE_CFLAGS", "").split()  # e.g. -mno-avx512vnni
     key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode() + cc.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"qgemv-{key}.so"
+    out = _cache_dir() / f"colibri-kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,121 @@
+/* Per-row ops of a decode step: attention for one query over a KV cache, RMSNorm, RoPE. */
+#include "common.h"
+
+/* Decode attention for one query row: q [H, D], keys/values of kv head j at k + j * ks (rows of D,
+ * row stride D) and v + j * vs (rows of Dv), S of them; query head h reads kv head h / (H / Hkv).
+ * out [H, Dv] = softmax(scale * q k^T [| sink_h]) v, scores and sums in f32, all in x's dtype
+ * (bf16 when bf16 != 0, else f32). sinks: [H] f32 logits that join the denominator only, or NULL. */
+typedef struct {
+    const void *q, *k, *v;
+    int bf16, H, rep, D, Dv, S;
+    long ks, vs;
+    float scale;
+    const float *sinks;
+    float *buf;
+    void *out;
+} attn_job;
+
+static void attn_part(void *p, int id, int n) {
+    attn_job *j = (attn_job *)p;
+    const void *q = j->q, *k = j->k, *v = j->v;
+    int bf16 = j->bf16, H = j->H, rep = j->rep, D = j->D, Dv = j->Dv, S = j->S;
+    long ks = j->ks, vs = j->vs;
+    float scale = j->scale, *buf = j->buf;
+    const float *sinks = j->sinks;
+    void *out = j->out;
+    long h0, h1;
+    split(H, id, n, &h0, &h1);
+    for (int h = (int)h0; h < (int)h1; h++) {
+        float *sc = buf + (size_t)h * S, *qf = buf + (size_t)H * S + (size_t)h * (D + Dv), *of = qf + D;
+        long kv = h / rep;
+        for (int d = 0; d < D; d++) qf[d] = ld(q, bf16, (long)h * D + d);
+        float mx = sinks ? sinks[h] : -INFINITY;
+        for (int s = 0; s < S; s++) {
+            long base = kv * ks + (long)s * D;
+            float a = 0.f;
+#ifdef COLI_AVX512
+            int d = 0;
+            __m512 acc = _mm512_setzero_ps();
+            if (bf16) {
+                for (; d + 16 <= D; d += 16) {
+                    __m256i kb = _mm256_loadu_si256((const __m256i *)((const uint16_t *)k + base + d));
+                    __m512 kf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(kb), 16));
+                    acc = _mm512_fmadd_ps(kf, _mm512_loadu_ps(qf + d), acc);
+                }
+            } else {
+                for (; d + 16 <= D; d += 16)
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)k + base + d), _mm512_loadu_ps(qf + d), acc);
+            }
+            a = _mm512_reduce_add_ps(acc);
+            for (; d < D; d++) a += qf[d] * ld(k, bf16, base + d);
+#else
+            for (int d = 0; d < D; d++) a += qf[d] * ld(k, bf16, base + d);
+#endif
+            sc[s] = a * scale;
+            if (sc[s] > mx) mx = sc[s];
+        }
+        float den = sinks ? expf(sinks[h] - mx) : 0.f;
+        for (int s = 0; s < S; s++) { sc[s] = expf(sc[s] - mx); den += sc[s]; }
+        for (int d = 0; d < Dv; d++) of[d] = 0.f;
+        for (int s = 0; s < S; s++) {
+            long base = kv * vs + (long)s * Dv;
+            float p = sc[s];
+            if (bf16) for (int d = 0; d < Dv; d++) of[d] += p * bf16_to_f32(((const uint16_t *)v)[base + d]);
+            else for (int d = 0; d < Dv; d++) of[d] += p * ((const float *)v)[base + d];
+        }
+        for (int d = 0; d < Dv; d++) {
+            float o = of[d] / den;
+            if (bf16) ((uint16_t *)out)[(long)h * Dv + d] = f32_to_bf16(o);
+            else ((float *)out)[(long)h * Dv + d] = o;
+        }
+    }
+}
+
+int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
+                     const void *v, long vs, int S, float scale, const float *sinks, void *out) {
+    if (S < 1 || H % Hkv) return -3;
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)H * S + (size_t)H * (D + Dv)));
+    if (!buf) return -2;
+    attn_job j = {q, k, v, bf16, H, H / Hkv, D, Dv, S, ks, vs, scale, sinks, buf, out};
+    coli_parallel(attn_part, &j, n_threads_for((long)Hkv * S * (D + Dv) * (bf16 ? 2 : 4) / 4));
+    free(buf);
+    return 0;
+}
+
+/* ------------------------------------------------------------------- norm and rotary, per row */
+
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for R rows of H, in f32, rounded once to x's dtype. */
+int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out) {
+    for (long r = 0; r < R; r++) {
+        float ss = 0.f;
+        for (int i = 0; i < H; i++) { float v = ld(x, bf16, r * H + i); ss += v * v; }
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int i = 0; i < H; i++) {
+            float v = w[i] * (ld(x, bf16, r * H + i) * inv);
+            if (bf16) ((uint16_t *)out)[r * H + i] = f32_to_bf16(v);
+            else ((float *)out)[r * H + i] = v;
+        }
+    }
+    return 0;
+}
+
+/* Rotary embedding (rotate-half convention) of the first `rot` channels of each of the nh heads of
+ * T rows (x [T, nh, D]); cos/sin f32 [T, rot] (the scale folded in); the other channels are copied.
+ * In f32, rounded once to x's dtype. */
+int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out) {
+    int half = rot / 2;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < nh; h++) {
+            long b = ((long)t * nh + h) * D;
+            const float *c = cs + (long)t * rot, *s = sn + (long)t * rot;
+            for (int i = 0; i < D; i++) {
+                float v;
+                if (i < half) v = ld(x, bf16, b + i) * c[i] - ld(x, bf16, b + i + half) * s[i];
+                else if (i < rot) v = ld(x, bf16, b + i) * c[i] + ld(x, bf16, b + i - half) * s[i];
+                else v = ld(x, bf16, b + i);
+                if (bf16) ((uint16_t *)out)[b + i] = f32_to_bf16(v);
+                else ((float *)out)[b + i] = v;
+            }
+        }
+    return 0;
+}

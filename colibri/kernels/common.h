@@ -1,0 +1,81 @@
+/* What every kernel file shares: dtype conversions, activation load/store, the pool's interface.
+ * Built with the other kernel sources by colibri/kernels/native.py. */
+#ifndef COLI_COMMON_H
+#define COLI_COMMON_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+/* pool.c */
+typedef void (*coli_job)(void *arg, int id, int n);
+void coli_parallel(coli_job fn, void *arg, int n);
+int coli_get_threads(void);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define COLI_AVX512 1
+#endif
+
+#define MAX_T 64          /* rows per call (decode batches); larger inputs go to a dense GEMM */
+#define PAR_MIN_BYTES (256 * 1024) /* below this, one thread: a fork/join costs more than it saves */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) { u = s; }
+        else { e = 127 - 14; while (!(m & 0x400)) { m <<= 1; e--; } m &= 0x3ff; u = s | (e << 23) | (m << 13); }
+    } else if (e == 31) { u = s | 0x7f800000u | (m << 13); }
+    else { u = s | ((e + 112) << 23) | (m << 13); }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline void load_x(const void *x, int bf16, int T, int K, float *xf) {
+    if (bf16) {
+        const uint16_t *xb = (const uint16_t *)x;
+        for (long i = 0; i < (long)T * K; i++) xf[i] = bf16_to_f32(xb[i]);
+    } else {
+        memcpy(xf, x, sizeof(float) * (size_t)T * K);
+    }
+}
+
+static inline void store_y(const float *yf, int bf16, int T, int N, int o0, int o1, void *y) {
+    for (int t = 0; t < T; t++)
+        for (int o = o0; o < o1; o++) {
+            if (bf16) ((uint16_t *)y)[(long)t * N + o] = f32_to_bf16(yf[(long)t * N + o]);
+            else ((float *)y)[(long)t * N + o] = yf[(long)t * N + o];
+        }
+}
+
+static inline int n_threads_for(long bytes) { return bytes >= PAR_MIN_BYTES ? coli_get_threads() : 1; }
+
+static inline void split(long total, int id, int n, long *a, long *b) {
+    *a = total * id / n;
+    *b = total * (id + 1) / n;
+}
+
+static inline float ld(const void *p, int bf16, long i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+#endif

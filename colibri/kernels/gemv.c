@@ -1,0 +1,130 @@
+/* Quantized GEMV/small-GEMM for decode (x [T, K] f32 or bf16, T <= MAX_T; output in x's dtype,
+ * bf16 rounded to nearest even), output rows split across the pool's threads; and the int4
+ * dequantization prefill uses. Over colibri's canonical layouts (colibri/quant.py): no repack, so a
+ * weight read from disk into a cache slot is usable as is. */
+#include "rows.h"
+
+typedef struct {
+    const float *xf;
+    int T, K;
+    const int8_t *q;
+    const float *scale;
+    int N;
+    float *yf;
+    int bf16;
+    void *y;
+    int vm;  /* xf holds q8_prep rows */
+} q8_job;
+
+static void q8_part(void *p, int id, int n) {
+    q8_job *j = (q8_job *)p;
+    long o0, o1;
+    split(j->N, id, n, &o0, &o1);
+    if (j->vm) {
+        for (long o = o0; o < o1; o++) {
+            const int8_t *qo = j->q + o * j->K;
+            ROW_BLOCKS(Q8V_CALL, j->T, j->xf, j->K, qo, j->scale[o], j->yf + o, j->N)
+        }
+    } else {
+        q8_rows(j->xf, j->T, j->K, j->q, j->scale, j->N, (int)o0, (int)o1, j->yf);
+    }
+    store_y(j->yf, j->bf16, j->T, j->N, (int)o0, (int)o1, j->y);
+}
+
+/* x [T, K] (f32, or bf16 when bf16 != 0), y [T, N] same dtype. Returns 0, or -1 if T is too large. */
+int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y) {
+    if (T < 1 || T > MAX_T) return -1;
+    int vm = Q8V_OK(bf16, K);
+    float *xf = (float *)malloc(sizeof(float) * ((size_t)T * K + (size_t)T * N + (size_t)T * Q8_STRIDE(K)));
+    if (!xf) return -2;
+    float *yf = xf + (size_t)T * K, *xv = yf + (size_t)T * N;
+    load_x(x, bf16, T, K, xf);
+    if (vm) q8_prep(xf, T, K, xv);
+    q8_job j = {vm ? xv : xf, T, K, q, scale, N, yf, bf16, y, vm};
+    coli_parallel(q8_part, &j, n_threads_for((long)N * K));
+    free(xf);
+    return 0;
+}
+
+typedef struct {
+    const float *xp, *xs;
+    int T, K, G, g;
+    const uint8_t *q;
+    const uint16_t *scale, *mn;
+    int N;
+    float *yf;
+    int bf16, bfm;
+    void *y;
+} q4_job;
+
+static void q4_part(void *p, int id, int n) {
+    q4_job *j = (q4_job *)p;
+    long o0, o1;
+    int K = j->K, G = j->G, g = j->g, N = j->N, bfm = j->bfm;
+    split(N, id, n, &o0, &o1);
+    for (long o = o0; o < o1; o++) {
+        const uint8_t *qo = j->q + o * (K / 2);
+        const uint16_t *so = j->scale + o * G, *mo = j->mn + o * G;
+        const float *xp = j->xp, *xs = j->xs;
+        float *yf = j->yf;
+        ROW_BLOCKS(Q4_CALL, j->T, xp, xs, K, G, g, qo, so, mo, yf + o, N, bfm)
+    }
+    store_y(j->yf, j->bf16, j->T, N, (int)o0, (int)o1, j->y);
+}
+
+/* x [T, K], q uint8 [N, K/2], scale/min f16 [N, K/g]; K % 32 == 0 and g % 32 == 0. */
+int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
+                 const uint16_t *mn, int g, int N, void *y) {
+    if (T < 1 || T > MAX_T) return -1;
+    if (K % 32 || g % 32 || K % g) return -3;
+    int G = K / g;
+    size_t nx = (size_t)T * K;
+    float *buf = (float *)malloc(sizeof(float) * (2 * nx + (size_t)T * G + (size_t)T * N));
+    if (!buf) return -2;
+    float *xf = buf, *xp = buf + nx, *xs = xp + nx, *yf = xs + (size_t)T * G;
+    load_x(x, bf16, T, K, xf);
+    int bfm = BF_MODE(bf16, K, g);
+    int4_prep(xf, T, K, g, xp, xs, bfm);
+    q4_job j = {xp, xs, T, K, G, g, q, scale, mn, N, yf, bf16, bfm, y};
+    coli_parallel(q4_part, &j, n_threads_for((long)N * K / 2));
+    free(buf);
+    return 0;
+}
+
+int coli_max_rows(void) { return MAX_T; }
+
+/* ------------------------------------------------------------------- int4 dequantize (prefill) */
+
+/* Rows of a canonical int4 weight to bf16 (or f32): w = q * scale + min, computed in f32 and rounded
+ * once, like quant.dequantize. For prefill, where a dense GEMM on the dequantized rows wins. */
+int coli_q4_dequant(const uint8_t *q, const uint16_t *scale, const uint16_t *mn, int rows, int K, int g, int bf16,
+                    void *out) {
+    if (K % 2 || g % 2 || K % g) return -3;
+    int G = K / g;
+    float tmp[1024];
+    for (long r = 0; r < rows; r++) {
+        const uint8_t *qr = q + r * (K / 2);
+        for (int gi = 0; gi < G; gi++) {
+            float sc = f16_to_f32(scale[r * G + gi]), m = f16_to_f32(mn[r * G + gi]);
+            for (int c0 = gi * g; c0 < (gi + 1) * g; c0 += 1024) {  /* runs of <= 1024 columns */
+                int n = (gi + 1) * g - c0 < 1024 ? (gi + 1) * g - c0 : 1024;
+                const uint8_t *qb = qr + c0 / 2;
+                for (int j = 0; j < n / 2; j++) {  /* vectorizable: no branches */
+                    tmp[2 * j] = (float)(qb[j] & 15) * sc + m;
+                    tmp[2 * j + 1] = (float)(qb[j] >> 4) * sc + m;
+                }
+                if (bf16) {
+                    uint16_t *o = (uint16_t *)out + r * K + c0;
+                    for (int j = 0; j < n; j++) {  /* round to nearest even (finite: scales are validated) */
+                        uint32_t u;
+                        memcpy(&u, tmp + j, 4);
+                        o[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                    }
+                } else {
+                    memcpy((float *)out + r * K + c0, tmp, sizeof(float) * n);
+                }
+            }
+        }
+    }
+    return 0;
+}

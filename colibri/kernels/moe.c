@@ -1,0 +1,153 @@
+/* One routed-expert layer (SiLU-GLU) in one call: colibri/models/moe.py's native path. */
+#include "rows.h"
+
+/* A quantized weight as the MoE kernel sees it: int8 (q int8 [N, K], s f32 [N]) or int4 (q uint8
+ * [N, K/2], s and m f16 [N, K/g]). */
+typedef struct {
+    const void *q, *s, *m;
+} coli_qw;
+
+/* Rows r0..r0+n of a [*, K] activation buffer (xf; for int4 also xp, xs) through output row o of w:
+ * results to out[(r0 + t) * ldo], t < n, in blocks of 8 sharing one pass over the weight row. */
+static void rows_through(int scheme, const coli_qw *w, int K, int g, int o, const float *xf, const float *xp,
+                         const float *xs, int r0, int n, float *out, int ldo, int bfm) {
+    int G = scheme == 4 ? K / g : 0;
+    for (int t0 = r0; t0 < r0 + n; t0 += 8) {
+        int tb = r0 + n - t0 < 8 ? r0 + n - t0 : 8;
+        float *yo = out + (long)t0 * ldo + o;
+        if (scheme == 8 && bfm) {  /* xp holds q8_prep rows */
+            const int8_t *qo = (const int8_t *)w->q + (long)o * K;
+            float so = ((const float *)w->s)[o];
+            const float *xb = xp + (long)t0 * Q8_STRIDE(K);
+            switch (tb) {
+            case 1: q8v_row_block(xb, K, qo, so, 1, yo, ldo); break;
+            case 2: q8v_row_block(xb, K, qo, so, 2, yo, ldo); break;
+            case 3: q8v_row_block(xb, K, qo, so, 3, yo, ldo); break;
+            case 4: q8v_row_block(xb, K, qo, so, 4, yo, ldo); break;
+            case 5: q8v_row_block(xb, K, qo, so, 5, yo, ldo); break;
+            case 6: q8v_row_block(xb, K, qo, so, 6, yo, ldo); break;
+            case 7: q8v_row_block(xb, K, qo, so, 7, yo, ldo); break;
+            default: q8v_row_block(xb, K, qo, so, 8, yo, ldo); break;
+            }
+        } else if (scheme == 8) {
+            const int8_t *qo = (const int8_t *)w->q + (long)o * K;
+            float so = ((const float *)w->s)[o];
+            switch (tb) {
+            case 1: q8_row_block(xf + (long)t0 * K, K, qo, so, 1, yo, ldo); break;
+            case 2: q8_row_block(xf + (long)t0 * K, K, qo, so, 2, yo, ldo); break;
+            case 3: q8_row_block(xf + (long)t0 * K, K, qo, so, 3, yo, ldo); break;
+            case 4: q8_row_block(xf + (long)t0 * K, K, qo, so, 4, yo, ldo); break;
+            default: for (int t = 0; t < tb; t++) q8_row_block(xf + (long)(t0 + t) * K, K, qo, so, 1, yo + (long)t * ldo, ldo);
+            }
+        } else {
+            const uint8_t *qo = (const uint8_t *)w->q + (long)o * (K / 2);
+            const uint16_t *so = (const uint16_t *)w->s + (long)o * G, *mo = (const uint16_t *)w->m + (long)o * G;
+            switch (tb) {
+            case 1: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 1, yo, ldo, bfm); break;
+            case 2: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 2, yo, ldo, bfm); break;
+            case 3: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 3, yo, ldo, bfm); break;
+            case 4: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 4, yo, ldo, bfm); break;
+            default:
+                for (int t = 0; t < tb; t++)
+                    q4_row_block(xrow(xp, bfm, t0 + t, K), xs + (long)(t0 + t) * G, K, G, g, qo, so, mo, 1,
+                                 yo + (long)t * ldo, ldo, bfm);
+            }
+        }
+    }
+}
+
+typedef struct {
+    int scheme, g, K, N, nu;  /* N output rows per expert, K inputs */
+    const int *uexp, *uoff;
+    const coli_qw *w;
+    const float *xf, *xp, *xs;
+    float *out;
+    int bfm;
+} moe_job;
+
+/* Rows (u, o) of all experts u of the call, flattened and split evenly between the threads. */
+static void moe_part(void *p, int id, int n) {
+    moe_job *j = (moe_job *)p;
+    long r0, r1;
+    split((long)j->nu * j->N, id, n, &r0, &r1);
+    for (long r = r0; r < r1; r++) {
+        int u = (int)(r / j->N), o = (int)(r % j->N);
+        rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, o, j->xf, j->xp, j->xs, j->uoff[u],
+                     j->uoff[u + 1] - j->uoff[u], j->out, j->N, j->bfm);
+    }
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* The routed experts of one layer, SiLU-GLU: for every slot p = t*k + j whose expert e = idx[p] has
+ * weights in the tables (gate_up[e]: [2I, H], gate rows first; down[e]: [H, I]; `scheme` 8 or 4,
+ * group g), ys[p] (f32 [H]) = down_e(silu(gate_e(x_t)) * up_e(x_t)); other slots are left alone, so a
+ * caller may pass the experts of a layer in several calls as they arrive. Then, if y is not NULL,
+ * y[t] = sum_j weights[t, j] * ys[t*k + j] in slot order (the same sum whatever else is in the
+ * batch), in x's dtype. Slots are sorted by expert so each weight row is read once for all its
+ * slots; output rows of all experts are split across threads in one parallel region.
+ * Returns 0, -2 (out of memory), -3 (bad shape), -4 (bad expert id). */
+int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t *idx, const float *weights,
+             int n_experts, const coli_qw *gate_up, const coli_qw *down, int scheme, int g, float *ys, void *y) {
+    if (scheme == 4 && (H % 32 || I % 32 || g % 32 || H % g || I % g)) return -3;
+    int P = T * k, nu = 0, Q = 0;
+    int *count = (int *)calloc((size_t)n_experts + 1, sizeof(int));
+    int *order = (int *)malloc(sizeof(int) * ((size_t)P + 1));  /* sorted row -> slot */
+    int *uexp = (int *)malloc(sizeof(int) * ((size_t)P + 1)), *uoff = (int *)malloc(sizeof(int) * ((size_t)P + 1));
+    float *buf = NULL;
+    int rc = 0;
+    if (!count || !order || !uexp || !uoff) { rc = -2; goto done; }
+    for (int p = 0; p < P; p++) {
+        if (idx[p] < 0 || idx[p] >= n_experts) { rc = -4; goto done; }
+        if (gate_up[idx[p]].q) { count[idx[p] + 1]++; Q++; }
+    }
+    for (int e = 0; e < n_experts; e++) count[e + 1] += count[e];
+    for (int p = 0; p < P; p++)  /* stable counting sort of the present slots by expert */
+        if (gate_up[idx[p]].q) order[count[idx[p]]++] = p;
+    for (int r = 0; r < Q; r++) {
+        int e = (int)idx[order[r]];
+        if (r == 0 || e != uexp[nu - 1]) { uexp[nu] = e; uoff[nu++] = r; }
+    }
+    uoff[nu] = Q;
+    size_t nf = (size_t)T * H + (size_t)Q * H + (size_t)Q * 2 * I + (size_t)Q * I + (size_t)Q * H;
+    /* prepared activations (int4: nibble-ordered or bf16 copies + group sums; int8 in bf16: q8_prep) */
+    size_t nxp = (size_t)Q * H, nxs = scheme == 4 ? (size_t)Q * H / g : 0;
+    size_t nap = (size_t)Q * I, nas = scheme == 4 ? (size_t)Q * I / g : 0;
+    size_t n4 = nxp + nxs + nap + nas;
+    buf = (float *)malloc(sizeof(float) * (nf + n4 + 1));
+    if (!buf) { rc = -2; goto done; }
+    float *xf = buf, *xsrt = xf + (size_t)T * H, *hgu = xsrt + (size_t)Q * H, *act = hgu + (size_t)Q * 2 * I;
+    float *ysrt = act + (size_t)Q * I;
+    float *xp = ysrt + (size_t)Q * H, *xsum = xp + nxp, *ap = xsum + nxs, *asum = ap + nap;
+    load_x(x, bf16, T, H, xf);
+    for (int r = 0; r < Q; r++) memcpy(xsrt + (long)r * H, xf + (long)(order[r] / k) * H, sizeof(float) * H);
+    int bfm = scheme == 4 ? (BF_MODE(bf16, H, g) < BF_MODE(bf16, I, g) ? BF_MODE(bf16, H, g) : BF_MODE(bf16, I, g))
+                          : (Q8V_OK(bf16, H) && Q8V_OK(bf16, I));
+    if (scheme == 4) int4_prep(xsrt, Q, H, g, xp, xsum, bfm);
+    else if (bfm) q8_prep(xsrt, Q, H, xp);
+
+    long bytes = (long)nu * 3 * H * I * (scheme == 4 ? 1 : 2) / 2;
+    int nt = n_threads_for(bytes);
+    /* gate+up: rows (u, o) for o < 2I, flattened so the threads split all experts' rows evenly */
+    moe_job j1 = {scheme, g, H, 2 * I, nu, uexp, uoff, gate_up, xsrt, xp, xsum, hgu, bfm};
+    coli_parallel(moe_part, &j1, nt);
+    for (long r = 0; r < (long)Q; r++)
+        for (int i = 0; i < I; i++) act[r * I + i] = silu(hgu[r * 2 * I + i]) * hgu[r * 2 * I + I + i];
+    if (scheme == 4) int4_prep(act, Q, I, g, ap, asum, bfm);
+    else if (bfm) q8_prep(act, Q, I, ap);
+    moe_job j2 = {scheme, g, I, H, nu, uexp, uoff, down, act, ap, asum, ysrt, bfm};
+    coli_parallel(moe_part, &j2, nt);
+    for (long r = 0; r < (long)Q; r++) memcpy(ys + (long)order[r] * H, ysrt + r * H, sizeof(float) * H);
+    if (y) {
+        for (long t = 0; t < (long)T; t++)
+            for (int c = 0; c < H; c++) {
+                float s = 0.f;
+                for (int jj = 0; jj < k; jj++) s += weights[t * k + jj] * ys[(t * k + jj) * H + c];
+                if (bf16) ((uint16_t *)y)[t * H + c] = f32_to_bf16(s);
+                else ((float *)y)[t * H + c] = s;
+            }
+    }
+done:
+    free(count); free(order); free(uexp); free(uoff); free(buf);
+    return rc;
+}

@@ -1,0 +1,369 @@
+/* Row kernels: one weight row applied to up to 8 activation rows at a time, and the activation
+ * preparations they read, for int8 and int4 (the layouts: colibri/quant.py). Shared by gemv.c and
+ * moe.c.
+ *
+ *   int8: y[t, o] = scale[o] * sum_i x[t, i] * q[o, i]            q int8 [N, K], scale f32 [N]
+ *   int4: y[t, o] = sum_g scale[o, g] * sum_{i in g} x[t, i] * q[o, i]  +  min[o, g] * sum_{i in g} x[t, i]
+ *         q uint8 [N, K/2] (even column in the low nibble), scale/min f16 [N, K/g]
+ *
+ * Accumulation is f32. Each weight row is read from RAM once and applied to all the rows while it
+ * sits in L1, so a batch of rows costs about what one row costs in memory traffic. */
+#ifndef COLI_ROWS_H
+#define COLI_ROWS_H
+#include "common.h"
+
+/* ------------------------------------------------------------------------------------ int8 */
+
+/* Rows t0..t0+TB of y for output row o: the weight row is converted once per 16 values and
+ * applied to TB activation rows held in TB accumulators (TB <= 8, a constant after inlining). */
+static inline void q8_row_block(const float *xf, int K, const int8_t *qo, float so, int TB, float *out, int N) {
+#ifdef COLI_AVX512
+    __m512 acc[8];
+    for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= K; i += 16) {
+        __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qo + i))));
+        for (int t = 0; t < TB; t++) acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xf + (long)t * K + i), acc[t]);
+    }
+    for (int t = 0; t < TB; t++) {
+        float s = _mm512_reduce_add_ps(acc[t]);
+        for (int j = i; j < K; j++) s += xf[(long)t * K + j] * (float)qo[j];
+        out[(long)t * N] = so * s;
+    }
+#else
+    for (int t = 0; t < TB; t++) {
+        float s = 0.f;
+        for (int j = 0; j < K; j++) s += xf[(long)t * K + j] * (float)qo[j];
+        out[(long)t * N] = so * s;
+    }
+#endif
+}
+
+#define ROW_BLOCKS(FN, T, ...)                                                              \
+    for (int t0 = 0; t0 < (T); t0 += 8) {                                                   \
+        int tb = (T) - t0 < 8 ? (T) - t0 : 8;                                               \
+        switch (tb) {                                                                       \
+        case 1: FN(1, __VA_ARGS__); break; case 2: FN(2, __VA_ARGS__); break;               \
+        case 3: FN(3, __VA_ARGS__); break; case 4: FN(4, __VA_ARGS__); break;               \
+        case 5: FN(5, __VA_ARGS__); break; case 6: FN(6, __VA_ARGS__); break;               \
+        case 7: FN(7, __VA_ARGS__); break; default: FN(8, __VA_ARGS__); break;              \
+        }                                                                                   \
+    }
+
+#define Q8_CALL(TB, xf, K, qo, so, yo, N) q8_row_block((xf) + (long)t0 * (K), K, qo, so, TB, (yo) + (long)t0 * (N), N)
+
+static inline void q8_rows(const float *xf, int T, int K, const int8_t *q, const float *scale, int N,
+                    int o0, int o1, float *yf) {
+    for (int o = o0; o < o1; o++) {
+        const int8_t *qo = q + (long)o * K;
+        ROW_BLOCKS(Q8_CALL, T, xf, K, qo, scale[o], yf + o, N)
+    }
+}
+
+/* int8 with activations quantized like llama.cpp's Q8_0 (bf16 compute only, see docs/QUANT.md): each
+ * run of 32 values of a row gets a scale max|x| / 127 and int8 values, so one vpdpbusd multiplies 64
+ * weights by 64 activations in integers. The weights are signed and vpdpbusd wants one unsigned
+ * side: w ^ 0x80 = w + 128, whose extra 128 * sum(xq) per block is subtracted once per row (corr).
+ * A prepared row (Q8_STRIDE floats): int8 xq [K] | f32 scale per 4-byte lane [K/4] | corr. */
+#define Q8_STRIDE(K) ((long)(K) / 2 + 1)
+#if defined(COLI_AVX512) && defined(__AVX512VNNI__)
+#define COLI_VNNI 1
+#endif
+
+static inline void q8_prep(const float *xf, int n, int K, float *xp) {
+    for (int t = 0; t < n; t++) {
+        const float *x = xf + (long)t * K;
+        float *base = xp + (long)t * Q8_STRIDE(K);
+        int8_t *xq = (int8_t *)base;
+        float *lane = base + K / 4;
+        double corr = 0.0;
+        for (int b = 0; b < K; b += 32) {
+            float amax = 0.f;
+            for (int i = b; i < b + 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int i = b; i < b + 32; i++) {
+                int v = (int)nearbyintf(x[i] * inv);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                xq[i] = (int8_t)v;
+                sum += v;
+            }
+            for (int l = 0; l < 8; l++) lane[b / 4 + l] = sc;
+            corr += 128.0 * sc * sum;
+        }
+        base[K / 2] = (float)corr;
+    }
+}
+
+#ifdef COLI_VNNI
+static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
+    __m512 acc[8];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
+    for (int i = 0; i < K; i += 64) {
+        __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qo + i)), flip);
+        for (int t = 0; t < TB; t++) {
+            const float *b = xp + (long)t * Q8_STRIDE(K);
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512((const void *)((const int8_t *)b + i)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(b + K / 4 + i / 4), acc[t]);
+        }
+    }
+    for (int t = 0; t < TB; t++)
+        out[(long)t * N] = so * (_mm512_reduce_add_ps(acc[t]) - xp[(long)t * Q8_STRIDE(K) + K / 2]);
+}
+#define Q8V_OK(bf16, K) ((bf16) && (K) % 64 == 0)
+#else
+static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
+    (void)xp; (void)K; (void)qo; (void)so; (void)TB; (void)out; (void)N;
+}
+#define Q8V_OK(bf16, K) 0
+#endif
+
+#define Q8V_CALL(TB, xp, K, qo, so, yo, N) \
+    q8v_row_block((xp) + (long)t0 * Q8_STRIDE(K), K, qo, so, TB, (yo) + (long)t0 * (N), N)
+
+/* ------------------------------------------------------------------------------------ int4 */
+
+/* Columns of one 32-column block in nibble order: x[0], x[2], ..., x[30] then x[1], ..., x[31],
+ * so that the low nibbles of 16 bytes meet the first 16 values and the high nibbles the rest. */
+static inline void permute_x4(const float *x, int K, float *xp) {
+    for (int b = 0; b < K; b += 32)
+        for (int j = 0; j < 16; j++) {
+            xp[b + j] = x[b + 2 * j];
+            xp[b + 16 + j] = x[b + 2 * j + 1];
+        }
+}
+
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+#define COLI_BF16 1
+/* int4 with bf16 activations (xb, natural column order): a nibble n becomes the bf16 of 128 + n by
+ * OR-ing it into the mantissa of 0x4300 (128.0), so one vdpbf16ps multiplies 32 weights by 32
+ * activations exactly, pairs summed in f32. The extra 128 * sum(x) per group is folded into the
+ * group's offset: scale * (acc - 128 xs) + min xs = scale * acc + (min - 128 scale) xs. */
+static inline void q4_row_block_bf(const uint16_t *xb, const float *xs, int K, int G, int g, const uint8_t *qo,
+                                   const uint16_t *so, const uint16_t *mo, int TB, float *out, int N) {
+    __m512 acc[8], pg[8];
+    float macc[8];
+    const __m512i lo_m = _mm512_set1_epi32(0x0f), hi_m = _mm512_set1_epi32(0xf0);
+    const __m512i bias = _mm512_set1_epi32(0x43004300);
+    for (int t = 0; t < TB; t++) { acc[t] = _mm512_setzero_ps(); macc[t] = 0.f; }
+    for (int gi = 0; gi < G; gi++) {
+        const uint8_t *qg = qo + (long)gi * (g / 2);
+        for (int t = 0; t < TB; t++) pg[t] = _mm512_setzero_ps();
+        for (int b = 0; b < g / 32; b++) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + 16 * b)));
+            __m512i w = _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(v, lo_m),
+                                                        _mm512_slli_epi32(_mm512_and_si512(v, hi_m), 12)), bias);
+            long c = (long)gi * g + 32 * b;
+            for (int t = 0; t < TB; t++)
+                pg[t] = _mm512_dpbf16_ps(pg[t], (__m512bh)w, (__m512bh)_mm512_loadu_si512(xb + (long)t * K + c));
+        }
+        float scf = f16_to_f32(so[gi]);
+        __m512 sc = _mm512_set1_ps(scf);
+        float mn = f16_to_f32(mo[gi]) - 128.f * scf;
+        for (int t = 0; t < TB; t++) {
+            acc[t] = _mm512_fmadd_ps(sc, pg[t], acc[t]);
+            macc[t] += mn * xs[(long)t * G + gi];
+        }
+    }
+    for (int t = 0; t < TB; t++) out[(long)t * N] = _mm512_reduce_add_ps(acc[t]) + macc[t];
+}
+#endif
+
+/* int4 with activations quantized per 32 values (like int8's VNNI path; bf16 compute only): the
+ * nibbles are unsigned bytes, so vpdpbusd takes them as they are. Per 128 columns (64 weight bytes),
+ * the low nibbles hold the even columns and the high nibbles the odd ones: the prepared row keeps
+ * its int8 values in that order (64 even, then 64 odd), so one lane (4 bytes) of each product covers
+ * 8 neighbouring columns -- within one activation block and one weight group (g >= 32). A lane is
+ * scaled by its block's activation scale times its group's weight scale; the group offsets (min)
+ * multiply the group sums of the quantized x. Prepared row: xq [K] int8 | lane scales [K/8] f32. */
+#if defined(COLI_AVX512) && defined(__AVX512VNNI__)
+#define COLI_Q4V 1
+static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, float *xs) {
+    int G = K / g;
+    for (int t = 0; t < n; t++) {
+        const float *x = xf + (long)t * K;
+        float *base = xp + (long)t * K;
+        int8_t *xq = (int8_t *)base;
+        float *lane = base + K / 4;
+        for (int b = 0; b < K; b += 32) {
+            float amax = 0.f;
+            for (int i = b; i < b + 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = b; i < b + 32; i++) {
+                int v = (int)nearbyintf(x[i] * inv);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                int c = i & ~127, o = i & 127;  /* chunk start, offset: evens first, then odds */
+                xq[c + (o & 1) * 64 + o / 2] = (int8_t)v;
+            }
+            for (int l = 0; l < 4; l++) lane[b / 8 + l] = sc;  /* 4 lanes of 8 columns per block */
+        }
+        /* Group sums of the quantized values: min * sum then pairs with scale * q . xq, so the row
+         * computes w . xq exactly (w = q * scale + min); exact sums would leave the large q-part's
+         * quantization error uncancelled (int4's offsets are ~7.5 scales). */
+        for (int gi = 0; gi < G; gi++) {
+            float s = 0.f;
+            for (int i = gi * g; i < (gi + 1) * g; i++) {
+                int c = i & ~127, o = i & 127;
+                s += (float)xq[c + (o & 1) * 64 + o / 2] * lane[i / 8];
+            }
+            xs[(long)t * G + gi] = s;
+        }
+    }
+}
+
+static inline void q4v_row_block(const float *xp, const float *xs, int K, int G, int g, const uint8_t *qo,
+                                 const uint16_t *so, const uint16_t *mo, int TB, float *out, int N) {
+    __m512 acc[8];
+    float macc[8];
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* lane l of a 128-column chunk is in group 8l / g of the chunk's first (g a power of two >= 32) */
+    __m512i idx = g == 32 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                          : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    int per = g < 128 ? 128 / g : 1;
+    for (int t = 0; t < TB; t++) {  /* the group offsets: sum_g min_g * xs_g, 16 groups at a time */
+        acc[t] = _mm512_setzero_ps();
+        __m512 mm = _mm512_setzero_ps();
+        for (int gi = 0; gi < G; gi += 16) {
+            __mmask16 k = G - gi >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - gi)) - 1);
+            mm = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mo + gi)),
+                                 _mm512_maskz_loadu_ps(k, xs + (long)t * G + gi), mm);
+        }
+        macc[t] = _mm512_reduce_add_ps(mm);
+    }
+    for (int c = 0; c < K; c += 128) {
+        __m512i v = _mm512_loadu_si512((const void *)(qo + c / 2));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        __m512 sw;
+        if (g >= 128) sw = _mm512_set1_ps(f16_to_f32(so[c / g]));
+        else sw = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << per) - 1),
+                                                                                       so + c / g)));
+        for (int t = 0; t < TB; t++) {
+            const int8_t *xq = (const int8_t *)(xp + (long)t * K) + c;
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xq));
+            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(xq + 64)));
+            __m512 ls = _mm512_loadu_ps(xp + (long)t * K + K / 4 + c / 8);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ls, sw), acc[t]);
+        }
+    }
+    for (int t = 0; t < TB; t++) out[(long)t * N] = _mm512_reduce_add_ps(acc[t]) + macc[t];
+}
+#endif
+
+/* int4 activation modes: 0 f32 (nibble-ordered f32), 1 bf16 (vdpbf16ps), 2 int8 blocks (vpdpbusd, for
+ * widths that are multiples of 128 and groups of 32, 64 or a multiple of 128) -- bf16 activations take
+ * 2 or 1, their down-projection input too. */
+#ifdef COLI_BF16
+#ifdef COLI_Q4V
+#define BF_MODE(bf16, K, g) ((bf16) ? ((K) % 128 == 0 && ((g) == 32 || (g) == 64 || (g) % 128 == 0) ? 2 : 1) : 0)
+#else
+#define BF_MODE(bf16, K, g) ((bf16) ? 1 : 0)
+#endif
+#else
+#define BF_MODE(bf16, K, g) 0
+#endif
+
+/* Rows t0..t0+TB of y for int4 output row o: per group, sum_{i in g} q_i x_i accumulates in a
+ * vector per row; the group's scale is applied once per group, its min through xs (the group
+ * sums of x). Weight nibbles are decoded once per 32 values for all TB rows. xp is in nibble order. */
+static inline void q4_row_block(const float *xp, const float *xs, int K, int G, int g, const uint8_t *qo,
+                                const uint16_t *so, const uint16_t *mo, int TB, float *out, int N, int bfm) {
+#ifdef COLI_Q4V
+    if (bfm == 2) {
+        q4v_row_block(xp, xs, K, G, g, qo, so, mo, TB, out, N);
+        return;
+    }
+#endif
+#ifdef COLI_BF16
+    if (bfm) {
+        q4_row_block_bf((const uint16_t *)xp, xs, K, G, g, qo, so, mo, TB, out, N);
+        return;
+    }
+#else
+    (void)bfm;
+#endif
+#ifdef COLI_AVX512
+    __m512 acc[8], pg[8];
+    float macc[8];
+    const __m128i m = _mm_set1_epi8(0x0f);
+    for (int t = 0; t < TB; t++) { acc[t] = _mm512_setzero_ps(); macc[t] = 0.f; }
+    for (int gi = 0; gi < G; gi++) {
+        const uint8_t *qg = qo + (long)gi * (g / 2);
+        for (int t = 0; t < TB; t++) pg[t] = _mm512_setzero_ps();
+        for (int b = 0; b < g / 32; b++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(qg + 16 * b));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m)));
+            long c = (long)gi * g + 32 * b;
+            for (int t = 0; t < TB; t++) {
+                pg[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + (long)t * K + c), pg[t]);
+                pg[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + (long)t * K + c + 16), pg[t]);
+            }
+        }
+        __m512 sc = _mm512_set1_ps(f16_to_f32(so[gi]));
+        float mn = f16_to_f32(mo[gi]);
+        for (int t = 0; t < TB; t++) {
+            acc[t] = _mm512_fmadd_ps(sc, pg[t], acc[t]);
+            macc[t] += mn * xs[(long)t * G + gi];
+        }
+    }
+    for (int t = 0; t < TB; t++) out[(long)t * N] = _mm512_reduce_add_ps(acc[t]) + macc[t];
+#else
+    for (int t = 0; t < TB; t++) {
+        float acc = 0.f;
+        for (int gi = 0; gi < G; gi++) {
+            float s = 0.f;
+            const uint8_t *qg = qo + (long)gi * (g / 2);
+            const float *xg = xp + (long)t * K + (long)gi * g;
+            for (int b = 0; b < g / 32; b++)
+                for (int j = 0; j < 16; j++) {
+                    uint8_t v = qg[16 * b + j];
+                    s += xg[32 * b + j] * (float)(v & 15) + xg[32 * b + 16 + j] * (float)(v >> 4);
+                }
+            acc += f16_to_f32(so[gi]) * s + f16_to_f32(mo[gi]) * xs[(long)t * G + gi];
+        }
+        out[(long)t * N] = acc;
+    }
+#endif
+}
+
+/* Activations prepared for the int4 kernels, n rows of K: with bfm, rounded to bf16 in natural order
+ * (xp read as uint16); else f32 in nibble order. xs: per-group sums of exactly those values. */
+static inline void int4_prep(const float *xf, int n, int K, int g, float *xp, float *xs, int bfm) {
+#ifdef COLI_Q4V
+    if (bfm == 2) {
+        q4v_prep(xf, n, K, g, xp, xs);
+        return;
+    }
+#endif
+    int G = K / g;
+    for (int t = 0; t < n; t++) {
+        const float *x = xf + (long)t * K;
+        if (bfm) {
+            uint16_t *xb = (uint16_t *)xp + (long)t * K;
+            for (int i = 0; i < K; i++) xb[i] = f32_to_bf16(x[i]);
+            for (int gi = 0; gi < G; gi++) {
+                float s = 0.f;
+                for (int i = 0; i < g; i++) s += bf16_to_f32(xb[gi * g + i]);
+                xs[(long)t * G + gi] = s;
+            }
+        } else {
+            permute_x4(x, K, xp + (long)t * K);
+            for (int gi = 0; gi < G; gi++) {
+                float s = 0.f;
+                for (int i = 0; i < g; i++) s += x[gi * g + i];
+                xs[(long)t * G + gi] = s;
+            }
+        }
+    }
+}
+
+static inline const float *xrow(const float *xp, int bfm, long r, int K) {
+    return bfm == 1 ? (const float *)((const uint16_t *)xp + r * K) : xp + r * K;
+}
+
+#define Q4_CALL(TB, xp, xs, K, G, g, qo, so, mo, yo, N, bfm) \
+    q4_row_block(xrow(xp, bfm, t0, K), (xs) + (long)t0 * (G), K, G, g, qo, so, mo, TB, (yo) + (long)t0 * (N), N, bfm)
+
+
+#endif
