@@ -398,7 +398,7 @@ class QLinear(nn.Module):
             if not nativable:
                 raise ValueError(f"no native kernel for {scheme} {shape} g={group_size} {compute_dtype} on "
                                  f"{data.device.type} ({native.why_unavailable() or 'unsupported shape or dtype'})")
-            path, max_rows = "native", 1 << 62
+            path, max_rows = "native", native.max_rows()  # larger inputs dequantize (the C kernels' limit)
         elif kernel == "fused":
             if not fusable:
                 raise ValueError(f"no fused kernel for {scheme} {shape} g={group_size} {compute_dtype} "

@@ -222,3 +222,10 @@ def test_pool_survives_fork(tmp_path) -> None:
         "raise SystemExit(os.waitstatus_to_exitcode(status))\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_forced_native_beyond_the_kernels_row_limit_dequantizes() -> None:
+    t = quantize(torch.randn(32, 128), "int8")
+    m = QLinear.from_tensors(t, "int8", (32, 128), 64, None, torch.float32, kernel="native")
+    x = torch.randn(native.max_rows() + 3, 128)
+    assert _rel(m(x), x @ dequantize(t, "int8", (32, 128)).T) < 1e-5

@@ -138,38 +138,27 @@ class RoPE(nn.Module):
         inv, self.mscale = rope_inv_freq(dim, base, scaling, max_pos)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.dim, self.interleaved = dim, interleaved
-        self._cos = self._sin = torch.empty(0)
-        self._f32 = (torch.empty(0), torch.empty(0))  # f32 tables for the native kernel
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) [n, d]
 
     def tables(self, pos: int | torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for positions pos..pos+T (int) or for each of the positions in `pos` ([T] tensor)."""
+        """cos/sin rows for positions pos..pos+T (int) or for each of the positions in `pos` ([T] tensor),
+        in `dtype` (one cached table per dtype: the compute dtype for torch, f32 for the native kernel)."""
         end = pos + T if isinstance(pos, int) else int(pos.max()) + 1
-        if self._cos.shape[0] < end or self._cos.dtype != dtype:
-            n = max(end, 2 * self._cos.shape[0], 256)
+        cos, sin = self._tables.get(dtype, (None, None))
+        if cos is None or cos.shape[0] < end:
+            n = max(end, 2 * (0 if cos is None else cos.shape[0]), 256)
             freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.float()[None]  # [n, d/2]
             emb = torch.cat((freqs, freqs), -1)  # [n, d]
-            self._cos = (emb.cos() * self.mscale).to(dtype)
-            self._sin = (emb.sin() * self.mscale).to(dtype)
-        if isinstance(pos, int):
-            return self._cos[pos:end], self._sin[pos:end]
-        return self._cos[pos], self._sin[pos]  # gathered rows: the same values a slice would give
-
-    def _f32_tables(self, pos: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        end = pos + T if isinstance(pos, int) else int(pos.max()) + 1
-        cos, sin = self._f32
-        if cos.shape[0] < end:
-            n = max(end, 2 * cos.shape[0], 256)
-            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.float()[None]  # [n, d/2]
-            emb = torch.cat((freqs, freqs), -1)  # [n, d]
-            self._f32 = cos, sin = emb.cos() * self.mscale, emb.sin() * self.mscale
+            cos, sin = (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
+            self._tables[dtype] = cos, sin
         if isinstance(pos, int):
             return cos[pos:end], sin[pos:end]
-        return cos[pos].contiguous(), sin[pos].contiguous()
+        return cos[pos], sin[pos]  # gathered rows: the same values a slice would give
 
     def forward(self, x: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] at positions pos..pos+T (int) or `pos` ([T]); rotates the first `dim` channels."""
         if x.dtype == torch.bfloat16 and not self.interleaved and x.device.type == "cpu" and native.available():
-            return native.rope(x, *self._f32_tables(pos, x.shape[0]), self.dim)  # in f32, one rounding
+            return native.rope(x, *self.tables(pos, x.shape[0], torch.float32), self.dim)  # in f32, one rounding
         cos, sin = self.tables(pos, x.shape[0], x.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]
         rot, rest = x[..., : self.dim], x[..., self.dim :]

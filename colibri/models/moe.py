@@ -8,7 +8,7 @@ so the result is bit-identical whatever order the source delivers them in.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,8 +107,10 @@ class SwitchGLU(nn.Module):
         return native.moe(tables, *args)  # (a cached layer's entries are cleared: only the weighted sum)
 
     def _experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                 fetched: list[tuple[int, ExpertWeights]] | None, resid: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts one module call at a time (any activation, scheme or device)."""
+                 fetched: Iterable[tuple[int, ExpertWeights]] | None, resid: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The experts one module call at a time (any activation, scheme or device); `fetched`: the
+        layer's fetch when the caller began it (then it also ran the look-ahead)."""
         T, k = idx.shape
         ys = x.new_empty(T * k, self.hidden)  # one output row per (token, slot)
         if T == 1:
