@@ -46,10 +46,12 @@ _DEQUANT_CHUNK_ELEMS = 1 << 20
 # torch's CPU int4 packing works on 64-row blocks; chunks must be multiples of it to concat.
 _INT4_ROW_BLOCK = 64
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
-# kernel="auto" with the native kernels (colibri/kernels): the largest input row count for which
-# they beat dequantize-then-GEMM, measured with benchmarks/bench_quant.py (2 threads, AVX-512 EPYC,
-# bf16 and f32 alike). They read each weight row once for all rows, so decode batches stay cheap.
-NATIVE_MAX_ROWS: dict[str, int] = {"int8": 8, "int4": 32}
+# kernel="auto" with the native kernels (colibri/kernels): the largest input row count they take. They
+# read each weight row once for all rows, so decode batches stay cheap; up to native.MOE_MAX_ROWS so
+# that a step small enough for the native MoE runs wholly on the native pool (the engine gives it the
+# threads then). At 8-64 rows int8 is on par with torch's int8 kernel (2 threads, AVX-512 EPYC), and
+# dequantize-then-GEMM is 2-10x slower.
+NATIVE_MAX_ROWS: dict[str, int] = {"int8": 64, "int4": 64}
 # Alignment of a module's own buffers once moved into memory its caller owns (an expert-cache slot).
 OWNED_ALIGN = 64
 # kernel="auto": the largest input row count for which the fused CPU kernel beats

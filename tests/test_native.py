@@ -229,3 +229,63 @@ def test_forced_native_beyond_the_kernels_row_limit_dequantizes() -> None:
     m = QLinear.from_tensors(t, "int8", (32, 128), 64, None, torch.float32, kernel="native")
     x = torch.randn(native.max_rows() + 3, 128)
     assert _rel(m(x), x @ dequantize(t, "int8", (32, 128)).T) < 1e-5
+
+
+def _steps(llm, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
+    """Logits of one-row steps, a two-sequence decode step and a 6-row prompt chunk, with the fused
+    attention block on or off."""
+    from colibri.models.batch import Seq, StepBatch
+    from colibri.models.layers import Attention
+
+    out: dict[str, torch.Tensor] = {}
+    with monkeypatch.context() as mp:
+        if not fused:
+            mp.setattr(Attention, "fused", lambda self, *a: None)
+        s0, s1 = llm.slots.caches[0], llm.slots.caches[1]
+        with torch.inference_mode():
+            rows = []
+            for caches, ids in ((s0, PROMPTS[0]), (s1, PROMPTS[1][:9])):
+                for pos, tok in enumerate(ids):
+                    rows.append(llm.model(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0])))
+            out["rows"] = torch.cat(rows)
+            # both sequences' next token in one step, at positions 16 and 9 (each on its own cache)
+            batch = StepBatch([Seq(0, 1, len(PROMPTS[0]), s0), Seq(1, 2, 9, s1)])
+            out["batch"] = llm.model(torch.tensor([5, 6]), batch, torch.tensor([0, 1]))
+            out["chunk"] = llm.model(torch.tensor(PROMPTS[1][:6]), StepBatch.single(s1, 0, 6), torch.arange(6))
+    return out
+
+
+@pytest.mark.parametrize("model_type,overrides", [("olmoe", {"clip_qkv": 0.5}), ("qwen3_moe", {}),
+                                                 ("mixtral", {"sliding_window": 5})])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_fused_attention_block_gives_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
+    """coli_attn_block (norm, q/k/v, q/k norm, clip, rotary, cache write, attention, o_proj, residual,
+    post norm in one call) gives exactly the bits of the same kernels called one by one from Python, for
+    one-row steps and a two-sequence step; a prompt chunk through it (rows attend over their own
+    predecessors, written in the same call) matches the one-row steps."""
+    import colibri
+    from colibri.models.layers import Attention
+
+    llm = colibri.load(ckpt.coli(model_type, scheme, **overrides), ctx_size=64, slots=2, threads=2)
+    try:
+        taken = []
+        real = Attention.fused
+
+        def spy(self, *a):
+            r = real(self, *a)
+            taken.append(r is not None)
+            return r
+
+        monkeypatch.setattr(Attention, "fused", spy)
+        got = _steps(llm, True, monkeypatch)
+        assert taken and all(taken)  # every layer of every step went through the native block
+        monkeypatch.setattr(Attention, "fused", real)
+        ref = _steps(llm, False, monkeypatch)
+    finally:
+        llm.close()
+    assert torch.equal(got["rows"], ref["rows"])
+    assert torch.equal(got["batch"], ref["batch"])
+    # the chunk's rows are positions 0..5 of PROMPTS[1], which the one-row steps also computed (rows 16..21)
+    one_row = got["rows"][len(PROMPTS[0]) : len(PROMPTS[0]) + 6]
+    assert (got["chunk"].float() - one_row.float()).abs().max() <= 0.05 * one_row.float().abs().max()
+    assert torch.equal(got["chunk"].argmax(-1), one_row.argmax(-1))

@@ -16,6 +16,12 @@ int coli_get_threads(void);
 #define COLI_AVX512 1
 #endif
 
+/* A quantized weight as the kernels see it: int8 (q int8 [N, K], s f32 [N]) or int4 (q uint8
+ * [N, K/2], s and m f16 [N, K/g]). */
+typedef struct {
+    const void *q, *s, *m;
+} coli_qw;
+
 #define MAX_T 64          /* rows per call (decode batches); larger inputs go to a dense GEMM */
 #define PAR_MIN_BYTES (256 * 1024) /* below this, one thread: a fork/join costs more than it saves */
 

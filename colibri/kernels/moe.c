@@ -1,12 +1,6 @@
 /* One routed-expert layer (SiLU-GLU) in one call: colibri/models/moe.py's native path. */
 #include "rows.h"
 
-/* A quantized weight as the MoE kernel sees it: int8 (q int8 [N, K], s f32 [N]) or int4 (q uint8
- * [N, K/2], s and m f16 [N, K/g]). */
-typedef struct {
-    const void *q, *s, *m;
-} coli_qw;
-
 /* Rows r0..r0+n of a [*, K] activation buffer (xf; for int4 also xp, xs) through output row o of w:
  * results to out[(r0 + t) * ldo], t < n, in blocks of 8 sharing one pass over the weight row. */
 static void rows_through(int scheme, const coli_qw *w, int K, int g, int o, const float *xf, const float *xp,

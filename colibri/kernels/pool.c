@@ -9,7 +9,8 @@
  *
  * Here workers spin for a bounded time after each job (SPIN_NS: long enough to bridge the Python
  * between two kernels of a step, short enough not to burn a core on a busy machine), then sleep
- * on a condition variable. One caller at a time uses the pool; a concurrent
+ * on a condition variable; jobs are split into more pieces than threads, claimed dynamically. One
+ * caller at a time uses the pool; a concurrent
  * caller runs its job on its own thread. coli_set_threads(n) sets how many threads a job uses
  * (the engine sets it with torch.set_num_threads).
  */
@@ -17,6 +18,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sched.h>
 #include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -36,23 +38,48 @@
 
 typedef void (*coli_job)(void *arg, int id, int n);
 
+/* Work goes out in CHUNKS_PER_THREAD x threads pieces that any thread may claim: on a machine where
+ * another process (an HTTP server's event loop, a client) takes a core for a moment, a descheduled
+ * worker holds up one small piece instead of half the job, and a job never waits for a worker that
+ * has not woken yet (the caller claims what is left). Each piece is a fixed range of output rows,
+ * so the bits do not depend on who computes what. */
+#ifndef CHUNKS_PER_THREAD
+#define CHUNKS_PER_THREAD 4
+#endif
+
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;      /* sleeping workers */
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
-static atomic_uint gen;  /* bumped once per job */
-static atomic_int done;  /* workers finished with the current job */
-static int sleepers;     /* under mu */
-static int n_workers;    /* under call_mu */
+static atomic_uint gen;          /* bumped once per job */
+static _Atomic uint64_t claim;   /* (job gen << 32) | (chunks << 16) | next chunk: claimed by CAS */
+static atomic_int completed;     /* chunks of the current job finished */
+static int sleepers;             /* under mu */
+static int n_workers;            /* under call_mu */
 static int n_threads = 1;
 static coli_job job_fn;
 static void *job_arg;
-static int job_n;
+static int job_n;                /* threads the current job may use (workers with id >= job_n sit out) */
 static unsigned born_gen[MAX_WORKERS + 1]; /* the job count when worker i was made: it waits for the next */
 
 static long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+/* Claim and run chunks of job `g` until none is left (or the job is over: a newer one is posted). A
+ * successful claim keeps job g alive (its caller waits for every chunk), so job_fn/job_arg are g's. */
+static void run_chunks(unsigned g) {
+    for (;;) {
+        uint64_t v = atomic_load_explicit(&claim, memory_order_acquire);
+        if ((unsigned)(v >> 32) != g) return;
+        unsigned n = (unsigned)(v >> 16) & 0xffffu, c = (unsigned)v & 0xffffu;
+        if (c >= n) return;
+        if (!atomic_compare_exchange_weak_explicit(&claim, &v, v + 1, memory_order_acq_rel, memory_order_acquire))
+            continue;
+        job_fn(job_arg, (int)c, (int)n);
+        atomic_fetch_add_explicit(&completed, 1, memory_order_acq_rel);
+    }
 }
 
 static void *worker(void *p) {
@@ -74,8 +101,7 @@ static void *worker(void *p) {
             }
         }
         seen = g;
-        if (id < job_n) job_fn(job_arg, id, job_n);
-        atomic_fetch_add_explicit(&done, 1, memory_order_acq_rel);
+        if (id < job_n) run_chunks(g);  /* job_n may already be a newer job's: then no claim succeeds */
     }
     return NULL;
 }
@@ -88,7 +114,7 @@ static void atfork_child(void) {
     pthread_cond_init(&cv, NULL);
     n_workers = 0;
     sleepers = 0;
-    atomic_store(&done, 0);
+    atomic_store(&completed, 0);
 }
 
 __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, atfork_child); }
@@ -97,7 +123,8 @@ void coli_set_threads(int n) { n_threads = n < 1 ? 1 : (n > MAX_WORKERS + 1 ? MA
 
 int coli_get_threads(void) { return n_threads; }
 
-/* fn(arg, id, n) for id in [0, n) on n threads (the caller runs id 0); returns when all are done.
+/* fn(arg, c, C) for every chunk c in [0, C), C = CHUNKS_PER_THREAD x n, on up to n threads (the caller
+ * among them); returns when all are done. fn must compute a fixed share of the work from (c, C).
  * n <= 1, or the pool busy with another caller: fn(arg, 0, 1) on the calling thread. */
 void coli_parallel(coli_job fn, void *arg, int n) {
     if (n > n_threads) n = n_threads;
@@ -119,15 +146,24 @@ void coli_parallel(coli_job fn, void *arg, int n) {
         n_workers++;
     }
     if (n > n_workers + 1) n = n_workers + 1;
+    int chunks = n * CHUNKS_PER_THREAD;
+    if (chunks > 0xffff) chunks = 0xffff;
+    unsigned g = atomic_load_explicit(&gen, memory_order_relaxed) + 1;
     job_fn = fn;
     job_arg = arg;
     job_n = n;
-    atomic_store_explicit(&done, 0, memory_order_relaxed);
-    atomic_fetch_add_explicit(&gen, 1, memory_order_acq_rel);
+    atomic_store_explicit(&completed, 0, memory_order_relaxed);
+    atomic_store_explicit(&claim, ((uint64_t)g << 32) | ((uint64_t)chunks << 16), memory_order_release);
+    atomic_store_explicit(&gen, g, memory_order_release);
     pthread_mutex_lock(&mu);
     if (sleepers) pthread_cond_broadcast(&cv);
     pthread_mutex_unlock(&mu);
-    fn(arg, 0, n);
-    while (atomic_load_explicit(&done, memory_order_acquire) < n_workers) CPU_RELAX();
+    run_chunks(g);
+    /* Only chunks a worker claimed and has not finished are left; yield the core now and then in case
+     * that worker is waiting for it. */
+    for (int spins = 1; atomic_load_explicit(&completed, memory_order_acquire) < chunks; spins++) {
+        CPU_RELAX();
+        if (spins % 4096 == 0) sched_yield();
+    }
     pthread_mutex_unlock(&call_mu);
 }

@@ -365,6 +365,67 @@ class Attention(nn.Module):
     def make_cache(self, max_len: int, dtype: torch.dtype) -> KVCache:
         return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype)
 
+    # ------------------------------------------------------------------ the fused native block
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm: RMSNorm, post_norm: RMSNorm
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + self(in_norm(h)), post_norm(that)) in one native call (colibri/kernels/block.c) for a
+        few bf16 rows, with the bits of the unfused native path; None where it does not apply."""
+        T = h.shape[0]
+        if h.dtype != torch.bfloat16 or h.device.type != "cpu" or T > native.MOE_MAX_ROWS:
+            return None
+        layer = self._native_layer(in_norm, post_norm)
+        if layer is None:
+            return None
+        pos, kc, vc = [], [], []
+        for r0, r1, start, cache in kv.segs:
+            if not isinstance(cache, KVCache) or cache.k.dtype != torch.bfloat16 or cache.k.device.type != "cpu" \
+                    or start + r1 - r0 > cache.max_len:
+                return None  # (a full context: the unfused path raises the error)
+            pos.extend(range(start, start + r1 - r0))
+            kc.extend([cache.k.data_ptr()] * (r1 - r0))
+            vc.extend([cache.v.data_ptr()] * (r1 - r0))
+        c0 = kv.segs[0][3]
+        cos, sin = self.rope.tables(kv.pos, T, torch.float32)
+        return native.attn_block(layer, h.contiguous(), pos, kc, vc, c0.k.stride(0), c0.v.stride(0),
+                                 cos.contiguous(), sin.contiguous())
+
+    def _native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native.AttnLayer | None:
+        """The layer's constants for the native block, built once (None: the block does not apply)."""
+        key = (id(in_norm), id(post_norm))
+        cached = self.__dict__.get("_fused_layer")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layer = self._build_native_layer(in_norm, post_norm) if native.available() else None
+        self.__dict__["_fused_layer"] = (key, layer)
+        return layer
+
+    def _build_native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native.AttnLayer | None:
+        a = self.a
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        first = projs[0]
+        if not all(getattr(p, "native_plain", False) and p.scheme == first.scheme and p.group_size == first.group_size
+                   and p.compute_dtype == torch.bfloat16 for p in projs):
+            return None
+        norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
+        if self.rope.interleaved or a.qk_norm not in (None, "full", "head") \
+                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+            return None
+        sinks = self.sinks.float().contiguous() if a.sinks else None
+        self.__dict__["_fused_sinks"] = sinks  # kept alive with the layer
+        qn = (self.q_norm.weight.data_ptr(), self.k_norm.weight.data_ptr(), self.q_norm.eps) if a.qk_norm \
+            else (0, 0, 0.0)
+        return native.AttnLayer(
+            a.hidden, a.heads, a.kv_heads, a.head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
+            *(native.QW(*native.qw(p)) for p in projs),
+            in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), in_norm.eps, post_norm.eps,
+            {None: 0, "full": 1, "head": 2}[a.qk_norm], *qn, a.clip_qkv or 0.0, self.rope.dim,
+            a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None)
+
+    def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
+        self.__dict__.pop("_fused_layer", None)
+        return super()._apply(fn, recurse)
+
 
 class MLP(nn.Module):
     """Dense SwiGLU feed-forward (dense layers, shared experts)."""
@@ -391,7 +452,12 @@ class DecoderBlock(nn.Module):
         self.routed = isinstance(mlp, SparseMoE)
 
     def forward(self, h: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), kv)
-        x = self.post_attention_layernorm(h)
+        fused = self.self_attn.fused if isinstance(self.self_attn, Attention) else None
+        out = fused(h, kv, self.input_layernorm, self.post_attention_layernorm) if fused is not None else None
+        if out is not None:
+            h, x = out
+        else:
+            h = h + self.self_attn(self.input_layernorm(h), kv)
+            x = self.post_attention_layernorm(h)
         # Routed experts also get the residual: their look-ahead predicts the next layer's routes from it.
         return h + (self.mlp(x, h) if self.routed else self.mlp(x))

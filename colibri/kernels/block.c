@@ -1,0 +1,107 @@
+/* The attention half of a decoder block for a few rows (a decode step, a short prompt chunk) in one
+ * call: RMSNorm -> q/k/v projections -> q/k norm -> clip -> rotary -> KV cache write -> attention
+ * over each row's own cache -> o_proj -> residual add -> the post-attention RMSNorm.
+ *
+ * Why: between the dozen kernels of this chain the Python glue cost more than the kernels (a third
+ * of a small model's decode step) and let the pool's workers fall asleep. Each stage is the same
+ * kernel the unfused path calls, on the same bf16-rounded intermediates, so the bits are those of
+ * colibri/models/layers.py's native path (tests/test_native.py checks it). */
+#include "common.h"
+
+int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y);
+int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
+                 const uint16_t *mn, int g, int N, void *y);
+int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
+                     const void *v, long vs, int S, float scale, const float *sinks, void *out);
+int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
+int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
+
+/* One layer's constants (built once by colibri/kernels/native.py's AttnLayer). */
+typedef struct {
+    int hidden, heads, kv_heads, head_dim;
+    int scheme, group;            /* of all four projections: 8 (int8) or 4 (int4, group size g) */
+    coli_qw wq, wk, wv, wo;
+    const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32 */
+    float in_eps, post_eps;
+    int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3) */
+    const float *qn_w, *kn_w;
+    float qk_eps;
+    float clip;                   /* > 0: clamp q, k, v to [-clip, clip] */
+    int rot, window;              /* rotary channels per head; sliding window (0: none) */
+    float scale;
+    const float *sinks;           /* [heads] f32 or NULL */
+} coli_attn_layer;
+
+static int proj(const coli_attn_layer *L, const coli_qw *w, const uint16_t *x, int T, int K, int N, uint16_t *y) {
+    if (L->scheme == 8) return coli_q8_gemm(x, 1, T, K, (const int8_t *)w->q, (const float *)w->s, N, y);
+    return coli_q4_gemm(x, 1, T, K, (const uint8_t *)w->q, (const uint16_t *)w->s, (const uint16_t *)w->m,
+                        L->group, N, y);
+}
+
+static void clamp_bf16(uint16_t *x, long n, float c) {
+    for (long i = 0; i < n; i++) {
+        float v = bf16_to_f32(x[i]);
+        if (v > c) x[i] = f32_to_bf16(c);
+        else if (v < -c) x[i] = f32_to_bf16(-c);
+    }
+}
+
+/* T rows of bf16 hidden states h [T, hidden]; row t sits at position pos[t] of the sequence whose
+ * caches for this layer are kc[t] / vc[t] (bf16 [kv_heads, ctx, head_dim], head stride ks / vs);
+ * cos/sin f32 [T, rot] the rows' rotary tables. Writes each row's key and value at its position,
+ * then (all rows' keys written: a prompt chunk's rows see their predecessors) h_out = h + attn(h)
+ * and x_out = post_norm(h_out), both bf16 [T, hidden]. Returns 0, -1 (T out of range), -2 (memory). */
+int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
+                    void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {
+    if (T < 1 || T > MAX_T) return -1;
+    int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim;
+    long nq = (long)nh * D, nk = (long)nkv * D;
+    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (Hd + 3 * nq + 4 * nk + Hd));
+    if (!buf) return -2;
+    uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
+    uint16_t *q2 = v + T * nk, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * nq;
+    const uint16_t *hb = (const uint16_t *)h;
+    int rc = 0;
+    coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn);
+    if ((rc = proj(L, &L->wq, xn, T, Hd, (int)nq, q)) || (rc = proj(L, &L->wk, xn, T, Hd, (int)nk, k)) ||
+        (rc = proj(L, &L->wv, xn, T, Hd, (int)nk, v)))
+        goto done;
+    if (L->qk_norm == 1) {
+        coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
+        coli_rmsnorm(k, 1, T, (int)nk, L->kn_w, L->qk_eps, k2);
+        memcpy(q, q2, sizeof(uint16_t) * T * nq);
+        memcpy(k, k2, sizeof(uint16_t) * T * nk);
+    }
+    if (L->clip > 0) {
+        clamp_bf16(q, T * nq, L->clip);
+        clamp_bf16(k, T * nk, L->clip);
+        clamp_bf16(v, T * nk, L->clip);
+    }
+    if (L->qk_norm == 2) {
+        coli_rmsnorm(q, 1, (long)T * nh, D, L->qn_w, L->qk_eps, q2);
+        coli_rmsnorm(k, 1, (long)T * nkv, D, L->kn_w, L->qk_eps, k2);
+        memcpy(q, q2, sizeof(uint16_t) * T * nq);
+        memcpy(k, k2, sizeof(uint16_t) * T * nk);
+    }
+    coli_rope(q, 1, T, nh, D, L->rot, cs, sn, q2);  /* q2, k2: rotated */
+    coli_rope(k, 1, T, nkv, D, L->rot, cs, sn, k2);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < nkv; j++) {
+            memcpy((uint16_t *)kc[t] + j * ks + (long)pos[t] * D, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
+            memcpy((uint16_t *)vc[t] + j * vs + (long)pos[t] * D, v + t * nk + (long)j * D, sizeof(uint16_t) * D);
+        }
+    for (int t = 0; t < T; t++) {
+        int valid = pos[t] + 1, lo = L->window > 0 && valid > L->window ? valid - L->window : 0;
+        if ((rc = coli_attn_decode(q2 + t * nq, 1, nh, nkv, D, D, (uint16_t *)kc[t] + (long)lo * D, ks,
+                                   (uint16_t *)vc[t] + (long)lo * D, vs, valid - lo, L->scale, L->sinks,
+                                   ao + t * nq)))
+            goto done;
+    }
+    if ((rc = proj(L, &L->wo, ao, T, (int)nq, Hd, o))) goto done;
+    uint16_t *hn = (uint16_t *)h_out;
+    for (long i = 0; i < (long)T * Hd; i++) hn[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(o[i]));
+    coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out);
+done:
+    free(buf);
+    return rc;
+}
