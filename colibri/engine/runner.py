@@ -178,7 +178,7 @@ class Runner:
         read = self._bytes_read() - bytes0
         self.store.count_step(seqs[-1].r1 - decode_rows, decode_rows, read)
         bounds = [(s.r0, s.r1) for s in seqs]
-        unique, summed, own = batching_counts(routes, bounds, self.n_experts) if routes else ({}, {}, [0] * len(seqs))
+        unique, summed, own = batching_counts(routes, bounds) if routes else ({}, {}, [0] * len(seqs))
         total_unique = sum(unique.values())
         k.experts_unique += total_unique
         k.experts_summed += sum(summed.values())

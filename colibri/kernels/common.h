@@ -25,6 +25,13 @@ typedef struct {
 #define MAX_T 64          /* rows per call (decode batches); larger inputs go to a dense GEMM */
 #define PAR_MIN_BYTES (256 * 1024) /* below this, one thread: a fork/join costs more than it saves */
 
+/* 64-byte aligned scratch (free() it): the prepared activation rows are read 64 bytes at a time, and
+ * a load that straddles two cache lines costs two. */
+static inline void *coli_alloc(size_t bytes) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, (bytes + 63) / 64 * 64) == 0 ? p : NULL;
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -35,14 +35,14 @@ static void q8_part(void *p, int id, int n) {
 int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y) {
     if (T < 1 || T > MAX_T) return -1;
     int vm = Q8V_OK(bf16, K);
-    float *xf = (float *)malloc(sizeof(float) * ((size_t)T * K + (size_t)T * N + (size_t)T * Q8_STRIDE(K)));
-    if (!xf) return -2;
-    float *yf = xf + (size_t)T * K, *xv = yf + (size_t)T * N;
+    float *xv = (float *)coli_alloc(sizeof(float) * ((size_t)T * K + (size_t)T * N + (size_t)T * Q8_STRIDE(K)));
+    if (!xv) return -2;
+    float *xf = xv + (size_t)T * Q8_STRIDE(K), *yf = xf + (size_t)T * K;
     load_x(x, bf16, T, K, xf);
     if (vm) q8_prep(xf, T, K, xv);
     q8_job j = {vm ? xv : xf, T, K, q, scale, N, yf, bf16, y, vm};
     coli_parallel(q8_part, &j, n_threads_for((long)N * K));
-    free(xf);
+    free(xv);
     return 0;
 }
 
@@ -79,7 +79,7 @@ int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const 
     if (K % 32 || g % 32 || K % g) return -3;
     int G = K / g;
     size_t nx = (size_t)T * K;
-    float *buf = (float *)malloc(sizeof(float) * (2 * nx + (size_t)T * G + (size_t)T * N));
+    float *buf = (float *)coli_alloc(sizeof(float) * (2 * nx + (size_t)T * G + (size_t)T * N));
     if (!buf) return -2;
     float *xf = buf, *xp = buf + nx, *xs = xp + nx, *yf = xs + (size_t)T * G;
     load_x(x, bf16, T, K, xf);

@@ -105,10 +105,10 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     uoff[nu] = Q;
     size_t nf = (size_t)T * H + (size_t)Q * H + (size_t)Q * 2 * I + (size_t)Q * I + (size_t)Q * H;
     /* prepared activations (int4: nibble-ordered or bf16 copies + group sums; int8 in bf16: q8_prep) */
-    size_t nxp = (size_t)Q * H, nxs = scheme == 4 ? (size_t)Q * H / g : 0;
-    size_t nap = (size_t)Q * I, nas = scheme == 4 ? (size_t)Q * I / g : 0;
+    size_t nxp = (size_t)Q * (H > Q8_STRIDE(H) ? H : Q8_STRIDE(H)), nxs = scheme == 4 ? (size_t)Q * H / g : 0;
+    size_t nap = (size_t)Q * (I > Q8_STRIDE(I) ? I : Q8_STRIDE(I)), nas = scheme == 4 ? (size_t)Q * I / g : 0;
     size_t n4 = nxp + nxs + nap + nas;
-    buf = (float *)malloc(sizeof(float) * (nf + n4 + 1));
+    buf = (float *)coli_alloc(sizeof(float) * (nf + n4 + 1));
     if (!buf) { rc = -2; goto done; }
     float *xf = buf, *xsrt = xf + (size_t)T * H, *hgu = xsrt + (size_t)Q * H, *act = hgu + (size_t)Q * 2 * I;
     float *ysrt = act + (size_t)Q * I;
