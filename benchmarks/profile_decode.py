@@ -19,7 +19,7 @@ import colibri
 from colibri.kernels import native
 from colibri.models.batch import StepBatch
 
-KERNELS = ("q8_gemm", "q4_gemm", "moe", "attn_block", "attn_decode", "rmsnorm", "rope")
+KERNELS = ("q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block", "attn_decode", "rmsnorm", "rope")
 
 
 def main() -> None:

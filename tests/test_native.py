@@ -236,11 +236,13 @@ def _steps(llm, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch
     attention block on or off."""
     from colibri.models.batch import Seq, StepBatch
     from colibri.models.layers import Attention
+    from colibri.models.moe import SparseMoE
 
     out: dict[str, torch.Tensor] = {}
     with monkeypatch.context() as mp:
         if not fused:
             mp.setattr(Attention, "fused", lambda self, *a: None)
+            mp.setattr(SparseMoE, "fused", lambda self, *a: None)
         s0, s1 = llm.slots.caches[0], llm.slots.caches[1]
         with torch.inference_mode():
             rows = []
@@ -258,13 +260,15 @@ def _steps(llm, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch
 @pytest.mark.parametrize("model_type,overrides", [("olmoe", {"clip_qkv": 0.5}), ("qwen3_moe", {}),
                                                  ("mixtral", {"sliding_window": 5})])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_fused_attention_block_gives_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
+def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
     """coli_attn_block (norm, q/k/v, q/k norm, clip, rotary, cache write, attention, o_proj, residual,
-    post norm in one call) gives exactly the bits of the same kernels called one by one from Python, for
-    one-row steps and a two-sequence step; a prompt chunk through it (rows attend over their own
-    predecessors, written in the same call) matches the one-row steps."""
+    post norm in one call) and coli_moe_block (router, experts, residual) give exactly the bits of the
+    same kernels called one by one from Python, for one-row steps and a two-sequence step; a prompt
+    chunk through them (rows attend over their own predecessors, written in the same call) matches
+    the one-row steps."""
     import colibri
     from colibri.models.layers import Attention
+    from colibri.models.moe import SparseMoE
 
     llm = colibri.load(ckpt.coli(model_type, scheme, **overrides), ctx_size=64, slots=2, threads=2)
     try:
@@ -276,10 +280,20 @@ def test_fused_attention_block_gives_the_unfused_bits(ckpt, monkeypatch, model_t
             taken.append(r is not None)
             return r
 
+        moe_taken = []
+        real_moe = SparseMoE.fused
+
+        def spy_moe(self, *a):
+            r = real_moe(self, *a)
+            moe_taken.append(r is not None)
+            return r
+
         monkeypatch.setattr(Attention, "fused", spy)
+        monkeypatch.setattr(SparseMoE, "fused", spy_moe)
         got = _steps(llm, True, monkeypatch)
-        assert taken and all(taken)  # every layer of every step went through the native block
+        assert taken and all(taken) and moe_taken and all(moe_taken)  # every layer of every step was fused
         monkeypatch.setattr(Attention, "fused", real)
+        monkeypatch.setattr(SparseMoE, "fused", real_moe)
         ref = _steps(llm, False, monkeypatch)
     finally:
         llm.close()
@@ -289,3 +303,21 @@ def test_fused_attention_block_gives_the_unfused_bits(ckpt, monkeypatch, model_t
     one_row = got["rows"][len(PROMPTS[0]) : len(PROMPTS[0]) + 6]
     assert (got["chunk"].float() - one_row.float()).abs().max() <= 0.05 * one_row.float().abs().max()
     assert torch.equal(got["chunk"].argmax(-1), one_row.argmax(-1))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_native_router_matches_torchs(norm: bool) -> None:
+    """coli_route against the f32 torch router on bf16 rows: the same experts in the same order (a
+    tie within an ulp aside) and weights within float rounding; NaN logits are an error."""
+    from colibri.models.moe import TopKRouter
+
+    torch.manual_seed(3)
+    r = TopKRouter(96, 24, 5, norm)
+    r.weight.data = torch.randn(24, 96)
+    x = torch.randn(40, 96).bfloat16()
+    idx, w = r(x)  # native (bf16 input)
+    ref_idx, ref_w = r(x.float())  # torch (f32 input: the oracle path, same values)
+    assert torch.equal(idx, ref_idx)
+    assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        r(torch.full((1, 96), float("nan")).bfloat16())

@@ -145,3 +145,71 @@ done:
     free(count); free(order); free(uexp); free(uoff); free(buf);
     return rc;
 }
+
+/* ------------------------------------------------------------------- the router and the whole layer */
+
+/* Softmax top-k routing (Mixtral, OLMoE, Qwen-MoE): for each of T rows of x, logits = x W^T in f32
+ * (W f32 [E, H]), probabilities by softmax over all E, the k largest in descending order (ties: the
+ * lower expert first), optionally renormalised to sum to one. idx int64 [T, k], w f32 [T, k].
+ * Returns 0, -2 (memory), -3 (bad k), -5 (a NaN logit). */
+int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int64_t *idx,
+               float *w) {
+    if (k < 1 || k > E) return -3;
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)H + (size_t)E));
+    if (!buf) return -2;
+    float *xf = buf, *p = buf + H;
+    for (int t = 0; t < T; t++) {
+        if (bf16) load_x((const uint16_t *)x + (long)t * H, 1, 1, H, xf);
+        else memcpy(xf, (const float *)x + (long)t * H, sizeof(float) * H);
+        float mx = -INFINITY;
+        for (int e = 0; e < E; e++) {
+            const float *we = W + (long)e * H;
+            float a = 0.f;
+            int i = 0;
+#ifdef COLI_AVX512
+            __m512 acc = _mm512_setzero_ps();
+            for (; i + 16 <= H; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i), _mm512_loadu_ps(we + i), acc);
+            a = _mm512_reduce_add_ps(acc);
+#endif
+            for (; i < H; i++) a += xf[i] * we[i];
+            p[e] = a;
+            if (a > mx) mx = a;
+        }
+        float den = 0.f;
+        for (int e = 0; e < E; e++) { p[e] = expf(p[e] - mx); den += p[e]; }
+        float sum = 0.f;
+        for (int j = 0; j < k; j++) {  /* k passes of a max scan: k and E are small */
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            if (best < 0) { free(buf); return -5; }  /* NaN logits: an error, not garbage routes */
+            idx[(long)t * k + j] = best;
+            w[(long)t * k + j] = p[best] / den;
+            sum += w[(long)t * k + j];
+            p[best] = -1.f;  /* taken */
+        }
+        if (norm)
+            for (int j = 0; j < k; j++) w[(long)t * k + j] /= sum;
+    }
+    free(buf);
+    return 0;
+}
+
+/* The routed half of a decoder block whose experts are all in `gate_up`/`down` (a resident layer):
+ * route x (the post-attention norm of h, bf16 [T, H]) as coli_route does, run the experts as coli_moe
+ * does, and h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
+int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
+                   const coli_qw *gate_up, const coli_qw *down, int scheme, int g, int64_t *idx, float *w,
+                   float *ys, void *h_out) {
+    int rc = coli_route(x, 1, T, H, W, E, k, norm, idx, w);
+    if (rc) return rc;
+    uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * H);
+    if (!y) return -2;
+    rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y);
+    const uint16_t *hb = (const uint16_t *)h;
+    uint16_t *ho = (uint16_t *)h_out;
+    if (!rc)
+        for (long i = 0; i < (long)T * H; i++) ho[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(y[i]));
+    free(y);
+    return rc;
+}

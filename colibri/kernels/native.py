@@ -103,6 +103,10 @@ class AttnLayer(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
+    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, p]
+    lib.coli_route.restype = i
+    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, p, i, i, p, p, p, p]
+    lib.coli_moe_block.restype = i
     lib.coli_attn_block.argtypes = [p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p]
     lib.coli_attn_block.restype = i
     lib.coli_moe.argtypes = [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p]
@@ -217,6 +221,7 @@ class MoeTables:
         self.n = n_experts
         self.gu, self.dn = (QW * n_experts)(), (QW * n_experts)()
         self.owner: list[tuple[int, int] | None] = [None] * n_experts  # (id(gate_up), id(down)) per entry
+        self.scheme, self.group_size = "", 0  # of a table holding a whole layer (SwitchGLU.full_tables)
 
     def set(self, e: int, gate_up, down) -> None:
         key = (id(gate_up), id(down))
@@ -242,6 +247,37 @@ def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Te
     if rc != 0:
         raise RuntimeError(f"coli_moe failed ({rc})")
     return y
+
+
+def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """coli_route: softmax top-k routing of x [T, H] (bf16/f32 contiguous) by w f32 [E, H] contiguous
+    -> (idx int64 [T, k], weights f32 [T, k]), largest first, renormalised when `norm`."""
+    T, H = x.shape
+    idx = torch.empty(T, k, dtype=torch.int64)
+    wts = torch.empty(T, k, dtype=torch.float32)
+    rc = _lib.coli_route(x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, w.data_ptr(), w.shape[0], k, int(norm),
+                         idx.data_ptr(), wts.data_ptr())
+    if rc != 0:
+        raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_route failed ({rc})")
+    return idx, wts
+
+
+def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch.Tensor, k: int, norm: bool,
+              intermediate: int, scheme: str, group_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """coli_moe_block: route x [T, H] bf16 (the normed rows) as `route` does, run a resident layer's
+    experts (every entry of `tables` set) as `moe` does, add to h [T, H] bf16 -> (h_out, idx, weights)."""
+    T, H = x.shape
+    idx = torch.empty(T, k, dtype=torch.int64)
+    wts = torch.empty(T, k, dtype=torch.float32)
+    ys = torch.empty(T * k, H, dtype=torch.float32)
+    h_out = torch.empty_like(h)
+    rc = _lib.coli_moe_block(x.data_ptr(), h.data_ptr(), T, H, intermediate, router.data_ptr(), router.shape[0], k,
+                             int(norm), tables.gu, tables.dn, 8 if scheme == "int8" else 4, group_size,
+                             idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr())
+    if rc != 0:
+        raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_moe_block failed ({rc})")
+    return h_out, idx, wts
 
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -137,6 +137,28 @@ class SwitchGLU(nn.Module):
         out = (ys.view(T, k, -1).float() * weights.float()[..., None]).sum(1)
         return out.to(x.dtype)
 
+    def full_tables(self) -> native.MoeTables | None:
+        """Native tables holding every expert of a resident layer of native experts of one scheme (filled
+        once), or None (a cached layer, another activation, or experts the kernel does not run)."""
+        if self.act is not silu_glu or self.source is None or not self.source.holds_all(self.layer):
+            return None
+        full = self.__dict__.get("_full")
+        if full is None:
+            full = False
+            ws = list(self.source.fetch(self.layer, list(range(self.num_experts))))
+            if ws and all(_native_expert(w, ws[0][1].gate_up) for _, w in ws):
+                full = native.MoeTables(self.num_experts)
+                full.scheme, full.group_size = ws[0][1].gate_up.scheme, ws[0][1].gate_up.group_size
+                for e, w in ws:
+                    full.set(e, w.gate_up, w.down)
+            self.__dict__["_full"] = full
+        return full or None
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: rebuild the tables
+        self.__dict__.pop("_full", None)
+        self._tables = None
+        return super()._apply(fn, recurse)
+
     def _look_ahead(self, resid: torch.Tensor | None) -> None:
         # After this layer's fetch (its experts are claimed: a prefetch cannot evict them).
         if self.lookahead is not None and resid is not None:
@@ -162,11 +184,18 @@ class TopKRouter(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native_ok(x):  # one native call instead of five ops (bf16 only: f32 stays torch's, the oracle)
+            return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]
         weights, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return idx, weights
+
+    def native_ok(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.device.type == "cpu" \
+            and w.dtype == torch.float32 and w.is_contiguous() and native.available()
 
 
 class SparseMoE(nn.Module):
@@ -181,6 +210,25 @@ class SparseMoE(nn.Module):
             setattr(self, shared_name, shared)
         if shared_gate is not None:
             self.shared_expert_gate = shared_gate
+
+    def fused(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """h + self(x, h) in one native call (router, experts, residual: kernels/moe.c coli_moe_block)
+        for a few bf16 rows of a resident layer with a softmax top-k router and no shared expert --
+        the bits of the unfused native path; None where it does not apply."""
+        ex = self.experts
+        if type(self.gate) is not TopKRouter or getattr(self, self.shared_name, None) is not None \
+                or x.shape[0] > native.MOE_MAX_ROWS or not self.gate.native_ok(x) or h.dtype != torch.bfloat16:
+            return None
+        tables = ex.full_tables()
+        if tables is None:
+            return None
+        ex._look_ahead(h)  # the next layer's reads start first, as on the unfused path
+        h_out, idx, weights = native.moe_block(tables, x.contiguous(), h.contiguous(), self.gate.weight,
+                                               self.gate.top_k, self.gate.norm_topk_prob, ex.intermediate,
+                                               tables.scheme, tables.group_size)
+        if ex.on_route is not None:
+            ex.on_route(ex.layer, idx, weights)
+        return h_out
 
     def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] normed rows; resid [T, H] the block's residual (for the experts' look-ahead)."""
