@@ -160,7 +160,10 @@ def worker(a: argparse.Namespace) -> dict:
     llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads, mem_budget=budget)
     rng = random.Random(0)
     prompt = [1] + [rng.randrange(3, 384) for _ in range(a.prompt_len - 1)]  # ids the test tokenizer has
-    list(llm.generate_ids(prompt[:8], 4, ignore_eos=True))  # warm-up: oneDNN primitives, first faults
+    # Warm-up (llama-bench warms up too): both paths a prompt takes -- native kernels for short steps,
+    # torch's GEMMs (oneDNN primitives, first faults) for the 128-row one.
+    list(llm.generate_ids(prompt[:8], 4, ignore_eos=True))
+    list(llm.generate_ids(prompt, 1, ignore_eos=True))
     dec, pre = [], []
     for _ in range(a.repeats):
         it = llm.generate_ids([1], a.tokens + 1, ignore_eos=True)

@@ -52,6 +52,9 @@ _INT4_GROUP_SIZES = (32, 64, 128, 256)
 # threads then). At 8-64 rows int8 is on par with torch's int8 kernel (2 threads, AVX-512 EPYC), and
 # dequantize-then-GEMM is 2-10x slower.
 NATIVE_MAX_ROWS: dict[str, int] = {"int8": 64, "int4": 64}
+# In a large prefill step (torch has the threads, the native pool one): the rows up to which the
+# one-thread native kernel still beats dequantize-then-GEMM (bench_quant.py, as measured before).
+PREFILL_NATIVE_ROWS: dict[str, int] = {"int8": 8, "int4": 32}
 # Alignment of a module's own buffers once moved into memory its caller owns (an expert-cache slot).
 OWNED_ALIGN = 64
 # kernel="auto": the largest input row count for which the fused CPU kernel beats
@@ -561,13 +564,16 @@ class QLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, in]
         rows = x2.shape[0]
-        if self.path == "native" and self.scheme == "int8" and 1 < rows <= FUSED_MAX_ROWS[("int8", torch.bfloat16)] \
-                and native.get_threads() == 1 and self.compute_dtype == torch.bfloat16 \
+        # A large prefill step: the engine gave torch the threads and the native pool one (engine/runner.py),
+        # so a one-thread native kernel only wins for a few rows.
+        torch_owns = self.path == "native" and native.get_threads() == 1 and torch.get_num_threads() > 1
+        if torch_owns and self.scheme == "int8" and 1 < rows <= FUSED_MAX_ROWS[("int8", torch.bfloat16)] \
+                and self.compute_dtype == torch.bfloat16 \
                 and _int8_cpu_fusable((self.out_features, self.in_features), self.compute_dtype):
-            # A prefill step (the engine gives the native pool one thread then): torch's multi-row
-            # int8 kernel on its own threads wins for a few rows (an expert's share of a prompt).
+            # torch's multi-row int8 kernel on its own threads wins for a few rows (an expert's share of a prompt)
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(self.compute_dtype))
-        elif self.path == "native" and 0 < rows <= self.fused_max_rows:
+        elif self.path == "native" and 0 < rows <= (PREFILL_NATIVE_ROWS[self.scheme] if torch_owns
+                                                    else self.fused_max_rows):
             y = self._native_call(x2.contiguous())
         elif self.path == "fused" and 0 < x2.shape[0] <= self.fused_max_rows and x2.device.type == "cpu":
             x2 = x2.contiguous()
