@@ -71,6 +71,39 @@ static inline void q8_rows(const float *xf, int T, int K, const int8_t *q, const
 #define COLI_VNNI 1
 #endif
 
+/* One 32-value block of activations to int8 (round to nearest even, |q| <= 127) with its scale;
+ * returns the sum of the int8 values. The vector and scalar forms give the same bits. */
+static inline int q8_block(const float *x, int8_t *q, float *scale) {
+#ifdef COLI_AVX512
+    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qa = _mm512_min_epi32(_mm512_max_epi32(qa, lo), hi);
+    qb = _mm512_min_epi32(_mm512_max_epi32(qb, lo), hi);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+    *scale = sc;
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int i = 0; i < 32; i++) {
+        int v = (int)nearbyintf(x[i] * inv);
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        q[i] = (int8_t)v;
+        sum += v;
+    }
+    *scale = sc;
+    return sum;
+#endif
+}
+
 static inline void q8_prep(const float *xf, int n, int K, float *xp) {
     for (int t = 0; t < n; t++) {
         const float *x = xf + (long)t * K;
@@ -79,16 +112,8 @@ static inline void q8_prep(const float *xf, int n, int K, float *xp) {
         float *lane = base + K / 4;
         double corr = 0.0;
         for (int b = 0; b < K; b += 32) {
-            float amax = 0.f;
-            for (int i = b; i < b + 32; i++) amax = fmaxf(amax, fabsf(x[i]));
-            float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            int sum = 0;
-            for (int i = b; i < b + 32; i++) {
-                int v = (int)nearbyintf(x[i] * inv);
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                xq[i] = (int8_t)v;
-                sum += v;
-            }
+            float sc;
+            int sum = q8_block(x + b, xq + b, &sc);
             for (int l = 0; l < 8; l++) lane[b / 4 + l] = sc;
             corr += 128.0 * sc * sum;
         }
@@ -182,33 +207,37 @@ static inline void q4_row_block_bf(const uint16_t *xb, const float *xs, int K, i
 #define COLI_Q4V 1
 static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, float *xs) {
     int G = K / g;
+    int8_t nat[128];
+    float bsc[4];
+    int bsum[4];
     for (int t = 0; t < n; t++) {
         const float *x = xf + (long)t * K;
         float *base = xp + (long)t * K;
         int8_t *xq = (int8_t *)base;
         float *lane = base + K / 4;
-        for (int b = 0; b < K; b += 32) {
-            float amax = 0.f;
-            for (int i = b; i < b + 32; i++) amax = fmaxf(amax, fabsf(x[i]));
-            float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = b; i < b + 32; i++) {
-                int v = (int)nearbyintf(x[i] * inv);
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                int c = i & ~127, o = i & 127;  /* chunk start, offset: evens first, then odds */
-                xq[c + (o & 1) * 64 + o / 2] = (int8_t)v;
+        float *gs = xs + (long)t * G;
+        for (int gi = 0; gi < G; gi++) gs[gi] = 0.f;
+        for (int c = 0; c < K; c += 128) {  /* quantize a chunk in column order, then evens first, odds next */
+            for (int b = 0; b < 4; b++) {
+                bsum[b] = q8_block(x + c + 32 * b, nat + 32 * b, &bsc[b]);
+                for (int l = 0; l < 4; l++) lane[(c + 32 * b) / 8 + l] = bsc[b];  /* 4 lanes of 8 columns */
             }
-            for (int l = 0; l < 4; l++) lane[b / 8 + l] = sc;  /* 4 lanes of 8 columns per block */
-        }
-        /* Group sums of the quantized values: min * sum then pairs with scale * q . xq, so the row
-         * computes w . xq exactly (w = q * scale + min); exact sums would leave the large q-part's
-         * quantization error uncancelled (int4's offsets are ~7.5 scales). */
-        for (int gi = 0; gi < G; gi++) {
-            float s = 0.f;
-            for (int i = gi * g; i < (gi + 1) * g; i++) {
-                int c = i & ~127, o = i & 127;
-                s += (float)xq[c + (o & 1) * 64 + o / 2] * lane[i / 8];
-            }
-            xs[(long)t * G + gi] = s;
+#if defined(__AVX512VBMI__)
+            const __m512i ev = _mm512_set_epi8(126, 124, 122, 120, 118, 116, 114, 112, 110, 108, 106, 104, 102, 100,
+                                               98, 96, 94, 92, 90, 88, 86, 84, 82, 80, 78, 76, 74, 72, 70, 68, 66,
+                                               64, 62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                               30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            const __m512i od = _mm512_add_epi8(ev, _mm512_set1_epi8(1));
+            __m512i v0 = _mm512_loadu_si512((const void *)nat), v1 = _mm512_loadu_si512((const void *)(nat + 64));
+            _mm512_storeu_si512((void *)(xq + c), _mm512_permutex2var_epi8(v0, ev, v1));
+            _mm512_storeu_si512((void *)(xq + c + 64), _mm512_permutex2var_epi8(v0, od, v1));
+#else
+            for (int o = 0; o < 128; o++) xq[c + (o & 1) * 64 + o / 2] = nat[o];
+#endif
+            /* Group sums of the quantized values (scale * integer block sums): min * sum then pairs with
+             * scale * q . xq, so the row computes w . xq exactly (w = q * scale + min); exact sums would
+             * leave the large q-part's quantization error uncancelled (int4's offsets are ~7.5 scales). */
+            for (int b = 0; b < 4; b++) gs[(c + 32 * b) / g] += bsc[b] * (float)bsum[b];
         }
     }
 }
