@@ -39,3 +39,28 @@ def test_row_counts_are_timed_apart_and_one_thread_needs_no_timing():
     assert sum(dt.pick(1) == 1 for _ in range(50)) > 45
     assert sum(dt.pick(8) == 2 for _ in range(50)) > 45
     assert DecodeThreads(1).pick(4) == 1
+
+
+def test_an_outlier_among_the_first_timings_does_not_decide():
+    """One slow two-thread step early on (a server's HTTP thread running at that moment) must not keep
+    decode on one thread: the choice follows the median of recent timings."""
+    dt = DecodeThreads(2)
+    seen = {"n": 0}
+
+    def cost(n: int) -> float:
+        if n == 2:
+            seen["n"] += 1
+            return 0.2 if seen["n"] == 3 else 0.01  # the second kept two-thread timing is an outlier
+        return 0.015
+
+    picks = []
+    for _ in range(100):
+        n = dt.pick(1)
+        dt.record(1, n, cost(n))
+        picks.append(n)
+    assert picks[-50:].count(2) > 45
+
+
+def test_more_threads_win_a_tie():
+    dt = DecodeThreads(2)
+    assert drive(dt, {1: 0.0100, 2: 0.0102}, 100)[-50:].count(2) > 45
