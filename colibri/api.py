@@ -19,6 +19,7 @@ from .engine.runner import Runner
 from .engine.scheduler import Scheduler
 from .engine.stats import StepInfo
 from .errors import ColibriError
+from .kernels import native
 from .models.base import bind, build
 from .store import Placement, TieredStore
 from .store.tiered import PlacementFn, stats_delta
@@ -128,7 +129,11 @@ class Engine:
         except BaseException:
             self.store.close()
             raise
-        self._sched = Scheduler(self.slots, max_queue, prefill_chunk)
+        # Steps with decoding sequences stay within the native kernels' row limit (engine/scheduler.py):
+        # measured in `colibri serve`, 3-7 prompts joining one running stream in one torch-GEMM step took
+        # 0.6-1 s to their first token; in steps of <= 64 rows on the native pool, ~0.1 s per step.
+        mixed = native.MOE_MAX_ROWS if native.available() else None
+        self._sched = Scheduler(self.slots, max_queue, prefill_chunk, mixed)
         self._runner = Runner(self.model, self._sched, self.store, self.threads, lambda: self.tokenizer.eos_ids)
         self._local = threading.local()
         self._closed = False

@@ -146,3 +146,37 @@ def test_slots_preallocate_kv(ckpt):
     path = ckpt.coli("deepseek_v2", "f32")  # the MLA latent cache, per slot
     with colibri.load(path, ctx_size=32, slots=1) as one, colibri.load(path, ctx_size=32, slots=3) as three:
         assert three.kv_bytes() == 3 * one.kv_bytes() == 3 * 32 * one.slots.bytes_per_position
+
+
+def test_steps_with_running_streams_stay_small(ckpt, monkeypatch):
+    """While a sequence is decoding, prompts joining it are read in steps of at most the native row
+    limit in all (decode rows included); a prompt alone still gets the whole prefill chunk. Tokens are
+    those of the sequences alone."""
+    from colibri.engine.runner import Runner
+    from colibri.engine.scheduler import Scheduler
+
+    path = ckpt.coli("olmoe", "f32")
+    rows: list[tuple[int, int]] = []  # per step: (decode rows, all rows)
+    real = Runner._step
+
+    def spy(self, chunks):
+        rows.append((sum(1 for c in chunks if c.start >= c.a.prompt_len), sum(len(c.tokens) for c in chunks)))
+        return real(self, chunks)
+
+    monkeypatch.setattr(Runner, "_step", spy)
+    prompts = [[1 + (7 * j + i) % 90 for j in range(40)] for i in range(3)]
+    with colibri.load(path, ctx_size=128, threads=2, slots=1) as solo:
+        alone = [list(solo.generate_ids(p, 6, ignore_eos=True)) for p in prompts]
+    with colibri.load(path, ctx_size=128, threads=2, slots=3) as llm:
+        llm._sched.mixed_rows = 16  # small enough for these prompts to need several steps
+        rows.clear()
+        first = llm.submit(prompts[0], 30, ignore_eos=True)
+        next(iter(first))  # decoding now
+        late = [llm.submit(p, 6, ignore_eos=True) for p in prompts[1:]]
+        got = [[ev.token for ev in h] for h in late]
+        list(first)
+    assert rows[0] == (0, 40)  # the lone prompt: one step
+    assert all(total <= 16 for dec, total in rows[1:] if dec)
+    assert any(total - dec > 1 for dec, total in rows[1:] if dec)  # prompts did ride along
+    assert got == alone[1:]
+    assert Scheduler(llm.slots, 1, 512).mixed_rows is None  # the default: no limit

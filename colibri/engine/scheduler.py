@@ -60,8 +60,12 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, slots: SlotPool, max_queue: int, prefill_chunk: int):
+    def __init__(self, slots: SlotPool, max_queue: int, prefill_chunk: int, mixed_rows: int | None = None):
+        """`mixed_rows`: while sequences are decoding, a step holds at most this many rows in all (the
+        native kernels' row limit: such a step stays on them, and the running streams wait one short
+        step rather than a long prefill; a lone prompt still gets `prefill_chunk`). None: no limit."""
         self.slots, self.max_queue, self.prefill_chunk = slots, max_queue, prefill_chunk
+        self.mixed_rows = mixed_rows
         self.queue: deque[RequestHandle] = deque()
         self.active: list[Active] = []  # admission order
         self.cond = threading.Condition()
@@ -124,6 +128,8 @@ class Scheduler:
         """This step's rows: decode rows first (one per generating request), then prompt chunks."""
         chunks = [Chunk(a, [a.next_token], a.fed, not a.final, False) for a in self.active if not a.prefilling]
         budget = self.prefill_chunk
+        if chunks and self.mixed_rows is not None:
+            budget = min(budget, max(self.mixed_rows - len(chunks), 1))
         for a in self.active:
             if not a.prefilling or budget <= 0:
                 continue
