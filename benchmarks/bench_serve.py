@@ -10,8 +10,8 @@ alone on a free 127.0.0.1 port with as many slots as the largest client count (`
 /v1/chat/completions requests (official openai client, greedy, --tokens tokens each,
 `ignore_eos` so every request generates them all) and is stopped. Printed per N and server:
 aggregate tok/s (all completion tokens / wall time from the first request sent to the last
-token), TTFT p50/p95, inter-token latency p50/p95 (gaps between streamed chunks; a chunk can
-carry several tokens when one ends inside a UTF-8 character), per-request tok/s (median of
+token), TTFT p50/p95, inter-token latency p50/p95 (gaps between streamed token chunks, empty ones
+included: a token whose text is not complete yet still gets its chunk from colibri), per-request tok/s (median of
 completion tokens / time from sending to the last token), the ratio colibri / llama-server
 and the load average. --memcap LIMIT runs each server inside
 `memcap LIMIT` (../shared/tools next to the checkout) after evicting its model file from the
@@ -112,12 +112,16 @@ async def one_request(client, model: str, prompt: str, tokens: int) -> dict:
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        c = chunk.choices[0] if chunk.choices else None
+        # A token's chunk: content, even empty (colibri sends one per token while a character or a
+        # possible stop string is incomplete, and for the 7B shape's random ids beyond the small test
+        # tokenizer, which decode to nothing); not the role chunk, not an empty closing chunk.
+        if c is not None and c.delta.content is not None and c.delta.role is None \
+                and (c.delta.content or c.finish_reason is None):
             times.append(time.perf_counter())
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
-    # t_end: the aggregate needs it when no chunk carried text (the 7B shape's random ids are mostly
-    # beyond the small test tokenizer, so they decode to nothing: no TTFT/ITL there, only tok/s).
+    # t_end: the aggregate's end when no token chunk came at all
     return {"t0": t0, "times": times, "t_end": time.perf_counter(),
             "tokens": usage if usage is not None else len(times)}
 

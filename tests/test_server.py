@@ -78,6 +78,9 @@ def test_greedy_chat_matches_transformers(client, hf):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+    # one chunk per generated token (empty while its text is incomplete), besides the role and final ones
+    token_chunks = [c for c in chunks[1:-2] if c.choices and c.choices[0].delta.content is not None]
+    assert len(token_chunks) == r.usage.completion_tokens
 
 
 def test_echo_prompt_logprobs_match_transformers(client, hf):
