@@ -452,14 +452,15 @@ class DecoderBlock(nn.Module):
         self.routed = isinstance(mlp, SparseMoE)
 
     def forward(self, h: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        fused = self.self_attn.fused if isinstance(self.self_attn, Attention) else None
-        out = fused(h, kv, self.input_layernorm, self.post_attention_layernorm) if fused is not None else None
+        # (exact types: a subclass with its own forward must not be bypassed by the fused native calls)
+        out = self.self_attn.fused(h, kv, self.input_layernorm, self.post_attention_layernorm) \
+            if type(self.self_attn) is Attention else None
         if out is not None:
             h, x = out
         else:
             h = h + self.self_attn(self.input_layernorm(h), kv)
             x = self.post_attention_layernorm(h)
-        if self.routed:
+        if type(self.mlp) is SparseMoE:
             out = self.mlp.fused(x, h)
             if out is not None:
                 return out
