@@ -76,12 +76,14 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+        self.partial = False  # the last push held back part of a character (vs a token with no text)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         before = self.tok.decode(self.ids[self.prefix : self.read])
         after = self.tok.decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
+        self.partial = after.endswith("\ufffd")
+        if len(after) > len(before) and not self.partial:
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before) :]
         return ""

@@ -55,8 +55,8 @@ class Relay:
         return "stop" if self.stop_hit else FINISH.get(self.handle.finish_reason or "", "cancelled")
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Text pieces until the request ends, one per token at least (empty while a token's text is held
-        back); a stop string ends it early (and is never sent)."""
+        """Text pieces until the request ends: one per token with text, an empty one per token without any
+        (a part of a character waits for the rest instead); a stop string ends it early (and is never sent)."""
         dec = StreamDecoder(self.tok)
         pending: list[TokenEvent] = []
         last = None
@@ -78,8 +78,8 @@ class Relay:
                 elif text:
                     yield Piece(text, pending)
                     pending = []
-                else:  # no text yet (part of a character, a possible stop string, a token without text):
-                    yield Piece("", [])  # an empty chunk still tells the client a token was made
+                elif not dec.partial:  # a token with no text at all (not part of a character, whose
+                    yield Piece("", [])  # text comes with the next one): an empty chunk says it was made
             if not self.stop_hit:
                 text, self.stop_hit = self.matcher.push(dec.flush())
                 text += self.matcher.flush()
