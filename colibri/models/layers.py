@@ -378,14 +378,15 @@ class Attention(nn.Module):
         if layer is None:
             return None
         pos, kc, vc = [], [], []
+        c0 = kv.segs[0][3]
         for r0, r1, start, cache in kv.segs:
             if not isinstance(cache, KVCache) or cache.k.dtype != torch.bfloat16 or cache.k.device.type != "cpu" \
-                    or start + r1 - r0 > cache.max_len:
+                    or start + r1 - r0 > cache.max_len or cache.k.stride() != c0.k.stride() \
+                    or cache.v.stride() != c0.v.stride():
                 return None  # (a full context: the unfused path raises the error)
             pos.extend(range(start, start + r1 - r0))
             kc.extend([cache.k.data_ptr()] * (r1 - r0))
             vc.extend([cache.v.data_ptr()] * (r1 - r0))
-        c0 = kv.segs[0][3]
         cos, sin = self.rope.tables(kv.pos, T, torch.float32)
         return native.attn_block(layer, h.contiguous(), pos, kc, vc, c0.k.stride(0), c0.v.stride(0),
                                  cos.contiguous(), sin.contiguous())
