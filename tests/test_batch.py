@@ -153,7 +153,6 @@ def test_steps_with_running_streams_stay_small(ckpt, monkeypatch):
     limit in all (decode rows included); a prompt alone still gets the whole prefill chunk. Tokens are
     those of the sequences alone."""
     from colibri.engine.runner import Runner
-    from colibri.engine.scheduler import Scheduler
 
     path = ckpt.coli("olmoe", "f32")
     rows: list[tuple[int, int]] = []  # per step: (decode rows, all rows)
@@ -179,4 +178,3 @@ def test_steps_with_running_streams_stay_small(ckpt, monkeypatch):
     assert all(total <= 16 for dec, total in rows[1:] if dec)
     assert any(total - dec > 1 for dec, total in rows[1:] if dec)  # prompts did ride along
     assert got == alone[1:]
-    assert Scheduler(llm.slots, 1, 512).mixed_rows is None  # the default: no limit

@@ -257,6 +257,14 @@ def _steps(llm, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch
     return out
 
 
+def _spy(real, seen: list[bool]):
+    def spy(self, *a):
+        r = real(self, *a)
+        seen.append(r is not None)
+        return r
+    return spy
+
+
 @pytest.mark.parametrize("model_type,overrides", [("olmoe", {"clip_qkv": 0.5}), ("qwen3_moe", {}),
                                                  ("mixtral", {"sliding_window": 5})])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -272,28 +280,12 @@ def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overr
 
     llm = colibri.load(ckpt.coli(model_type, scheme, **overrides), ctx_size=64, slots=2, threads=2)
     try:
-        taken = []
-        real = Attention.fused
-
-        def spy(self, *a):
-            r = real(self, *a)
-            taken.append(r is not None)
-            return r
-
-        moe_taken = []
-        real_moe = SparseMoE.fused
-
-        def spy_moe(self, *a):
-            r = real_moe(self, *a)
-            moe_taken.append(r is not None)
-            return r
-
-        monkeypatch.setattr(Attention, "fused", spy)
-        monkeypatch.setattr(SparseMoE, "fused", spy_moe)
-        got = _steps(llm, True, monkeypatch)
-        assert taken and all(taken) and moe_taken and all(moe_taken)  # every layer of every step was fused
-        monkeypatch.setattr(Attention, "fused", real)
-        monkeypatch.setattr(SparseMoE, "fused", real_moe)
+        taken: dict[type, list[bool]] = {Attention: [], SparseMoE: []}  # per call: did the native block run
+        with monkeypatch.context() as mp:
+            for cls, seen in taken.items():
+                mp.setattr(cls, "fused", _spy(cls.fused, seen))
+            got = _steps(llm, True, monkeypatch)
+        assert all(seen and all(seen) for seen in taken.values())  # every layer of every step was fused
         ref = _steps(llm, False, monkeypatch)
     finally:
         llm.close()
