@@ -1,6 +1,6 @@
 """Where a one-row decode step goes: time in each native kernel vs the whole step.
 
-    .venv/bin/python benchmarks/profile_decode.py --model M.coli [--threads 2] [--steps 64]
+    .venv/bin/python benchmarks/profile_decode.py --model M.coli [--threads 2] [--steps 64] [--per-layer]
 
 Calls the model's forward directly (no engine thread, no sampling), one row per step, and wraps the
 native kernel entry points (colibri/kernels/native.py) with timers: what is left of a step is Python
@@ -17,9 +17,11 @@ import torch
 
 import colibri
 from colibri.kernels import native
+from colibri.models import native_step
 from colibri.models.batch import StepBatch
 
-KERNELS = ("q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block", "attn_decode", "rmsnorm", "rope")
+KERNELS = ("decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block", "attn_decode",
+           "rmsnorm", "rope")
 
 
 def main() -> None:
@@ -27,7 +29,10 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--per-layer", action="store_true",
+                    help="the per-layer native calls, not all blocks in one (models/native_step.py)")
     a = ap.parse_args()
+    native_step.ENABLED = not a.per_layer
     spent: dict[str, float] = {}
 
     def timed(name: str, fn):

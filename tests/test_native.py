@@ -37,6 +37,18 @@ def test_qlinear_native_matches_dequantized(scheme: str, g: int, rows: int) -> N
     assert yb.dtype == torch.bfloat16 and _rel(yb, x.bfloat16().float() @ ref_w.T) < 1e-2
 
 
+@pytest.mark.parametrize("g", [32, 64, 128, 256])
+def test_int4_wide_rows_match_dequantized(g: int) -> None:
+    # More than 16 groups per row, and a count that is not a multiple of 16: the kernel converts the
+    # scales of 16 groups at a time (rows.h q4v_row_block).
+    torch.manual_seed(g)
+    t = quantize(torch.randn(40, 2304) * torch.logspace(-1, 1, 2304) + 0.1, "int4", g)  # every group its own scale
+    ref_w = dequantize(t, "int4", (40, 2304), g)
+    m = QLinear.from_tensors(t, "int4", (40, 2304), g, None, torch.bfloat16, kernel="native")
+    x = torch.randn(5, 2304).bfloat16()
+    assert _rel(m(x), x.float() @ ref_w.T) < 1e-2
+
+
 def test_native_rows_are_independent() -> None:
     # A row's result must not depend on the other rows of the call (batch == solo, bit for bit).
     t = quantize(torch.randn(64, 128), "int4", 32)
@@ -231,16 +243,18 @@ def test_forced_native_beyond_the_kernels_row_limit_dequantizes() -> None:
     assert _rel(m(x), x @ dequantize(t, "int8", (32, 128)).T) < 1e-5
 
 
-def _steps(llm, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
-    """Logits of one-row steps, a two-sequence decode step and a 6-row prompt chunk, with the fused
-    attention block on or off."""
+def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
+    """Logits of one-row steps, a two-sequence decode step and a 6-row prompt chunk: all blocks in one
+    native call ("one_call"), the fused blocks one layer at a time ("fused"), or neither ("unfused")."""
+    from colibri.models import native_step
     from colibri.models.batch import Seq, StepBatch
     from colibri.models.layers import Attention
     from colibri.models.moe import SparseMoE
 
     out: dict[str, torch.Tensor] = {}
     with monkeypatch.context() as mp:
-        if not fused:
+        mp.setattr(native_step, "ENABLED", mode == "one_call")
+        if mode == "unfused":
             mp.setattr(Attention, "fused", lambda self, *a: None)
             mp.setattr(SparseMoE, "fused", lambda self, *a: None)
         s0, s1 = llm.slots.caches[0], llm.slots.caches[1]
@@ -258,8 +272,8 @@ def _steps(llm, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch
 
 
 def _spy(real, seen: list[bool]):
-    def spy(self, *a):
-        r = real(self, *a)
+    def spy(*a):
+        r = real(*a)
         seen.append(r is not None)
         return r
     return spy
@@ -271,10 +285,11 @@ def _spy(real, seen: list[bool]):
 def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
     """coli_attn_block (norm, q/k/v, q/k norm, clip, rotary, cache write, attention, o_proj, residual,
     post norm in one call) and coli_moe_block (router, experts, residual) give exactly the bits of the
-    same kernels called one by one from Python, for one-row steps and a two-sequence step; a prompt
-    chunk through them (rows attend over their own predecessors, written in the same call) matches
-    the one-row steps."""
+    same kernels called one by one from Python, for one-row steps and a two-sequence step; so does
+    coli_decode_layers (all blocks of a step in one call); a prompt chunk through them (rows attend
+    over their own predecessors, written in the same call) matches the one-row steps."""
     import colibri
+    from colibri.kernels import native
     from colibri.models.layers import Attention
     from colibri.models.moe import SparseMoE
 
@@ -284,11 +299,18 @@ def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overr
         with monkeypatch.context() as mp:
             for cls, seen in taken.items():
                 mp.setattr(cls, "fused", _spy(cls.fused, seen))
-            got = _steps(llm, True, monkeypatch)
+            got = _steps(llm, "fused", monkeypatch)
         assert all(seen and all(seen) for seen in taken.values())  # every layer of every step was fused
-        ref = _steps(llm, False, monkeypatch)
+        one_call: list[bool] = []
+        with monkeypatch.context() as mp:
+            mp.setattr(native, "decode_layers", _spy(native.decode_layers, one_call))
+            whole = _steps(llm, "one_call", monkeypatch)
+        assert len(one_call) == len(PROMPTS[0]) + 9 + 2 and all(one_call)  # every step in one call
+        ref = _steps(llm, "unfused", monkeypatch)
     finally:
         llm.close()
+    for key in ("rows", "batch", "chunk"):
+        assert torch.equal(whole[key], got[key])
     assert torch.equal(got["rows"], ref["rows"])
     assert torch.equal(got["batch"], ref["batch"])
     # the chunk's rows are positions 0..5 of PROMPTS[1], which the one-row steps also computed (rows 16..21)

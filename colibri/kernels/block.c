@@ -16,22 +16,6 @@ int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, con
 int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 
-/* One layer's constants (built once by colibri/kernels/native.py's AttnLayer). */
-typedef struct {
-    int hidden, heads, kv_heads, head_dim;
-    int scheme, group;            /* of all four projections: 8 (int8) or 4 (int4, group size g) */
-    coli_qw wq, wk, wv, wo;
-    const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32 */
-    float in_eps, post_eps;
-    int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3) */
-    const float *qn_w, *kn_w;
-    float qk_eps;
-    float clip;                   /* > 0: clamp q, k, v to [-clip, clip] */
-    int rot, window;              /* rotary channels per head; sliding window (0: none) */
-    float scale;
-    const float *sinks;           /* [heads] f32 or NULL */
-} coli_attn_layer;
-
 static int proj(const coli_attn_layer *L, const coli_qw *w, const uint16_t *x, int T, int K, int N, uint16_t *y) {
     if (L->scheme == 8) return coli_q8_gemm(x, 1, T, K, (const int8_t *)w->q, (const float *)w->s, N, y);
     return coli_q4_gemm(x, 1, T, K, (const uint8_t *)w->q, (const uint16_t *)w->s, (const uint16_t *)w->m,

@@ -22,6 +22,22 @@ typedef struct {
     const void *q, *s, *m;
 } coli_qw;
 
+/* One attention layer's constants for block.c (built once by colibri/kernels/native.py's AttnLayer). */
+typedef struct {
+    int hidden, heads, kv_heads, head_dim;
+    int scheme, group;            /* of all four projections: 8 (int8) or 4 (int4, group size g) */
+    coli_qw wq, wk, wv, wo;
+    const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32 */
+    float in_eps, post_eps;
+    int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3) */
+    const float *qn_w, *kn_w;
+    float qk_eps;
+    float clip;                   /* > 0: clamp q, k, v to [-clip, clip] */
+    int rot, window;              /* rotary channels per head; sliding window (0: none) */
+    float scale;
+    const float *sinks;           /* [heads] f32 or NULL */
+} coli_attn_layer;
+
 #define MAX_T 64          /* rows per call (decode batches); larger inputs go to a dense GEMM */
 #define PAR_MIN_BYTES (256 * 1024) /* below this, one thread: a fork/join costs more than it saves */
 

@@ -109,13 +109,31 @@ int coli_q4_dequant(const uint8_t *q, const uint16_t *scale, const uint16_t *mn,
             for (int c0 = gi * g; c0 < (gi + 1) * g; c0 += 1024) {  /* runs of <= 1024 columns */
                 int n = (gi + 1) * g - c0 < 1024 ? (gi + 1) * g - c0 : 1024;
                 const uint8_t *qb = qr + c0 / 2;
-                for (int j = 0; j < n / 2; j++) {  /* vectorizable: no branches */
+                int j0 = 0;
+#ifdef COLI_BF16
+                if (bf16) {  /* 32 columns a step, the scalar loop's f32 operations; vcvtne2ps2bf16 rounds to
+                              * nearest even like the loop below (no denormals: values are multiples of 2^-24) */
+                    const __m512 vs = _mm512_set1_ps(sc), vm = _mm512_set1_ps(m);
+                    const __m512i m4 = _mm512_set1_epi32(15);
+                    const __m512i ilo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                    const __m512i ihi = _mm512_add_epi32(ilo, _mm512_set1_epi32(8));
+                    uint16_t *o = (uint16_t *)out + r * K + c0;
+                    for (; j0 + 16 <= n / 2; j0 += 16) {
+                        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + j0)));
+                        __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, m4)), vs), vm);
+                        __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), vs), vm);
+                        __m512 a = _mm512_permutex2var_ps(lo, ilo, hi), b = _mm512_permutex2var_ps(lo, ihi, hi);  /* lo0 hi0 .. */
+                        _mm512_storeu_si512((void *)(o + 2 * j0), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                    }
+                }
+#endif
+                for (int j = j0; j < n / 2; j++) {  /* vectorizable: no branches */
                     tmp[2 * j] = (float)(qb[j] & 15) * sc + m;
                     tmp[2 * j + 1] = (float)(qb[j] >> 4) * sc + m;
                 }
                 if (bf16) {
                     uint16_t *o = (uint16_t *)out + r * K + c0;
-                    for (int j = 0; j < n; j++) {  /* round to nearest even (finite: scales are validated) */
+                    for (int j = 2 * j0; j < n; j++) {  /* round to nearest even (finite: scales are validated) */
                         uint32_t u;
                         memcpy(&u, tmp + j, 4);
                         o[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);

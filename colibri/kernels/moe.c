@@ -64,10 +64,11 @@ static void moe_part(void *p, int id, int n) {
     moe_job *j = (moe_job *)p;
     long r0, r1;
     split((long)j->nu * j->N, id, n, &r0, &r1);
+    int u = (int)(r0 / j->N), o = (int)(r0 % j->N);  /* then stepped: no division per row */
     for (long r = r0; r < r1; r++) {
-        int u = (int)(r / j->N), o = (int)(r % j->N);
         rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, o, j->xf, j->xp, j->xs, j->uoff[u],
                      j->uoff[u + 1] - j->uoff[u], j->out, j->N, j->bfm);
+        if (++o == j->N) { o = 0; u++; }
     }
 }
 

@@ -28,7 +28,7 @@ import torch
 
 log = logging.getLogger("colibri")
 
-_SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "attn.c", "block.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "attn.c", "block.c", "step.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("common.h", "rows.h")]
 # -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
 # (the int4 dequantization then gives quant.dequantize's bits).
@@ -101,8 +101,18 @@ class AttnLayer(ctypes.Structure):
                 ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p)]
 
 
+class MoeLayer(ctypes.Structure):
+    """coli_moe_layer (step.c): one resident routed-expert layer's constants for coli_decode_layers."""
+
+    _fields_ = [("inter", ctypes.c_int), ("n_experts", ctypes.c_int), ("k", ctypes.c_int), ("norm", ctypes.c_int),
+                ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("router", ctypes.c_void_p),
+                ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
+    lib.coli_decode_layers.argtypes = [i, p, p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p, p]
+    lib.coli_decode_layers.restype = i
     lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, p]
     lib.coli_route.restype = i
     lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, p, i, i, p, p, p, p]
@@ -312,6 +322,24 @@ def attn_block(layer: AttnLayer, h: torch.Tensor, pos: list[int], kc: list[int],
     if rc != 0:
         raise RuntimeError(f"coli_attn_block failed ({rc})")
     return h_out, x_out
+
+
+def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, cos: torch.Tensor,
+                  sin: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
+    arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 (not modified); pos ctypes int [T]; kc/vc ctypes
+    pointer arrays [L * T] (layer l's row t at l * T + t) -> (h out, idx int64 [L, T, k], weights f32 [L, T, k])."""
+    L, T = len(attn), h.shape[0]
+    h = h.clone()
+    idx = torch.empty(L, T, k, dtype=torch.int64)
+    wts = torch.empty(L, T, k, dtype=torch.float32)
+    failed = ctypes.c_int(-1)
+    rc = _lib.coli_decode_layers(L, attn, moe, T, h.data_ptr(), pos, kc, vc, ks, vs, cos.data_ptr(), sin.data_ptr(),
+                                 idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
+    if rc != 0:
+        raise RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
+                           else f"coli_decode_layers failed ({rc}) in layer {failed.value}")
+    return h, idx, wts
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -245,29 +245,31 @@ static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, flo
 static inline void q4v_row_block(const float *xp, const float *xs, int K, int G, int g, const uint8_t *qo,
                                  const uint16_t *so, const uint16_t *mo, int TB, float *out, int N) {
     __m512 acc[8];
-    float macc[8];
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     /* lane l of a 128-column chunk is in group 8l / g of the chunk's first (g a power of two >= 32) */
-    __m512i idx = g == 32 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                          : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    int per = g < 128 ? 128 / g : 1;
-    for (int t = 0; t < TB; t++) {  /* the group offsets: sum_g min_g * xs_g, 16 groups at a time */
-        acc[t] = _mm512_setzero_ps();
+    const __m512i lane_g = g == 32 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                         : g == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                   : _mm512_setzero_si512();
+    for (int t = 0; t < TB; t++) {  /* start from the group offsets: sum_g min_g * xs_g, 16 groups at a time */
         __m512 mm = _mm512_setzero_ps();
         for (int gi = 0; gi < G; gi += 16) {
             __mmask16 k = G - gi >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - gi)) - 1);
             mm = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mo + gi)),
                                  _mm512_maskz_loadu_ps(k, xs + (long)t * G + gi), mm);
         }
-        macc[t] = _mm512_reduce_add_ps(mm);
+        acc[t] = mm;
     }
+    __m512 s16 = _mm512_setzero_ps();  /* the scales of 16 groups, converted once */
     for (int c = 0; c < K; c += 128) {
+        int gc = c / g;  /* the chunk's first group: steps by 128/g (or <= 1), so it meets every multiple of 16 */
+        if ((gc & 15) == 0) {
+            int rem = G - gc;
+            __mmask16 k = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+            s16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, so + gc));
+        }
+        __m512 sw = _mm512_permutexvar_ps(_mm512_add_epi32(lane_g, _mm512_set1_epi32(gc & 15)), s16);
         __m512i v = _mm512_loadu_si512((const void *)(qo + c / 2));
         __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        __m512 sw;
-        if (g >= 128) sw = _mm512_set1_ps(f16_to_f32(so[c / g]));
-        else sw = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << per) - 1),
-                                                                                       so + c / g)));
         for (int t = 0; t < TB; t++) {
             const int8_t *xq = (const int8_t *)(xp + (long)t * K) + c;
             __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xq));
@@ -276,7 +278,7 @@ static inline void q4v_row_block(const float *xp, const float *xs, int K, int G,
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ls, sw), acc[t]);
         }
     }
-    for (int t = 0; t < TB; t++) out[(long)t * N] = _mm512_reduce_add_ps(acc[t]) + macc[t];
+    for (int t = 0; t < TB; t++) out[(long)t * N] = _mm512_reduce_add_ps(acc[t]);
 }
 #endif
 

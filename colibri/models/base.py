@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
+from . import native_step
 from .batch import StepBatch
 from .layers import Embedding, Linear, RMSNorm
 from .moe import SwitchGLU
@@ -69,14 +70,22 @@ class CausalLM(nn.Module):
         """tokens [T]: the step's rows (see models/batch.py) -> logits [T, V] f32, or [len(out_rows), V]
         for just those rows (the head is the biggest matmul of a decode step: skip rows nobody samples)."""
         h = self.model.embed_tokens(tokens)  # [T, H]
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, batch.layer(i))
+        out = native_step.run(self, h, batch)  # every block in one native call, where that applies
+        if out is not None:
+            h = out
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, batch.layer(i))
         if out_rows is not None:
             h = h[out_rows]
         return self.lm_head(self.model.norm(h)).float()
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> list:
         return [layer.self_attn.make_cache(max_len, dtype) for layer in self.model.layers]
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: the one-call plan's pointers are stale
+        native_step.forget(self)
+        return super()._apply(fn, recurse)
 
 
 # ----------------------------------------------------------------------------- binding

@@ -1,0 +1,134 @@
+"""All decoder blocks of a step in one native call (colibri/kernels/step.c), where every layer would take
+the fused native blocks anyway: bf16 attention (`Attention.fused`) then a resident routed-expert layer
+(`SparseMoE.fused`). Same kernels, same order, same bits; what goes is the Python between the per-layer
+calls (~15% of a small model's decode step). Anything else -- a cached or GPU layer, a shared expert,
+another router, hooks on a block, a step too large -- takes the per-layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from ..kernels import native
+from .batch import StepBatch
+from .layers import Attention, DecoderBlock, KVCache
+from .moe import SparseMoE, TopKRouter
+
+ENABLED = True  # False: always the per-layer calls (tests compare the two; benchmarks/profile_decode.py)
+
+
+class _Plan:
+    """A model's per-layer constants for coli_decode_layers, built once."""
+
+    def __init__(self, blocks: list[DecoderBlock], attn: list[native.AttnLayer], tables: list[native.MoeTables]):
+        self.blocks = blocks
+        self.experts = [b.mlp.experts for b in blocks]
+        self.rope = blocks[0].self_attn.rope
+        self.k = blocks[0].mlp.gate.top_k
+        self.tables = tables  # the MoeLayer structs point into them: keep them alive
+        self.attn = (native.AttnLayer * len(attn))(*attn)
+        self.moe = (native.MoeLayer * len(blocks))(*[
+            native.MoeLayer(b.mlp.experts.intermediate, t.n, b.mlp.gate.top_k, int(b.mlp.gate.norm_topk_prob),
+                            8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
+                            ctypes.addressof(t.gu), ctypes.addressof(t.dn))
+            for b, t in zip(blocks, tables)])
+        self.slots: dict[int, tuple[list, object, object, int, int, int]] = {}  # id(caches) -> pointers
+
+
+def _build(blocks: nn.ModuleList) -> _Plan | None:
+    if not native.available() or len(blocks) == 0:
+        return None
+    attn, tables = [], []
+    rope0 = blocks[0].self_attn.rope if type(blocks[0]) is DecoderBlock else None
+    for b in blocks:
+        if type(b) is not DecoderBlock or type(b.self_attn) is not Attention or type(b.mlp) is not SparseMoE:
+            return None
+        moe, ex = b.mlp, b.mlp.experts
+        if type(moe.gate) is not TopKRouter or getattr(moe, moe.shared_name, None) is not None \
+                or moe.gate.top_k != blocks[0].mlp.gate.top_k or ex.lookahead is not None:
+            return None
+        w = moe.gate.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
+            return None
+        rope = b.self_attn.rope
+        if rope.dim != rope0.dim or rope.mscale != rope0.mscale or not torch.equal(rope.inv_freq, rope0.inv_freq):
+            return None  # one rotary table serves every layer
+        layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
+        t = ex.full_tables()
+        if layer is None or t is None:
+            return None
+        attn.append(layer)
+        tables.append(t)
+    return _Plan(list(blocks), attn, tables)
+
+
+def _plan(model: nn.Module) -> _Plan | None:
+    d = model.__dict__
+    if "_native_plan" not in d:
+        d["_native_plan"] = _build(model.model.layers)
+    plan = d["_native_plan"]
+    if plan is not None and any(b._forward_hooks or b._forward_pre_hooks for b in plan.blocks):
+        return None  # someone watches a block (a device move, a calibration): call each one
+    return plan
+
+
+def forget(model: nn.Module) -> None:
+    """Drop the plan (weights moved: the pointers are stale)."""
+    model.__dict__.pop("_native_plan", None)
+
+
+def _slot(plan: _Plan, caches: list) -> tuple | None:
+    """A slot's per-layer cache pointers (its caches live as long as the slot: cached by identity)."""
+    hit = plan.slots.get(id(caches))
+    if hit is not None and hit[0] is caches:
+        return hit
+    c0 = caches[0] if caches else None
+    if not isinstance(c0, KVCache) or len(caches) != len(plan.blocks):
+        return None
+    for c in caches:
+        if not isinstance(c, KVCache) or c.k.dtype != torch.bfloat16 or c.k.device.type != "cpu" \
+                or c.k.stride() != c0.k.stride() or c.v.stride() != c0.v.stride() or c.max_len != c0.max_len:
+            return None
+    hit = (caches, [c.k.data_ptr() for c in caches], [c.v.data_ptr() for c in caches], c0.k.stride(0),
+           c0.v.stride(0), c0.max_len)
+    if len(plan.slots) > 256:
+        plan.slots.clear()
+    plan.slots[id(caches)] = hit
+    return hit
+
+
+def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+    """The blocks' output for h [T, hidden], or None where the one-call path does not apply."""
+    T = h.shape[0]
+    if not ENABLED or h.dtype != torch.bfloat16 or h.device.type != "cpu" or T > native.MOE_MAX_ROWS:
+        return None
+    plan = _plan(model)
+    if plan is None:
+        return None
+    L = len(plan.blocks)
+    pos: list[int] = []
+    kc: list[int] = [0] * (L * T)
+    vc: list[int] = [0] * (L * T)
+    ks = vs = None
+    for s in batch.seqs:
+        slot = _slot(plan, s.caches)
+        n = s.r1 - s.r0
+        if slot is None or s.start + n > slot[5] or (ks is not None and (slot[3], slot[4]) != (ks, vs)):
+            return None  # (a full context: the per-layer path raises the error)
+        ks, vs = slot[3], slot[4]
+        pos.extend(range(s.start, s.start + n))
+        for layer in range(L):
+            base = layer * T + s.r0
+            kc[base:base + n] = [slot[1][layer]] * n
+            vc[base:base + n] = [slot[2][layer]] * n
+    cos, sin = plan.rope.tables(batch.pos, T, torch.float32)
+    out, idx, wts = native.decode_layers(plan.attn, plan.moe, h.contiguous(), (ctypes.c_int * T)(*pos),
+                                         (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc), ks, vs,
+                                         cos.contiguous(), sin.contiguous(), plan.k)
+    for layer, ex in enumerate(plan.experts):
+        if ex.on_route is not None:
+            ex.on_route(ex.layer, idx[layer], wts[layer])
+    return out
