@@ -54,7 +54,7 @@ _INT4_GROUP_SIZES = (32, 64, 128, 256)
 NATIVE_MAX_ROWS: dict[str, int] = {"int8": 64, "int4": 64}
 # In a large prefill step (torch has the threads, the native pool one): the rows up to which the
 # one-thread native kernel still beats dequantize-then-GEMM (bench_quant.py, as measured before).
-PREFILL_NATIVE_ROWS: dict[str, int] = {"int8": 8, "int4": 8}
+PREFILL_NATIVE_ROWS: dict[str, int] = {"int8": 8, "int4": 32}
 # Alignment of a module's own buffers once moved into memory its caller owns (an expert-cache slot).
 OWNED_ALIGN = 64
 # kernel="auto": the largest input row count for which the fused CPU kernel beats
