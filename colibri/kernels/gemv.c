@@ -21,9 +21,16 @@ static void q8_part(void *p, int id, int n) {
     long o0, o1;
     split(j->N, id, n, &o0, &o1);
     if (j->vm) {
-        for (long o = o0; o < o1; o++) {
-            const int8_t *qo = j->q + o * j->K;
-            ROW_BLOCKS(Q8V_CALL, j->T, j->xf, j->K, qo, j->scale[o], j->yf + o, j->N)
+        int P = panel_rows(j->K);
+        for (long p0 = o0; p0 < o1; p0 += P) {
+            long p1 = p0 + P < o1 ? p0 + P : o1;
+            for (int t0 = 0; t0 < j->T; t0 += 8) {
+                int tb = j->T - t0 < 8 ? j->T - t0 : 8;
+                for (long o = p0; o < p1; o++) {
+                    const int8_t *qo = j->q + o * j->K;
+                    TB_SWITCH(Q8V_CALL, tb, j->xf, j->K, qo, j->scale[o], j->yf + o, j->N)
+                }
+            }
         }
     } else {
         q8_rows(j->xf, j->T, j->K, j->q, j->scale, j->N, (int)o0, (int)o1, j->yf);
@@ -62,12 +69,19 @@ static void q4_part(void *p, int id, int n) {
     long o0, o1;
     int K = j->K, G = j->G, g = j->g, N = j->N, bfm = j->bfm;
     split(N, id, n, &o0, &o1);
-    for (long o = o0; o < o1; o++) {
-        const uint8_t *qo = j->q + o * (K / 2);
-        const uint16_t *so = j->scale + o * G, *mo = j->mn + o * G;
-        const float *xp = j->xp, *xs = j->xs;
-        float *yf = j->yf;
-        ROW_BLOCKS(Q4_CALL, j->T, xp, xs, K, G, g, qo, so, mo, yf + o, N, bfm)
+    int P = panel_rows(K / 2 + 4L * G);
+    const float *xp = j->xp, *xs = j->xs;
+    float *yf = j->yf;
+    for (long p0 = o0; p0 < o1; p0 += P) {
+        long p1 = p0 + P < o1 ? p0 + P : o1;
+        for (int t0 = 0; t0 < j->T; t0 += 8) {
+            int tb = j->T - t0 < 8 ? j->T - t0 : 8;
+            for (long o = p0; o < p1; o++) {
+                const uint8_t *qo = j->q + o * (K / 2);
+                const uint16_t *so = j->scale + o * G, *mo = j->mn + o * G;
+                TB_SWITCH(Q4_CALL, tb, xp, xs, K, G, g, qo, so, mo, yf + o, N, bfm)
+            }
+        }
     }
     store_y(j->yf, j->bf16, j->T, N, (int)o0, (int)o1, j->y);
 }

@@ -59,16 +59,26 @@ typedef struct {
     int bfm;
 } moe_job;
 
-/* Rows (u, o) of all experts u of the call, flattened and split evenly between the threads. */
+/* Rows (u, o) of all experts u of the call, flattened and split evenly between the threads; taken a
+ * panel of an expert's rows at a time, each block of 8 of its activation rows over the whole panel. */
 static void moe_part(void *p, int id, int n) {
     moe_job *j = (moe_job *)p;
     long r0, r1;
     split((long)j->nu * j->N, id, n, &r0, &r1);
+    int P = panel_rows(j->scheme == 4 ? j->K / 2 + 4L * (j->K / j->g) : j->K);
     int u = (int)(r0 / j->N), o = (int)(r0 % j->N);  /* then stepped: no division per row */
-    for (long r = r0; r < r1; r++) {
-        rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, o, j->xf, j->xp, j->xs, j->uoff[u],
-                     j->uoff[u + 1] - j->uoff[u], j->out, j->N, j->bfm);
-        if (++o == j->N) { o = 0; u++; }
+    for (long r = r0; r < r1;) {
+        int np = P < j->N - o ? P : j->N - o;
+        if (np > r1 - r) np = (int)(r1 - r);
+        int a = j->uoff[u], rows = j->uoff[u + 1] - a;
+        for (int t0 = a; t0 < a + rows; t0 += 8) {
+            int tb = a + rows - t0 < 8 ? a + rows - t0 : 8;
+            for (int oo = o; oo < o + np; oo++)
+                rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, oo, j->xf, j->xp, j->xs, t0, tb, j->out, j->N,
+                             j->bfm);
+        }
+        r += np;
+        if ((o += np) == j->N) { o = 0; u++; }
     }
 }
 

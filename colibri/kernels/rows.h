@@ -39,16 +39,26 @@ static inline void q8_row_block(const float *xf, int K, const int8_t *qo, float 
 #endif
 }
 
+/* FN(TB, ...) with TB = tb (1..8) a constant, so the row kernels keep their accumulators in registers. */
+#define TB_SWITCH(FN, tb, ...)                                                              \
+    switch (tb) {                                                                           \
+    case 1: FN(1, __VA_ARGS__); break; case 2: FN(2, __VA_ARGS__); break;                   \
+    case 3: FN(3, __VA_ARGS__); break; case 4: FN(4, __VA_ARGS__); break;                   \
+    case 5: FN(5, __VA_ARGS__); break; case 6: FN(6, __VA_ARGS__); break;                   \
+    case 7: FN(7, __VA_ARGS__); break; default: FN(8, __VA_ARGS__); break;                  \
+    }
+
 #define ROW_BLOCKS(FN, T, ...)                                                              \
     for (int t0 = 0; t0 < (T); t0 += 8) {                                                   \
         int tb = (T) - t0 < 8 ? (T) - t0 : 8;                                               \
-        switch (tb) {                                                                       \
-        case 1: FN(1, __VA_ARGS__); break; case 2: FN(2, __VA_ARGS__); break;               \
-        case 3: FN(3, __VA_ARGS__); break; case 4: FN(4, __VA_ARGS__); break;               \
-        case 5: FN(5, __VA_ARGS__); break; case 6: FN(6, __VA_ARGS__); break;               \
-        case 7: FN(7, __VA_ARGS__); break; default: FN(8, __VA_ARGS__); break;              \
-        }                                                                                   \
+        TB_SWITCH(FN, tb, __VA_ARGS__)                                                      \
     }
+
+/* Output rows per panel when many activation rows share a weight: each block of 8 activation rows
+ * runs over a panel of weight rows (~16 KiB, in L1/L2) before the next block. Row by row instead,
+ * every weight row re-read all activation rows (64 rows of 1024: ~100 KiB) from L2: prefill chunks
+ * and large batches were L2-bound. The bits do not change (each output is the same row kernel). */
+static inline int panel_rows(long row_bytes) { return row_bytes >= 16384 ? 1 : (int)(16384 / row_bytes); }
 
 #define Q8_CALL(TB, xf, K, qo, so, yo, N) q8_row_block((xf) + (long)t0 * (K), K, qo, so, TB, (yo) + (long)t0 * (N), N)
 
