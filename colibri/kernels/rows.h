@@ -270,8 +270,11 @@ static inline void q4v_row_block(const float *xp, const float *xs, int K, int G,
         acc[t] = mm;
     }
     __m512 s16 = _mm512_setzero_ps();  /* the scales of 16 groups, converted once */
-    for (int c = 0; c < K; c += 128) {
-        int gc = c / g;  /* the chunk's first group: steps by 128/g (or <= 1), so it meets every multiple of 16 */
+    /* gc = c / g, the chunk's first group, kept by counting (an integer division per chunk cost as much as
+     * the chunk's arithmetic): it steps by 128/g, or by one every g/128 chunks, so it meets every
+     * multiple of 16. */
+    const int step = g < 128 ? 128 / g : 0, every = g < 128 ? 1 : g / 128;
+    for (int c = 0, gc = 0, n = 0; c < K; c += 128, gc += step ? step : (++n == every ? (n = 0, 1) : 0)) {
         if ((gc & 15) == 0) {
             int rem = G - gc;
             __mmask16 k = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
