@@ -1,11 +1,10 @@
 /* One routed-expert layer (SiLU-GLU) in one call: colibri/models/moe.py's native path. */
 #include "rows.h"
 
-/* Rows r0..r0+n of a [*, K] activation buffer (xf; for int4 also xp, xs) through output row o of w:
+/* Rows r0..r0+n of a [*, K] activation buffer (xf; for int4 also xp, xs; G = K / g) through output row o of w:
  * results to out[(r0 + t) * ldo], t < n, in blocks of 8 sharing one pass over the weight row. */
-static void rows_through(int scheme, const coli_qw *w, int K, int g, int o, const float *xf, const float *xp,
+static void rows_through(int scheme, const coli_qw *w, int K, int g, int G, int o, const float *xf, const float *xp,
                          const float *xs, int r0, int n, float *out, int ldo, int bfm) {
-    int G = scheme == 4 ? K / g : 0;
     for (int t0 = r0; t0 < r0 + n; t0 += 8) {
         int tb = r0 + n - t0 < 8 ? r0 + n - t0 : 8;
         float *yo = out + (long)t0 * ldo + o;
@@ -65,7 +64,8 @@ static void moe_part(void *p, int id, int n) {
     moe_job *j = (moe_job *)p;
     long r0, r1;
     split((long)j->nu * j->N, id, n, &r0, &r1);
-    int P = panel_rows(j->scheme == 4 ? j->K / 2 + 4L * (j->K / j->g) : j->K);
+    int G = j->scheme == 4 ? j->K / j->g : 0;  /* (once: a division per row cost 10-20% of an int4 row) */
+    int P = panel_rows(j->scheme == 4 ? j->K / 2 + 4L * G : j->K);
     int u = (int)(r0 / j->N), o = (int)(r0 % j->N);  /* then stepped: no division per row */
     for (long r = r0; r < r1;) {
         int np = P < j->N - o ? P : j->N - o;
@@ -74,8 +74,8 @@ static void moe_part(void *p, int id, int n) {
         for (int t0 = a; t0 < a + rows; t0 += 8) {
             int tb = a + rows - t0 < 8 ? a + rows - t0 : 8;
             for (int oo = o; oo < o + np; oo++)
-                rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, oo, j->xf, j->xp, j->xs, t0, tb, j->out, j->N,
-                             j->bfm);
+                rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, G, oo, j->xf, j->xp, j->xs, t0, tb, j->out,
+                             j->N, j->bfm);
         }
         r += np;
         if ((o += np) == j->N) { o = 0; u++; }

@@ -273,7 +273,7 @@ static inline void q4v_row_block(const float *xp, const float *xs, int K, int G,
     /* gc = c / g, the chunk's first group, kept by counting (an integer division per chunk cost as much as
      * the chunk's arithmetic): it steps by 128/g, or by one every g/128 chunks, so it meets every
      * multiple of 16. */
-    const int step = g < 128 ? 128 / g : 0, every = g < 128 ? 1 : g / 128;
+    const int step = g == 32 ? 4 : g == 64 ? 2 : 0, every = g >> 7;  /* (no division: this runs per row) */
     for (int c = 0, gc = 0, n = 0; c < K; c += 128, gc += step ? step : (++n == every ? (n = 0, 1) : 0)) {
         if ((gc & 15) == 0) {
             int rem = G - gc;
