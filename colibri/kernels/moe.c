@@ -2,49 +2,29 @@
 #include "rows.h"
 
 /* Rows r0..r0+n of a [*, K] activation buffer (xf; for int4 also xp, xs; G = K / g) through output row o of w:
- * results to out[(r0 + t) * ldo], t < n, in blocks of 8 sharing one pass over the weight row. */
+ * results to out[(r0 + t) * ldo], t < n, in blocks of 8 sharing one pass over the weight row (each block
+ * size its own constant: a block of 5-8 rows row by row unpacked the int4 weights once per row). */
+#define Q8V_TB(TB, _) q8v_row_block(xb, K, qo, so, TB, yo, ldo)
+#define Q8_TB(TB, _) q8_row_block(xf + (long)t0 * K, K, qo, so, TB, yo, ldo)
+#define Q4_TB(TB, _) q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, TB, yo, ldo, bfm)
 static void rows_through(int scheme, const coli_qw *w, int K, int g, int G, int o, const float *xf, const float *xp,
                          const float *xs, int r0, int n, float *out, int ldo, int bfm) {
     for (int t0 = r0; t0 < r0 + n; t0 += 8) {
         int tb = r0 + n - t0 < 8 ? r0 + n - t0 : 8;
         float *yo = out + (long)t0 * ldo + o;
-        if (scheme == 8 && bfm) {  /* xp holds q8_prep rows */
+        if (scheme == 8) {
             const int8_t *qo = (const int8_t *)w->q + (long)o * K;
             float so = ((const float *)w->s)[o];
-            const float *xb = xp + (long)t0 * Q8_STRIDE(K);
-            switch (tb) {
-            case 1: q8v_row_block(xb, K, qo, so, 1, yo, ldo); break;
-            case 2: q8v_row_block(xb, K, qo, so, 2, yo, ldo); break;
-            case 3: q8v_row_block(xb, K, qo, so, 3, yo, ldo); break;
-            case 4: q8v_row_block(xb, K, qo, so, 4, yo, ldo); break;
-            case 5: q8v_row_block(xb, K, qo, so, 5, yo, ldo); break;
-            case 6: q8v_row_block(xb, K, qo, so, 6, yo, ldo); break;
-            case 7: q8v_row_block(xb, K, qo, so, 7, yo, ldo); break;
-            default: q8v_row_block(xb, K, qo, so, 8, yo, ldo); break;
-            }
-        } else if (scheme == 8) {
-            const int8_t *qo = (const int8_t *)w->q + (long)o * K;
-            float so = ((const float *)w->s)[o];
-            switch (tb) {
-            case 1: q8_row_block(xf + (long)t0 * K, K, qo, so, 1, yo, ldo); break;
-            case 2: q8_row_block(xf + (long)t0 * K, K, qo, so, 2, yo, ldo); break;
-            case 3: q8_row_block(xf + (long)t0 * K, K, qo, so, 3, yo, ldo); break;
-            case 4: q8_row_block(xf + (long)t0 * K, K, qo, so, 4, yo, ldo); break;
-            default: for (int t = 0; t < tb; t++) q8_row_block(xf + (long)(t0 + t) * K, K, qo, so, 1, yo + (long)t * ldo, ldo);
+            if (bfm) {  /* xp holds q8_prep rows */
+                const float *xb = xp + (long)t0 * Q8_STRIDE(K);
+                TB_SWITCH(Q8V_TB, tb, 0)
+            } else {
+                TB_SWITCH(Q8_TB, tb, 0)
             }
         } else {
             const uint8_t *qo = (const uint8_t *)w->q + (long)o * (K / 2);
             const uint16_t *so = (const uint16_t *)w->s + (long)o * G, *mo = (const uint16_t *)w->m + (long)o * G;
-            switch (tb) {
-            case 1: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 1, yo, ldo, bfm); break;
-            case 2: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 2, yo, ldo, bfm); break;
-            case 3: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 3, yo, ldo, bfm); break;
-            case 4: q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, 4, yo, ldo, bfm); break;
-            default:
-                for (int t = 0; t < tb; t++)
-                    q4_row_block(xrow(xp, bfm, t0 + t, K), xs + (long)(t0 + t) * G, K, G, g, qo, so, mo, 1,
-                                 yo + (long)t * ldo, ldo, bfm);
-            }
+            TB_SWITCH(Q4_TB, tb, 0)
         }
     }
 }
