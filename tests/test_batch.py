@@ -168,6 +168,7 @@ def test_steps_with_running_streams_stay_small(ckpt, monkeypatch):
         alone = [list(solo.generate_ids(p, 6, ignore_eos=True)) for p in prompts]
     with colibri.load(path, ctx_size=128, threads=2, slots=3) as llm:
         llm._sched.mixed_rows = 16  # small enough for these prompts to need several steps
+        llm._sched.short_prompt = 0  # (a lone short prompt would go 16 rows a step too: the next test)
         rows.clear()
         first = llm.submit(prompts[0], 30, ignore_eos=True)
         next(iter(first))  # decoding now
@@ -178,3 +179,29 @@ def test_steps_with_running_streams_stay_small(ckpt, monkeypatch):
     assert all(total <= 16 for dec, total in rows[1:] if dec)
     assert any(total - dec > 1 for dec, total in rows[1:] if dec)  # prompts did ride along
     assert got == alone[1:]
+
+
+def test_short_prompts_go_in_native_sized_steps(ckpt, monkeypatch):
+    """A lone prompt is read in steps of `mixed_rows` once at most `short_prompt` of its rows are left
+    (the native kernels' size: faster than one GEMM step for short prompts); a longer one gets the
+    prefill chunk first. Tokens do not depend on it (f32)."""
+    from colibri.engine.runner import Runner
+
+    path = ckpt.coli("olmoe", "f32")
+    rows: list[int] = []
+    real = Runner._step
+
+    def spy(self, chunks):
+        rows.append(sum(len(c.tokens) for c in chunks))
+        return real(self, chunks)
+
+    monkeypatch.setattr(Runner, "_step", spy)
+    prompt = [1 + (7 * j) % 90 for j in range(100)]
+    with colibri.load(path, ctx_size=128, threads=2, slots=1, prefill_chunk=64) as big:
+        ref = list(big.generate_ids(prompt, 4, ignore_eos=True))
+    with colibri.load(path, ctx_size=128, threads=2, slots=1, prefill_chunk=64) as llm:
+        llm._sched.mixed_rows, llm._sched.short_prompt = 16, 48
+        rows.clear()
+        got = list(llm.generate_ids(prompt, 4, ignore_eos=True))
+    assert rows[:5] == [64, 16, 16, 4, 1]  # 64 (52 left > 48), then 16-row steps, then decode
+    assert got == ref
