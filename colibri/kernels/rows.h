@@ -265,6 +265,8 @@ static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, flo
  * (int8's choice) less. A prefetch past the end of the weights does not fault. */
 #ifndef Q4_PREFETCH
 #define Q4_PREFETCH 4096
+#endif
+#ifndef Q4_PREFETCH_HINT
 #define Q4_PREFETCH_HINT _MM_HINT_T0
 #endif
 
