@@ -49,10 +49,10 @@ SHAPES = {"0.44b": {"hidden_size": 1024, "num_hidden_layers": 8, "num_experts": 
                     "intermediate_size": 512, "vocab_size": 384},
           "7b": {}}
 GGUF_TYPE = {"int8": "q8_0", "int4": "q4_0"}
-# colibri's weight budget under a 3.5 GB cap, per scheme: the process adds ~0.7 GiB (runtime, KV
-# cache, activations, mapped pages of dense linears), int4 repacks what it loads, and the cgroup
-# also counts page cache. Measured cgroup peaks: int8 2400M -> 3.16 GiB; int4 2200M -> ~3.2 GiB.
-BUDGET = {"int8": "2400M", "int4": "2200M"}
+# colibri's weight budget under a 3.5 GB cap, per scheme: the process adds ~0.4 GiB (runtime, KV
+# cache, activations, mapped pages of dense linears; expert reads bypass the page cache). Measured
+# cgroup peaks: int8 2400M -> 2810 MiB, int4 2200M -> 2601 MiB, int4 2900M -> 3317 MiB.
+BUDGET = {"int8": "2900M", "int4": "2900M"}
 TOOLS = Path(__file__).resolve().parents[2] / "shared" / "tools"  # next to the checkout, on every machine
 
 
