@@ -319,6 +319,45 @@ def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overr
     assert torch.equal(got["chunk"].argmax(-1), one_row.argmax(-1))
 
 
+def test_one_call_step_follows_replaced_caches(ckpt) -> None:
+    """coli_decode_layers caches a slot's KV pointers: a cache whose tensors are replaced (moved,
+    reallocated) must be written at its new memory (the last step, per layer, reads from there)."""
+    import colibri
+    from colibri.kernels import native as nat
+    from colibri.models import native_step
+    from colibri.models.batch import StepBatch
+
+    llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=32, slots=1, threads=2)
+    calls: list[bool] = []
+    real = nat.decode_layers
+    try:
+        nat.decode_layers = _spy(real, calls)
+        caches = llm.slots.caches[0]
+
+        def run(replace: bool) -> torch.Tensor:
+            with torch.inference_mode():
+                for c in caches:
+                    c.k.zero_()
+                    c.v.zero_()
+                for pos, tok in enumerate(PROMPTS[0][:6]):
+                    native_step.ENABLED = pos < 5
+                    out = llm.model(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0]))
+                    if replace and pos == 2:
+                        for c in caches:
+                            c.k, c.v = c.k.clone(), c.v.clone()
+            native_step.ENABLED = True
+            return out
+
+        ref = run(False)
+        got = run(True)
+    finally:
+        nat.decode_layers = real
+        native_step.ENABLED = True
+        llm.close()
+    assert len(calls) == 10 and all(calls)  # positions 0-4 of both runs in one call
+    assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_native_router_matches_torchs(norm: bool) -> None:
     """coli_route against the f32 torch router on bf16 rows: the same experts in the same order (a

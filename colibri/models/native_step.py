@@ -35,7 +35,7 @@ class _Plan:
                             8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
                             ctypes.addressof(t.gu), ctypes.addressof(t.dn))
             for b, t in zip(blocks, tables)])
-        self.slots: dict[int, tuple[list, object, object, int, int, int]] = {}  # id(caches) -> pointers
+        self.slots: dict[int, tuple] = {}  # id(caches) -> (caches, k ptrs, v ptrs, strides, ctx, k, v tensors)
 
 
 def _build(blocks: nn.ModuleList) -> _Plan | None:
@@ -81,9 +81,10 @@ def forget(model: nn.Module) -> None:
 
 
 def _slot(plan: _Plan, caches: list) -> tuple | None:
-    """A slot's per-layer cache pointers (its caches live as long as the slot: cached by identity)."""
+    """A slot's per-layer cache pointers, cached by the identity of its list and of each cache's
+    tensors (a cache moved or replaced gets new pointers, never stale ones)."""
     hit = plan.slots.get(id(caches))
-    if hit is not None and hit[0] is caches:
+    if hit is not None and hit[0] is caches and all(c.k is k and c.v is v for c, k, v in zip(caches, hit[6], hit[7])):
         return hit
     c0 = caches[0] if caches else None
     if not isinstance(c0, KVCache) or len(caches) != len(plan.blocks):
@@ -93,8 +94,8 @@ def _slot(plan: _Plan, caches: list) -> tuple | None:
                 or c.k.stride() != c0.k.stride() or c.v.stride() != c0.v.stride() or c.max_len != c0.max_len:
             return None
     hit = (caches, [c.k.data_ptr() for c in caches], [c.v.data_ptr() for c in caches], c0.k.stride(0),
-           c0.v.stride(0), c0.max_len)
-    if len(plan.slots) > 256:
+           c0.v.stride(0), c0.max_len, [c.k for c in caches], [c.v for c in caches])
+    if len(plan.slots) > 64:
         plan.slots.clear()
     plan.slots[id(caches)] = hit
     return hit
