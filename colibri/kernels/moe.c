@@ -44,7 +44,7 @@ static void moe_part(void *p, int id, int n) {
     moe_job *j = (moe_job *)p;
     long r0, r1;
     split((long)j->nu * j->N, id, n, &r0, &r1);
-    int G = j->scheme == 4 ? j->K / j->g : 0;  /* (once: a division per row cost 10-20% of an int4 row) */
+    int G = j->scheme == 4 ? j->K / j->g : 0;  /* once here: rows_through divided per row */
     int P = panel_rows(j->scheme == 4 ? j->K / 2 + 4L * G : j->K);
     int u = (int)(r0 / j->N), o = (int)(r0 % j->N);  /* then stepped: no division per row */
     for (long r = r0; r < r1;) {

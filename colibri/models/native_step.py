@@ -42,10 +42,11 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
     if not native.available() or len(blocks) == 0:
         return None
     attn, tables = [], []
-    rope0 = blocks[0].self_attn.rope if type(blocks[0]) is DecoderBlock else None
+    rope0 = None
     for b in blocks:
         if type(b) is not DecoderBlock or type(b.self_attn) is not Attention or type(b.mlp) is not SparseMoE:
             return None
+        rope0 = b.self_attn.rope if rope0 is None else rope0
         moe, ex = b.mlp, b.mlp.experts
         if type(moe.gate) is not TopKRouter or getattr(moe, moe.shared_name, None) is not None \
                 or moe.gate.top_k != blocks[0].mlp.gate.top_k or ex.lookahead is not None:
