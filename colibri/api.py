@@ -68,7 +68,8 @@ class Engine:
       (`kv_bytes()` = slots x ctx_size x bytes per position).
     - `max_queue`: requests allowed to wait for a slot (`QueueFullError` beyond it).
     - `prefill_chunk`: prompt tokens per step (a long prompt is read in chunks, interleaved
-      with the decode steps of the running requests).
+      with the decode steps of the running requests; the last <= 192 prompt rows, and prompts
+      joining running streams, go <= 64 rows a step on the native kernels: docs/ENGINE.md).
     - `route_trace`: path of a routing trace to append to (docs/ROUTING.md).
 
     Memory tiers (docs/TIERS.md), all keyword-only:
