@@ -160,9 +160,10 @@ def worker(a: argparse.Namespace) -> dict:
     llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads, mem_budget=budget)
     rng = random.Random(0)
     prompt = [1] + [rng.randrange(3, 384) for _ in range(a.prompt_len - 1)]  # ids the test tokenizer has
-    # Warm-up (llama-bench warms up too): both paths a prompt takes -- native kernels for short steps,
-    # torch's GEMMs (oneDNN primitives, first faults) for the 128-row one.
-    list(llm.generate_ids(prompt[:8], 4, ignore_eos=True))
+    # Warm-up (llama-bench warms up too): the timed prompt's path (up to 192 tokens: native 64-row
+    # steps), and 16 decode steps: the engine times 1 and 2 decode threads over its first ~10
+    # (engine/threads.py), a start-up cost.
+    list(llm.generate_ids(prompt[:8], 16, ignore_eos=True))
     list(llm.generate_ids(prompt, 1, ignore_eos=True))
     dec, pre = [], []
     for _ in range(a.repeats):
