@@ -325,12 +325,12 @@ def attn_block(layer: AttnLayer, h: torch.Tensor, pos: list[int], kc: list[int],
 
 
 def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, cos: torch.Tensor,
-                  sin: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  sin: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
-    arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 (not modified); pos ctypes int [T]; kc/vc ctypes
-    pointer arrays [L * T] (layer l's row t at l * T + t) -> (h out, idx int64 [L, T, k], weights f32 [L, T, k])."""
+    arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last block's
+    output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t) ->
+    (idx int64 [L, T, k], weights f32 [L, T, k])."""
     L, T = len(attn), h.shape[0]
-    h = h.clone()
     idx = torch.empty(L, T, k, dtype=torch.int64)
     wts = torch.empty(L, T, k, dtype=torch.float32)
     failed = ctypes.c_int(-1)
@@ -339,7 +339,7 @@ def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, cos
     if rc != 0:
         raise RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
                            else f"coli_decode_layers failed ({rc}) in layer {failed.value}")
-    return h, idx, wts
+    return idx, wts
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -203,6 +203,12 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def native_like(self, first: object) -> bool:
+        """The native blocks can write and read this cache next to `first` (the step's first): bf16 on
+        the CPU, laid out alike (they take one pair of head strides for all rows)."""
+        return isinstance(first, KVCache) and self.k.dtype == torch.bfloat16 and self.k.device.type == "cpu" \
+            and self.k.stride() == first.k.stride() and self.v.stride() == first.v.stride()
+
 
 KV_BUCKET = 128
 
@@ -380,9 +386,7 @@ class Attention(nn.Module):
         pos, kc, vc = [], [], []
         c0 = kv.segs[0][3]
         for r0, r1, start, cache in kv.segs:
-            if not isinstance(cache, KVCache) or cache.k.dtype != torch.bfloat16 or cache.k.device.type != "cpu" \
-                    or start + r1 - r0 > cache.max_len or cache.k.stride() != c0.k.stride() \
-                    or cache.v.stride() != c0.v.stride():
+            if not isinstance(cache, KVCache) or not cache.native_like(c0) or start + r1 - r0 > cache.max_len:
                 return None  # (a full context: the unfused path raises the error)
             pos.extend(range(start, start + r1 - r0))
             kc.extend([cache.k.data_ptr()] * (r1 - r0))

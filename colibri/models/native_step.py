@@ -8,6 +8,7 @@ another router, hooks on a block, a step too large -- takes the per-layer path.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ class _Plan:
                             8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
                             ctypes.addressof(t.gu), ctypes.addressof(t.dn))
             for b, t in zip(blocks, tables)])
-        self.slots: dict[int, tuple] = {}  # id(caches) -> (caches, k ptrs, v ptrs, strides, ctx, k, v tensors)
+        self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
 
 
 def _build(blocks: nn.ModuleList) -> _Plan | None:
@@ -81,21 +82,32 @@ def forget(model: nn.Module) -> None:
     model.__dict__.pop("_native_plan", None)
 
 
-def _slot(plan: _Plan, caches: list) -> tuple | None:
+@dataclass
+class _Slot:
+    """One slot's per-layer cache pointers for coli_decode_layers."""
+
+    caches: list  # the slot's list (identity checked)
+    k: list  # per layer: the cache tensors the pointers were taken from (identity checked) ...
+    v: list
+    k_ptr: list[int]  # ... and their data pointers
+    v_ptr: list[int]
+    ks: int  # head strides, the same in every layer
+    vs: int
+    ctx: int
+
+
+def _slot(plan: _Plan, caches: list) -> _Slot | None:
     """A slot's per-layer cache pointers, cached by the identity of its list and of each cache's
     tensors (a cache moved or replaced gets new pointers, never stale ones)."""
     hit = plan.slots.get(id(caches))
-    if hit is not None and hit[0] is caches and all(c.k is k and c.v is v for c, k, v in zip(caches, hit[6], hit[7])):
+    if hit is not None and hit.caches is caches and all(c.k is k and c.v is v for c, k, v in zip(caches, hit.k, hit.v)):
         return hit
     c0 = caches[0] if caches else None
-    if not isinstance(c0, KVCache) or len(caches) != len(plan.blocks):
+    if len(caches) != len(plan.blocks) or not all(isinstance(c, KVCache) and c.native_like(c0)
+                                                  and c.max_len == c0.max_len for c in caches):
         return None
-    for c in caches:
-        if not isinstance(c, KVCache) or c.k.dtype != torch.bfloat16 or c.k.device.type != "cpu" \
-                or c.k.stride() != c0.k.stride() or c.v.stride() != c0.v.stride() or c.max_len != c0.max_len:
-            return None
-    hit = (caches, [c.k.data_ptr() for c in caches], [c.v.data_ptr() for c in caches], c0.k.stride(0),
-           c0.v.stride(0), c0.max_len, [c.k for c in caches], [c.v for c in caches])
+    hit = _Slot(caches, [c.k for c in caches], [c.v for c in caches], [c.k.data_ptr() for c in caches],
+                [c.v.data_ptr() for c in caches], c0.k.stride(0), c0.v.stride(0), c0.max_len)
     if len(plan.slots) > 64:
         plan.slots.clear()
     plan.slots[id(caches)] = hit
@@ -103,7 +115,8 @@ def _slot(plan: _Plan, caches: list) -> tuple | None:
 
 
 def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
-    """The blocks' output for h [T, hidden], or None where the one-call path does not apply."""
+    """The blocks' output for h [T, hidden] (h itself, overwritten, when contiguous), or None where the
+    one-call path does not apply."""
     T = h.shape[0]
     if not ENABLED or h.dtype != torch.bfloat16 or h.device.type != "cpu" or T > native.MOE_MAX_ROWS:
         return None
@@ -118,19 +131,20 @@ def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | N
     for s in batch.seqs:
         slot = _slot(plan, s.caches)
         n = s.r1 - s.r0
-        if slot is None or s.start + n > slot[5] or (ks is not None and (slot[3], slot[4]) != (ks, vs)):
+        if slot is None or s.start + n > slot.ctx or (ks is not None and (slot.ks, slot.vs) != (ks, vs)):
             return None  # (a full context: the per-layer path raises the error)
-        ks, vs = slot[3], slot[4]
+        ks, vs = slot.ks, slot.vs
         pos.extend(range(s.start, s.start + n))
         for layer in range(L):
             base = layer * T + s.r0
-            kc[base:base + n] = [slot[1][layer]] * n
-            vc[base:base + n] = [slot[2][layer]] * n
+            kc[base:base + n] = [slot.k_ptr[layer]] * n
+            vc[base:base + n] = [slot.v_ptr[layer]] * n
     cos, sin = plan.rope.tables(batch.pos, T, torch.float32)
-    out, idx, wts = native.decode_layers(plan.attn, plan.moe, h.contiguous(), (ctypes.c_int * T)(*pos),
+    h = h.contiguous()  # (this step's own tensor, the embedding's output: overwritten in place)
+    idx, wts = native.decode_layers(plan.attn, plan.moe, h, (ctypes.c_int * T)(*pos),
                                          (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc), ks, vs,
                                          cos.contiguous(), sin.contiguous(), plan.k)
     for layer, ex in enumerate(plan.experts):
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx[layer], wts[layer])
-    return out
+    return h
