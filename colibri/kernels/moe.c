@@ -62,6 +62,14 @@ static void moe_part(void *p, int id, int n) {
     }
 }
 
+/* int4 activations prepared expert by expert: the kernels take an expert's rows in blocks of 8 from
+ * its first row, and the VNNI layout interleaves the rows of each such block (rows.h q4v_prep). */
+static void prep_experts(const float *x, int nu, const int *uoff, int K, int g, float *xp, float *xs, int bfm) {
+    for (int u = 0; u < nu; u++)
+        int4_prep(x + (long)uoff[u] * K, uoff[u + 1] - uoff[u], K, g, (float *)xrow(xp, bfm, uoff[u], K),
+                  xs + (long)uoff[u] * (K / g), bfm);
+}
+
 static inline float silu(float v) { return v / (1.f + expf(-v)); }
 
 /* The routed experts of one layer, SiLU-GLU: for every slot p = t*k + j whose expert e = idx[p] has
@@ -108,7 +116,7 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     for (int r = 0; r < Q; r++) memcpy(xsrt + (long)r * H, xf + (long)(order[r] / k) * H, sizeof(float) * H);
     int bfm = scheme == 4 ? (BF_MODE(bf16, H, g) < BF_MODE(bf16, I, g) ? BF_MODE(bf16, H, g) : BF_MODE(bf16, I, g))
                           : (Q8V_OK(bf16, H) && Q8V_OK(bf16, I));
-    if (scheme == 4) int4_prep(xsrt, Q, H, g, xp, xsum, bfm);
+    if (scheme == 4) prep_experts(xsrt, nu, uoff, H, g, xp, xsum, bfm);
     else if (bfm) q8_prep(xsrt, Q, H, xp);
 
     long bytes = (long)nu * 3 * H * I * (scheme == 4 ? 1 : 2) / 2;
@@ -118,7 +126,7 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     coli_parallel(moe_part, &j1, nt);
     for (long r = 0; r < (long)Q; r++)
         for (int i = 0; i < I; i++) act[r * I + i] = silu(hgu[r * 2 * I + i]) * hgu[r * 2 * I + I + i];
-    if (scheme == 4) int4_prep(act, Q, I, g, ap, asum, bfm);
+    if (scheme == 4) prep_experts(act, nu, uoff, I, g, ap, asum, bfm);
     else if (bfm) q8_prep(act, Q, I, ap);
     moe_job j2 = {scheme, g, I, H, nu, uexp, uoff, down, act, ap, asum, ysrt, bfm};
     coli_parallel(moe_part, &j2, nt);

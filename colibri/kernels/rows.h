@@ -151,6 +151,7 @@ static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(b + K / 4 + i / 4), acc[t]);
         }
     }
+#pragma GCC unroll 8  /* (acc stays in registers: see q4v_row_block) */
     for (int t = 0; t < TB; t++)
         out[(long)t * N] = so * (_mm512_reduce_add_ps(acc[t]) - xp[(long)t * Q8_STRIDE(K) + K / 2]);
 }
@@ -215,11 +216,18 @@ static inline void q4_row_block_bf(const uint16_t *xb, const float *xs, int K, i
 
 /* int4 with activations quantized per 32 values (like int8's VNNI path; bf16 compute only): the
  * nibbles are unsigned bytes, so vpdpbusd takes them as they are. Per 128 columns (64 weight bytes),
- * the low nibbles hold the even columns and the high nibbles the odd ones: the prepared row keeps
- * its int8 values in that order (64 even, then 64 odd), so one lane (4 bytes) of each product covers
+ * the low nibbles hold the even columns and the high nibbles the odd ones: the prepared rows keep
+ * their int8 values in that order (64 even, then 64 odd), so one lane (4 bytes) of each product covers
  * 8 neighbouring columns -- within one activation block and one weight group (g >= 32). A lane is
  * scaled by its block's activation scale times its group's weight scale; the group offsets (min)
- * multiply the group sums of the quantized x. Prepared row: xq [K] int8 | lane scales [K/8] f32. */
+ * multiply the group sums of the quantized x.
+ *
+ * Prepared rows come in blocks of up to 8 (the rows one q4v_row_block call takes), interleaved per
+ * 128-column chunk: the block's nb rows' 128 int8 values, then their 16 lane scales (f32), 192 * nb
+ * bytes a chunk. Every activation operand of a chunk is then a constant offset from one pointer:
+ * with each row at its own base, the 8-row kernel ran out of registers (address arithmetic and
+ * spills were a third of its instructions). A block starting at row r sits at r * Q4V_ROW(K) floats. */
+#define Q4V_ROW(K) ((long)(K) * 3 / 8)
 #if defined(COLI_AVX512) && defined(__AVX512VNNI__)
 #define COLI_Q4V 1
 static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, float *xs) {
@@ -229,15 +237,16 @@ static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, flo
     int bsum[4];
     for (int t = 0; t < n; t++) {
         const float *x = xf + (long)t * K;
-        float *base = xp + (long)t * K;
-        int8_t *xq = (int8_t *)base;
-        float *lane = base + K / 4;
+        int b0 = t & ~7, nb = n - b0 < 8 ? n - b0 : 8, r = t - b0;  /* the row's block, its size, its place */
+        int8_t *blk = (int8_t *)(xp + (long)b0 * Q4V_ROW(K));
         float *gs = xs + (long)t * G;
         for (int gi = 0; gi < G; gi++) gs[gi] = 0.f;
         for (int c = 0; c < K; c += 128) {  /* quantize a chunk in column order, then evens first, odds next */
+            int8_t *xq = blk + (long)(c / 128) * 192 * nb + 128 * r;
+            float *lane = (float *)(blk + (long)(c / 128) * 192 * nb + 128 * nb) + 16 * r;
             for (int b = 0; b < 4; b++) {
                 bsum[b] = q8_block(x + c + 32 * b, nat + 32 * b, &bsc[b]);
-                for (int l = 0; l < 4; l++) lane[(c + 32 * b) / 8 + l] = bsc[b];  /* 4 lanes of 8 columns */
+                for (int l = 0; l < 4; l++) lane[4 * b + l] = bsc[b];  /* 4 lanes of 8 columns */
             }
 #if defined(__AVX512VBMI__)
             const __m512i ev = _mm512_set_epi8(126, 124, 122, 120, 118, 116, 114, 112, 110, 108, 106, 104, 102, 100,
@@ -246,10 +255,10 @@ static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, flo
                                                30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
             const __m512i od = _mm512_add_epi8(ev, _mm512_set1_epi8(1));
             __m512i v0 = _mm512_loadu_si512((const void *)nat), v1 = _mm512_loadu_si512((const void *)(nat + 64));
-            _mm512_storeu_si512((void *)(xq + c), _mm512_permutex2var_epi8(v0, ev, v1));
-            _mm512_storeu_si512((void *)(xq + c + 64), _mm512_permutex2var_epi8(v0, od, v1));
+            _mm512_storeu_si512((void *)xq, _mm512_permutex2var_epi8(v0, ev, v1));
+            _mm512_storeu_si512((void *)(xq + 64), _mm512_permutex2var_epi8(v0, od, v1));
 #else
-            for (int o = 0; o < 128; o++) xq[c + (o & 1) * 64 + o / 2] = nat[o];
+            for (int o = 0; o < 128; o++) xq[(o & 1) * 64 + o / 2] = nat[o];
 #endif
             /* Group sums of the quantized values (scale * integer block sums): min * sum then pairs with
              * scale * q . xq, so the row computes w . xq exactly (w = q * scale + min); exact sums would
@@ -278,6 +287,9 @@ static inline void q4v_row_block(const float *xp, const float *xs, int K, int G,
     const __m512i lane_g = g == 32 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                          : g == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                    : _mm512_setzero_si512();
+    /* (unrolled: with acc[t] indexed in a loop that stays a loop, acc lived on the stack and every
+     * chunk stored all TB accumulators) */
+#pragma GCC unroll 8
     for (int t = 0; t < TB; t++) {  /* start from the group offsets: sum_g min_g * xs_g, 16 groups at a time */
         __m512 mm = _mm512_setzero_ps();
         for (int gi = 0; gi < G; gi += 16) {
@@ -292,7 +304,8 @@ static inline void q4v_row_block(const float *xp, const float *xs, int K, int G,
      * the chunk's arithmetic): it steps by 128/g, or by one every g/128 chunks, so it meets every
      * multiple of 16. */
     const int step = g == 32 ? 4 : g == 64 ? 2 : 0, every = g >> 7;  /* (no division: this runs per row) */
-    for (int c = 0, gc = 0, n = 0; c < K; c += 128, gc += step ? step : (++n == every ? (n = 0, 1) : 0)) {
+    const int8_t *xc = (const int8_t *)xp;  /* this chunk's block of prepared rows: 192 * TB bytes */
+    for (int c = 0, gc = 0, n = 0; c < K; c += 128, xc += 192 * TB, gc += step ? step : (++n == every ? (n = 0, 1) : 0)) {
         if ((gc & 15) == 0) {
             int rem = G - gc;
             __mmask16 k = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
@@ -303,13 +316,13 @@ static inline void q4v_row_block(const float *xp, const float *xs, int K, int G,
         __m512i v = _mm512_loadu_si512((const void *)(qo + c / 2));
         __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         for (int t = 0; t < TB; t++) {
-            const int8_t *xq = (const int8_t *)(xp + (long)t * K) + c;
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xq));
-            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(xq + 64)));
-            __m512 ls = _mm512_loadu_ps(xp + (long)t * K + K / 4 + c / 8);
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xc + 128 * t)));
+            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(xc + 128 * t + 64)));
+            __m512 ls = _mm512_loadu_ps((const float *)(xc + 128 * TB) + 16 * t);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ls, sw), acc[t]);
         }
     }
+#pragma GCC unroll 8
     for (int t = 0; t < TB; t++) out[(long)t * N] = _mm512_reduce_add_ps(acc[t]);
 }
 #endif
@@ -422,8 +435,9 @@ static inline void int4_prep(const float *xf, int n, int K, int g, float *xp, fl
     }
 }
 
+/* Row r of prepared activations (a block's first row for bfm 2: see q4v_prep). */
 static inline const float *xrow(const float *xp, int bfm, long r, int K) {
-    return bfm == 1 ? (const float *)((const uint16_t *)xp + r * K) : xp + r * K;
+    return bfm == 1 ? (const float *)((const uint16_t *)xp + r * K) : bfm == 2 ? xp + r * Q4V_ROW(K) : xp + r * K;
 }
 
 #define Q4_CALL(TB, xp, xs, K, G, g, qo, so, mo, yo, N, bfm) \
