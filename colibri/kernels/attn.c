@@ -77,7 +77,7 @@ int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, con
     float *buf = (float *)malloc(sizeof(float) * ((size_t)H * S + (size_t)H * (D + Dv)));
     if (!buf) return -2;
     attn_job j = {q, k, v, bf16, H, H / Hkv, D, Dv, S, ks, vs, scale, sinks, buf, out};
-    coli_parallel(attn_part, &j, n_threads_for((long)Hkv * S * (D + Dv) * (bf16 ? 2 : 4) / 4));
+    coli_parallel(attn_part, &j, n_threads_for((long)Hkv * S * (D + Dv) * (bf16 ? 2 : 4) * 4));
     free(buf);
     return 0;
 }
