@@ -72,7 +72,14 @@ static void q4_part(void *p, int id, int n) {
     int P = panel_rows(K / 2 + 4L * G);
     const float *xp = j->xp, *xs = j->xs;
     float *yf = j->yf;
-    for (long p0 = o0; p0 < o1; p0 += P) {
+    long p_end = o1;
+#ifdef COLI_Q4V
+    if (j->T == 1 && bfm == 2) {
+        q4v_rows1(xp, xs, K, G, g, j->q, j->scale, j->mn, o0, o1, yf);
+        p_end = o0;  /* (done: no panels) */
+    }
+#endif
+    for (long p0 = o0; p0 < p_end; p0 += P) {
         long p1 = p0 + P < o1 ? p0 + P : o1;
         for (int t0 = 0; t0 < j->T; t0 += 8) {
             int tb = j->T - t0 < 8 ? j->T - t0 : 8;

@@ -51,6 +51,14 @@ static void moe_part(void *p, int id, int n) {
         int np = P < j->N - o ? P : j->N - o;
         if (np > r1 - r) np = (int)(r1 - r);
         int a = j->uoff[u], rows = j->uoff[u + 1] - a;
+#ifdef COLI_Q4V
+        if (rows == 1 && j->bfm == 2 && j->scheme == 4) {  /* one row for this expert: no call per weight row */
+            const coli_qw *w = j->w + j->uexp[u];
+            q4v_rows1(xrow(j->xp, 2, a, j->K), j->xs + (long)a * G, j->K, G, j->g, (const uint8_t *)w->q,
+                      (const uint16_t *)w->s, (const uint16_t *)w->m, o, o + np, j->out + (long)a * j->N);
+            rows = 0;
+        }
+#endif
         for (int t0 = a; t0 < a + rows; t0 += 8) {
             int tb = a + rows - t0 < 8 ? a + rows - t0 : 8;
             for (int oo = o; oo < o + np; oo++)
