@@ -70,15 +70,82 @@ static void moe_part(void *p, int id, int n) {
     }
 }
 
-/* int4 activations prepared expert by expert: the kernels take an expert's rows in blocks of 8 from
- * its first row, and the VNNI layout interleaves the rows of each such block (rows.h q4v_prep). */
-static void prep_experts(const float *x, int nu, const int *uoff, int K, int g, float *xp, float *xs, int bfm) {
-    for (int u = 0; u < nu; u++)
-        int4_prep(x + (long)uoff[u] * K, uoff[u + 1] - uoff[u], K, g, (float *)xrow(xp, bfm, uoff[u], K),
-                  xs + (long)uoff[u] * (K / g), bfm);
+/* Row r of a layer's sorted rows (in the run [a, b) of one expert) prepared for the kernels: int4
+ * rows are prepared within their expert's run (the VNNI layout interleaves the rows of each block of 8
+ * the kernels take from the run's first row, rows.h q4v_prep), int8 rows alone. */
+static void prep_row(int scheme, int bfm, const float *x, int a, int b, int r, int K, int g, float *xp, float *xs) {
+    if (scheme == 4) {
+#ifdef COLI_Q4V
+        if (bfm == 2) {
+            q4v_prep_rows(x + (long)a * K, b - a, r - a, r - a + 1, K, g, (float *)xrow(xp, 2, a, K), xs + (long)a * (K / g));
+            return;
+        }
+#endif
+        int4_prep(x + (long)r * K, 1, K, g, (float *)xrow(xp, bfm, r, K), xs + (long)r * (K / g), bfm);
+    } else if (bfm) {
+        q8_prep(x + (long)r * K, 1, K, xp + (long)r * Q8_STRIDE(K));
+    }
 }
 
 static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* The per-row work around the two expert GEMMs, split over rows between the threads when a step has
+ * many (a prompt chunk: one thread spent ~15% of a 64-row step here while the other waited). Each row
+ * is computed as one thread would, so the bits do not depend on the split.
+ *   stage 0: row r of the sorted inputs = x's row of slot order[r], prepared;
+ *   stage 1: act[r] = silu(gate) * up, prepared for the down projection;
+ *   stage 2: row t of y = sum_j weights[t, j] * ys[t*k + j] (ys first filled from the sorted results). */
+typedef struct {
+    int stage, scheme, g, bfm, bf16, k, H, I, nu, Q, T;
+    const int *order, *uoff, *inv;
+    const void *x;
+    const float *weights, *hgu, *ysrt;
+    float *xsrt, *xp, *xsum, *act, *ap, *asum, *ys;
+    void *y;
+} rows_job;
+
+static void rows_part(void *p, int id, int n) {
+    rows_job *j = (rows_job *)p;
+    int H = j->H, I = j->I, k = j->k;
+    long r0, r1;
+    if (j->stage == 2) {
+        split(j->T, id, n, &r0, &r1);
+        for (long t = r0; t < r1; t++) {
+            for (int jj = 0; jj < k; jj++) {
+                int r = j->inv[t * k + jj];
+                if (r >= 0) memcpy(j->ys + (t * k + jj) * H, j->ysrt + (long)r * H, sizeof(float) * H);
+            }
+            if (!j->y) continue;
+            for (int c = 0; c < H; c++) {
+                float s = 0.f;
+                for (int jj = 0; jj < k; jj++) s += j->weights[t * k + jj] * j->ys[(t * k + jj) * H + c];
+                if (j->bf16) ((uint16_t *)j->y)[t * H + c] = f32_to_bf16(s);
+                else ((float *)j->y)[t * H + c] = s;
+            }
+        }
+        return;
+    }
+    split(j->Q, id, n, &r0, &r1);
+    int u = 0;
+    while (u + 1 < j->nu && j->uoff[u + 1] <= r0) u++;
+    for (long r = r0; r < r1; r++) {
+        while (j->uoff[u + 1] <= r) u++;
+        int a = j->uoff[u], b = j->uoff[u + 1];
+        if (j->stage == 0) {
+            long src = (long)(j->order[r] / k) * H;
+            load_x(j->bf16 ? (const void *)((const uint16_t *)j->x + src) : (const void *)((const float *)j->x + src),
+                   j->bf16, 1, H, j->xsrt + r * H);
+            prep_row(j->scheme, j->bfm, j->xsrt, a, b, (int)r, H, j->g, j->xp, j->xsum);
+        } else {
+            const float *hg = j->hgu + r * 2 * I;
+            for (int i = 0; i < I; i++) j->act[r * I + i] = silu(hg[i]) * hg[I + i];
+            prep_row(j->scheme, j->bfm, j->act, a, b, (int)r, I, j->g, j->ap, j->asum);
+        }
+    }
+}
+
+/* Rows worth a fork/join: a decode step's few rows stay on the calling thread. */
+#define ROWS_PAR_MIN 16
 
 /* The routed experts of one layer, SiLU-GLU: for every slot p = t*k + j whose expert e = idx[p] has
  * weights in the tables (gate_up[e]: [2I, H], gate rows first; down[e]: [H, I]; `scheme` 8 or 4,
@@ -95,9 +162,10 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     int *count = (int *)calloc((size_t)n_experts + 1, sizeof(int));
     int *order = (int *)malloc(sizeof(int) * ((size_t)P + 1));  /* sorted row -> slot */
     int *uexp = (int *)malloc(sizeof(int) * ((size_t)P + 1)), *uoff = (int *)malloc(sizeof(int) * ((size_t)P + 1));
+    int *inv = (int *)malloc(sizeof(int) * ((size_t)P + 1));  /* slot -> sorted row, -1: not in this call */
     float *buf = NULL;
     int rc = 0;
-    if (!count || !order || !uexp || !uoff) { rc = -2; goto done; }
+    if (!count || !order || !uexp || !uoff || !inv) { rc = -2; goto done; }
     for (int p = 0; p < P; p++) {
         if (idx[p] < 0 || idx[p] >= n_experts) { rc = -4; goto done; }
         if (gate_up[idx[p]].q) { count[idx[p] + 1]++; Q++; }
@@ -110,46 +178,37 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
         if (r == 0 || e != uexp[nu - 1]) { uexp[nu] = e; uoff[nu++] = r; }
     }
     uoff[nu] = Q;
-    size_t nf = (size_t)T * H + (size_t)Q * H + (size_t)Q * 2 * I + (size_t)Q * I + (size_t)Q * H;
+    size_t nf = (size_t)Q * H + (size_t)Q * 2 * I + (size_t)Q * I + (size_t)Q * H;
     /* prepared activations (int4: nibble-ordered or bf16 copies + group sums; int8 in bf16: q8_prep) */
     size_t nxp = (size_t)Q * (H > Q8_STRIDE(H) ? H : Q8_STRIDE(H)), nxs = scheme == 4 ? (size_t)Q * H / g : 0;
     size_t nap = (size_t)Q * (I > Q8_STRIDE(I) ? I : Q8_STRIDE(I)), nas = scheme == 4 ? (size_t)Q * I / g : 0;
     size_t n4 = nxp + nxs + nap + nas;
     buf = (float *)coli_alloc(sizeof(float) * (nf + n4 + 1));
     if (!buf) { rc = -2; goto done; }
-    float *xf = buf, *xsrt = xf + (size_t)T * H, *hgu = xsrt + (size_t)Q * H, *act = hgu + (size_t)Q * 2 * I;
+    float *xsrt = buf, *hgu = xsrt + (size_t)Q * H, *act = hgu + (size_t)Q * 2 * I;
     float *ysrt = act + (size_t)Q * I;
     float *xp = ysrt + (size_t)Q * H, *xsum = xp + nxp, *ap = xsum + nxs, *asum = ap + nap;
-    load_x(x, bf16, T, H, xf);
-    for (int r = 0; r < Q; r++) memcpy(xsrt + (long)r * H, xf + (long)(order[r] / k) * H, sizeof(float) * H);
     int bfm = scheme == 4 ? (BF_MODE(bf16, H, g) < BF_MODE(bf16, I, g) ? BF_MODE(bf16, H, g) : BF_MODE(bf16, I, g))
                           : (Q8V_OK(bf16, H) && Q8V_OK(bf16, I));
-    if (scheme == 4) prep_experts(xsrt, nu, uoff, H, g, xp, xsum, bfm);
-    else if (bfm) q8_prep(xsrt, Q, H, xp);
+    for (int p = 0; p < P; p++) inv[p] = -1;
+    for (int r = 0; r < Q; r++) inv[order[r]] = r;
 
     long bytes = (long)nu * 3 * H * I * (scheme == 4 ? 1 : 2) / 2;
-    int nt = n_threads_for(bytes);
+    int nt = n_threads_for(bytes), nr = Q >= ROWS_PAR_MIN ? nt : 1;
+    rows_job rj = {0, scheme, g, bfm, bf16, k, H, I, nu, Q, T, order, uoff, inv, x, weights, hgu, ysrt,
+                   xsrt, xp, xsum, act, ap, asum, ys, y};
+    coli_parallel(rows_part, &rj, nr);
     /* gate+up: rows (u, o) for o < 2I, flattened so the threads split all experts' rows evenly */
     moe_job j1 = {scheme, g, H, 2 * I, nu, uexp, uoff, gate_up, xsrt, xp, xsum, hgu, bfm};
     coli_parallel(moe_part, &j1, nt);
-    for (long r = 0; r < (long)Q; r++)
-        for (int i = 0; i < I; i++) act[r * I + i] = silu(hgu[r * 2 * I + i]) * hgu[r * 2 * I + I + i];
-    if (scheme == 4) prep_experts(act, nu, uoff, I, g, ap, asum, bfm);
-    else if (bfm) q8_prep(act, Q, I, ap);
+    rj.stage = 1;
+    coli_parallel(rows_part, &rj, nr);
     moe_job j2 = {scheme, g, I, H, nu, uexp, uoff, down, act, ap, asum, ysrt, bfm};
     coli_parallel(moe_part, &j2, nt);
-    for (long r = 0; r < (long)Q; r++) memcpy(ys + (long)order[r] * H, ysrt + r * H, sizeof(float) * H);
-    if (y) {
-        for (long t = 0; t < (long)T; t++)
-            for (int c = 0; c < H; c++) {
-                float s = 0.f;
-                for (int jj = 0; jj < k; jj++) s += weights[t * k + jj] * ys[(t * k + jj) * H + c];
-                if (bf16) ((uint16_t *)y)[t * H + c] = f32_to_bf16(s);
-                else ((float *)y)[t * H + c] = s;
-            }
-    }
+    rj.stage = 2;
+    coli_parallel(rows_part, &rj, T * k >= ROWS_PAR_MIN ? nt : 1);
 done:
-    free(count); free(order); free(uexp); free(uoff); free(buf);
+    free(count); free(order); free(uexp); free(uoff); free(inv); free(buf);
     return rc;
 }
 

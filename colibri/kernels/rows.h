@@ -230,12 +230,14 @@ static inline void q4_row_block_bf(const uint16_t *xb, const float *xs, int K, i
 #define Q4V_ROW(K) ((long)(K) * 3 / 8)
 #if defined(COLI_AVX512) && defined(__AVX512VNNI__)
 #define COLI_Q4V 1
-static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, float *xs) {
+/* Rows t0..t1 of a run of n rows prepared as a whole (xf, xp, xs: the run's row 0): the layout of a row
+ * depends on the run, so threads may share the rows of one run. */
+static inline void q4v_prep_rows(const float *xf, int n, int t0, int t1, int K, int g, float *xp, float *xs) {
     int G = K / g;
     int8_t nat[128];
     float bsc[4];
     int bsum[4];
-    for (int t = 0; t < n; t++) {
+    for (int t = t0; t < t1; t++) {
         const float *x = xf + (long)t * K;
         int b0 = t & ~7, nb = n - b0 < 8 ? n - b0 : 8, r = t - b0;  /* the row's block, its size, its place */
         int8_t *blk = (int8_t *)(xp + (long)b0 * Q4V_ROW(K));
@@ -266,6 +268,10 @@ static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, flo
             for (int b = 0; b < 4; b++) gs[(c + 32 * b) / g] += bsc[b] * (float)bsum[b];
         }
     }
+}
+
+static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, float *xs) {
+    q4v_prep_rows(xf, n, 0, n, K, g, xp, xs);
 }
 
 /* Software prefetch distance of the int4 weight stream, bytes (~8 rows of 1024 columns): decode steps
