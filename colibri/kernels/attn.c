@@ -15,16 +15,14 @@ typedef struct {
     void *out;
 } attn_job;
 
-static void attn_part(void *p, int id, int n) {
-    attn_job *j = (attn_job *)p;
+/* Heads h0..h1 of one query row. */
+static void attn_heads(const attn_job *j, long h0, long h1) {
     const void *q = j->q, *k = j->k, *v = j->v;
     int bf16 = j->bf16, H = j->H, rep = j->rep, D = j->D, Dv = j->Dv, S = j->S;
     long ks = j->ks, vs = j->vs;
     float scale = j->scale, *buf = j->buf;
     const float *sinks = j->sinks;
     void *out = j->out;
-    long h0, h1;
-    split(H, id, n, &h0, &h1);
     for (int h = (int)h0; h < (int)h1; h++) {
         float *sc = buf + (size_t)h * S, *qf = buf + (size_t)H * S + (size_t)h * (D + Dv), *of = qf + D;
         long kv = h / rep;
@@ -69,6 +67,54 @@ static void attn_part(void *p, int id, int n) {
             else ((float *)out)[(long)h * Dv + d] = o;
         }
     }
+}
+
+static void attn_part(void *p, int id, int n) {
+    attn_job *j = (attn_job *)p;
+    long h0, h1;
+    split(j->H, id, n, &h0, &h1);
+    attn_heads(j, h0, h1);
+}
+
+typedef struct {
+    const attn_job *rows;
+    int T, H;
+} attn_multi;
+
+static void attn_multi_part(void *p, int id, int n) {
+    attn_multi *m = (attn_multi *)p;
+    long a, b;
+    split((long)m->T * m->H, id, n, &a, &b);
+    for (long i = a; i < b; i++) attn_heads(&m->rows[i / m->H], i % m->H, i % m->H + 1);
+}
+
+/* coli_attn_decode for T query rows at once (a prompt chunk, a batch of sequences): row t's query at
+ * q + t * H * D, its keys/values at k[t] / v[t] (S[t] of them), its output at out + t * H * Dv. All
+ * rows x heads go to the threads in one parallel region (a fork/join per row cost more than a short
+ * row's attention). Each head is computed as coli_attn_decode computes it (same bits). */
+int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
+                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out) {
+    if (T < 1 || H % Hkv) return -3;
+    long tot = 0, es = bf16 ? 2 : 4;
+    for (int t = 0; t < T; t++) {
+        if (S[t] < 1) return -3;
+        tot += S[t];
+    }
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)H * tot + (size_t)T * H * (D + Dv)));
+    attn_job *rows = (attn_job *)malloc(sizeof(attn_job) * (size_t)T);
+    if (!buf || !rows) { free(buf); free(rows); return -2; }
+    float *b = buf;
+    for (int t = 0; t < T; t++) {
+        attn_job r = {(const char *)q + (long)t * H * D * es, k[t], v[t], bf16, H, H / Hkv, D, Dv, S[t], ks, vs,
+                      scale, sinks, b, (char *)out + (long)t * H * Dv * es};
+        rows[t] = r;
+        b += (size_t)H * S[t] + (size_t)H * (D + Dv);
+    }
+    attn_multi m = {rows, T, H};
+    coli_parallel(attn_multi_part, &m, n_threads_for((long)Hkv * tot * (D + Dv) * es * 4));
+    free(rows);
+    free(buf);
+    return 0;
 }
 
 int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,

@@ -11,8 +11,8 @@
 int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y);
 int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
                  const uint16_t *mn, int g, int N, void *y);
-int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
-                     const void *v, long vs, int S, float scale, const float *sinks, void *out);
+int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
+                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out);
 int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 
@@ -74,12 +74,16 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             memcpy((uint16_t *)kc[t] + j * ks + (long)pos[t] * D, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
             memcpy((uint16_t *)vc[t] + j * vs + (long)pos[t] * D, v + t * nk + (long)j * D, sizeof(uint16_t) * D);
         }
-    for (int t = 0; t < T; t++) {
-        int valid = pos[t] + 1, lo = L->window > 0 && valid > L->window ? valid - L->window : 0;
-        if ((rc = coli_attn_decode(q2 + t * nq, 1, nh, nkv, D, D, (uint16_t *)kc[t] + (long)lo * D, ks,
-                                   (uint16_t *)vc[t] + (long)lo * D, vs, valid - lo, L->scale, L->sinks,
-                                   ao + t * nq)))
-            goto done;
+    {
+        const void *kb[MAX_T], *vb[MAX_T];
+        int S[MAX_T];
+        for (int t = 0; t < T; t++) {
+            int valid = pos[t] + 1, lo = L->window > 0 && valid > L->window ? valid - L->window : 0;
+            kb[t] = (uint16_t *)kc[t] + (long)lo * D;
+            vb[t] = (uint16_t *)vc[t] + (long)lo * D;
+            S[t] = valid - lo;
+        }
+        if ((rc = coli_attn_rows(T, q2, 1, nh, nkv, D, D, kb, ks, vb, vs, S, L->scale, L->sinks, ao))) goto done;
     }
     if ((rc = proj(L, &L->wo, ao, T, (int)nq, Hd, o))) goto done;
     uint16_t *hn = (uint16_t *)h_out;
