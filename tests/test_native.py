@@ -374,3 +374,6 @@ def test_native_router_matches_torchs(norm: bool) -> None:
     assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="non-finite"):
         r(torch.full((1, 96), float("nan")).bfloat16())
+    x[30] = float("nan")  # one bad row among many: the rows are split between threads
+    with pytest.raises(RuntimeError, match="non-finite"):
+        r(x)

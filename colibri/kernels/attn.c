@@ -130,38 +130,75 @@ int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, con
 
 /* ------------------------------------------------------------------- norm and rotary, per row */
 
-/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for R rows of H, in f32, rounded once to x's dtype. */
-int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out) {
-    for (long r = 0; r < R; r++) {
+/* Rows per step worth splitting between the threads (a prompt chunk's; a decode step's stay put). */
+#define ROW_OPS_PAR_MIN 16
+
+typedef struct {
+    const void *x;
+    int bf16, H, nh, D, rot;
+    long R;
+    const float *w, *cs, *sn;
+    float eps;
+    void *out;
+} row_op;
+
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for rows r0..r1 of H, in f32, rounded once to x's dtype. */
+static void rmsnorm_rows(const row_op *a, long r0, long r1) {
+    const void *x = a->x;
+    int bf16 = a->bf16, H = a->H;
+    for (long r = r0; r < r1; r++) {
         float ss = 0.f;
         for (int i = 0; i < H; i++) { float v = ld(x, bf16, r * H + i); ss += v * v; }
-        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        float inv = 1.f / sqrtf(ss / (float)H + a->eps);
         for (int i = 0; i < H; i++) {
-            float v = w[i] * (ld(x, bf16, r * H + i) * inv);
-            if (bf16) ((uint16_t *)out)[r * H + i] = f32_to_bf16(v);
-            else ((float *)out)[r * H + i] = v;
+            float v = a->w[i] * (ld(x, bf16, r * H + i) * inv);
+            if (bf16) ((uint16_t *)a->out)[r * H + i] = f32_to_bf16(v);
+            else ((float *)a->out)[r * H + i] = v;
         }
     }
-    return 0;
 }
 
-/* Rotary embedding (rotate-half convention) of the first `rot` channels of each of the nh heads of
- * T rows (x [T, nh, D]); cos/sin f32 [T, rot] (the scale folded in); the other channels are copied.
+/* Rotary embedding (rotate-half convention) of the first `rot` channels of each of the nh heads of rows
+ * t0..t1 (x [T, nh, D]); cos/sin f32 [T, rot] (the scale folded in); the other channels are copied.
  * In f32, rounded once to x's dtype. */
-int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out) {
-    int half = rot / 2;
-    for (int t = 0; t < T; t++)
+static void rope_rows(const row_op *a, long t0, long t1) {
+    const void *x = a->x;
+    int bf16 = a->bf16, nh = a->nh, D = a->D, rot = a->rot, half = a->rot / 2;
+    for (long t = t0; t < t1; t++)
         for (int h = 0; h < nh; h++) {
             long b = ((long)t * nh + h) * D;
-            const float *c = cs + (long)t * rot, *s = sn + (long)t * rot;
+            const float *c = a->cs + t * rot, *s = a->sn + t * rot;
             for (int i = 0; i < D; i++) {
                 float v;
                 if (i < half) v = ld(x, bf16, b + i) * c[i] - ld(x, bf16, b + i + half) * s[i];
                 else if (i < rot) v = ld(x, bf16, b + i) * c[i] + ld(x, bf16, b + i - half) * s[i];
                 else v = ld(x, bf16, b + i);
-                if (bf16) ((uint16_t *)out)[b + i] = f32_to_bf16(v);
-                else ((float *)out)[b + i] = v;
+                if (bf16) ((uint16_t *)a->out)[b + i] = f32_to_bf16(v);
+                else ((float *)a->out)[b + i] = v;
             }
         }
+}
+
+static void rmsnorm_part(void *p, int id, int n) {
+    long r0, r1;
+    split(((row_op *)p)->R, id, n, &r0, &r1);
+    rmsnorm_rows((row_op *)p, r0, r1);
+}
+
+static void rope_part(void *p, int id, int n) {
+    long r0, r1;
+    split(((row_op *)p)->R, id, n, &r0, &r1);
+    rope_rows((row_op *)p, r0, r1);
+}
+
+int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out) {
+    row_op a = {x, bf16, H, 0, 0, 0, R, w, NULL, NULL, eps, out};
+    coli_parallel(rmsnorm_part, &a, R >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
+    return 0;
+}
+
+int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out) {
+    row_op a = {x, bf16, 0, nh, D, rot, T, NULL, cs, sn, 0.f, out};
+    coli_parallel(rope_part, &a, T >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
     return 0;
 }

@@ -214,22 +214,29 @@ done:
 
 /* ------------------------------------------------------------------- the router and the whole layer */
 
-/* Softmax top-k routing (Mixtral, OLMoE, Qwen-MoE): for each of T rows of x, logits = x W^T in f32
- * (W f32 [E, H]), probabilities by softmax over all E, the k largest in descending order (ties: the
- * lower expert first), optionally renormalised to sum to one. idx int64 [T, k], w f32 [T, k].
- * Returns 0, -2 (memory), -3 (bad k), -5 (a NaN logit). */
-int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int64_t *idx,
-               float *w) {
-    if (k < 1 || k > E) return -3;
+typedef struct {
+    const void *x;
+    int bf16, T, H, E, k, norm;
+    const float *W;
+    int64_t *idx;
+    float *w;
+    int rc;
+} route_job;
+
+static void route_part(void *p, int id, int n) {
+    route_job *j = (route_job *)p;
+    int H = j->H, E = j->E, k = j->k;
+    long t0, t1;
+    split(j->T, id, n, &t0, &t1);
     float *buf = (float *)malloc(sizeof(float) * ((size_t)H + (size_t)E));
-    if (!buf) return -2;
-    float *xf = buf, *p = buf + H;
-    for (int t = 0; t < T; t++) {
-        if (bf16) load_x((const uint16_t *)x + (long)t * H, 1, 1, H, xf);
-        else memcpy(xf, (const float *)x + (long)t * H, sizeof(float) * H);
+    if (!buf) { __atomic_store_n(&j->rc, -2, __ATOMIC_RELAXED); return; }
+    float *xf = buf, *p_ = buf + H;
+    for (long t = t0; t < t1; t++) {
+        if (j->bf16) load_x((const uint16_t *)j->x + t * H, 1, 1, H, xf);
+        else memcpy(xf, (const float *)j->x + t * H, sizeof(float) * H);
         float mx = -INFINITY;
         for (int e = 0; e < E; e++) {
-            const float *we = W + (long)e * H;
+            const float *we = j->W + (long)e * H;
             float a = 0.f;
             int i = 0;
 #ifdef COLI_AVX512
@@ -238,27 +245,40 @@ int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int
             a = _mm512_reduce_add_ps(acc);
 #endif
             for (; i < H; i++) a += xf[i] * we[i];
-            p[e] = a;
+            p_[e] = a;
             if (a > mx) mx = a;
         }
         float den = 0.f;
-        for (int e = 0; e < E; e++) { p[e] = expf(p[e] - mx); den += p[e]; }
+        for (int e = 0; e < E; e++) { p_[e] = expf(p_[e] - mx); den += p_[e]; }
         float sum = 0.f;
-        for (int j = 0; j < k; j++) {  /* k passes of a max scan: k and E are small */
+        int64_t *ix = j->idx + t * k;
+        float *wt = j->w + t * k;
+        for (int jj = 0; jj < k; jj++) {  /* k passes of a max scan: k and E are small */
             int best = -1;
             for (int e = 0; e < E; e++)
-                if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
-            if (best < 0) { free(buf); return -5; }  /* NaN logits: an error, not garbage routes */
-            idx[(long)t * k + j] = best;
-            w[(long)t * k + j] = p[best] / den;
-            sum += w[(long)t * k + j];
-            p[best] = -1.f;  /* taken */
+                if (p_[e] >= 0.f && (best < 0 || p_[e] > p_[best])) best = e;
+            if (best < 0) { __atomic_store_n(&j->rc, -5, __ATOMIC_RELAXED); break; }  /* NaN logits: an error */
+            ix[jj] = best;
+            wt[jj] = p_[best] / den;
+            sum += wt[jj];
+            p_[best] = -1.f;  /* taken */
         }
-        if (norm)
-            for (int j = 0; j < k; j++) w[(long)t * k + j] /= sum;
+        if (j->norm)
+            for (int jj = 0; jj < k; jj++) wt[jj] /= sum;
     }
     free(buf);
-    return 0;
+}
+
+/* Softmax top-k routing (Mixtral, OLMoE, Qwen-MoE): for each of T rows of x, logits = x W^T in f32
+ * (W f32 [E, H]), probabilities by softmax over all E, the k largest in descending order (ties: the
+ * lower expert first), optionally renormalised to sum to one. idx int64 [T, k], w f32 [T, k]. Rows are
+ * split between the threads when there are many. Returns 0, -2 (memory), -3 (bad k), -5 (a NaN logit). */
+int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int64_t *idx,
+               float *w) {
+    if (k < 1 || k > E) return -3;
+    route_job j = {x, bf16, T, H, E, k, norm, W, idx, w, 0};
+    coli_parallel(route_part, &j, T >= ROWS_PAR_MIN ? coli_get_threads() : 1);
+    return j.rc;
 }
 
 /* The routed half of a decoder block whose experts are all in `gate_up`/`down` (a resident layer):
