@@ -130,8 +130,9 @@ int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, con
 
 /* ------------------------------------------------------------------- norm and rotary, per row */
 
-/* Rows per step worth splitting between the threads (a prompt chunk's; a decode step's stay put). */
-#define ROW_OPS_PAR_MIN 16
+/* Values per call worth splitting between the threads: a prompt chunk's or a batch of 8 sequences' rows
+ * (+5% steps/s at 8 sequences of the 0.44b model); a one-sequence decode step's stay put. */
+#define ROW_OPS_PAR_MIN 8192
 
 typedef struct {
     const void *x;
@@ -193,12 +194,12 @@ static void rope_part(void *p, int id, int n) {
 
 int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out) {
     row_op a = {x, bf16, H, 0, 0, 0, R, w, NULL, NULL, eps, out};
-    coli_parallel(rmsnorm_part, &a, R >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
+    coli_parallel(rmsnorm_part, &a, R * H >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
     return 0;
 }
 
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out) {
     row_op a = {x, bf16, 0, nh, D, rot, T, NULL, cs, sn, 0.f, out};
-    coli_parallel(rope_part, &a, T >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
+    coli_parallel(rope_part, &a, (long)T * nh * D >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
     return 0;
 }
