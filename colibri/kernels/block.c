@@ -16,6 +16,9 @@ int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv
 int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 
+int coli_multi_gemm(const void *x, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
+                    void *const *y);
+
 static int proj(const coli_attn_layer *L, const coli_qw *w, const uint16_t *x, int T, int K, int N, uint16_t *y) {
     if (L->scheme == 8) return coli_q8_gemm(x, 1, T, K, (const int8_t *)w->q, (const float *)w->s, N, y);
     return coli_q4_gemm(x, 1, T, K, (const uint8_t *)w->q, (const uint16_t *)w->s, (const uint16_t *)w->m,
@@ -47,9 +50,12 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
     coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn);
-    if ((rc = proj(L, &L->wq, xn, T, Hd, (int)nq, q)) || (rc = proj(L, &L->wk, xn, T, Hd, (int)nk, k)) ||
-        (rc = proj(L, &L->wv, xn, T, Hd, (int)nk, v)))
-        goto done;
+    {
+        coli_qw w[3] = {L->wq, L->wk, L->wv};
+        int N[3] = {(int)nq, (int)nk, (int)nk};
+        void *y[3] = {q, k, v};
+        if ((rc = coli_multi_gemm(xn, T, Hd, L->scheme, L->group, 3, w, N, y))) goto done;
+    }
     if (L->qk_norm == 1) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
         coli_rmsnorm(k, 1, T, (int)nk, L->kn_w, L->qk_eps, k2);

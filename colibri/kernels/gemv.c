@@ -16,10 +16,8 @@ typedef struct {
     int vm;  /* xf holds q8_prep rows */
 } q8_job;
 
-static void q8_part(void *p, int id, int n) {
-    q8_job *j = (q8_job *)p;
-    long o0, o1;
-    split(j->N, id, n, &o0, &o1);
+/* Output rows o0..o1 of one int8 job. */
+static void q8_range(const q8_job *j, long o0, long o1) {
     if (j->vm) {
         int P = panel_rows(j->K);
         for (long p0 = o0; p0 < o1; p0 += P) {
@@ -36,6 +34,12 @@ static void q8_part(void *p, int id, int n) {
         q8_rows(j->xf, j->T, j->K, j->q, j->scale, j->N, (int)o0, (int)o1, j->yf);
     }
     store_y(j->yf, j->bf16, j->T, j->N, (int)o0, (int)o1, j->y);
+}
+
+static void q8_part(void *p, int id, int n) {
+    long o0, o1;
+    split(((q8_job *)p)->N, id, n, &o0, &o1);
+    q8_range((q8_job *)p, o0, o1);
 }
 
 /* x [T, K] (f32, or bf16 when bf16 != 0), y [T, N] same dtype. Returns 0, or -1 if T is too large. */
@@ -64,11 +68,9 @@ typedef struct {
     void *y;
 } q4_job;
 
-static void q4_part(void *p, int id, int n) {
-    q4_job *j = (q4_job *)p;
-    long o0, o1;
+/* Output rows o0..o1 of one int4 job. */
+static void q4_range(const q4_job *j, long o0, long o1) {
     int K = j->K, G = j->G, g = j->g, N = j->N, bfm = j->bfm;
-    split(N, id, n, &o0, &o1);
     int P = panel_rows(K / 2 + 4L * G);
     const float *xp = j->xp, *xs = j->xs;
     float *yf = j->yf;
@@ -93,6 +95,12 @@ static void q4_part(void *p, int id, int n) {
     store_y(j->yf, j->bf16, j->T, N, (int)o0, (int)o1, j->y);
 }
 
+static void q4_part(void *p, int id, int n) {
+    long o0, o1;
+    split(((q4_job *)p)->N, id, n, &o0, &o1);
+    q4_range((q4_job *)p, o0, o1);
+}
+
 /* x [T, K], q uint8 [N, K/2], scale/min f16 [N, K/g]; K % 32 == 0 and g % 32 == 0. */
 int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
                  const uint16_t *mn, int g, int N, void *y) {
@@ -108,6 +116,70 @@ int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const 
     int4_prep(xf, T, K, g, xp, xs, bfm);
     q4_job j = {xp, xs, T, K, G, g, q, scale, mn, N, yf, bf16, bfm, y};
     coli_parallel(q4_part, &j, n_threads_for((long)N * K / 2));
+    free(buf);
+    return 0;
+}
+
+/* Several weights applied to one input (an attention layer's q, k and v): the activations prepared
+ * once and every weight's output rows in one parallel region -- three fork/joins and three
+ * preparations of the same row were a few percent of a small model's decode step. Each output row is
+ * computed as coli_q8_gemm / coli_q4_gemm compute it (same bits). */
+#define MULTI_MAX 4
+typedef struct {
+    int n, scheme;
+    long off[MULTI_MAX + 1];  /* weight m's rows are [off[m], off[m + 1]) of the flattened rows */
+    q8_job j8[MULTI_MAX];
+    q4_job j4[MULTI_MAX];
+} multi_job;
+
+static void multi_part(void *p, int id, int n) {
+    multi_job *m = (multi_job *)p;
+    long r0, r1;
+    split(m->off[m->n], id, n, &r0, &r1);
+    for (int i = 0; i < m->n; i++) {
+        long a = r0 > m->off[i] ? r0 : m->off[i], b = r1 < m->off[i + 1] ? r1 : m->off[i + 1];
+        if (a >= b) continue;
+        if (m->scheme == 8) q8_range(&m->j8[i], a - m->off[i], b - m->off[i]);
+        else q4_range(&m->j4[i], a - m->off[i], b - m->off[i]);
+    }
+}
+
+/* x bf16 [T, K]; w[i] (int8: q, s; int4: q, s, m with group g) [N[i], K]; y[i] bf16 [T, N[i]]; n <= 4. */
+int coli_multi_gemm(const void *x, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
+                    void *const *y) {
+    if (T < 1 || T > MAX_T) return -1;
+    if (n < 1 || n > MULTI_MAX || (scheme == 4 && (K % 32 || g % 32 || K % g))) return -3;
+    long Ntot = 0;
+    for (int i = 0; i < n; i++) Ntot += N[i];
+    size_t nx = (size_t)T * K, G = scheme == 4 ? (size_t)K / g : 0;
+    size_t nprep = scheme == 4 ? nx + (size_t)T * G : (size_t)T * Q8_STRIDE(K);
+    float *buf = (float *)coli_alloc(sizeof(float) * (nx + nprep + (size_t)T * Ntot));
+    if (!buf) return -2;
+    float *xf = buf, *xp = buf + nx, *yf = xp + nprep;
+    load_x(x, 1, T, K, xf);
+    multi_job m = {n, scheme, {0}, {{0}}, {{0}}};
+    if (scheme == 8) {
+        int vm = Q8V_OK(1, K);
+        if (vm) q8_prep(xf, T, K, xp);
+        for (int i = 0; i < n; i++) {
+            q8_job j = {vm ? xp : xf, T, K, (const int8_t *)w[i].q, (const float *)w[i].s, N[i], yf, 1, y[i], vm};
+            m.j8[i] = j;
+            yf += (size_t)T * N[i];
+            m.off[i + 1] = m.off[i] + N[i];
+        }
+    } else {
+        int bfm = BF_MODE(1, K, g);
+        float *xs = xp + nx;
+        int4_prep(xf, T, K, g, xp, xs, bfm);
+        for (int i = 0; i < n; i++) {
+            q4_job j = {xp, xs, T, K, (int)G, g, (const uint8_t *)w[i].q, (const uint16_t *)w[i].s,
+                        (const uint16_t *)w[i].m, N[i], yf, 1, bfm, y[i]};
+            m.j4[i] = j;
+            yf += (size_t)T * N[i];
+            m.off[i + 1] = m.off[i] + N[i];
+        }
+    }
+    coli_parallel(multi_part, &m, n_threads_for(Ntot * K / (scheme == 4 ? 2 : 1)));
     free(buf);
     return 0;
 }
