@@ -20,8 +20,8 @@ from colibri.kernels import native
 from colibri.models import native_step
 from colibri.models.batch import StepBatch
 
-KERNELS = ("decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block", "attn_decode",
-           "rmsnorm", "rope")
+KERNELS = ("decode_step", "decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block",
+           "attn_decode", "rmsnorm", "rope")
 
 
 def main() -> None:

@@ -244,8 +244,9 @@ def test_forced_native_beyond_the_kernels_row_limit_dequantizes() -> None:
 
 
 def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
-    """Logits of one-row steps, a two-sequence decode step and a 6-row prompt chunk: all blocks in one
-    native call ("one_call"), the fused blocks one layer at a time ("fused"), or neither ("unfused")."""
+    """Logits of one-row steps, a two-sequence decode step and a 6-row prompt chunk: the whole step in one
+    native call ("whole": embedding, blocks, norm, head), all blocks in one call ("one_call"), the fused
+    blocks one layer at a time ("fused"), or neither ("unfused")."""
     from colibri.models import native_step
     from colibri.models.batch import Seq, StepBatch
     from colibri.models.layers import Attention
@@ -253,7 +254,8 @@ def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.T
 
     out: dict[str, torch.Tensor] = {}
     with monkeypatch.context() as mp:
-        mp.setattr(native_step, "ENABLED", mode == "one_call")
+        mp.setattr(native_step, "ENABLED", mode in ("whole", "one_call"))
+        mp.setattr(native_step, "TAIL", mode == "whole")
         if mode == "unfused":
             mp.setattr(Attention, "fused", lambda self, *a: None)
             mp.setattr(SparseMoE, "fused", lambda self, *a: None)
@@ -285,8 +287,9 @@ def _spy(real, seen: list[bool]):
 def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
     """coli_attn_block (norm, q/k/v, q/k norm, clip, rotary, cache write, attention, o_proj, residual,
     post norm in one call) and coli_moe_block (router, experts, residual) give exactly the bits of the
-    same kernels called one by one from Python, for one-row steps and a two-sequence step; so does
-    coli_decode_layers (all blocks of a step in one call); a prompt chunk through them (rows attend
+    same kernels called one by one from Python, for one-row steps and a two-sequence step; so do
+    coli_decode_layers (all blocks of a step in one call) and coli_decode_step (embedding to logits in
+    one call); a prompt chunk through them (rows attend
     over their own predecessors, written in the same call) matches the one-row steps."""
     import colibri
     from colibri.kernels import native
@@ -304,13 +307,19 @@ def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overr
         one_call: list[bool] = []
         with monkeypatch.context() as mp:
             mp.setattr(native, "decode_layers", _spy(native.decode_layers, one_call))
-            whole = _steps(llm, "one_call", monkeypatch)
-        assert len(one_call) == len(PROMPTS[0]) + 9 + 2 and all(one_call)  # every step in one call
+            blocks = _steps(llm, "one_call", monkeypatch)
+        assert len(one_call) == len(PROMPTS[0]) + 9 + 2 and all(one_call)  # every step's blocks in one call
+        whole_calls: list[bool] = []
+        with monkeypatch.context() as mp:
+            mp.setattr(native, "decode_step", _spy(native.decode_step, whole_calls))
+            whole = _steps(llm, "whole", monkeypatch)
+        assert len(whole_calls) == len(PROMPTS[0]) + 9 + 2  # every step whole: embedding to logits
         ref = _steps(llm, "unfused", monkeypatch)
     finally:
         llm.close()
     for key in ("rows", "batch", "chunk"):
         assert torch.equal(whole[key], got[key])
+        assert torch.equal(blocks[key], got[key])
     assert torch.equal(got["rows"], ref["rows"])
     assert torch.equal(got["batch"], ref["batch"])
     # the chunk's rows are positions 0..5 of PROMPTS[1], which the one-row steps also computed (rows 16..21)
@@ -320,8 +329,8 @@ def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overr
 
 
 def test_one_call_step_follows_replaced_caches(ckpt) -> None:
-    """coli_decode_layers caches a slot's KV pointers: a cache whose tensors are replaced (moved,
-    reallocated) must be written at its new memory (the last step, per layer, reads from there)."""
+    """The one-call step (coli_decode_step) caches a slot's KV pointers: a cache whose tensors are replaced
+    (moved, reallocated) must be written at its new memory (the last step, per layer, reads from there)."""
     import colibri
     from colibri.kernels import native as nat
     from colibri.models import native_step
@@ -329,9 +338,9 @@ def test_one_call_step_follows_replaced_caches(ckpt) -> None:
 
     llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=32, slots=1, threads=2)
     calls: list[bool] = []
-    real = nat.decode_layers
+    real = nat.decode_step
     try:
-        nat.decode_layers = _spy(real, calls)
+        nat.decode_step = _spy(real, calls)
         caches = llm.slots.caches[0]
 
         def run(replace: bool) -> torch.Tensor:
@@ -351,7 +360,7 @@ def test_one_call_step_follows_replaced_caches(ckpt) -> None:
         ref = run(False)
         got = run(True)
     finally:
-        nat.decode_layers = real
+        nat.decode_step = real
         native_step.ENABLED = True
         llm.close()
     assert len(calls) == 10 and all(calls)  # positions 0-4 of both runs in one call

@@ -101,6 +101,14 @@ class AttnLayer(ctypes.Structure):
                 ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p)]
 
 
+class Tail(ctypes.Structure):
+    """coli_tail (step.c): a model's bf16 embedding, final norm and quantized head for coli_decode_step."""
+
+    _fields_ = [("embed", ctypes.c_void_p), ("vocab_in", ctypes.c_long), ("norm_w", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("head", QW), ("scheme", ctypes.c_int), ("group", ctypes.c_int),
+                ("vocab", ctypes.c_int)]
+
+
 class MoeLayer(ctypes.Structure):
     """coli_moe_layer (step.c): one resident routed-expert layer's constants for coli_decode_layers."""
 
@@ -113,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.coli_decode_layers.argtypes = [i, p, p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p, p]
     lib.coli_decode_layers.restype = i
+    lib.coli_decode_step.argtypes = [p, p, i, p, p, i, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p, p, p, i, p]
+    lib.coli_decode_step.restype = i
     lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, p]
     lib.coli_route.restype = i
     lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, p, i, i, p, p, p, p]
@@ -340,6 +350,26 @@ def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, cos
         raise RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
                            else f"coli_decode_layers failed ({rc}) in layer {failed.value}")
     return idx, wts
+
+
+def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs: int, cos: torch.Tensor,
+                sin: torch.Tensor, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """coli_decode_step: embedding, every block (as decode_layers), final norm and head for `rows` (int64
+    [R], contiguous) of the step's tokens (int64 [T], contiguous) -> (logits f32 [R, V], idx, weights)."""
+    L, T, R = len(attn), tokens.shape[0], rows.shape[0]
+    idx = torch.empty(L, T, k, dtype=torch.int64)
+    wts = torch.empty(L, T, k, dtype=torch.float32)
+    logits = torch.empty(R, tail.vocab, dtype=torch.float32)
+    failed = ctypes.c_int(-1)
+    rc = _lib.coli_decode_step(ctypes.byref(tail), tokens.data_ptr(), L, attn, moe, T, pos, kc, vc, ks, vs,
+                               cos.data_ptr(), sin.data_ptr(), idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed),
+                               rows.data_ptr(), R, logits.data_ptr())
+    if rc == -6:
+        raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")
+    if rc != 0:
+        raise RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
+                           else f"coli_decode_step failed ({rc}) in layer {failed.value}")
+    return logits, idx, wts
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

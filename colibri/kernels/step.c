@@ -46,3 +46,52 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
     free(ys);
     return rc;
 }
+
+int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
+int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y);
+int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
+                 const uint16_t *mn, int g, int N, void *y);
+
+/* A model's ends around coli_decode_layers: its bf16 token embedding, final RMSNorm and quantized head
+ * (colibri/models/native_step.py's _Tail). */
+typedef struct {
+    const uint16_t *embed; /* bf16 [vocab_in, hidden] */
+    long vocab_in;
+    const float *norm_w;   /* f32 [hidden] */
+    float eps;
+    coli_qw head;          /* [vocab, hidden], int8 or int4 */
+    int scheme, group, vocab;
+} coli_tail;
+
+/* The whole forward of a step in one call: h[t] = embed[tokens[t]], every decoder block
+ * (coli_decode_layers), then for the R rows `rows` the final norm and the head, logits f32 [R, vocab].
+ * Why: after the blocks have streamed the step's weights through the caches, each of the embedding,
+ * norm and head calls from Python ran cold, ~50-75 us each (8-15 us in a warm loop): ~5% of a small
+ * model's decode step. The bits are those of the separate calls (bf16 rows, logits = bf16 head output
+ * widened). Returns 0, -6 (a token id out of range), -3 (a bad row), or coli_decode_layers's code. */
+int coli_decode_step(const coli_tail *tl, const int64_t *tokens, int n_layers, const coli_attn_layer *attn,
+                     const coli_moe_layer *moe, int T, const int *pos, void *const *kc, void *const *vc, long ks,
+                     long vs, const float *cs, const float *sn, int64_t *idx, float *w, int *failed,
+                     const int64_t *rows, int R, float *logits) {
+    if (T < 1 || T > MAX_T || R < 1 || R > T) return -1;
+    int H = attn[0].hidden, V = tl->vocab;
+    for (int t = 0; t < T; t++)
+        if (tokens[t] < 0 || tokens[t] >= tl->vocab_in) return -6;
+    for (int r = 0; r < R; r++)
+        if (rows[r] < 0 || rows[r] >= T) return -3;
+    uint16_t *h = (uint16_t *)malloc(sizeof(uint16_t) * ((size_t)T * H + 2 * (size_t)R * H + (size_t)R * V));
+    if (!h) return -2;
+    uint16_t *xr = h + (size_t)T * H, *xn = xr + (size_t)R * H, *y = xn + (size_t)R * H;
+    for (int t = 0; t < T; t++) memcpy(h + (size_t)t * H, tl->embed + tokens[t] * H, sizeof(uint16_t) * H);
+    int rc = coli_decode_layers(n_layers, attn, moe, T, h, pos, kc, vc, ks, vs, cs, sn, idx, w, failed);
+    if (!rc) {
+        for (int r = 0; r < R; r++) memcpy(xr + (size_t)r * H, h + rows[r] * H, sizeof(uint16_t) * H);
+        coli_rmsnorm(xr, 1, R, H, tl->norm_w, tl->eps, xn);
+        rc = tl->scheme == 8 ? coli_q8_gemm(xn, 1, R, H, (const int8_t *)tl->head.q, (const float *)tl->head.s, V, y)
+                             : coli_q4_gemm(xn, 1, R, H, (const uint8_t *)tl->head.q, (const uint16_t *)tl->head.s,
+                                            (const uint16_t *)tl->head.m, tl->group, V, y);
+        for (long i = 0; !rc && i < (long)R * V; i++) logits[i] = bf16_to_f32(y[i]);
+    }
+    free(h);
+    return rc;
+}

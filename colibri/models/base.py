@@ -69,6 +69,9 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [T]: the step's rows (see models/batch.py) -> logits [T, V] f32, or [len(out_rows), V]
         for just those rows (the head is the biggest matmul of a decode step: skip rows nobody samples)."""
+        logits = native_step.run_step(self, tokens, batch, out_rows)  # the whole step in one native call
+        if logits is not None:
+            return logits
         h = self.model.embed_tokens(tokens)  # [T, H]
         out = native_step.run(self, h, batch)  # every block in one native call, where that applies
         if out is not None:

@@ -19,6 +19,7 @@ from .layers import Attention, DecoderBlock, KVCache
 from .moe import SparseMoE, TopKRouter
 
 ENABLED = True  # False: always the per-layer calls (tests compare the two; benchmarks/profile_decode.py)
+TAIL = True  # False: the embedding, final norm and head from Python around coli_decode_layers (tests)
 
 
 class _Plan:
@@ -37,6 +38,7 @@ class _Plan:
                             ctypes.addressof(t.gu), ctypes.addressof(t.dn))
             for b, t in zip(blocks, tables)])
         self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
+        self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
 
 
 def _build(blocks: nn.ModuleList) -> _Plan | None:
@@ -67,10 +69,46 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
     return _Plan(list(blocks), attn, tables)
 
 
+@dataclass
+class _Tail:
+    """The model's embedding, final norm and head for coli_decode_step, and the tensors they point into."""
+
+    struct: native.Tail
+    keep: tuple  # the tensors behind the pointers
+    head: nn.Module
+    max_rows: int
+
+
+def _tail(model: nn.Module) -> _Tail | None:
+    """Where the ends of the model take the native calls anyway (bf16 embedding rows, f32 RMSNorm weight,
+    a native quantized head without bias, bf16 compute): the same calls in one, else None."""
+    from ..quant import QLinear  # (quant imports the kernels: no cycle, but keep the import local to its use)
+
+    emb, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
+    w = emb.weight
+    if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() \
+            or emb.out_dtype != torch.bfloat16:
+        return None
+    nw = norm.weight
+    if nw.dtype != torch.float32 or nw.device.type != "cpu" or not nw.is_contiguous():
+        return None
+    if type(head) is not QLinear or not head.native_plain or head.compute_dtype != torch.bfloat16 \
+            or head.scheme not in ("int8", "int4") or head.qweight.device.type != "cpu":
+        return None
+    q, sc, mn = native.qw(head)
+    t = native.Tail(w.data_ptr(), w.shape[0], nw.data_ptr(), float(norm.eps), native.QW(q, sc, mn),
+                    8 if head.scheme == "int8" else 4, head.group_size if head.scheme == "int4" else 0,
+                    head.out_features)
+    return _Tail(t, (w, nw, head.qweight, head.scale, getattr(head, "min", None)), head,
+                 min(head.fused_max_rows, native.MOE_MAX_ROWS))
+
+
 def _plan(model: nn.Module) -> _Plan | None:
     d = model.__dict__
     if "_native_plan" not in d:
-        d["_native_plan"] = _build(model.model.layers)
+        d["_native_plan"] = plan = _build(model.model.layers)
+        if plan is not None:
+            plan.tail = _tail(model)
     plan = d["_native_plan"]
     if plan is not None and any(b._forward_hooks or b._forward_pre_hooks for b in plan.blocks):
         return None  # someone watches a block (a device move, a calibration): call each one
@@ -114,15 +152,9 @@ def _slot(plan: _Plan, caches: list) -> _Slot | None:
     return hit
 
 
-def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
-    """The blocks' output for h [T, hidden] (h itself, overwritten, when contiguous), or None where the
-    one-call path does not apply."""
-    T = h.shape[0]
-    if not ENABLED or h.dtype != torch.bfloat16 or h.device.type != "cpu" or T > native.MOE_MAX_ROWS:
-        return None
-    plan = _plan(model)
-    if plan is None:
-        return None
+def _args(plan: _Plan, batch: StepBatch, T: int) -> tuple | None:
+    """The step's per-row positions and KV cache pointers, its head strides and rotary rows; None where a
+    sequence's caches do not fit the one-call path."""
     L = len(plan.blocks)
     pos: list[int] = []
     kc: list[int] = [0] * (L * T)
@@ -140,11 +172,54 @@ def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | N
             kc[base:base + n] = [slot.k_ptr[layer]] * n
             vc[base:base + n] = [slot.v_ptr[layer]] * n
     cos, sin = plan.rope.tables(batch.pos, T, torch.float32)
-    h = h.contiguous()  # (this step's own tensor, the embedding's output: overwritten in place)
-    idx, wts = native.decode_layers(plan.attn, plan.moe, h, (ctypes.c_int * T)(*pos),
-                                         (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc), ks, vs,
-                                         cos.contiguous(), sin.contiguous(), plan.k)
+    return ((ctypes.c_int * T)(*pos), (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc), ks, vs,
+            cos.contiguous(), sin.contiguous())
+
+
+def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor) -> None:
     for layer, ex in enumerate(plan.experts):
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx[layer], wts[layer])
+
+
+def _plan_for(model: nn.Module, dtype: torch.dtype, device: torch.device, T: int) -> _Plan | None:
+    if not ENABLED or dtype != torch.bfloat16 or device.type != "cpu" or T > native.MOE_MAX_ROWS:
+        return None
+    return _plan(model)
+
+
+def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None
+             ) -> torch.Tensor | None:
+    """The step's logits f32 [len(out_rows), V] (all T rows when out_rows is None) from one native call --
+    embedding, blocks, final norm, head -- or None where that does not apply."""
+    T = tokens.shape[0]
+    plan = _plan_for(model, model.model.embed_tokens.out_dtype, tokens.device, T)
+    if not TAIL or plan is None or plan.tail is None or plan.tail.head._forward_hooks \
+            or plan.tail.head._forward_pre_hooks:
+        return None
+    rows = torch.arange(T) if out_rows is None else out_rows
+    if rows.shape[0] == 0 or rows.shape[0] > plan.tail.max_rows or rows.dtype != torch.int64:
+        return None
+    args = _args(plan, batch, T)
+    if args is None:
+        return None
+    logits, idx, wts = native.decode_step(plan.tail.struct, tokens.to(torch.int64).contiguous(), plan.attn, plan.moe,
+                                          *args, plan.k, rows.contiguous())
+    _hooks(plan, idx, wts)
+    return logits
+
+
+def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+    """The blocks' output for h [T, hidden] (h itself, overwritten, when contiguous), or None where the
+    one-call path does not apply."""
+    T = h.shape[0]
+    plan = _plan_for(model, h.dtype, h.device, T)
+    if plan is None:
+        return None
+    args = _args(plan, batch, T)
+    if args is None:
+        return None
+    h = h.contiguous()  # (this step's own tensor, the embedding's output: overwritten in place)
+    idx, wts = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k)
+    _hooks(plan, idx, wts)
     return h
