@@ -75,7 +75,7 @@ class _Tail:
 
     struct: native.Tail
     keep: tuple  # the tensors behind the pointers
-    head: nn.Module
+    modules: tuple[nn.Module, ...]  # embedding, norm, head: a hook on any of them takes the Python path
     max_rows: int
 
 
@@ -99,7 +99,7 @@ def _tail(model: nn.Module) -> _Tail | None:
     t = native.Tail(w.data_ptr(), w.shape[0], nw.data_ptr(), float(norm.eps), native.QW(q, sc, mn),
                     8 if head.scheme == "int8" else 4, head.group_size if head.scheme == "int4" else 0,
                     head.out_features)
-    return _Tail(t, (w, nw, head.qweight, head.scale, getattr(head, "min", None)), head,
+    return _Tail(t, (w, nw, head.qweight, head.scale, getattr(head, "min", None)), (emb, norm, head),
                  min(head.fused_max_rows, native.MOE_MAX_ROWS))
 
 
@@ -194,8 +194,8 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
     embedding, blocks, final norm, head -- or None where that does not apply."""
     T = tokens.shape[0]
     plan = _plan_for(model, model.model.embed_tokens.out_dtype, tokens.device, T)
-    if not TAIL or plan is None or plan.tail is None or plan.tail.head._forward_hooks \
-            or plan.tail.head._forward_pre_hooks:
+    if not TAIL or plan is None or plan.tail is None \
+            or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules):
         return None
     rows = torch.arange(T) if out_rows is None else out_rows
     if rows.shape[0] == 0 or rows.shape[0] > plan.tail.max_rows or rows.dtype != torch.int64:
