@@ -1,8 +1,10 @@
 """All decoder blocks of a step in one native call (colibri/kernels/step.c), where every layer would take
 the fused native blocks anyway: bf16 attention (`Attention.fused`) then a resident routed-expert layer
-(`SparseMoE.fused`). Same kernels, same order, same bits; what goes is the Python between the per-layer
-calls (~15% of a small model's decode step). Anything else -- a cached or GPU layer, a shared expert,
-another router, hooks on a block, a step too large -- takes the per-layer path.
+(`SparseMoE.fused`); and, where the model's ends take native calls too (bf16 embedding, f32 final norm,
+a native quantized head), the whole step from token ids to logits (`run_step`). Same kernels, same order,
+same bits; what goes is the Python between the calls (~15% of a small model's decode step, and each
+call from Python after the blocks runs cache-cold). Anything else -- a cached or GPU layer, a shared
+expert, another router, hooks on a block, a step too large -- takes the per-layer path.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from ..kernels import native
+from ..quant import QLinear
 from .batch import StepBatch
 from .layers import Attention, DecoderBlock, KVCache
 from .moe import SparseMoE, TopKRouter
@@ -82,8 +85,6 @@ class _Tail:
 def _tail(model: nn.Module) -> _Tail | None:
     """Where the ends of the model take the native calls anyway (bf16 embedding rows, f32 RMSNorm weight,
     a native quantized head without bias, bf16 compute): the same calls in one, else None."""
-    from ..quant import QLinear  # (quant imports the kernels: no cycle, but keep the import local to its use)
-
     emb, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
     w = emb.weight
     if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() \
