@@ -15,6 +15,21 @@ typedef struct {
     void *out;
 } attn_job;
 
+/* Keys and values are read row after row from the cache, which the step's weight stream has evicted:
+ * perf put most of the attention's time on those loads (a head's rows are only a few KiB, too short
+ * for the hardware prefetcher to ramp up). So each row fetches the one ATTN_PF positions ahead. A
+ * prefetch past the cache's end does not fault. */
+#ifndef ATTN_PF
+#define ATTN_PF 8
+#endif
+static inline void attn_prefetch(const char *p, long bytes) {
+#ifdef COLI_AVX512
+    for (long b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+#else
+    (void)p; (void)bytes;
+#endif
+}
+
 /* Heads h0..h1 of one query row. */
 static void attn_heads(const attn_job *j, long h0, long h1) {
     const void *q = j->q, *k = j->k, *v = j->v;
@@ -28,10 +43,13 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
         long kv = h / rep;
         for (int d = 0; d < D; d++) qf[d] = ld(q, bf16, (long)h * D + d);
         float mx = sinks ? sinks[h] : -INFINITY;
+        long es = bf16 ? 2 : 4;
+        (void)es;  /* (the prefetches are AVX-512 builds only) */
         for (int s = 0; s < S; s++) {
             long base = kv * ks + (long)s * D;
             float a = 0.f;
 #ifdef COLI_AVX512
+            attn_prefetch((const char *)k + (base + (long)ATTN_PF * D) * es, D * es);
             int d = 0;
             __m512 acc = _mm512_setzero_ps();
             if (bf16) {
@@ -58,6 +76,9 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
         for (int s = 0; s < S; s++) {
             long base = kv * vs + (long)s * Dv;
             float p = sc[s];
+#ifdef COLI_AVX512
+            attn_prefetch((const char *)v + (base + (long)ATTN_PF * Dv) * es, Dv * es);
+#endif
             if (bf16) for (int d = 0; d < Dv; d++) of[d] += p * bf16_to_f32(((const uint16_t *)v)[base + d]);
             else for (int d = 0; d < Dv; d++) of[d] += p * ((const float *)v)[base + d];
         }
