@@ -154,6 +154,12 @@ def test_rmsnorm_and_rope_match_f32_reference() -> None:
             got = rope(q, pos)
             ref = rope(q.float(), pos)  # the f32 torch path
             assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2
+            # and exactly the kernel's arithmetic: f32 products, one sum each, one rounding to bf16
+            c, s = (t[:, None] for t in rope.tables(pos, 5, torch.float32))  # [T, 1, rot]
+            qf, h = q.float(), rot // 2
+            x1, x2 = qf[..., :h], qf[..., h:rot]
+            exact = torch.cat((x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:], qf[..., rot:]), -1)
+            assert torch.equal(got, exact.bfloat16())
 
 
 PROMPTS = [[1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3, 88, 120, 31, 9],
