@@ -90,13 +90,6 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
     }
 }
 
-static void attn_part(void *p, int id, int n) {
-    attn_job *j = (attn_job *)p;
-    long h0, h1;
-    split(j->H, id, n, &h0, &h1);
-    attn_heads(j, h0, h1);
-}
-
 typedef struct {
     const attn_job *rows;
     int T, H;
@@ -112,7 +105,7 @@ static void attn_multi_part(void *p, int id, int n) {
 /* coli_attn_decode for T query rows at once (a prompt chunk, a batch of sequences): row t's query at
  * q + t * H * D, its keys/values at k[t] / v[t] (S[t] of them), its output at out + t * H * Dv. All
  * rows x heads go to the threads in one parallel region (a fork/join per row cost more than a short
- * row's attention). Each head is computed as coli_attn_decode computes it (same bits). */
+ * row's attention). A head's bits do not depend on the other rows of the call. */
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
                    const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out) {
     if (T < 1 || H % Hkv) return -3;
@@ -140,13 +133,7 @@ int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv
 
 int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
                      const void *v, long vs, int S, float scale, const float *sinks, void *out) {
-    if (S < 1 || H % Hkv) return -3;
-    float *buf = (float *)malloc(sizeof(float) * ((size_t)H * S + (size_t)H * (D + Dv)));
-    if (!buf) return -2;
-    attn_job j = {q, k, v, bf16, H, H / Hkv, D, Dv, S, ks, vs, scale, sinks, buf, out};
-    coli_parallel(attn_part, &j, n_threads_for((long)Hkv * S * (D + Dv) * (bf16 ? 2 : 4) * 4));
-    free(buf);
-    return 0;
+    return coli_attn_rows(1, q, bf16, H, Hkv, D, Dv, &k, ks, &v, vs, &S, scale, sinks, out);
 }
 
 /* ------------------------------------------------------------------- norm and rotary, per row */

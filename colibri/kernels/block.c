@@ -8,23 +8,6 @@
  * colibri/models/layers.py's native path (tests/test_native.py checks it). */
 #include "common.h"
 
-int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y);
-int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
-                 const uint16_t *mn, int g, int N, void *y);
-int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
-                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out);
-int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
-int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
-
-int coli_multi_gemm(const void *x, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
-                    void *const *y);
-
-static int proj(const coli_attn_layer *L, const coli_qw *w, const uint16_t *x, int T, int K, int N, uint16_t *y) {
-    if (L->scheme == 8) return coli_q8_gemm(x, 1, T, K, (const int8_t *)w->q, (const float *)w->s, N, y);
-    return coli_q4_gemm(x, 1, T, K, (const uint8_t *)w->q, (const uint16_t *)w->s, (const uint16_t *)w->m,
-                        L->group, N, y);
-}
-
 static void clamp_bf16(uint16_t *x, long n, float c) {
     for (long i = 0; i < n; i++) {
         float v = bf16_to_f32(x[i]);
@@ -54,7 +37,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         coli_qw w[3] = {L->wq, L->wk, L->wv};
         int N[3] = {(int)nq, (int)nk, (int)nk};
         void *y[3] = {q, k, v};
-        if ((rc = coli_multi_gemm(xn, T, Hd, L->scheme, L->group, 3, w, N, y))) goto done;
+        if ((rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 3, w, N, y))) goto done;
     }
     if (L->qk_norm == 1) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
@@ -91,7 +74,10 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         }
         if ((rc = coli_attn_rows(T, q2, 1, nh, nkv, D, D, kb, ks, vb, vs, S, L->scale, L->sinks, ao))) goto done;
     }
-    if ((rc = proj(L, &L->wo, ao, T, (int)nq, Hd, o))) goto done;
+    {
+        void *y = o;
+        if ((rc = coli_multi_gemm(ao, 1, T, (int)nq, L->scheme, L->group, 1, &L->wo, &Hd, &y))) goto done;
+    }
     uint16_t *hn = (uint16_t *)h_out;
     for (long i = 0; i < (long)T * Hd; i++) hn[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(o[i]));
     coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out);

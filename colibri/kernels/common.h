@@ -38,6 +38,19 @@ typedef struct {
     const float *sinks;           /* [heads] f32 or NULL */
 } coli_attn_layer;
 
+/* Entry points the kernel files call in one another (gemv.c, attn.c, block.c, moe.c). */
+int coli_multi_gemm(const void *x, int bf16, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
+                    void *const *y);
+int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
+                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out);
+int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
+int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
+int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
+                    void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
+int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
+                   const coli_qw *gate_up, const coli_qw *down, int scheme, int g, int64_t *idx, float *w,
+                   float *ys, void *h_out);
+
 #define MAX_T 64          /* rows per call (decode batches); larger inputs go to a dense GEMM */
 #define PAR_MIN_BYTES (256 * 1024) /* below this, one thread: a fork/join costs more than it saves */
 

@@ -36,27 +36,6 @@ static void q8_range(const q8_job *j, long o0, long o1) {
     store_y(j->yf, j->bf16, j->T, j->N, (int)o0, (int)o1, j->y);
 }
 
-static void q8_part(void *p, int id, int n) {
-    long o0, o1;
-    split(((q8_job *)p)->N, id, n, &o0, &o1);
-    q8_range((q8_job *)p, o0, o1);
-}
-
-/* x [T, K] (f32, or bf16 when bf16 != 0), y [T, N] same dtype. Returns 0, or -1 if T is too large. */
-int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y) {
-    if (T < 1 || T > MAX_T) return -1;
-    int vm = Q8V_OK(bf16, K);
-    float *xv = (float *)coli_alloc(sizeof(float) * ((size_t)T * K + (size_t)T * N + (size_t)T * Q8_STRIDE(K)));
-    if (!xv) return -2;
-    float *xf = xv + (size_t)T * Q8_STRIDE(K), *yf = xf + (size_t)T * K;
-    load_x(x, bf16, T, K, xf);
-    if (vm) q8_prep(xf, T, K, xv);
-    q8_job j = {vm ? xv : xf, T, K, q, scale, N, yf, bf16, y, vm};
-    coli_parallel(q8_part, &j, n_threads_for((long)N * K));
-    free(xv);
-    return 0;
-}
-
 typedef struct {
     const float *xp, *xs;
     int T, K, G, g;
@@ -95,35 +74,10 @@ static void q4_range(const q4_job *j, long o0, long o1) {
     store_y(j->yf, j->bf16, j->T, N, (int)o0, (int)o1, j->y);
 }
 
-static void q4_part(void *p, int id, int n) {
-    long o0, o1;
-    split(((q4_job *)p)->N, id, n, &o0, &o1);
-    q4_range((q4_job *)p, o0, o1);
-}
-
-/* x [T, K], q uint8 [N, K/2], scale/min f16 [N, K/g]; K % 32 == 0 and g % 32 == 0. */
-int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
-                 const uint16_t *mn, int g, int N, void *y) {
-    if (T < 1 || T > MAX_T) return -1;
-    if (K % 32 || g % 32 || K % g) return -3;
-    int G = K / g;
-    size_t nx = (size_t)T * K;
-    float *buf = (float *)coli_alloc(sizeof(float) * (2 * nx + (size_t)T * G + (size_t)T * N));
-    if (!buf) return -2;
-    float *xf = buf, *xp = buf + nx, *xs = xp + nx, *yf = xs + (size_t)T * G;
-    load_x(x, bf16, T, K, xf);
-    int bfm = BF_MODE(bf16, K, g);
-    int4_prep(xf, T, K, g, xp, xs, bfm);
-    q4_job j = {xp, xs, T, K, G, g, q, scale, mn, N, yf, bf16, bfm, y};
-    coli_parallel(q4_part, &j, n_threads_for((long)N * K / 2));
-    free(buf);
-    return 0;
-}
-
-/* Several weights applied to one input (an attention layer's q, k and v): the activations prepared
- * once and every weight's output rows in one parallel region -- three fork/joins and three
- * preparations of the same row were a few percent of a small model's decode step. Each output row is
- * computed as coli_q8_gemm / coli_q4_gemm compute it (same bits). */
+/* Weights applied to one input (one, or an attention layer's q, k and v): the activations prepared once
+ * and every weight's output rows in one parallel region -- three fork/joins and three preparations of
+ * the same row were a few percent of a small model's decode step. An output row's bits do not depend
+ * on which weights share the call. */
 #define MULTI_MAX 4
 typedef struct {
     int n, scheme;
@@ -144,8 +98,9 @@ static void multi_part(void *p, int id, int n) {
     }
 }
 
-/* x bf16 [T, K]; w[i] (int8: q, s; int4: q, s, m with group g) [N[i], K]; y[i] bf16 [T, N[i]]; n <= 4. */
-int coli_multi_gemm(const void *x, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
+/* x [T, K] (f32, or bf16 when bf16 != 0); w[i] (int8: q, s; int4: q, s, m with group g) [N[i], K]; y[i]
+ * [T, N[i]] in x's dtype; n <= 4. Returns 0, -1 (T out of range), -2 (memory), -3 (bad shape). */
+int coli_multi_gemm(const void *x, int bf16, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
                     void *const *y) {
     if (T < 1 || T > MAX_T) return -1;
     if (n < 1 || n > MULTI_MAX || (scheme == 4 && (K % 32 || g % 32 || K % g))) return -3;
@@ -156,24 +111,24 @@ int coli_multi_gemm(const void *x, int T, int K, int scheme, int g, int n, const
     float *buf = (float *)coli_alloc(sizeof(float) * (nx + nprep + (size_t)T * Ntot));
     if (!buf) return -2;
     float *xf = buf, *xp = buf + nx, *yf = xp + nprep;
-    load_x(x, 1, T, K, xf);
+    load_x(x, bf16, T, K, xf);
     multi_job m = {n, scheme, {0}, {{0}}, {{0}}};
     if (scheme == 8) {
-        int vm = Q8V_OK(1, K);
+        int vm = Q8V_OK(bf16, K);
         if (vm) q8_prep(xf, T, K, xp);
         for (int i = 0; i < n; i++) {
-            q8_job j = {vm ? xp : xf, T, K, (const int8_t *)w[i].q, (const float *)w[i].s, N[i], yf, 1, y[i], vm};
+            q8_job j = {vm ? xp : xf, T, K, (const int8_t *)w[i].q, (const float *)w[i].s, N[i], yf, bf16, y[i], vm};
             m.j8[i] = j;
             yf += (size_t)T * N[i];
             m.off[i + 1] = m.off[i] + N[i];
         }
     } else {
-        int bfm = BF_MODE(1, K, g);
+        int bfm = BF_MODE(bf16, K, g);
         float *xs = xp + nx;
         int4_prep(xf, T, K, g, xp, xs, bfm);
         for (int i = 0; i < n; i++) {
             q4_job j = {xp, xs, T, K, (int)G, g, (const uint8_t *)w[i].q, (const uint16_t *)w[i].s,
-                        (const uint16_t *)w[i].m, N[i], yf, 1, bfm, y[i]};
+                        (const uint16_t *)w[i].m, N[i], yf, bf16, bfm, y[i]};
             m.j4[i] = j;
             yf += (size_t)T * N[i];
             m.off[i + 1] = m.off[i] + N[i];
@@ -182,6 +137,19 @@ int coli_multi_gemm(const void *x, int T, int K, int scheme, int g, int n, const
     coli_parallel(multi_part, &m, n_threads_for(Ntot * K / (scheme == 4 ? 2 : 1)));
     free(buf);
     return 0;
+}
+
+/* One weight (the Python entry points): x [T, K] (f32, or bf16 when bf16 != 0), y [T, N] same dtype. */
+int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y) {
+    coli_qw w = {q, scale, NULL};
+    return coli_multi_gemm(x, bf16, T, K, 8, 0, 1, &w, &N, &y);
+}
+
+/* q uint8 [N, K/2], scale/min f16 [N, K/g]; K % 32 == 0 and g % 32 == 0. */
+int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
+                 const uint16_t *mn, int g, int N, void *y) {
+    coli_qw w = {q, scale, mn};
+    return coli_multi_gemm(x, bf16, T, K, 4, g, 1, &w, &N, &y);
 }
 
 int coli_max_rows(void) { return MAX_T; }

@@ -334,21 +334,28 @@ def attn_block(layer: AttnLayer, h: torch.Tensor, pos: list[int], kc: list[int],
     return h_out, x_out
 
 
+def _routes(L: int, T: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers a one-call step writes each layer's routes into: idx int64, weights f32 [L, T, k]."""
+    return torch.empty(L, T, k, dtype=torch.int64), torch.empty(L, T, k, dtype=torch.float32)
+
+
+def _step_failed(name: str, rc: int, failed: ctypes.c_int) -> RuntimeError:
+    return RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
+                        else f"{name} failed ({rc}) in layer {failed.value}")
+
+
 def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, cos: torch.Tensor,
                   sin: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
     arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last block's
     output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t) ->
     (idx int64 [L, T, k], weights f32 [L, T, k])."""
-    L, T = len(attn), h.shape[0]
-    idx = torch.empty(L, T, k, dtype=torch.int64)
-    wts = torch.empty(L, T, k, dtype=torch.float32)
+    idx, wts = _routes(len(attn), h.shape[0], k)
     failed = ctypes.c_int(-1)
-    rc = _lib.coli_decode_layers(L, attn, moe, T, h.data_ptr(), pos, kc, vc, ks, vs, cos.data_ptr(), sin.data_ptr(),
-                                 idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
+    rc = _lib.coli_decode_layers(len(attn), attn, moe, h.shape[0], h.data_ptr(), pos, kc, vc, ks, vs, cos.data_ptr(),
+                                 sin.data_ptr(), idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
     if rc != 0:
-        raise RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
-                           else f"coli_decode_layers failed ({rc}) in layer {failed.value}")
+        raise _step_failed("coli_decode_layers", rc, failed)
     return idx, wts
 
 
@@ -356,19 +363,16 @@ def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs:
                 sin: torch.Tensor, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_decode_step: embedding, every block (as decode_layers), final norm and head for `rows` (int64
     [R], contiguous) of the step's tokens (int64 [T], contiguous) -> (logits f32 [R, V], idx, weights)."""
-    L, T, R = len(attn), tokens.shape[0], rows.shape[0]
-    idx = torch.empty(L, T, k, dtype=torch.int64)
-    wts = torch.empty(L, T, k, dtype=torch.float32)
-    logits = torch.empty(R, tail.vocab, dtype=torch.float32)
+    idx, wts = _routes(len(attn), tokens.shape[0], k)
+    logits = torch.empty(rows.shape[0], tail.vocab, dtype=torch.float32)
     failed = ctypes.c_int(-1)
-    rc = _lib.coli_decode_step(ctypes.byref(tail), tokens.data_ptr(), L, attn, moe, T, pos, kc, vc, ks, vs,
-                               cos.data_ptr(), sin.data_ptr(), idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed),
-                               rows.data_ptr(), R, logits.data_ptr())
+    rc = _lib.coli_decode_step(ctypes.byref(tail), tokens.data_ptr(), len(attn), attn, moe, tokens.shape[0], pos, kc,
+                               vc, ks, vs, cos.data_ptr(), sin.data_ptr(), idx.data_ptr(), wts.data_ptr(),
+                               ctypes.byref(failed), rows.data_ptr(), rows.shape[0], logits.data_ptr())
     if rc == -6:
         raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")
     if rc != 0:
-        raise RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
-                           else f"coli_decode_step failed ({rc}) in layer {failed.value}")
+        raise _step_failed("coli_decode_step", rc, failed)
     return logits, idx, wts
 
 

@@ -7,12 +7,6 @@
  * path (tests/test_native.py). */
 #include "common.h"
 
-int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
-                    void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
-int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
-                   const coli_qw *gate_up, const coli_qw *down, int scheme, int g, int64_t *idx, float *w,
-                   float *ys, void *h_out);
-
 /* One routed-expert layer's constants (colibri/kernels/native.py's MoeLayer). */
 typedef struct {
     int inter, n_experts, k, norm, scheme, group;
@@ -46,11 +40,6 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
     free(ys);
     return rc;
 }
-
-int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
-int coli_q8_gemm(const void *x, int bf16, int T, int K, const int8_t *q, const float *scale, int N, void *y);
-int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const uint16_t *scale,
-                 const uint16_t *mn, int g, int N, void *y);
 
 /* A model's ends around coli_decode_layers: its bf16 token embedding, final RMSNorm and quantized head
  * (colibri/models/native_step.py's _Tail). */
@@ -87,9 +76,8 @@ int coli_decode_step(const coli_tail *tl, const int64_t *tokens, int n_layers, c
     if (!rc) {
         for (int r = 0; r < R; r++) memcpy(xr + (size_t)r * H, h + rows[r] * H, sizeof(uint16_t) * H);
         coli_rmsnorm(xr, 1, R, H, tl->norm_w, tl->eps, xn);
-        rc = tl->scheme == 8 ? coli_q8_gemm(xn, 1, R, H, (const int8_t *)tl->head.q, (const float *)tl->head.s, V, y)
-                             : coli_q4_gemm(xn, 1, R, H, (const uint8_t *)tl->head.q, (const uint16_t *)tl->head.s,
-                                            (const uint16_t *)tl->head.m, tl->group, V, y);
+        void *yy = y;
+        rc = coli_multi_gemm(xn, 1, R, H, tl->scheme, tl->group, 1, &tl->head, &V, &yy);
         for (long i = 0; !rc && i < (long)R * V; i++) logits[i] = bf16_to_f32(y[i]);
     }
     free(h);
