@@ -41,6 +41,7 @@ class _Plan:
                             ctypes.addressof(t.gu), ctypes.addressof(t.dn))
             for b, t in zip(blocks, tables)])
         self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
+        self.ptrs: dict[tuple, tuple] = {}  # a step's row layout -> (its _Slots, K and V pointer arrays)
         self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
 
 
@@ -155,32 +156,42 @@ def _slot(plan: _Plan, caches: list) -> _Slot | None:
 
 def _args(plan: _Plan, batch: StepBatch, T: int) -> tuple | None:
     """The step's per-row positions and KV cache pointers, its head strides and rotary rows; None where a
-    sequence's caches do not fit the one-call path."""
-    L = len(plan.blocks)
+    sequence's caches do not fit the one-call path. The pointer arrays depend only on which slots sit at
+    which rows: kept while that layout repeats (every decode step of the same requests)."""
+    key = tuple((id(s.caches), s.r1 - s.r0) for s in batch.seqs)
+    slots = [_slot(plan, s.caches) for s in batch.seqs]
     pos: list[int] = []
+    for s, slot in zip(batch.seqs, slots):
+        if slot is None or s.start + s.r1 - s.r0 > slot.ctx or (slot.ks, slot.vs) != (slots[0].ks, slots[0].vs):
+            return None  # (a full context: the per-layer path raises the error)
+        pos.extend(range(s.start, s.start + s.r1 - s.r0))
+    ptrs = plan.ptrs.get(key)
+    if ptrs is None or any(a is not b for a, b in zip(ptrs[0], slots)):
+        ptrs = plan.ptrs[key] = (slots, *_pointers(len(plan.blocks), batch, slots, T))
+        if len(plan.ptrs) > 64:
+            plan.ptrs.clear()
+            plan.ptrs[key] = ptrs
+    cos, sin = plan.rope.tables(batch.pos, T, torch.float32)
+    return ((ctypes.c_int * T)(*pos), ptrs[1], ptrs[2], slots[0].ks, slots[0].vs, cos.contiguous(), sin.contiguous())
+
+
+def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
+    """Per (layer, row) the row's sequence's K and V cache base pointers: ctypes void* [L * T] each."""
     kc: list[int] = [0] * (L * T)
     vc: list[int] = [0] * (L * T)
-    ks = vs = None
-    for s in batch.seqs:
-        slot = _slot(plan, s.caches)
+    for s, slot in zip(batch.seqs, slots):
         n = s.r1 - s.r0
-        if slot is None or s.start + n > slot.ctx or (ks is not None and (slot.ks, slot.vs) != (ks, vs)):
-            return None  # (a full context: the per-layer path raises the error)
-        ks, vs = slot.ks, slot.vs
-        pos.extend(range(s.start, s.start + n))
         for layer in range(L):
             base = layer * T + s.r0
             kc[base:base + n] = [slot.k_ptr[layer]] * n
             vc[base:base + n] = [slot.v_ptr[layer]] * n
-    cos, sin = plan.rope.tables(batch.pos, T, torch.float32)
-    return ((ctypes.c_int * T)(*pos), (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc), ks, vs,
-            cos.contiguous(), sin.contiguous())
+    return (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc)
 
 
 def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor) -> None:
-    for layer, ex in enumerate(plan.experts):
+    for ex, i, w in zip(plan.experts, idx.unbind(0), wts.unbind(0)):  # (one call for the L views)
         if ex.on_route is not None:
-            ex.on_route(ex.layer, idx[layer], wts[layer])
+            ex.on_route(ex.layer, i, w)
 
 
 def _plan_for(model: nn.Module, dtype: torch.dtype, device: torch.device, T: int) -> _Plan | None:
