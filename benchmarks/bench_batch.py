@@ -38,7 +38,8 @@ def prepare(work: Path) -> Path:
 
     from colibri.convert import convert
 
-    hf, coli = work / "olmoe-0.44b-hf", work / "olmoe-0.44b.int8.coli"
+    # (its own names: bench_vs_llamacpp.py's 0.44b files in the same workdir have the test vocabulary)
+    hf, coli = work / "olmoe-0.44b-v32k-hf", work / "olmoe-0.44b-v32k.int8.coli"
     if not (hf / "config.json").exists():
         write_olmoe(hf, num_key_value_heads=16, num_attention_heads=16, **SHAPE)
     if not coli.exists():
@@ -52,7 +53,11 @@ def child(path: str, budget: str | None, tokens: int, threads: int, counts: list
 
     llm = colibri.load(path, ctx_size=256, threads=threads, slots=max(counts),
                        mem_budget=parse_size(budget) if budget else None)
-    llm.generate_batch(PROMPTS[:2], max_tokens=4, ignore_eos=True)  # warm-up (kernels, first reads)
+    # Warm-up: every count's path, with enough tokens to touch (nearly) every expert: the first touch of a
+    # mapped page faults, and a warm-up of a few tokens left that to the first measured run (N=1 then
+    # ran at ~0.75 of its steady speed, flattering every ratio to it).
+    llm.generate_batch(PROMPTS[:max(counts)], max_tokens=tokens, ignore_eos=True)
+    llm.generate_batch(PROMPTS[:1], max_tokens=tokens, ignore_eos=True)
     rows = []
     for n in counts:
         m0 = llm.metrics()
