@@ -79,7 +79,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         if ((rc = coli_multi_gemm(ao, 1, T, (int)nq, L->scheme, L->group, 1, &L->wo, &Hd, &y))) goto done;
     }
     uint16_t *hn = (uint16_t *)h_out;
-    for (long i = 0; i < (long)T * Hd; i++) hn[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(o[i]));
+    add_bf16(hb, o, (long)T * Hd, hn);
     coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out);
 done:
     free(buf);

@@ -115,6 +115,16 @@ static inline __m512 bf16_16_to_f32(const uint16_t *p) {
 }
 #endif
 
+/* out[i] = bf16(a[i] + b[i]) over n bf16 values: a residual add. */
+static inline void add_bf16(const uint16_t *a, const uint16_t *b, long n, uint16_t *out) {
+    long i = 0;
+#ifdef COLI_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), f32_to_bf16_16(_mm512_add_ps(bf16_16_to_f32(a + i), bf16_16_to_f32(b + i))));
+#endif
+    for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
