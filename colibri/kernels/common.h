@@ -170,9 +170,3 @@ static inline float ld(const void *p, int bf16, long i) {
 }
 
 #endif
-
-/* TEMP stage profiler */
-#include <time.h>
-extern long coli_prof[16];
-static inline long prof_now(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1000000000L + ts.tv_nsec; }
-#define PROF(i, stmt) do { long _t = prof_now(); stmt; coli_prof[i] += prof_now() - _t; } while (0)

@@ -247,11 +247,50 @@ typedef struct {
     int64_t *idx;
     float *w;
     int rc;
+    float *xf, *logits;  /* the split-logits form: x rows in f32 [T, H], logits [T, E] */
 } route_job;
+
+/* Row xf's logit for expert e: one f32 dot product over H. */
+static inline float route_logit(const float *xf, const float *W, int e, int H) {
+    const float *we = W + (long)e * H;
+    float a = 0.f;
+    int i = 0;
+#ifdef COLI_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= H; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i), _mm512_loadu_ps(we + i), acc);
+    a = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < H; i++) a += xf[i] * we[i];
+    return a;
+}
+
+/* A row's routes from its E logits p (overwritten): softmax, the k largest, optionally renormalised.
+ * Returns 0, or -5 for NaN logits. */
+static int route_select(float *p, int E, int k, int norm, int64_t *ix, float *wt) {
+    float mx = -INFINITY;
+    for (int e = 0; e < E; e++)
+        if (p[e] > mx) mx = p[e];
+    float den = 0.f;
+    for (int e = 0; e < E; e++) { p[e] = expf(p[e] - mx); den += p[e]; }
+    float sum = 0.f;
+    for (int jj = 0; jj < k; jj++) {  /* k passes of a max scan: k and E are small */
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+        if (best < 0) return -5;  /* NaN logits: an error */
+        ix[jj] = best;
+        wt[jj] = p[best] / den;
+        sum += wt[jj];
+        p[best] = -1.f;  /* taken */
+    }
+    if (norm)
+        for (int jj = 0; jj < k; jj++) wt[jj] /= sum;
+    return 0;
+}
 
 static void route_part(void *p, int id, int n) {
     route_job *j = (route_job *)p;
-    int H = j->H, E = j->E, k = j->k;
+    int H = j->H, E = j->E;
     long t0, t1;
     split(j->T, id, n, &t0, &t1);
     float *buf = (float *)malloc(sizeof(float) * ((size_t)H + (size_t)E));
@@ -260,50 +299,49 @@ static void route_part(void *p, int id, int n) {
     for (long t = t0; t < t1; t++) {
         if (j->bf16) load_x((const uint16_t *)j->x + t * H, 1, 1, H, xf);
         else memcpy(xf, (const float *)j->x + t * H, sizeof(float) * H);
-        float mx = -INFINITY;
-        for (int e = 0; e < E; e++) {
-            const float *we = j->W + (long)e * H;
-            float a = 0.f;
-            int i = 0;
-#ifdef COLI_AVX512
-            __m512 acc = _mm512_setzero_ps();
-            for (; i + 16 <= H; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i), _mm512_loadu_ps(we + i), acc);
-            a = _mm512_reduce_add_ps(acc);
-#endif
-            for (; i < H; i++) a += xf[i] * we[i];
-            p_[e] = a;
-            if (a > mx) mx = a;
-        }
-        float den = 0.f;
-        for (int e = 0; e < E; e++) { p_[e] = expf(p_[e] - mx); den += p_[e]; }
-        float sum = 0.f;
-        int64_t *ix = j->idx + t * k;
-        float *wt = j->w + t * k;
-        for (int jj = 0; jj < k; jj++) {  /* k passes of a max scan: k and E are small */
-            int best = -1;
-            for (int e = 0; e < E; e++)
-                if (p_[e] >= 0.f && (best < 0 || p_[e] > p_[best])) best = e;
-            if (best < 0) { __atomic_store_n(&j->rc, -5, __ATOMIC_RELAXED); break; }  /* NaN logits: an error */
-            ix[jj] = best;
-            wt[jj] = p_[best] / den;
-            sum += wt[jj];
-            p_[best] = -1.f;  /* taken */
-        }
-        if (j->norm)
-            for (int jj = 0; jj < k; jj++) wt[jj] /= sum;
+        for (int e = 0; e < E; e++) p_[e] = route_logit(xf, j->W, e, H);
+        if (route_select(p_, E, j->k, j->norm, j->idx + t * j->k, j->w + t * j->k))
+            __atomic_store_n(&j->rc, -5, __ATOMIC_RELAXED);
     }
     free(buf);
 }
 
+/* The (row, expert) logits of a few rows, split between the threads: a decode step's router weights
+ * are cold (the step's weight stream evicted them) and one thread read them alone. */
+static void logits_part(void *p, int id, int n) {
+    route_job *j = (route_job *)p;
+    long a, b;
+    split((long)j->T * j->E, id, n, &a, &b);
+    for (long r = a; r < b; r++)
+        j->logits[r] = route_logit(j->xf + (r / j->E) * j->H, j->W, (int)(r % j->E), j->H);
+}
+
+/* Router bytes from which a few rows' logits are split between the threads. */
+#define ROUTE_SPLIT_BYTES (64 * 1024)
+
 /* Softmax top-k routing (Mixtral, OLMoE, Qwen-MoE): for each of T rows of x, logits = x W^T in f32
  * (W f32 [E, H]), probabilities by softmax over all E, the k largest in descending order (ties: the
- * lower expert first), optionally renormalised to sum to one. idx int64 [T, k], w f32 [T, k]. Rows are
- * split between the threads when there are many. Returns 0, -2 (memory), -3 (bad k), -5 (a NaN logit). */
+ * lower expert first), optionally renormalised to sum to one. idx int64 [T, k], w f32 [T, k]. Many
+ * rows are split between the threads; a few rows' logits are (the same values either way). Returns 0,
+ * -2 (memory), -3 (bad k), -5 (a NaN logit). */
 int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int64_t *idx,
                float *w) {
     if (k < 1 || k > E) return -3;
-    route_job j = {x, bf16, T, H, E, k, norm, W, idx, w, 0};
-    coli_parallel(route_part, &j, T >= ROUTE_PAR_MIN ? coli_get_threads() : 1);
+    route_job j = {x, bf16, T, H, E, k, norm, W, idx, w, 0, NULL, NULL};
+    if (T >= ROUTE_PAR_MIN || coli_get_threads() < 2 || (long)E * H * 4 < ROUTE_SPLIT_BYTES) {
+        coli_parallel(route_part, &j, T >= ROUTE_PAR_MIN ? coli_get_threads() : 1);
+        return j.rc;
+    }
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)T * H + (size_t)T * E));
+    if (!buf) return -2;
+    j.xf = buf;
+    j.logits = buf + (size_t)T * H;
+    if (bf16) load_x(x, 1, T, H, j.xf);
+    else memcpy(j.xf, x, sizeof(float) * (size_t)T * H);
+    coli_parallel(logits_part, &j, coli_get_threads());
+    for (int t = 0; t < T && !j.rc; t++)
+        j.rc = route_select(j.logits + (long)t * E, E, k, norm, idx + (long)t * k, w + (long)t * k);
+    free(buf);
     return j.rc;
 }
 
