@@ -16,7 +16,8 @@
    context), prefill tok/s of a --prompt-len prompt (colibri: prompt / time to first token;
    llama-bench: pp), peak RSS (wait4's ru_maxrss of the process tree), each engine's load
    average, the ratio colibri / llama.cpp, and the decode weight traffic as % of the RAM read
-   bandwidth measured at the start of the run (a plain torch sum over a 1 GiB buffer).
+   bandwidth (a plain torch sum over a 1 GiB buffer) measured at the start of the run and again just
+   before each engine's run: each engine's % is against its own (the VM's bandwidth swings).
 4. --memcap LIMIT (default for the 7b shape: 3500M): both again inside `memcap LIMIT` after
    `evict` of the model files (cold page cache): colibri with --mem-budget (default per scheme,
    BUDGET), llama.cpp with its default mmap, and again with `--repack 0` if the cap OOM-kills
@@ -231,7 +232,7 @@ def bandwidth_line(name: str, bytes_tok: int, r: dict, bw: float) -> str:
         return f"    {name}: {bytes_tok / 2**20:.1f} MiB of weights per token"
     gbs = bytes_tok * r["decode_tok_s"] / 1e9
     return (f"    {name}: {bytes_tok / 2**20:.1f} MiB of weights per token x {r['decode_tok_s']:.2f} tok/s = "
-            f"{gbs:.2f} GB/s = {gbs / bw:.0%} of the RAM read bandwidth")
+            f"{gbs:.2f} GB/s = {gbs / bw:.0%} of the RAM read bandwidth measured just before it ({bw:.1f} GB/s)")
 
 
 def main() -> None:
@@ -277,11 +278,17 @@ def main() -> None:
         cb = colibri_active_bytes(colis[s])
         lb = llamacpp.active_bytes(ggufs[s], cfg["num_experts_per_tok"], cfg["num_experts"], cache)
         if not a.skip_ram:
+            # The bandwidth again just before each engine: this VM's memory bandwidth changes with the
+            # host's other work (torch's sum read 47-50 or 72-77 GB/s, minutes apart), so a figure taken
+            # at the start may not hold for a run minutes later.
+            bw_c = ram_bandwidth(a.threads)
             c = run_colibri(colis[s], a)
+            bw_l = ram_bandwidth(a.threads)
             ll = run_llama(bin_dir, ggufs[s], a)
             table(f"{s} vs {GGUF_TYPE[s].upper()}, in RAM (mean of {a.repeats})", c, ll, cname, lname)
-            print(bandwidth_line(cname, cb, c, bw))
-            print(bandwidth_line(lname, lb, ll, bw), flush=True)
+            print(bandwidth_line(cname, cb, c, bw_c))
+            print(bandwidth_line(lname, lb, ll, bw_l), flush=True)
+            c["ram_gbs_before"], ll["ram_gbs_before"] = bw_c, bw_l
             results["runs"][f"{s}/ram"] = {"colibri": _clean(c), "llama.cpp": _clean(ll)}
         if cap:
             if shared_tools() is None:
