@@ -14,6 +14,11 @@ from colibri.tokenizer import StreamDecoder
 def test_greedy_sampler_is_argmax():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
     assert make_sampler(0.0)(logits) == 1
+    # torch.argmax's choices where numpy's could differ: the first of tied maxima, a NaN, a strided row
+    greedy = make_sampler(0.0)
+    for row in (torch.tensor([3.0, 1.0, 3.0]), torch.tensor([1.0, float("nan"), 5.0]),
+                torch.tensor([-float("inf")] * 4), torch.randn(4, 50304)[:, 7], torch.randn(50304)):
+        assert greedy(row) == int(torch.argmax(row))
 
 
 def test_top_k_one_is_greedy_at_any_temperature():
