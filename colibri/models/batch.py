@@ -43,7 +43,7 @@ class StepBatch:
         if len(seqs) == 1:
             self.pos: int | torch.Tensor = seqs[0].start
         else:
-            self.pos = torch.cat([torch.arange(s.start, s.start + s.r1 - s.r0) for s in seqs])  # [T]
+            self.pos = torch.tensor([p for s in seqs for p in range(s.start, s.start + s.r1 - s.r0)])  # [T] int64
 
     @classmethod
     def single(cls, caches: list, start: int, n: int) -> StepBatch:
