@@ -17,8 +17,10 @@ typedef struct {
 
 /* Keys and values are read row after row from the cache, which the step's weight stream has evicted:
  * perf put most of the attention's time on those loads (a head's rows are only a few KiB, too short
- * for the hardware prefetcher to ramp up). So each row fetches the one ATTN_PF positions ahead. A
- * prefetch past the cache's end does not fault. */
+ * for the hardware prefetcher to ramp up). So each head starts by fetching its first ATTN_PF rows,
+ * and each row fetches the one ATTN_PF positions ahead (8 ahead and no start: attention 78 us a
+ * token of the 0.44b model at 64 positions; 16 and the start: 60). A prefetch past the cache's end
+ * does not fault. */
 #ifndef ATTN_PF
 #define ATTN_PF 16
 #endif
@@ -46,8 +48,9 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
         long es = bf16 ? 2 : 4;
         (void)es;  /* (the prefetches are AVX-512 builds only) */
 #ifdef COLI_AVX512
-        attn_prefetch((const char *)k + kv * ks * es, (S < ATTN_PF ? S : ATTN_PF) * D * es);  /* the rows before */
-        attn_prefetch((const char *)v + kv * vs * es, (S < ATTN_PF ? S : ATTN_PF) * Dv * es);  /* the first ahead */
+        /* the head's first ATTN_PF key and value rows, which no row before them prefetches */
+        attn_prefetch((const char *)k + kv * ks * es, (S < ATTN_PF ? S : ATTN_PF) * D * es);
+        attn_prefetch((const char *)v + kv * vs * es, (S < ATTN_PF ? S : ATTN_PF) * Dv * es);
 #endif
         for (int s = 0; s < S; s++) {
             long base = kv * ks + (long)s * D;
@@ -174,8 +177,7 @@ static void rmsnorm_rows(const row_op *a, long r0, long r1) {
         if (bf16) {  /* 16 partial sums, then one reduction: a scalar chain of H dependent adds was ~2 us a row */
             __m512 acc = _mm512_setzero_ps();
             for (; i0 + 16 <= H; i0 += 16) {
-                __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + r * H + i0));
-                __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+                __m512 v = bf16_16_to_f32((const uint16_t *)x + r * H + i0);
                 acc = _mm512_fmadd_ps(v, v, acc);
             }
             ss = _mm512_reduce_add_ps(acc);
