@@ -1,24 +1,32 @@
 """Where a one-row decode step goes: time in each native kernel vs the whole step.
 
     .venv/bin/python benchmarks/profile_decode.py --model M.coli [--threads 2] [--steps 64] [--per-layer]
+    .venv/bin/python benchmarks/profile_decode.py --model M.coli --stages   # inside the one-call step
 
 Calls the model's forward directly (no engine thread, no sampling), one row per step, and wraps the
 native kernel entry points (colibri/kernels/native.py) with timers: what is left of a step is Python
 and torch glue. torch.profiler cannot see the native calls (they are ctypes calls), hence this.
+--stages builds the kernels with their stage timers (-DCOLI_PROF, a separate cached build; the
+timers cost two clock reads per stage) and splits the one-call step (`decode_step`) into its stages
+over all layers: norms, q/k/v, RoPE + KV write, attention, o_proj, routing, the expert stages, head.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
-import torch
+if "--stages" in sys.argv:  # before the kernels are built: the timers are compiled in
+    os.environ["COLIBRI_NATIVE_CFLAGS"] = (os.environ.get("COLIBRI_NATIVE_CFLAGS", "") + " -DCOLI_PROF").strip()
 
-import colibri
-from colibri.kernels import native
-from colibri.models import native_step
-from colibri.models.batch import StepBatch
+import torch  # noqa: E402
+
+import colibri  # noqa: E402
+from colibri.kernels import native  # noqa: E402
+from colibri.models import native_step  # noqa: E402
+from colibri.models.batch import StepBatch  # noqa: E402
 
 KERNELS = ("decode_step", "decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block",
            "attn_decode", "rmsnorm", "rope")
@@ -31,7 +39,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--per-layer", action="store_true",
                     help="the per-layer native calls, not all blocks in one (models/native_step.py)")
+    ap.add_argument("--stages", action="store_true", help="the one-call step's stages (kernel timers)")
     a = ap.parse_args()
+    if a.stages and a.per_layer:
+        ap.error("--stages times the one-call step: drop --per-layer")
     native_step.ENABLED = not a.per_layer
     spent: dict[str, float] = {}
 
@@ -57,6 +68,7 @@ def main() -> None:
         for pos in range(8):  # warm-up
             step(pos)
         spent.clear()
+        native.prof_counters()  # (zeroes the stage timers)
         t0 = time.perf_counter()
         for pos in range(8, 8 + a.steps):
             step(pos)
@@ -71,6 +83,24 @@ def main() -> None:
         print(f"  {k:<12} {v:6.3f} ms  {v / step_ms:5.1%}")
     rest = step_ms - sum(per.values())
     print(f"  {'other':<12} {rest:6.3f} ms  {rest / step_ms:5.1%}  (Python, torch ops, KV writes)")
+    if a.stages:
+        stages(a.steps, step_ms)
+
+
+def stages(n: int, step_ms: float) -> None:
+    prof = native.prof_counters()
+    if prof is None:
+        sys.exit("the kernels were built without their stage timers")
+    times, steps = prof
+    if steps != n:
+        sys.exit(f"{steps} of the {n} steps ran as one native call (models/native_step.py): no stage split")
+    print("  inside decode_step, all layers (us per step):")
+    for name, sec in times.items():
+        us = sec / n * 1e6
+        print(f"    {name:<16} {us:8.1f} us  {us / 1e3 / step_ms:5.1%}")
+    inside = sum(times.values()) / n * 1e3
+    print(f"    {'(sum)':<16} {inside * 1e3:8.1f} us  {inside / step_ms:5.1%}  (the rest of decode_step: embedding, "
+          "buffers, the copies between stages)")
 
 
 if __name__ == "__main__":

@@ -392,3 +392,23 @@ def test_native_router_matches_torchs(norm: bool) -> None:
     x[30] = float("nan")  # one bad row among many: the rows are split between threads
     with pytest.raises(RuntimeError, match="non-finite"):
         r(x)
+
+
+def test_stage_timers_build_and_split_the_step(ckpt) -> None:
+    """benchmarks/profile_decode.py --stages: the kernels built with their stage timers (-DCOLI_PROF) time
+    every stage of the one-call step, and the stages add up to no more than the step."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode.py"), "--model",
+                        str(ckpt.coli("olmoe", "int4")), "--stages", "--steps", "8", "--threads", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stages = dict(re.findall(r"^    (\S.*?)\s+([\d.]+) us", r.stdout, re.M))
+    assert set(stages) == set(native.PROF_STAGES) | {"(sum)"}
+    step_us = float(re.search(r"step ([\d.]+) ms", r.stdout)[1]) * 1e3
+    assert 0 < float(stages["(sum)"]) <= step_us
+    assert float(stages["q/k/v"]) > 0 and float(stages["gate_up"]) > 0 and float(stages["attention"]) > 0

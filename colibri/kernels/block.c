@@ -32,12 +32,13 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     uint16_t *q2 = v + T * nk, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * nq;
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
-    coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn);
+    PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
     {
         coli_qw w[3] = {L->wq, L->wk, L->wv};
         int N[3] = {(int)nq, (int)nk, (int)nk};
         void *y[3] = {q, k, v};
-        if ((rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 3, w, N, y))) goto done;
+        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 3, w, N, y));
+        if (rc) goto done;
     }
     if (L->qk_norm == 1) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
@@ -56,13 +57,15 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         memcpy(q, q2, sizeof(uint16_t) * T * nq);
         memcpy(k, k2, sizeof(uint16_t) * T * nk);
     }
-    coli_rope(q, 1, T, nh, D, L->rot, cs, sn, q2);  /* q2, k2: rotated */
-    coli_rope(k, 1, T, nkv, D, L->rot, cs, sn, k2);
-    for (int t = 0; t < T; t++)
-        for (int j = 0; j < nkv; j++) {
-            memcpy((uint16_t *)kc[t] + j * ks + (long)pos[t] * D, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
-            memcpy((uint16_t *)vc[t] + j * vs + (long)pos[t] * D, v + t * nk + (long)j * D, sizeof(uint16_t) * D);
-        }
+    PROF(P_ROPE_KV, {
+        coli_rope(q, 1, T, nh, D, L->rot, cs, sn, q2);  /* q2, k2: rotated */
+        coli_rope(k, 1, T, nkv, D, L->rot, cs, sn, k2);
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < nkv; j++) {
+                memcpy((uint16_t *)kc[t] + j * ks + (long)pos[t] * D, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
+                memcpy((uint16_t *)vc[t] + j * vs + (long)pos[t] * D, v + t * nk + (long)j * D, sizeof(uint16_t) * D);
+            }
+    });
     {
         const void *kb[MAX_T], *vb[MAX_T];
         int S[MAX_T];
@@ -72,15 +75,17 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             vb[t] = (uint16_t *)vc[t] + (long)lo * D;
             S[t] = valid - lo;
         }
-        if ((rc = coli_attn_rows(T, q2, 1, nh, nkv, D, D, kb, ks, vb, vs, S, L->scale, L->sinks, ao))) goto done;
+        PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, D, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
+        if (rc) goto done;
     }
     {
         void *y = o;
-        if ((rc = coli_multi_gemm(ao, 1, T, (int)nq, L->scheme, L->group, 1, &L->wo, &Hd, &y))) goto done;
+        PROF(P_O, rc = coli_multi_gemm(ao, 1, T, (int)nq, L->scheme, L->group, 1, &L->wo, &Hd, &y));
+        if (rc) goto done;
     }
     uint16_t *hn = (uint16_t *)h_out;
     add_bf16(hb, o, (long)T * Hd, hn);
-    coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out);
+    PROF(P_RMS_POST, coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out));
 done:
     free(buf);
     return rc;

@@ -73,6 +73,26 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
                    const coli_qw *gate_up, const coli_qw *down, int scheme, int g, int64_t *idx, float *w,
                    float *ys, void *h_out);
 
+/* Stage timers inside a decode step, for benchmarks/profile_decode.py --stages: compiled in only with
+ * -DCOLI_PROF (COLIBRI_NATIVE_CFLAGS); PROF(stage, statement) is the statement alone otherwise. The
+ * stage order is native.py's PROF_STAGES. */
+enum { P_RMS_IN, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_RMS_POST, P_ROUTE, P_GATHER, P_GATE_UP, P_SILU, P_DOWN,
+       P_COMBINE, P_TAIL, P_STEPS, P_N };
+#ifdef COLI_PROF
+#include <time.h>
+extern long coli_prof[P_N];
+static inline long coli_prof_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+#define PROF(i, ...) do { long _pt = coli_prof_now(); __VA_ARGS__; coli_prof[i] += coli_prof_now() - _pt; } while (0)
+#define PROF_COUNT(i) (coli_prof[i]++)
+#else
+#define PROF(i, ...) __VA_ARGS__
+#define PROF_COUNT(i) ((void)0)
+#endif
+
 #define MAX_T 64          /* rows per call (decode batches); larger inputs go to a dense GEMM */
 #define PAR_MIN_BYTES (256 * 1024) /* below this, one thread: a fork/join costs more than it saves */
 

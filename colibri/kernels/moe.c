@@ -223,16 +223,16 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     int nt = n_threads_for(bytes), nr = Q >= ROWS_PAR_MIN ? nt : 1;
     rows_job rj = {0, scheme, g, bfm, bf16, k, H, I, nu, Q, T, order, uoff, inv, x, weights, hgu, ysrt,
                    xsrt, xp, xsum, act, ap, asum, ys, y};
-    coli_parallel(rows_part, &rj, nr);
+    PROF(P_GATHER, coli_parallel(rows_part, &rj, nr));
     /* gate+up: rows (u, o) for o < 2I, flattened so the threads split all experts' rows evenly */
     moe_job j1 = {scheme, g, H, 2 * I, nu, uexp, uoff, gate_up, xsrt, xp, xsum, hgu, bfm};
-    coli_parallel(moe_part, &j1, nt);
+    PROF(P_GATE_UP, coli_parallel(moe_part, &j1, nt));
     rj.stage = 1;
-    coli_parallel(rows_part, &rj, nr);
+    PROF(P_SILU, coli_parallel(rows_part, &rj, nr));
     moe_job j2 = {scheme, g, I, H, nu, uexp, uoff, down, act, ap, asum, ysrt, bfm};
-    coli_parallel(moe_part, &j2, nt);
+    PROF(P_DOWN, coli_parallel(moe_part, &j2, nt));
     rj.stage = 2;
-    coli_parallel(rows_part, &rj, T * k >= ROWS_PAR_MIN ? nt : 1);
+    PROF(P_COMBINE, coli_parallel(rows_part, &rj, T * k >= ROWS_PAR_MIN ? nt : 1));
 done:
     free(count); free(order); free(uexp); free(uoff); free(inv); free(buf);
     return rc;
@@ -351,7 +351,8 @@ int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    const coli_qw *gate_up, const coli_qw *down, int scheme, int g, int64_t *idx, float *w,
                    float *ys, void *h_out) {
-    int rc = coli_route(x, 1, T, H, W, E, k, norm, idx, w);
+    int rc;
+    PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, idx, w));
     if (rc) return rc;
     uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * H);
     if (!y) return -2;

@@ -184,6 +184,25 @@ def why_unavailable() -> str:
     return _error
 
 
+# common.h's stage timers (compiled in with COLIBRI_NATIVE_CFLAGS=-DCOLI_PROF), in its enum's order.
+PROF_STAGES = ("rmsnorm in", "q/k/v", "rope + kv write", "attention", "o_proj", "rmsnorm post", "routing",
+               "expert inputs", "gate_up", "silu-glu", "down", "weighted sum", "norm + head")
+
+
+def prof_counters() -> tuple[dict[str, float], int] | None:
+    """{stage: seconds} and the one-call steps counted since the last call (then zeroed), or None when
+    the kernels were built without -DCOLI_PROF."""
+    try:
+        arr = (ctypes.c_long * (len(PROF_STAGES) + 1)).in_dll(_lib, "coli_prof")
+    except ValueError:
+        return None
+    out = {name: arr[i] / 1e9 for i, name in enumerate(PROF_STAGES)}
+    steps = arr[len(PROF_STAGES)]
+    for i in range(len(PROF_STAGES) + 1):
+        arr[i] = 0
+    return out, steps
+
+
 def set_threads(n: int) -> None:
     """Threads each native kernel call uses (the calling thread included)."""
     if lib() is not None:

@@ -7,6 +7,10 @@
  * path (tests/test_native.py). */
 #include "common.h"
 
+#ifdef COLI_PROF
+long coli_prof[P_N];  /* common.h's stage timers: ns per stage, P_STEPS a count */
+#endif
+
 /* One routed-expert layer's constants (colibri/kernels/native.py's MoeLayer). */
 typedef struct {
     int inter, n_experts, k, norm, scheme, group;
@@ -73,13 +77,14 @@ int coli_decode_step(const coli_tail *tl, const int64_t *tokens, int n_layers, c
     uint16_t *xr = h + (size_t)T * H, *xn = xr + (size_t)R * H, *y = xn + (size_t)R * H;
     for (int t = 0; t < T; t++) memcpy(h + (size_t)t * H, tl->embed + tokens[t] * H, sizeof(uint16_t) * H);
     int rc = coli_decode_layers(n_layers, attn, moe, T, h, pos, kc, vc, ks, vs, cs, sn, idx, w, failed);
-    if (!rc) {
+    if (!rc) PROF(P_TAIL, {
         for (int r = 0; r < R; r++) memcpy(xr + (size_t)r * H, h + rows[r] * H, sizeof(uint16_t) * H);
         coli_rmsnorm(xr, 1, R, H, tl->norm_w, tl->eps, xn);
         void *yy = y;
         rc = coli_multi_gemm(xn, 1, R, H, tl->scheme, tl->group, 1, &tl->head, &V, &yy);
         for (long i = 0; !rc && i < (long)R * V; i++) logits[i] = bf16_to_f32(y[i]);
-    }
+    });
+    PROF_COUNT(P_STEPS);
     free(h);
     return rc;
 }
