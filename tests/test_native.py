@@ -392,6 +392,26 @@ def test_native_router_matches_torchs(norm: bool) -> None:
     x[30] = float("nan")  # one bad row among many: the rows are split between threads
     with pytest.raises(RuntimeError, match="non-finite"):
         r(x)
+    # A few rows over a router of >= 64 KiB: their logits are split between the threads over (row, expert)
+    # (moe.c logits_part): the same routes as torch's, and as each row alone.
+    big = TopKRouter(1024, 32, 4, norm)
+    big.weight.data = torch.randn(32, 1024)
+    xs = torch.randn(5, 1024).bfloat16()
+    prev = native.get_threads()
+    native.set_threads(2)
+    try:
+        idx, w = big(xs)
+        ref_idx, ref_w = big(xs.float())
+        assert torch.equal(idx, ref_idx)
+        assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+        for t in range(5):
+            i1, w1 = big(xs[t : t + 1])
+            assert torch.equal(i1[0], idx[t]) and torch.equal(w1[0], w[t])
+        xs[2] = float("nan")
+        with pytest.raises(RuntimeError, match="non-finite"):
+            big(xs)
+    finally:
+        native.set_threads(prev)
 
 
 def test_stage_timers_build_and_split_the_step(ckpt) -> None:
