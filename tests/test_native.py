@@ -5,6 +5,10 @@ dequantized weights to f32 rounding, and in bf16 to bf16 rounding of the output.
 
 from __future__ import annotations
 
+import os
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -432,3 +436,24 @@ def test_stage_timers_build_and_split_the_step(ckpt) -> None:
     step_us = float(re.search(r"step ([\d.]+) ms", r.stdout)[1]) * 1e3
     assert 0 < float(stages["(sum)"]) <= step_us
     assert float(stages["q/k/v"]) > 0 and float(stages["gate_up"]) > 0 and float(stages["attention"]) > 0
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in native._cpu_flags(),
+                    reason="an AVX-512 x86 host: the test builds the kernels without it")
+def test_kernels_without_avx512_build_load_and_agree() -> None:
+    """The kernels as an AVX2/F16C-only CPU gets them (-mno-avx512f): they load (F16C's intrinsics were
+    once left undeclared there, and the library failed to load) and their fallback paths agree with the
+    references of this file's tests."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "COLIBRI_NATIVE_CFLAGS": "-mno-avx512f"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+                        str(Path(__file__)), "-k",
+                        "qlinear_native_matches or fused_moe_layer or decode_attention or rmsnorm_and_rope "
+                        "or native_router or wide_rows"], capture_output=True, text=True, timeout=600, cwd=root,
+                       env=env)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert re.search(r"\b\d+ passed", r.stdout) and "skipped" not in r.stdout, r.stdout[-1000:]

@@ -11,8 +11,10 @@
 typedef void (*coli_job)(void *arg, int id, int n);
 void coli_parallel(coli_job fn, void *arg, int n);
 int coli_get_threads(void);
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* (also for F16C's _cvtsh_ss on CPUs without AVX-512: undeclared, the library failed to load) */
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define COLI_AVX512 1
 #endif
 
