@@ -441,15 +441,21 @@ def test_stage_timers_build_and_split_the_step(ckpt) -> None:
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in native._cpu_flags(),
                     reason="an AVX-512 x86 host: the test builds the kernels without it")
 def test_kernels_without_avx512_build_load_and_agree() -> None:
-    """The kernels as an AVX2/F16C-only CPU gets them (-mno-avx512f): they load (F16C's intrinsics were
-    once left undeclared there, and the library failed to load) and their fallback paths agree with the
-    references of this file's tests."""
+    """The kernels as an AVX2/F16C-only CPU gets them (-mno-avx512f): not used by default (their portable
+    loops are slower than torch's kernels), but they build and load (F16C's intrinsics were once left
+    undeclared there) and, forced, their fallback paths agree with the references of this file's tests."""
     import re
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "COLIBRI_NATIVE_CFLAGS": "-mno-avx512f"}
+    # By default such a build is not used (slower than torch's kernels), and says why:
+    probe = subprocess.run([sys.executable, "-c", "from colibri.kernels import native; "
+                            "print(native.available(), native.why_unavailable())"],
+                           capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert probe.stdout.startswith("False") and "AVX-512" in probe.stdout, probe.stdout + probe.stderr
+    env["COLIBRI_NATIVE"] = "force"
     r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
                         str(Path(__file__)), "-k",
                         "qlinear_native_matches or fused_moe_layer or decode_attention or rmsnorm_and_rope "

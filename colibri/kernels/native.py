@@ -136,6 +136,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_q4_gemm.argtypes = [p, i, i, i, p, p, p, i, i, p]
     lib.coli_q4_gemm.restype = i
     lib.coli_max_rows.restype = i
+    lib.coli_simd.restype = i
     lib.coli_set_threads.argtypes = [i]
     lib.coli_get_threads.restype = i
     lib.coli_attn_decode.argtypes = [p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, i, ctypes.c_float, p, p]
@@ -149,8 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (no compiler, a failed build, a non-x86/Linux machine, or
-    COLIBRI_NATIVE=0). The first call builds; later calls are free."""
+    """The loaded kernels, or None (no compiler, a failed build, a CPU without AVX-512 -- unless
+    COLIBRI_NATIVE=force --, or COLIBRI_NATIVE=0). The first call builds; later calls are free."""
     global _lib, _tried, _error
     if _tried:
         return _lib
@@ -166,6 +167,9 @@ def lib() -> ctypes.CDLL | None:
             so = _build(cc)
             lib_ = ctypes.CDLL(str(so))
             _declare(lib_)
+            if not lib_.coli_simd() and os.environ.get("COLIBRI_NATIVE") != "force":
+                raise RuntimeError("this CPU has no AVX-512: the kernels' portable loops are slower than torch's "
+                                   "(COLIBRI_NATIVE=force uses them anyway)")
             lib_.coli_set_threads(torch.get_num_threads())
             _lib = lib_
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -191,7 +195,9 @@ PROF_STAGES = ("rmsnorm in", "q/k/v", "rope + kv write", "attention", "o_proj", 
 
 def prof_counters() -> tuple[dict[str, float], int] | None:
     """{stage: seconds} and the one-call steps counted since the last call (then zeroed), or None when
-    the kernels were built without -DCOLI_PROF."""
+    the kernels were built without -DCOLI_PROF or are not in use."""
+    if _lib is None:
+        return None
     try:
         arr = (ctypes.c_long * (len(PROF_STAGES) + 1)).in_dll(_lib, "coli_prof")
     except ValueError:
