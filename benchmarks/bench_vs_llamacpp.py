@@ -288,6 +288,9 @@ def main() -> None:
             table(f"{s} vs {GGUF_TYPE[s].upper()}, in RAM (mean of {a.repeats})", c, ll, cname, lname)
             print(bandwidth_line(cname, cb, c, bw_c))
             print(bandwidth_line(lname, lb, ll, bw_l), flush=True)
+            if max(bw_c, bw_l) > 1.2 * min(bw_c, bw_l):
+                print(f"    (the RAM bandwidth moved between the two engines' runs, {bw_c:.1f} -> {bw_l:.1f} GB/s: "
+                      "this pair's ratio is not like for like; run it again)", flush=True)
             c["ram_gbs_before"], ll["ram_gbs_before"] = bw_c, bw_l
             results["runs"][f"{s}/ram"] = {"colibri": _clean(c), "llama.cpp": _clean(ll)}
         if cap:
