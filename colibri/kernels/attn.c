@@ -61,8 +61,7 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
             __m512 acc = _mm512_setzero_ps();
             if (bf16) {
                 for (; d + 16 <= D; d += 16) {
-                    __m256i kb = _mm256_loadu_si256((const __m256i *)((const uint16_t *)k + base + d));
-                    __m512 kf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(kb), 16));
+                    __m512 kf = bf16_16_to_f32((const uint16_t *)k + base + d);
                     acc = _mm512_fmadd_ps(kf, _mm512_loadu_ps(qf + d), acc);
                 }
             } else {
