@@ -47,12 +47,13 @@ def prepare(work: Path) -> Path:
     return coli
 
 
-def child(path: str, budget: str | None, tokens: int, threads: int, counts: list[int]) -> list[dict]:
+def child(path: str, budget: str | None, tokens: int, threads: int, counts: list[int], prefetch: bool,
+          policy: str) -> list[dict]:
     import colibri
     from colibri.store.placement import parse_size
 
     llm = colibri.load(path, ctx_size=256, threads=threads, slots=max(counts),
-                       mem_budget=parse_size(budget) if budget else None)
+                       mem_budget=parse_size(budget) if budget else None, prefetch=prefetch, cache_policy=policy)
     # Warm-up: every count's path, with enough tokens to touch (nearly) every expert: the first touch of a
     # mapped page faults, and a warm-up of a few tokens left that to the first measured run (N=1 then
     # ran at ~0.75 of its steady speed, flattering every ratio to it).
@@ -72,16 +73,18 @@ def child(path: str, budget: str | None, tokens: int, threads: int, counts: list
         summed = m1["experts_summed"] - m0["experts_summed"]
         steps = m1["steps"] - m0["steps"]
         read = m1["store"]["bytes_read"] - m0["store"]["bytes_read"]
+        hits = m1["store"]["hits"] - m0["store"]["hits"]
+        looks = hits + m1["store"]["misses"] - m0["store"]["misses"]
         rows.append(dict(n=n, agg=gen / wall, per_req=sum(h.stats.decode_tps for h in handles) / n,
                          unique_per_step=uniq / steps / 8, summed_per_step=summed / steps / 8,
-                         bytes_per_token=read / gen, hit_rate=m1["store"]["hit_rate"]))
+                         bytes_per_token=read / gen, hit_rate=hits / looks if looks else 0.0))
     llm.close()
     return rows
 
 
 def run_mode(path: Path, a: argparse.Namespace, capped: bool) -> list[dict]:
     cmd = [sys.executable, __file__, "--child", str(path), "--tokens", str(a.tokens), "--threads", str(a.threads),
-           "--counts", a.counts]
+           "--counts", a.counts, "--prefetch", a.prefetch, "--cache-policy", a.cache_policy]
     if capped:
         cmd += ["--mem-budget", a.mem_budget]
         subprocess.run([str(TOOLS / "evict"), str(path)], check=True)
@@ -105,12 +108,16 @@ def main() -> None:
     ap.add_argument("--mem-budget", default="300M", help="weights budget of the streamed run (file ~450 MB)")
     ap.add_argument("--cap", default="900M", help="memcap limit of the streamed run (RSS + page cache)")
     ap.add_argument("--modes", default="ram,streamed")
+    ap.add_argument("--prefetch", choices=("on", "off"), default="on",
+                    help="the streamed run's look-ahead prefetch (colibri.load's prefetch)")
+    ap.add_argument("--cache-policy", default="reuse", help="the streamed run's expert cache policy")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     counts = [int(c) for c in a.counts.split(",")]
     if a.child:
         print(json.dumps(child(a.child, getattr(a, "mem_budget", None) if "--mem-budget" in sys.argv else None,
-                               a.tokens, a.threads, counts)))
+                               a.tokens, a.threads, counts, a.prefetch == "on",
+                               a.cache_policy)))
         return
     path = prepare(Path(a.workdir))
     print(f"model {path} ({path.stat().st_size / 2**20:.0f} MiB), {a.tokens} new tokens per request, "

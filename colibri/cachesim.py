@@ -15,6 +15,8 @@ Policies (victims are never taken from the set being served while anything else 
 - hot: the learned hot set: each layer's `size - k` most routed experts (counted on `train`, or on the
   trace itself in hindsight) are pinned, the other slots run LRU (fair in the pool);
 - reuse: evict the expert with the latest *expected* next use (colibri/store/reuse.py);
+- reuse-oracle: reuse told the true experts of the rest of the current token's layers (pool only: per
+  layer it is reuse), never evicting those: the most any router look-ahead could add (not online);
 - belady: evict the expert needed furthest in the future (optimal; the upper bound).
 """
 
@@ -29,7 +31,7 @@ import numpy as np
 from .store.reuse import ReuseEstimator
 from .trace import RouteTrace
 
-POLICIES = ("lru", "lfu", "lfru", "fair", "fair-lfru", "hot", "reuse", "belady")
+POLICIES = ("lru", "lfu", "lfru", "fair", "fair-lfru", "hot", "reuse", "reuse-oracle", "belady")
 INF = float("inf")
 
 
@@ -99,12 +101,15 @@ class _Scored:
             s, key = heapq.heappop(self.heap)
             if self.score.get(key) != s:
                 continue  # stale
-            if key in need and len(aside) < len(self.score) - 1:
+            if key in need:
                 aside.append((s, key))  # serving it now: keep it while something else can go
                 continue
-            del self.score[key]
             out = key
             break
+        if out is None and aside:
+            out = aside.pop(0)[1]  # everything left is being served: its lowest-scored
+        if out is not None:
+            del self.score[out]
         for item in aside:
             heapq.heappush(self.heap, item)
         return out
@@ -147,7 +152,11 @@ class LFRU(_Scored):
 
 
 class Belady(_Scored):
-    """Needs the future: `next_use[(t, key)]`, the next access time of key after t (INF if none)."""
+    """Needs the future: `next_use[(t, key)]`, the next access time of key after t (INF if none).
+
+    The victim is the resident needed furthest ahead, the set being served included (its experts were
+    used as they came, so their slots may go): classic demand-paging OPT, every read kept (the engine
+    reads into a slot, so keeping nothing is no saving)."""
 
     def __init__(self, capacity: int, next_use: dict, pinned: Iterable = ()):
         super().__init__(capacity, pinned)
@@ -156,6 +165,8 @@ class Belady(_Scored):
     def on_miss(self, key, t):
         return -self.next_use.get((t, key), INF)
 
+    def evict(self, need: set):
+        return super().evict(set())
 
 class Fair:
     """The store's fair policy over a pool: each layer an equal share; a layer at its share evicts its own
@@ -231,6 +242,32 @@ class Reuse:
         return hits
 
 
+class ReuseOracle(Reuse):
+    """Reuse that knows the accesses of the rest of the current token (the layers after this one) and
+    keeps their experts while anything else can go."""
+
+    def __init__(self, capacity: float, layers: list[int], seq: list[tuple[int, tuple]]):
+        super().__init__(capacity, layers)
+        self.seq, self.after = seq, {lay: len(layers) - 1 - i for i, lay in enumerate(layers)}
+
+    def serve(self, keys: tuple, t: int) -> int:
+        if not keys:
+            return 0
+        used = set(keys)
+        soon = {(lay, e) for lay, ids in self.seq[t + 1 : t + 1 + self.after[keys[0][0]]] for e in ids}
+        self.est.observe(keys[0][0], [e for _, e in keys], t)
+        hits = sum(1 for key in keys if key in self.cached)
+        for key in keys:
+            if key in self.cached or self.capacity <= 0:
+                continue
+            if len(self.cached) >= self.capacity:
+                victims = ([c for c in self.cached if c not in used and c not in soon]
+                           or [c for c in self.cached if c not in used] or list(self.cached))
+                self.cached.discard(max(victims, key=self.est.expected_next))
+            self.cached.add(key)
+        return hits
+
+
 def _next_uses(seq: list[tuple[int, tuple]]) -> dict:
     """(t, key) -> the next t' > t at which key is accessed again."""
     nxt: dict = {}
@@ -271,6 +308,8 @@ def make_cache(policy: str, capacity: int, layers: list[int], seq, *, counts=Non
         return Fair(capacity, layers, pinned) if len(layers) > 1 else LRU(capacity, pinned)
     if policy == "reuse":
         return Reuse(capacity, layers)
+    if policy == "reuse-oracle":
+        return ReuseOracle(capacity, layers, seq)
     if policy == "belady":
         return Belady(capacity, _next_uses(seq))
     raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")

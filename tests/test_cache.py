@@ -195,3 +195,28 @@ def test_prefetch_stops_reading_ranks_that_mispredict():
     assert loader.loads[loads:] == [(1, 3)]
     s = cache.stats()
     assert s["pred_total"] == 80 and s["pred_hits"] == 40  # every prediction is still scored
+
+
+def test_prefetch_only_takes_the_readers_idle_places():
+    """With io_depth, speculative reads never queue behind demand reads the reader is still busy with."""
+    gate = threading.Event()
+
+    class Slow(FakeLoader):
+        def load(self, layer, expert, buf):
+            gate.wait(10)
+            return super().load(layer, expert, buf)
+
+    loader = Slow()
+    with ThreadPoolExecutor(4) as pool:
+        cache = ExpertCache(loader, 16, SLOT, [0, 1], submit=pool.submit, policy="reuse", io_depth=4)
+        fetched = cache.fetch(0, [0, 1, 2])  # three demand reads in flight of the reader's four
+        assert cache.prefetch(1, [5, 6, 7], track=False) == 1
+        assert cache.prefetch(1, [8], track=False) == 0  # the reader is full
+        gate.set()
+        assert sorted(e for e, _ in fetched) == [0, 1, 2]
+        for f in [s.future for s in cache.slots if s.future is not None]:
+            f.result()
+        assert cache.prefetch(1, [8, 9, 10, 11, 12], track=False) == 4  # idle again: up to its depth
+    # Without a bound (io_depth 0, the default), the same prefetch is capped only by the layer's share.
+    cache, _ = make(16, layers=(0, 1), policy="reuse")
+    assert cache.prefetch(1, [5, 6, 7, 8, 9, 10], track=False) == 6

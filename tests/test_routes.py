@@ -174,6 +174,23 @@ def test_belady_bounds_every_policy():
                 assert row["belady"]["reads_per_token"] == pytest.approx((1 - best) * 2 * 3)
 
 
+def test_belady_bounds_every_policy_when_a_step_needs_more_than_the_cache():
+    # Steps of 4 rows: a layer's union (up to 8 experts) can exceed 2 or 4 slots, so the set's own
+    # experts must evict each other (Belady had kept the wrong one then and fell below LRU).
+    tr = _random_trace(5, n=240, k=2)
+    tr.step = np.arange(tr.n_rows) // 4
+    sim = cachesim.simulate(tr, [2, 4], unit="step")
+    for mode in ("per_layer", "pool"):
+        for size, row in sim[mode].items():
+            best = row["belady"]["hit_rate"]
+            assert all(r["hit_rate"] <= best + 1e-12 for r in row.values()), (mode, size, row)
+    c = cachesim.make_cache("lfu", 2, [0], [])
+    c.serve(((0, 1), (0, 2)), 0)
+    c.serve(((0, 1),), 1)
+    c.serve(((0, 3), (0, 1), (0, 4)), 2)  # 1 hits (3 uses); 3 evicts 2 (not being served); 4 must evict a
+    assert set(c.score) == {(0, 1), (0, 4)}  # served one: the lower-scored, 3 (1 use), not 1
+
+
 def test_policies_on_a_hand_checked_sequence():
     seq = [(0, (e,)) for e in (1, 2, 3, 1, 4, 1, 2)]  # one layer, one expert per access
     hits = {p: cachesim.replay(cachesim.make_cache(p, 2, [0], seq), seq)[0] for p in ("lru", "lfu", "belady")}

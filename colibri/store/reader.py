@@ -81,7 +81,8 @@ class RecordReader:
         self.direct = self._dfd >= 0
         self.requested_direct = direct
         self.file_size = os.fstat(self._fd).st_size
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="colibri-io")
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="colibri-io")
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
