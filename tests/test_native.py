@@ -53,6 +53,44 @@ def test_int4_wide_rows_match_dequantized(g: int) -> None:
     assert _rel(m(x), x.float() @ ref_w.T) < 1e-2
 
 
+def _q8_activations_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, strided: bool) -> torch.Tensor:
+    """docs/QUANT.md's int8-activation numerics in torch: blocks of 32 columns, each to int8 with the
+    scale max|x| / 127 (x * (127 / max) rounded to nearest even, in f32), products in f64. `strided`:
+    the kernel's blocks (per 512 columns, lane l of each 64-column chunk); else contiguous 32s."""
+    T, K = x.shape
+    cols = torch.arange(K)
+    if strided:
+        span, lane = cols // 512, (cols % 64) // 4
+        block = span * 16 + lane
+    else:
+        block = cols // 32
+    y = torch.zeros(T, q.shape[0], dtype=torch.float64)
+    for b in block.unique():
+        c = cols[block == b]
+        a = x[:, c].abs().amax(1, keepdim=True)
+        inv = torch.where(a > 0, 127.0 / a, torch.zeros_like(a))
+        xq = torch.round(x[:, c] * inv).clamp(-127, 127)
+        y += (a / 127.0).double() * (xq.double() @ q[:, c].double().T)
+    return (y * scale.double()).float()
+
+
+@pytest.mark.skipif("avx512_vnni" not in native._cpu_flags(), reason="the int8-activation path needs AVX-512 VNNI")
+@pytest.mark.parametrize("K", [512, 1024, 1216])  # whole 512-column spans, and a short last one (192)
+def test_int8_activation_blocks_are_the_documented_strided_ones(K: int) -> None:
+    torch.manual_seed(K)
+    t = quantize(torch.randn(64, K), "int8")
+    q, scale = t[""].clone(), t[".scale"]
+    q[:, 0] = 0  # the outlier column below meets no weight: what it costs is its block-mates' precision
+    x = torch.randn(8, K)
+    x[:, 0] = 300.0
+    xb = x.bfloat16()
+    y = native.q8_gemm(xb, q, scale).float()
+    strided = _q8_activations_reference(xb.float(), q, scale, strided=True)
+    contiguous = _q8_activations_reference(xb.float(), q, scale, strided=False)
+    assert _rel(y, strided) < 4e-3  # the bf16 rounding of the output
+    assert _rel(y, contiguous) > 2e-2  # the outlier crushed other columns than contiguous blocks say
+
+
 def test_native_rows_are_independent() -> None:
     # A row's result must not depend on the other rows of the call (batch == solo, bit for bit).
     t = quantize(torch.randn(64, 128), "int4", 32)

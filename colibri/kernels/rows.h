@@ -70,16 +70,120 @@ static inline void q8_rows(const float *xf, int T, int K, const int8_t *q, const
     }
 }
 
-/* int8 with activations quantized like llama.cpp's Q8_0 (bf16 compute only, see docs/QUANT.md): each
- * run of 32 values of a row gets a scale max|x| / 127 and int8 values, so one vpdpbusd multiplies 64
- * weights by 64 activations in integers. The weights are signed and vpdpbusd wants one unsigned
- * side: w ^ 0x80 = w + 128, whose extra 128 * sum(xq) per block is subtracted once per row (corr).
- * A prepared row (Q8_STRIDE floats): int8 xq [K] | f32 scale per 4-byte lane [K/4] | corr | padding
- * that keeps every row 64-byte aligned (rows 4 bytes apart straddled cache lines: 3x slower at 8 rows). */
+/* int8 with activations quantized to int8 in blocks of 32 (bf16 compute only, see docs/QUANT.md), so
+ * one vpdpbusd multiplies 64 weights by 64 activations in integers. The weights are signed and
+ * vpdpbusd wants one unsigned side: w ^ 0x80 = w + 128, whose extra 128 * sum(xq) is subtracted once
+ * per row (corr). A block is strided, not contiguous: per 512 columns ("span", 8 chunks of 64), lane l
+ * (bytes 4l..4l+3 of each chunk) of every chunk, 32 columns. So a span's 8 products add up in int32
+ * per lane and meet their 16 scales once (llama.cpp's contiguous Q8_0 blocks need a float convert and
+ * multiply-add per 64 columns and row: at 8 rows those made the dense projections compute-bound).
+ * A shorter last span (K % 512) has blocks of 4 x its chunks. A prepared row (Q8_STRIDE floats):
+ * int8 xq [K] (column order) | f32 scale per span and lane [K/32] (room for K/4) | corr | padding that
+ * keeps every row 64-byte aligned (rows 4 bytes apart straddled cache lines: 3x slower at 8 rows). */
 #define Q8_STRIDE(K) ((long)(K) / 2 + 16)
+#define Q8_SPAN 512
 #if defined(COLI_AVX512) && defined(__AVX512VNNI__)
 #define COLI_VNNI 1
+
+/* One span of nc chunks (x: its first column) to int8 with its 16 lane scales; returns the span's
+ * sum of 128 * scale * xq (the correction's share). */
+static inline double q8_span(const float *x, int nc, int8_t *q, float *scale) {
+    __m512 m[4];
+    for (int j = 0; j < 4; j++) m[j] = _mm512_setzero_ps();
+    for (int c = 0; c < nc; c++)
+        for (int j = 0; j < 4; j++) m[j] = _mm512_max_ps(m[j], _mm512_abs_ps(_mm512_loadu_ps(x + 64 * c + 16 * j)));
+    float am[64], inv[64];
+    for (int j = 0; j < 4; j++) {  /* the max of each 4 neighbouring floats: one lane's share of a chunk */
+        m[j] = _mm512_max_ps(m[j], _mm512_permute_ps(m[j], 0xB1));
+        m[j] = _mm512_max_ps(m[j], _mm512_permute_ps(m[j], 0x4E));
+        _mm512_storeu_ps(am + 16 * j, m[j]);
+    }
+    for (int l = 0; l < 16; l++) {
+        float a = am[4 * l], iv = a > 0.f ? 127.f / a : 0.f;
+        scale[l] = a / 127.f;
+        for (int i = 0; i < 4; i++) inv[4 * l + i] = iv;
+    }
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i sum[4];
+    for (int j = 0; j < 4; j++) sum[j] = _mm512_setzero_si512();
+    for (int c = 0; c < nc; c++)
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 64 * c + 16 * j),
+                                                               _mm512_loadu_ps(inv + 16 * j)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+            _mm_storeu_si128((__m128i *)(q + 64 * c + 16 * j), _mm512_cvtepi32_epi8(v));
+            sum[j] = _mm512_add_epi32(sum[j], v);
+        }
+    int ss[64];
+    for (int j = 0; j < 4; j++) _mm512_storeu_si512((void *)(ss + 16 * j), sum[j]);
+    double corr = 0.0;
+    for (int l = 0; l < 16; l++) corr += 128.0 * scale[l] * (ss[4 * l] + ss[4 * l + 1] + ss[4 * l + 2] + ss[4 * l + 3]);
+    return corr;
+}
+
+static inline void q8_prep(const float *xf, int n, int K, float *xp) {
+    for (int t = 0; t < n; t++) {
+        const float *x = xf + (long)t * K;
+        float *base = xp + (long)t * Q8_STRIDE(K);
+        double corr = 0.0;
+        for (int s0 = 0; s0 < K; s0 += Q8_SPAN) {
+            int nc = (K - s0) / 64 < Q8_SPAN / 64 ? (K - s0) / 64 : Q8_SPAN / 64;
+            corr += q8_span(x + s0, nc, (int8_t *)base + s0, base + K / 4 + s0 / 32);
+        }
+        base[K / 2] = (float)corr;
+    }
+}
 #endif
+
+/* Software prefetch of the int8 weight stream into L2, 16 KiB ahead: decode steps/s +6% (median of 5
+ * interleaved runs, twice; 4 KiB into L1 was slower than none). */
+#ifndef Q8_PREFETCH
+#define Q8_PREFETCH 16384
+#endif
+
+#ifdef COLI_VNNI
+static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
+    __m512 acc[8];
+    __m512i p[8];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
+    for (int s0 = 0; s0 < K; s0 += Q8_SPAN) {
+        int se = s0 + Q8_SPAN < K ? s0 + Q8_SPAN : K;
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) p[t] = _mm512_setzero_si512();
+        for (int i = s0; i < se; i += 64) {
+            _mm_prefetch((const char *)(qo + i + Q8_PREFETCH), _MM_HINT_T1);
+            __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qo + i)), flip);
+#pragma GCC unroll 8
+            for (int t = 0; t < TB; t++)
+                p[t] = _mm512_dpbusd_epi32(p[t], wu,
+                                           _mm512_loadu_si512((const void *)((const int8_t *)(xp + (long)t * Q8_STRIDE(K)) + i)));
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[t]),
+                                     _mm512_loadu_ps(xp + (long)t * Q8_STRIDE(K) + K / 4 + s0 / 32), acc[t]);
+    }
+#pragma GCC unroll 8  /* (acc stays in registers: see q4v_row_block) */
+    for (int t = 0; t < TB; t++)
+        out[(long)t * N] = so * (_mm512_reduce_add_ps(acc[t]) - xp[(long)t * Q8_STRIDE(K) + K / 2]);
+}
+#define Q8V_OK(bf16, K) ((bf16) && (K) % 64 == 0)
+#else
+static inline void q8_prep(const float *xf, int n, int K, float *xp) {
+    (void)xf; (void)n; (void)K; (void)xp;
+}
+static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
+    (void)xp; (void)K; (void)qo; (void)so; (void)TB; (void)out; (void)N;
+}
+#define Q8V_OK(bf16, K) 0
+#endif
+
+#define Q8V_CALL(TB, xp, K, qo, so, yo, N) \
+    q8v_row_block((xp) + (long)t0 * Q8_STRIDE(K), K, qo, so, TB, (yo) + (long)t0 * (N), N)
+
+/* ------------------------------------------------------------------------------------ int4 */
 
 /* One 32-value block of activations to int8 (round to nearest even, |q| <= 127) with its scale;
  * returns the sum of the int8 values. The vector and scalar forms give the same bits. */
@@ -114,59 +218,6 @@ static inline int q8_block(const float *x, int8_t *q, float *scale) {
 #endif
 }
 
-static inline void q8_prep(const float *xf, int n, int K, float *xp) {
-    for (int t = 0; t < n; t++) {
-        const float *x = xf + (long)t * K;
-        float *base = xp + (long)t * Q8_STRIDE(K);
-        int8_t *xq = (int8_t *)base;
-        float *lane = base + K / 4;
-        double corr = 0.0;
-        for (int b = 0; b < K; b += 32) {
-            float sc;
-            int sum = q8_block(x + b, xq + b, &sc);
-            for (int l = 0; l < 8; l++) lane[b / 4 + l] = sc;
-            corr += 128.0 * sc * sum;
-        }
-        base[K / 2] = (float)corr;
-    }
-}
-
-/* Software prefetch of the int8 weight stream into L2, 16 KiB ahead: decode steps/s +6% (median of 5
- * interleaved runs, twice; 4 KiB into L1 was slower than none). */
-#ifndef Q8_PREFETCH
-#define Q8_PREFETCH 16384
-#endif
-
-#ifdef COLI_VNNI
-static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
-    __m512 acc[8];
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
-    for (int i = 0; i < K; i += 64) {
-        _mm_prefetch((const char *)(qo + i + Q8_PREFETCH), _MM_HINT_T1);
-        __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qo + i)), flip);
-        for (int t = 0; t < TB; t++) {
-            const float *b = xp + (long)t * Q8_STRIDE(K);
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512((const void *)((const int8_t *)b + i)));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(b + K / 4 + i / 4), acc[t]);
-        }
-    }
-#pragma GCC unroll 8  /* (acc stays in registers: see q4v_row_block) */
-    for (int t = 0; t < TB; t++)
-        out[(long)t * N] = so * (_mm512_reduce_add_ps(acc[t]) - xp[(long)t * Q8_STRIDE(K) + K / 2]);
-}
-#define Q8V_OK(bf16, K) ((bf16) && (K) % 64 == 0)
-#else
-static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
-    (void)xp; (void)K; (void)qo; (void)so; (void)TB; (void)out; (void)N;
-}
-#define Q8V_OK(bf16, K) 0
-#endif
-
-#define Q8V_CALL(TB, xp, K, qo, so, yo, N) \
-    q8v_row_block((xp) + (long)t0 * Q8_STRIDE(K), K, qo, so, TB, (yo) + (long)t0 * (N), N)
-
-/* ------------------------------------------------------------------------------------ int4 */
 
 /* Columns of one 32-column block in nibble order: x[0], x[2], ..., x[30] then x[1], ..., x[31],
  * so that the low nibbles of 16 bytes meet the first 16 values and the high nibbles the rest. */
@@ -214,7 +265,7 @@ static inline void q4_row_block_bf(const uint16_t *xb, const float *xs, int K, i
 }
 #endif
 
-/* int4 with activations quantized per 32 values (like int8's VNNI path; bf16 compute only): the
+/* int4 with activations quantized per 32 neighbouring values (q8_block; bf16 compute only): the
  * nibbles are unsigned bytes, so vpdpbusd takes them as they are. Per 128 columns (64 weight bytes),
  * the low nibbles hold the even columns and the high nibbles the odd ones: the prepared rows keep
  * their int8 values in that order (64 even, then 64 odd), so one lane (4 bytes) of each product covers
