@@ -189,6 +189,21 @@ def test_rmsnorm_and_rope_match_f32_reference() -> None:
     ref = norm.weight * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
     y = norm(x)
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2
+    # Exactly the kernel's arithmetic: one f32 inv per row (its sum of squares in the kernel's own
+    # order: within an ulp or two of torch's), then w * (x * inv) in f32, rounded once -- the 16-lane
+    # part and the scalar tail (width 100) alike.
+    for H in (96, 100):
+        nw = (torch.rand(H) + 0.5).float()
+        xr = torch.randn(4, H).bfloat16()
+        got = native.rmsnorm(xr, nw, 1e-5)
+        for r in range(4):
+            xf32 = xr[r].float()
+            inv0 = torch.rsqrt(xf32.pow(2).mean() + 1e-5)
+            cands, lo, hi = [inv0], inv0, inv0
+            for _ in range(3):  # a few ulps either side
+                lo, hi = torch.nextafter(lo, torch.tensor(0.0)), torch.nextafter(hi, torch.tensor(9.0))
+                cands += [lo, hi]
+            assert any(torch.equal(got[r], (nw * (xf32 * inv)).bfloat16()) for inv in cands), (H, r)
     for rot in (64, 32):  # full and partial rotary
         rope = RoPE(rot, 10000.0, max_pos=64)
         q = torch.randn(5, 3, 64).bfloat16()
