@@ -74,7 +74,7 @@ def _q8_activations_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     return (y * scale.double()).float()
 
 
-@pytest.mark.skipif("avx512_vnni" not in native._cpu_flags(), reason="the int8-activation path needs AVX-512 VNNI")
+@pytest.mark.skipif(not native.int8_activations(), reason="a build without the int8-activation (VNNI) paths")
 @pytest.mark.parametrize("K", [512, 1024, 1216])  # whole 512-column spans, and a short last one (192)
 def test_int8_activation_blocks_are_the_documented_strided_ones(K: int) -> None:
     torch.manual_seed(K)

@@ -190,6 +190,11 @@ def why_unavailable() -> str:
     return _error
 
 
+def int8_activations() -> bool:
+    """Whether bf16 steps quantize activations to int8 (the VNNI paths; docs/QUANT.md, "Decode numerics")."""
+    return available() and bool(_lib.coli_simd() & 2)
+
+
 # common.h's stage timers (compiled in with COLIBRI_NATIVE_CFLAGS=-DCOLI_PROF), in its enum's order.
 PROF_STAGES = ("rmsnorm in", "q/k/v", "rope + kv write", "attention", "o_proj", "rmsnorm post", "routing",
                "expert inputs", "gate_up", "silu-glu", "down", "weighted sum", "norm + head")
