@@ -9,7 +9,8 @@ width 512, 16 heads, vocab 32000; 0.44B parameters, int8):
   run under `../shared/tools/memcap` (found relative to this checkout) from a cold page cache.
 Prints aggregate tok/s (N x tokens / wall time of the batch), mean per-request decode tok/s, unique
 vs summed experts per MoE layer and step (what the batch fetched vs what its sequences would have
-fetched alone), expert bytes read per generated token, and each N against N=1, with the load average.
+fetched alone), expert bytes read per generated token and the read rate they make (GB/s), and each N
+against N=1, with the load average.
 """
 
 from __future__ import annotations
@@ -129,11 +130,11 @@ def main() -> None:
         extra = f", --mem-budget {a.mem_budget} under memcap {a.cap}" if mode == "streamed" else ""
         print(f"\n[{mode}{extra}] load average before {la:.2f}, after {os.getloadavg()[0]:.2f}")
         print(f"{'N':>3} {'agg tok/s':>10} {'per-req tok/s':>14} {'unique/step':>12} {'summed/step':>12} "
-              f"{'MiB read/tok':>13} {'hit rate':>9} {'vs N=1':>7}")
-        for r in rows:
+              f"{'MiB read/tok':>13} {'read GB/s':>10} {'hit rate':>9} {'vs N=1':>7}")
+        for r in rows:  # (read GB/s: the disk's pace while the batch ran)
             print(f"{r['n']:>3} {r['agg']:>10.1f} {r['per_req']:>14.1f} {r['unique_per_step']:>12.1f} "
-                  f"{r['summed_per_step']:>12.1f} {r['bytes_per_token'] / 2**20:>13.2f} {r['hit_rate']:>9.1%} "
-                  f"{r['agg'] / base:>6.2f}x")
+                  f"{r['summed_per_step']:>12.1f} {r['bytes_per_token'] / 2**20:>13.2f} "
+                  f"{r['bytes_per_token'] * r['agg'] / 1e9:>10.2f} {r['hit_rate']:>9.1%} {r['agg'] / base:>6.2f}x")
         if rows[0].get("cgroup_peak_mib"):
             print(f"cgroup peak {rows[0]['cgroup_peak_mib']} MiB")
 
