@@ -168,6 +168,7 @@ class Belady(_Scored):
     def evict(self, need: set):
         return super().evict(set())
 
+
 class Fair:
     """The store's fair policy over a pool: each layer an equal share; a layer at its share evicts its own
     victim, one below it takes from the layer furthest above its share. Inside a layer: LRU (the
@@ -229,17 +230,22 @@ class Reuse:
     def serve(self, keys: tuple, t: int) -> int:
         if not keys:
             return 0
-        used = set(keys)
+        used, keep = set(keys), self._soon(keys, t)
         self.est.observe(keys[0][0], [e for _, e in keys], t)
         hits = sum(1 for key in keys if key in self.cached)
         for key in keys:
             if key in self.cached or self.capacity <= 0:
                 continue
             if len(self.cached) >= self.capacity:
-                victims = [c for c in self.cached if c not in used] or list(self.cached)
+                victims = ([c for c in self.cached if c not in used and c not in keep]
+                           or [c for c in self.cached if c not in used] or list(self.cached))
                 self.cached.discard(max(victims, key=self.est.expected_next))
             self.cached.add(key)
         return hits
+
+    def _soon(self, keys: tuple, t: int) -> set:
+        """Keys known to be needed soon (kept while anything else can go): none, online."""
+        return set()
 
 
 class ReuseOracle(Reuse):
@@ -250,22 +256,8 @@ class ReuseOracle(Reuse):
         super().__init__(capacity, layers)
         self.seq, self.after = seq, {lay: len(layers) - 1 - i for i, lay in enumerate(layers)}
 
-    def serve(self, keys: tuple, t: int) -> int:
-        if not keys:
-            return 0
-        used = set(keys)
-        soon = {(lay, e) for lay, ids in self.seq[t + 1 : t + 1 + self.after[keys[0][0]]] for e in ids}
-        self.est.observe(keys[0][0], [e for _, e in keys], t)
-        hits = sum(1 for key in keys if key in self.cached)
-        for key in keys:
-            if key in self.cached or self.capacity <= 0:
-                continue
-            if len(self.cached) >= self.capacity:
-                victims = ([c for c in self.cached if c not in used and c not in soon]
-                           or [c for c in self.cached if c not in used] or list(self.cached))
-                self.cached.discard(max(victims, key=self.est.expected_next))
-            self.cached.add(key)
-        return hits
+    def _soon(self, keys: tuple, t: int) -> set:
+        return {(lay, e) for lay, ids in self.seq[t + 1 : t + 1 + self.after[keys[0][0]]] for e in ids}
 
 
 def _next_uses(seq: list[tuple[int, tuple]]) -> dict:

@@ -154,10 +154,9 @@ int coli_q4_gemm(const void *x, int bf16, int T, int K, const uint8_t *q, const 
 
 int coli_max_rows(void) { return MAX_T; }
 
-/* Whether this build has the AVX-512 kernels: without them only the portable C loops are left, which
- * decode ~3x slower than torch's own kernels (0.44b model, AVX2-only build: int8 32 vs 109 tok/s, int4
- * 54 vs 148), so native.py does not use such a build. */
-/* What the build has: 1 = AVX-512 kernels, | 2 = the int8-activation (VNNI) paths. */
+/* What the build has: 1 = the AVX-512 kernels (without them only the portable C loops are left, which
+ * decode ~3x slower than torch's own kernels -- 0.44b model, AVX2-only build: int8 32 vs 109 tok/s,
+ * int4 54 vs 148 -- so native.py does not use such a build), | 2 = the int8-activation (VNNI) paths. */
 int coli_simd(void) {
     int f = 0;
 #ifdef COLI_AVX512

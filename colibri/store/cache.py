@@ -101,6 +101,7 @@ class ExpertCache:
         # queued behind demand reads it lands no sooner than they would, and a wrong one delays them
         # (8 streams from disk: 19.6 -> 14.7 MiB read per token, benchmarks/bench_batch.py).
         self.io_depth = io_depth
+        self._inflight: set[_Slot] = set()  # slots whose read may still be running (pruned by _loading)
         if self.device.type == "cpu":
             self.arena = aligned_buffer(n_slots * slot_bytes)
         else:
@@ -241,6 +242,7 @@ class ExpertCache:
         self.counts["bytes_read"] += self.loader.nbytes(layer, e)
         self.counts["reads"] += 1
         s.future = self.submit(self.loader.load, layer, e, s.buf)
+        self._inflight.add(s)
 
     def _touch(self, s: _Slot) -> None:
         self._clock += 1
@@ -302,7 +304,8 @@ class ExpertCache:
 
     def _loading(self) -> int:
         """Reads started and not yet landed."""
-        return sum(1 for s in self.slots if s.future is not None and not s.future.done())
+        self._inflight = {s for s in self._inflight if s.future is not None and not s.future.done()}
+        return len(self._inflight)
 
     def fetch(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Claim the cached experts among `ids` and start reading the others, now; the iterator
