@@ -220,3 +220,22 @@ def test_prefetch_only_takes_the_readers_idle_places():
     # Without a bound (io_depth 0, the default), the same prefetch is capped only by the layer's share.
     cache, _ = make(16, layers=(0, 1), policy="reuse")
     assert cache.prefetch(1, [5, 6, 7, 8, 9, 10], track=False) == 6
+
+
+def test_reuse_estimate_by_hand():
+    """colibri/store/reuse.py's formulas on two accesses, worked by hand (rates made large to see them)."""
+    import numpy as np
+
+    from colibri.store.reuse import ReuseEstimator
+
+    est = ReuseEstimator(2, rate=0.2, prior=0.1, reuse_rate=0.5)
+    est.observe(0, [1], 0)  # b[1] = 0.1 + 0.2 * 0.9 = 0.28; a_skip[1] = 0.1 + 0.6 * 0.9 = 0.64
+    est.observe(0, [2], 2)  # b[1] -> 0.224, b[2] = 0.28; a_reuse 0.5 -> 0.25 (1 was not reused); a_skip[2] = 0.64
+    # expected next = last + L + (1 - a) * L / b, a = a_reuse if used at the last access else a_skip
+    want = {(0, 2): 2 + 2 + 0.75 * 2 / 0.28, (0, 1): 2 + 2 + 0.36 * 2 / 0.224,
+            (0, 5): 2 + 2 + 0.9 * 2 / 0.1, (1, 0): 0 + 2 + 0.9 * 2 / 0.1}  # an unseen expert, an unseen layer
+    for key, v in want.items():
+        assert est.expected_next(key) == pytest.approx(v, rel=1e-12), key
+    keys = list(want)
+    many = est.expected_next_many(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
+    assert many.tolist() == [est.expected_next(k) for k in keys]

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..models.moe import ExpertWeights
@@ -112,7 +113,13 @@ class ExpertCache:
         self.table: dict[tuple[int, int], _Slot] = {}
         self.lru: dict[int, OrderedDict[int, _Slot]] = {layer: OrderedDict() for layer in self.layers}
         self.n_pinned = 0
-        self._clock, self._tick = 0, [0] * n_slots  # last-use time per slot (the lru policy)
+        self._clock, self._tick = 0, np.zeros(n_slots, dtype=np.int64)  # last-use time per slot
+        # Per slot, the (layer, expert) of an unpinned resident (-1: none) and its layer's position: the
+        # reuse policy scores all of them at once at each eviction.
+        self._key_layer = np.full(n_slots, -1, dtype=np.int64)
+        self._key_expert = np.full(n_slots, -1, dtype=np.int64)
+        self._key_lpos = np.zeros(n_slots, dtype=np.int64)
+        self._lpos = {layer: i for i, layer in enumerate(self.layers)}
         self._reuse = ReuseEstimator(len(self.layers)) if policy == "reuse" else None
         self._accesses = 0  # fetches so far: the reuse estimator's clock
         self._predicted: dict[int, list[int]] = {}
@@ -170,6 +177,7 @@ class ExpertCache:
         del self.table[s.key]
         self.lru[layer].pop(e, None)
         s.key = s.weights = None
+        self._key_layer[s.index] = self._key_expert[s.index] = -1
         s.prefetched = False
 
     def _evict(self, s: _Slot) -> None:
@@ -200,11 +208,16 @@ class ExpertCache:
             # The furthest expected next use goes. This layer's own experts count even while claimed: when
             # one of them is the furthest, wait for its release (the fetch streams through it) rather than
             # evict an expert another layer needs sooner.
-            far = self._reuse.expected_next
-            cands = [s for od in self.lru.values() for s in od.values()
-                     if s.evictable() or (not anywhere and s.key[0] == layer and s.future is None)]
-            best = max(cands, key=lambda s: far(s.key)) if cands else None
-            return best if best is not None and best.evictable() else None
+            # Residents by expected next use, furthest first (ties: layer order, then least recently used).
+            occ = np.flatnonzero(self._key_layer >= 0)
+            far = self._reuse.expected_next_many(self._key_layer[occ], self._key_expert[occ])
+            for i in occ[np.lexsort((self._tick[occ], self._key_lpos[occ], -far))]:
+                s = self.slots[i]
+                if s.evictable():
+                    return s
+                if not anywhere and s.key[0] == layer and s.future is None:
+                    return None  # our own claimed expert is the furthest: wait for its release
+            return None
         # Global LRU: the oldest evictable slot over all layers (each layer's dict is in LRU order).
         best, best_tick = None, None
         for od in self.lru.values():
@@ -236,6 +249,8 @@ class ExpertCache:
 
     def _start(self, s: _Slot, layer: int, e: int, prefetched: bool) -> None:
         s.key, s.prefetched = (layer, e), prefetched
+        self._key_layer[s.index], self._key_expert[s.index] = layer, e
+        self._key_lpos[s.index] = self._lpos.get(layer, len(self._lpos))
         self.table[s.key] = s
         self.lru[layer][e] = s
         self._touch(s)

@@ -11,38 +11,87 @@ long-run rate b; expected next use = last[l] + L + (1 - a) * L / b. The cache-po
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class ReuseEstimator:
     """`observe(layer, experts, t)` at every access of a layer (t counts accesses over all layers);
-    `expected_next((layer, expert))` is the estimated access time of its next use (larger = evict first)."""
+    `expected_next((layer, expert))` is the estimated access time of its next use (larger = evict first),
+    `expected_next_many(layers, experts)` the same for arrays of keys (the store scores every cached
+    expert at each eviction: a Python loop over hundreds of slots cost ~1 ms a miss).
+
+    State per layer row and expert column, grown as layers and expert ids appear."""
 
     def __init__(self, n_layers: int, rate: float = 0.03, prior: float = 0.1, reuse_rate: float = 0.05):
         self.n_layers, self.rate, self.prior, self.reuse_rate = max(1, n_layers), rate, prior, reuse_rate
-        self.last: dict[int, int] = {}  # layer -> time of its last access
-        self.prev: dict[int, set[int]] = {}  # layer -> experts used at that access
-        self.seen: dict[int, set[int]] = {}  # layer -> every expert seen in it
-        self.b: dict[tuple[int, int], float] = {}  # long-run rate of use per access of its layer (slow EWMA)
-        self.a_skip: dict[tuple[int, int], float] = {}  # P(used | not used at the layer's last access)
-        self.a_reuse: dict[int, float] = {}  # per layer: P(used | used at the last access)
+        self._row: dict[int, int] = {}  # layer -> row
+        self._row_of = np.zeros(0, dtype=np.int64)  # the same as an array over layer ids (-1: none)
+        self.last = np.zeros(0)  # [rows] time of the layer's last access
+        self.a_reuse = np.zeros(0)  # [rows] P(used | used at the layer's last access)
+        self.b = np.zeros((0, 0))  # [rows, E] long-run rate of use per access of its layer (slow EWMA)
+        self.a_skip = np.zeros((0, 0))  # [rows, E] P(used | not used at the layer's last access)
+        self.prev = np.zeros((0, 0), dtype=bool)  # [rows, E] used at the layer's last access
+        self.seen = np.zeros((0, 0), dtype=bool)  # [rows, E] ever used
+
+    def _ensure(self, layer: int, n_experts: int) -> int:
+        r = self._row.get(layer)
+        rows, E = self.b.shape
+        if r is None:
+            r = self._row[layer] = rows
+            if layer >= len(self._row_of):
+                self._row_of = np.concatenate((self._row_of, np.full(layer + 1 - len(self._row_of), -1)))
+            self._row_of[layer] = r
+            self.last = np.append(self.last, 0.0)
+            self.a_reuse = np.append(self.a_reuse, 0.5)
+            rows += 1
+        if rows > self.b.shape[0] or n_experts > E:
+            E2 = max(E, n_experts)
+
+            def grow(a: np.ndarray, fill) -> np.ndarray:
+                out = np.full((rows, E2), fill, dtype=a.dtype)
+                out[: a.shape[0], : a.shape[1]] = a
+                return out
+
+            self.b, self.a_skip = grow(self.b, self.prior), grow(self.a_skip, self.prior)
+            self.prev, self.seen = grow(self.prev, False), grow(self.seen, False)
+        return r
 
     def observe(self, layer: int, experts, t: int) -> None:
-        used = set(experts)
-        prev, seen = self.prev.get(layer, set()), self.seen.setdefault(layer, set())
-        seen |= used
-        fast, p0 = 3 * self.rate, self.prior
-        for e in seen:
-            key, u = (layer, e), 1.0 if e in used else 0.0
-            self.b[key] = self.b.get(key, p0) + self.rate * (u - self.b.get(key, p0))
-            if e in prev:
-                r = self.a_reuse.get(layer, 0.5)
-                self.a_reuse[layer] = r + self.reuse_rate * (u - r)
-            else:
-                self.a_skip[key] = self.a_skip.get(key, p0) + fast * (u - self.a_skip.get(key, p0))
-        self.prev[layer] = used
-        self.last[layer] = t
+        ids = np.fromiter((int(e) for e in experts), dtype=np.int64)
+        r = self._ensure(layer, int(ids.max()) + 1 if ids.size else 0)
+        used = np.zeros(self.b.shape[1], dtype=bool)
+        used[ids] = True
+        prev, seen = self.prev[r].copy(), self.seen[r] | used
+        self.seen[r] = seen
+        u = used.astype(np.float64)
+        b = self.b[r]
+        b[seen] += self.rate * (u[seen] - b[seen])
+        pu = u[prev]  # the last access's experts, ascending: one EWMA step each, in that order
+        if pu.size:
+            c = self.reuse_rate
+            self.a_reuse[r] = (1 - c) ** pu.size * self.a_reuse[r] + c * float(
+                ((1 - c) ** np.arange(pu.size - 1, -1, -1) * pu).sum())
+        skip = seen & ~prev
+        a = self.a_skip[r]
+        a[skip] += 3 * self.rate * (u[skip] - a[skip])
+        self.prev[r] = used
+        self.last[r] = t
 
     def expected_next(self, key: tuple[int, int]) -> float:
-        layer, e = key
-        b = max(self.b.get(key, self.prior), 1e-6)
-        a = self.a_reuse.get(layer, 0.5) if e in self.prev.get(layer, ()) else self.a_skip.get(key, self.prior)
-        return self.last.get(layer, 0) + self.n_layers + (1 - a) * self.n_layers / b
+        return float(self.expected_next_many(np.array([key[0]]), np.array([key[1]]))[0])
+
+    def expected_next_many(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        layers, experts = np.asarray(layers, dtype=np.int64), np.asarray(experts, dtype=np.int64)
+        rows = np.full(len(layers), -1, dtype=np.int64)
+        inside = (layers >= 0) & (layers < len(self._row_of))
+        rows[inside] = self._row_of[layers[inside]]
+        has = rows >= 0
+        last, b, a = np.zeros(len(layers)), np.full(len(layers), self.prior), np.full(len(layers), self.prior)
+        last[has] = self.last[rows[has]]
+        known = has & (experts >= 0) & (experts < self.b.shape[1])
+        if known.any():
+            r, e = rows[known], experts[known]
+            b[known] = self.b[r, e]
+            a[known] = np.where(self.prev[r, e], self.a_reuse[r], self.a_skip[r, e])
+        L = self.n_layers
+        return last + L + (1 - a) * L / np.maximum(b, 1e-6)
