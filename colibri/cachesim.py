@@ -239,7 +239,8 @@ class Reuse:
             if len(self.cached) >= self.capacity:
                 victims = ([c for c in self.cached if c not in used and c not in keep]
                            or [c for c in self.cached if c not in used] or list(self.cached))
-                self.cached.discard(max(victims, key=self.est.expected_next))
+                far = self.est.expected_next_many([v[0] for v in victims], [v[1] for v in victims])
+                self.cached.discard(victims[int(np.argmax(far))])  # (the first of equals, as max would)
             self.cached.add(key)
         return hits
 

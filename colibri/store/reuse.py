@@ -24,8 +24,7 @@ class ReuseEstimator:
 
     def __init__(self, n_layers: int, rate: float = 0.03, prior: float = 0.1, reuse_rate: float = 0.05):
         self.n_layers, self.rate, self.prior, self.reuse_rate = max(1, n_layers), rate, prior, reuse_rate
-        self._row: dict[int, int] = {}  # layer -> row
-        self._row_of = np.zeros(0, dtype=np.int64)  # the same as an array over layer ids (-1: none)
+        self._row_of = np.zeros(0, dtype=np.int64)  # layer id -> its row (-1: none yet)
         self.last = np.zeros(0)  # [rows] time of the layer's last access
         self.a_reuse = np.zeros(0)  # [rows] P(used | used at the layer's last access)
         self.b = np.zeros((0, 0))  # [rows, E] long-run rate of use per access of its layer (slow EWMA)
@@ -34,12 +33,12 @@ class ReuseEstimator:
         self.seen = np.zeros((0, 0), dtype=bool)  # [rows, E] ever used
 
     def _ensure(self, layer: int, n_experts: int) -> int:
-        r = self._row.get(layer)
+        if layer >= len(self._row_of):
+            self._row_of = np.concatenate((self._row_of, np.full(layer + 1 - len(self._row_of), -1)))
+        r = int(self._row_of[layer])
         rows, E = self.b.shape
-        if r is None:
-            r = self._row[layer] = rows
-            if layer >= len(self._row_of):
-                self._row_of = np.concatenate((self._row_of, np.full(layer + 1 - len(self._row_of), -1)))
+        if r < 0:
+            r = rows
             self._row_of[layer] = r
             self.last = np.append(self.last, 0.0)
             self.a_reuse = np.append(self.a_reuse, 0.5)
