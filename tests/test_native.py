@@ -42,14 +42,15 @@ def test_qlinear_native_matches_dequantized(scheme: str, g: int, rows: int) -> N
 
 
 @pytest.mark.parametrize("g", [32, 64, 128, 256])
-def test_int4_wide_rows_match_dequantized(g: int) -> None:
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_wide_rows_match_dequantized(g: int, rows: int) -> None:
     # More than 16 groups per row, and a count that is not a multiple of 16: the kernel converts the
-    # scales of 16 groups at a time (rows.h q4v_row_block).
+    # scales of 16 groups at a time (rows.h q4v_row_block; one row takes its unrolled blocks).
     torch.manual_seed(g)
     t = quantize(torch.randn(40, 2304) * torch.logspace(-1, 1, 2304) + 0.1, "int4", g)  # every group its own scale
     ref_w = dequantize(t, "int4", (40, 2304), g)
     m = QLinear.from_tensors(t, "int4", (40, 2304), g, None, torch.bfloat16, kernel="native")
-    x = torch.randn(5, 2304).bfloat16()
+    x = torch.randn(rows, 2304).bfloat16()
     assert _rel(m(x), x.float() @ ref_w.T) < 1e-2
 
 

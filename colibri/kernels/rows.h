@@ -342,6 +342,22 @@ static inline void q4v_prep(const float *xf, int n, int K, int g, float *xp, flo
 #define Q4_PREFETCH_HINT _MM_HINT_T0
 #endif
 
+/* One 128-column chunk (qc: its 64 weight bytes, xc: its block of TB prepared rows) with its weight
+ * scale per lane (sw) into the rows' accumulators. */
+static inline __attribute__((always_inline)) void q4v_chunk(const uint8_t *qc, const int8_t *xc, __m512 sw, int TB,
+                                                            __m512 *acc, __m512i m4) {
+    _mm_prefetch((const char *)(qc + Q4_PREFETCH), Q4_PREFETCH_HINT);
+    __m512i v = _mm512_loadu_si512((const void *)qc);
+    __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; t++) {
+        __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xc + 128 * t)));
+        p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(xc + 128 * t + 64)));
+        __m512 ls = _mm512_loadu_ps((const float *)(xc + 128 * TB) + 16 * t);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ls, sw), acc[t]);
+    }
+}
+
 static inline __attribute__((always_inline)) void q4v_row_block(const float *xp, const float *xs, int K, int G, int g,
                                                                 const uint8_t *qo,
                                  const uint16_t *so, const uint16_t *mo, int TB, float *out, int N) {
@@ -367,27 +383,39 @@ static inline __attribute__((always_inline)) void q4v_row_block(const float *xp,
         }
         acc[t] = mm;
     }
-    __m512 s16 = _mm512_setzero_ps();  /* the scales of 16 groups, converted once */
-    /* gc = c / g, the chunk's first group, kept by counting (an integer division per chunk cost as much as
-     * the chunk's arithmetic): it steps by 128/g, or by one every g/128 chunks, so it meets every
-     * multiple of 16. */
-    const int step = g == 32 ? 4 : g == 64 ? 2 : 0, every = g >> 7;  /* (no division: this runs per row) */
+    /* The chunks run in blocks of 16 weight groups (one f16 -> f32 convert of their scales); in a full
+     * block of g = 32 / 64 the 4 / 8 chunks are unrolled so that each one's lane -> scale index is a
+     * constant (counting the group per chunk cost a broadcast, an add and ~8 scalar ops a chunk, of ~11
+     * vector ops: the kernel is compute-bound with its weights in cache). */
     const int8_t *xc = (const int8_t *)xp;  /* this chunk's block of prepared rows: 192 * TB bytes */
-    for (int c = 0, gc = 0, n = 0; c < K; c += 128, xc += 192 * TB, gc += step ? step : (++n == every ? (n = 0, 1) : 0)) {
-        if ((gc & 15) == 0) {
-            int rem = G - gc;
-            __mmask16 k = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
-            s16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, so + gc));
-        }
-        __m512 sw = _mm512_permutexvar_ps(_mm512_add_epi32(lane_g, _mm512_set1_epi32(gc & 15)), s16);
-        _mm_prefetch((const char *)(qo + c / 2 + Q4_PREFETCH), Q4_PREFETCH_HINT);
-        __m512i v = _mm512_loadu_si512((const void *)(qo + c / 2));
-        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        for (int t = 0; t < TB; t++) {
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xc + 128 * t)));
-            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(xc + 128 * t + 64)));
-            __m512 ls = _mm512_loadu_ps((const float *)(xc + 128 * TB) + 16 * t);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ls, sw), acc[t]);
+    const uint8_t *qc = qo;
+    /* the first group of chunk j + 1 is that of chunk j plus 128 / g (g <= 64), or one more every g / 128 */
+    const int every = g >= 128 ? g >> 7 : 1;
+    const __m512i inc = _mm512_set1_epi32(g == 32 ? 4 : g == 64 ? 2 : 1);
+    for (int gb = 0; gb < G; gb += 16) {
+        int rem = G - gb, ng = rem >= 16 ? 16 : rem;
+        __mmask16 k = (__mmask16)((1u << ng) - 1);
+        const __m512 s16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, so + gb));
+        int nch = ng * g / 128;  /* chunks in this block (K % 128 == 0 and g | K: whole chunks) */
+        if (TB == 1 && g == 64 && nch == 8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++, qc += 64, xc += 192)
+                q4v_chunk(qc, xc, _mm512_permutexvar_ps(_mm512_add_epi32(lane_g, _mm512_set1_epi32(2 * j)), s16),
+                          1, acc, m4);
+        } else if (TB == 1 && g == 32 && nch == 4) {
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++, qc += 64, xc += 192)
+                q4v_chunk(qc, xc, _mm512_permutexvar_ps(_mm512_add_epi32(lane_g, _mm512_set1_epi32(4 * j)), s16),
+                          1, acc, m4);
+        } else {  /* (several rows: the index's cost is shared by their products) */
+            __m512i idx = lane_g;
+            for (int j = 0, n = 0; j < nch; j++, qc += 64, xc += 192 * TB) {
+                q4v_chunk(qc, xc, _mm512_permutexvar_ps(idx, s16), TB, acc, m4);
+                if (++n == every) {
+                    n = 0;
+                    idx = _mm512_add_epi32(idx, inc);
+                }
+            }
         }
     }
 #pragma GCC unroll 8
