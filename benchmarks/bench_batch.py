@@ -7,10 +7,11 @@ width 512, 16 heads, vocab 32000; 0.44B parameters, int8):
 - ram: everything resident;
 - streamed: `--mem-budget` about 1/1.5 of the file, experts read from disk into the expert cache,
   run under `../shared/tools/memcap` (found relative to this checkout) from a cold page cache.
-Prints aggregate tok/s (N x tokens / wall time of the batch), mean per-request decode tok/s, unique
-vs summed experts per MoE layer and step (what the batch fetched vs what its sequences would have
-fetched alone), expert bytes read per generated token and the read rate they make (GB/s), and each N
-against N=1, with the load average.
+Every N runs `--rounds` times, interleaved (1, 2, 4, 8, 1, 2, ...); per N the run with the median
+aggregate tok/s is printed, with every round's figure. Columns: aggregate tok/s (N x tokens / wall
+time of the batch), mean per-request decode tok/s, unique vs summed experts per MoE layer and step
+(what the batch fetched vs what its sequences would have fetched alone), expert bytes read per
+generated token and the read rate they make (GB/s), hit rate, and each N against N=1, with the load average.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def prepare(work: Path) -> Path:
 
 
 def child(path: str, budget: str | None, tokens: int, threads: int, counts: list[int], prefetch: bool,
-          policy: str) -> list[dict]:
+          policy: str, rounds: int) -> list[dict]:
     import colibri
     from colibri.store.placement import parse_size
 
@@ -61,7 +62,9 @@ def child(path: str, budget: str | None, tokens: int, threads: int, counts: list
     llm.generate_batch(PROMPTS[:max(counts)], max_tokens=tokens, ignore_eos=True)
     llm.generate_batch(PROMPTS[:1], max_tokens=tokens, ignore_eos=True)
     rows = []
-    for n in counts:
+    # Rounds of 1, 2, 4, 8 in turn: this VM's memory bandwidth and clock move between modes within
+    # seconds (one run's N=1 ranged 253-356 tok/s), so every N gets a run in each stretch.
+    for n in [n for _ in range(rounds) for n in counts]:
         m0 = llm.metrics()
         t0 = time.perf_counter()
         handles = [llm.submit(llm.tokenizer.encode(p), tokens, ignore_eos=True) for p in PROMPTS[:n]]
@@ -85,7 +88,8 @@ def child(path: str, budget: str | None, tokens: int, threads: int, counts: list
 
 def run_mode(path: Path, a: argparse.Namespace, capped: bool) -> list[dict]:
     cmd = [sys.executable, __file__, "--child", str(path), "--tokens", str(a.tokens), "--threads", str(a.threads),
-           "--counts", a.counts, "--prefetch", a.prefetch, "--cache-policy", a.cache_policy]
+           "--counts", a.counts, "--prefetch", a.prefetch, "--cache-policy", a.cache_policy,
+           "--rounds", str(a.rounds)]
     if capped:
         cmd += ["--mem-budget", a.mem_budget]
         subprocess.run([str(TOOLS / "evict"), str(path)], check=True)
@@ -100,6 +104,11 @@ def run_mode(path: Path, a: argparse.Namespace, capped: bool) -> list[dict]:
     return rows
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median aggregate tok/s (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["agg"])[(len(runs) - 1) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/colibri-bench")
@@ -112,29 +121,33 @@ def main() -> None:
     ap.add_argument("--prefetch", choices=("on", "off"), default="on",
                     help="the streamed run's look-ahead prefetch (colibri.load's prefetch)")
     ap.add_argument("--cache-policy", default="reuse", help="the streamed run's expert cache policy")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of every N, interleaved (1,2,4,8,1,2,...); each N's median run is printed")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     counts = [int(c) for c in a.counts.split(",")]
     if a.child:
         print(json.dumps(child(a.child, getattr(a, "mem_budget", None) if "--mem-budget" in sys.argv else None,
                                a.tokens, a.threads, counts, a.prefetch == "on",
-                               a.cache_policy)))
+                               a.cache_policy, a.rounds)))
         return
     path = prepare(Path(a.workdir))
     print(f"model {path} ({path.stat().st_size / 2**20:.0f} MiB), {a.tokens} new tokens per request, "
           f"{a.threads} threads")
     for mode in a.modes.split(","):
         la = os.getloadavg()[0]
-        rows = run_mode(path, a, mode == "streamed")
+        runs = run_mode(path, a, mode == "streamed")
+        rows = [median_run([r for r in runs if r["n"] == n]) for n in counts]
         base = rows[0]["agg"]
         extra = f", --mem-budget {a.mem_budget} under memcap {a.cap}" if mode == "streamed" else ""
         print(f"\n[{mode}{extra}] load average before {la:.2f}, after {os.getloadavg()[0]:.2f}")
         print(f"{'N':>3} {'agg tok/s':>10} {'per-req tok/s':>14} {'unique/step':>12} {'summed/step':>12} "
-              f"{'MiB read/tok':>13} {'read GB/s':>10} {'hit rate':>9} {'vs N=1':>7}")
+              f"{'MiB read/tok':>13} {'read GB/s':>10} {'hit rate':>9} {'vs N=1':>7}  agg tok/s of each round")
         for r in rows:  # (read GB/s: the disk's pace while the batch ran)
             print(f"{r['n']:>3} {r['agg']:>10.1f} {r['per_req']:>14.1f} {r['unique_per_step']:>12.1f} "
                   f"{r['summed_per_step']:>12.1f} {r['bytes_per_token'] / 2**20:>13.2f} "
-                  f"{r['bytes_per_token'] * r['agg'] / 1e9:>10.2f} {r['hit_rate']:>9.1%} {r['agg'] / base:>6.2f}x")
+                  f"{r['bytes_per_token'] * r['agg'] / 1e9:>10.2f} {r['hit_rate']:>9.1%} {r['agg'] / base:>6.2f}x  "
+                  + " ".join(f"{x['agg']:.1f}" for x in runs if x["n"] == r["n"]))
         if rows[0].get("cgroup_peak_mib"):
             print(f"cgroup peak {rows[0]['cgroup_peak_mib']} MiB")
 

@@ -157,13 +157,14 @@ def test_fused_moe_layer_matches_per_expert_path(scheme: str, dt: torch.dtype, t
 
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bool) -> None:
+@pytest.mark.parametrize("D,S", [(64, 37), (128, 300), (96, 21)])  # 16-position blocks + a tail; Dv 64/128/other
+def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bool, D: int, S: int) -> None:
     from colibri.models.layers import attend
 
     torch.manual_seed(1)
-    H, Hkv, D, S = 8, 2, 64, 37
+    H, Hkv = 8, 2
     q = torch.randn(H, 1, D).bfloat16()
-    kc, vc = torch.randn(Hkv, 100, D).bfloat16(), torch.randn(Hkv, 100, D).bfloat16()  # a cache, longer than S
+    kc, vc = torch.randn(Hkv, S + 63, D).bfloat16(), torch.randn(Hkv, S + 63, D).bfloat16()  # a cache, longer than S
     sinks = torch.randn(H) if with_sinks else None
     y = attend(q, kc[:, :S], vc[:, :S], S - 1, 0.125, window, sinks)
     lo = S - window if window is not None else 0

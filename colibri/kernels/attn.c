@@ -32,6 +32,51 @@ static inline void attn_prefetch(const char *p, long bytes) {
 #endif
 }
 
+/* Lane i of the result = the sum of r[i]'s 16 lanes (a transpose-and-add tree: ~3 ops a vector where
+ * one reduction each costs ~8). */
+#ifdef COLI_AVX512
+static inline __m512 hsum16(const __m512 *r) {
+    __m512 c[8], e[4], h[2];
+    for (int i = 0; i < 8; i++)  /* per 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3] of r[2i], r[2i+1] */
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128 bits: the partial sums of r[4i..4i+3] */
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* [r 8i..8i+3 | r 8i..8i+3 | r 8i+4.. | r 8i+4..], two halves each */
+        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h[0], h[1], 0x88), _mm512_shuffle_f32x4(h[0], h[1], 0xDD));
+}
+#endif
+
+#ifdef COLI_AVX512
+/* of[0..Dv) = sum_s p[s] * v[s] for bf16 value rows (vb: position 0's, rows Dv apart), Dv a multiple of
+ * 32 up to 128 (a constant after inlining): the sums stay in registers, even and odd channels apart
+ * (a 32-bit lane holds channels 2i and 2i+1: a shift and a mask make both f32), interleaved once at the
+ * end. Per position that is ~10 vector ops where the loop over of[] in memory took ~24. */
+static inline __attribute__((always_inline)) void attn_values_bf(const uint16_t *vb, int S, int Dv, const float *p,
+                                                                 float *of) {
+    __m512 ev[4], od[4];
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int j = 0; j < Dv / 32; j++) ev[j] = od[j] = _mm512_setzero_ps();
+    for (int s = 0; s < S; s++) {
+        const uint16_t *row = vb + (long)s * Dv;
+        attn_prefetch((const char *)(row + (long)ATTN_PF * Dv), Dv * 2);
+        __m512 ps = _mm512_set1_ps(p[s]);
+        for (int j = 0; j < Dv / 32; j++) {
+            __m512i x = _mm512_loadu_si512((const void *)(row + 32 * j));
+            ev[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), ps, ev[j]);
+            od[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, hi)), ps, od[j]);
+        }
+    }
+    const __m512i lo_i = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi_i = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int j = 0; j < Dv / 32; j++) {
+        _mm512_storeu_ps(of + 32 * j, _mm512_permutex2var_ps(ev[j], lo_i, od[j]));
+        _mm512_storeu_ps(of + 32 * j + 16, _mm512_permutex2var_ps(ev[j], hi_i, od[j]));
+    }
+}
+#endif
+
 /* Heads h0..h1 of one query row. */
 static void attn_heads(const attn_job *j, long h0, long h1) {
     const void *q = j->q, *k = j->k, *v = j->v;
@@ -43,7 +88,12 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
     for (int h = (int)h0; h < (int)h1; h++) {
         float *sc = buf + (size_t)h * S, *qf = buf + (size_t)H * S + (size_t)h * (D + Dv), *of = qf + D;
         long kv = h / rep;
-        for (int d = 0; d < D; d++) qf[d] = ld(q, bf16, (long)h * D + d);
+        int fast = 0;  /* the bf16 vector path (keys scored 16 at a time): reads q as it is */
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+        fast = bf16 && D % 32 == 0;
+#endif
+        if (!fast)
+            for (int d = 0; d < D; d++) qf[d] = ld(q, bf16, (long)h * D + d);
         float mx = sinks ? sinks[h] : -INFINITY;
         long es = bf16 ? 2 : 4;
         (void)es;  /* (the prefetches are AVX-512 builds only) */
@@ -52,7 +102,39 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
         attn_prefetch((const char *)k + kv * ks * es, (S < ATTN_PF ? S : ATTN_PF) * D * es);
         attn_prefetch((const char *)v + kv * vs * es, (S < ATTN_PF ? S : ATTN_PF) * Dv * es);
 #endif
-        for (int s = 0; s < S; s++) {
+        int s1 = 0;  /* positions scored so far */
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+        if (fast) {
+            /* bf16 keys and query: one vdpbf16ps multiplies 32 pairs exactly (bf16 products fit f32) and
+             * adds them in f32; 16 positions' sums reduce together (hsum16). Per position that is ~5 vector
+             * ops where converting to f32, multiply-adds and a reduction took ~18: attention at 4096
+             * positions ran at ~36 GB/s of ~48, compute-bound. */
+            const uint16_t *qb = (const uint16_t *)q + (long)h * D, *kb = (const uint16_t *)k;
+            __m512 mxv = _mm512_set1_ps(mx);
+            for (; s1 < S; s1 += 16) {
+                int n = S - s1 < 16 ? S - s1 : 16;
+                __m512 r[16];
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    if (i < n) {
+                        long base = kv * ks + (long)(s1 + i) * D;
+                        attn_prefetch((const char *)(kb + base + (long)ATTN_PF * D), D * 2);
+                        for (int d = 0; d < D; d += 32)
+                            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(kb + base + d)),
+                                                   (__m512bh)_mm512_loadu_si512((const void *)(qb + d)));
+                    }
+                    r[i] = acc;
+                }
+                __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+                __m512 sv = _mm512_mul_ps(hsum16(r), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(sc + s1, m, sv);
+                mxv = _mm512_mask_max_ps(mxv, m, mxv, sv);
+            }
+            mx = _mm512_reduce_max_ps(mxv);
+        }
+#endif
+        for (int s = s1; s < S; s++) {
             long base = kv * ks + (long)s * D;
             float a = 0.f;
 #ifdef COLI_AVX512
@@ -79,15 +161,30 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
         float den = sinks ? expf(sinks[h] - mx) : 0.f;
         int s0 = 0;
 #ifdef COLI_AVX512
+        __m512 dv = _mm512_setzero_ps();  /* the denominator in 16 partial sums */
         for (; s0 < S; s0 += 16) {
             __mmask16 m = S - s0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - s0)) - 1);
-            _mm512_mask_storeu_ps(sc + s0, m, exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s0), _mm512_set1_ps(mx))));
+            __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s0), _mm512_set1_ps(mx)));
+            _mm512_mask_storeu_ps(sc + s0, m, e);
+            dv = _mm512_mask_add_ps(dv, m, dv, e);
+        }
+        den += _mm512_reduce_add_ps(dv);
+#endif
+        for (; s0 < S; s0++) {
+            sc[s0] = expf(sc[s0] - mx);
+            den += sc[s0];
+        }
+        int done = 0;
+#ifdef COLI_AVX512
+        if (bf16 && (Dv == 64 || Dv == 128)) {
+            const uint16_t *vb = (const uint16_t *)v + kv * vs;
+            if (Dv == 64) attn_values_bf(vb, S, 64, sc, of);
+            else attn_values_bf(vb, S, 128, sc, of);
+            done = 1;
         }
 #endif
-        for (; s0 < S; s0++) sc[s0] = expf(sc[s0] - mx);
-        for (int s = 0; s < S; s++) den += sc[s];
-        for (int d = 0; d < Dv; d++) of[d] = 0.f;
-        for (int s = 0; s < S; s++) {
+        if (!done) for (int d = 0; d < Dv; d++) of[d] = 0.f;
+        for (int s = 0; s < (done ? 0 : S); s++) {
             long base = kv * vs + (long)s * Dv;
             float p = sc[s];
 #ifdef COLI_AVX512
@@ -96,7 +193,14 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
             if (bf16) for (int d = 0; d < Dv; d++) of[d] += p * bf16_to_f32(((const uint16_t *)v)[base + d]);
             else for (int d = 0; d < Dv; d++) of[d] += p * ((const float *)v)[base + d];
         }
-        for (int d = 0; d < Dv; d++) {
+        int d0 = 0;
+#ifdef COLI_AVX512
+        if (bf16)  /* the same division and rounding as below, 16 at a time */
+            for (; d0 + 16 <= Dv; d0 += 16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + (long)h * Dv + d0),
+                                    f32_to_bf16_16(_mm512_div_ps(_mm512_loadu_ps(of + d0), _mm512_set1_ps(den))));
+#endif
+        for (int d = d0; d < Dv; d++) {
             float o = of[d] / den;
             if (bf16) ((uint16_t *)out)[(long)h * Dv + d] = f32_to_bf16(o);
             else ((float *)out)[(long)h * Dv + d] = o;
