@@ -32,21 +32,6 @@ static inline void attn_prefetch(const char *p, long bytes) {
 #endif
 }
 
-/* Lane i of the result = the sum of r[i]'s 16 lanes (a transpose-and-add tree: ~3 ops a vector where
- * one reduction each costs ~8). */
-#ifdef COLI_AVX512
-static inline __m512 hsum16(const __m512 *r) {
-    __m512 c[8], e[4], h[2];
-    for (int i = 0; i < 8; i++)  /* per 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3] of r[2i], r[2i+1] */
-        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  /* per 128 bits: the partial sums of r[4i..4i+3] */
-        e[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)  /* [r 8i..8i+3 | r 8i..8i+3 | r 8i+4.. | r 8i+4..], two halves each */
-        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(h[0], h[1], 0x88), _mm512_shuffle_f32x4(h[0], h[1], 0xDD));
-}
-#endif
 
 #ifdef COLI_AVX512
 /* of[0..Dv) = sum_s p[s] * v[s] for bf16 value rows (vb: position 0's, rows Dv apart), Dv a multiple of

@@ -135,6 +135,31 @@ static inline __m256i f32_to_bf16_16(__m512 v) {
 static inline __m512 bf16_16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+/* The sum of v's lanes in a fixed tree: per 128 bits (v0 + v2) + (v1 + v3), then (L0 + L1) + (L2 + L3)
+ * over the four 128-bit parts -- hsum16's order. */
+static inline float hsum1(__m512 v) {
+    __m512 t = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+    t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0xB1));
+    t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0x4E));
+    return _mm512_cvtss_f32(t);
+}
+
+/* Lane i of the result = the sum of r[i]'s 16 lanes (a transpose-and-add tree: ~3 ops a vector where
+ * one reduction each costs ~8), added in hsum1's order: a kernel may reduce 16 rows together or one
+ * alone with the same bits. */
+static inline __m512 hsum16(const __m512 *r) {
+    __m512 c[8], e[4], h[2];
+    for (int i = 0; i < 8; i++)  /* per 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3] of r[2i], r[2i+1] */
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128 bits: the partial sums of r[4i..4i+3] */
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* [r 8i..8i+3 | r 8i..8i+3 | r 8i+4.. | r 8i+4..], two halves each */
+        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h[0], h[1], 0x88), _mm512_shuffle_f32x4(h[0], h[1], 0xDD));
+}
 #endif
 
 /* out[i] = bf16(a[i] + b[i]) over n bf16 values: a residual add. */

@@ -18,7 +18,9 @@ typedef struct {
 
 /* Output rows o0..o1 of one int8 job. */
 static void q8_range(const q8_job *j, long o0, long o1) {
-    if (j->vm) {
+    if (j->vm && j->T == 1) {
+        q8v_rows1(j->xf, j->K, j->q, j->scale, o0, o1, j->yf);
+    } else if (j->vm) {
         int P = panel_rows(j->K);
         for (long p0 = o0; p0 < o1; p0 += P) {
             long p1 = p0 + P < o1 ? p0 + P : o1;

@@ -59,6 +59,14 @@ static void moe_part(void *p, int id, int n) {
             rows = 0;
         }
 #endif
+#ifdef COLI_VNNI
+        if (rows == 1 && j->bfm && j->scheme == 8) {
+            const coli_qw *w = j->w + j->uexp[u];
+            q8v_rows1(j->xp + (long)a * Q8_STRIDE(j->K), j->K, (const int8_t *)w->q, (const float *)w->s, o, o + np,
+                      j->out + (long)a * j->N);
+            rows = 0;
+        }
+#endif
         for (int t0 = a; t0 < a + rows; t0 += 8) {
             int tb = a + rows - t0 < 8 ? a + rows - t0 : 8;
             for (int oo = o; oo < o + np; oo++)
