@@ -18,18 +18,13 @@ typedef struct {
 
 /* Output rows o0..o1 of one int8 job. */
 static void q8_range(const q8_job *j, long o0, long o1) {
-    if (j->vm && j->T == 1) {
-        q8v_rows1(j->xf, j->K, j->q, j->scale, o0, o1, j->yf);
-    } else if (j->vm) {
+    if (j->vm) {
         int P = panel_rows(j->K);
         for (long p0 = o0; p0 < o1; p0 += P) {
             long p1 = p0 + P < o1 ? p0 + P : o1;
             for (int t0 = 0; t0 < j->T; t0 += 8) {
                 int tb = j->T - t0 < 8 ? j->T - t0 : 8;
-                for (long o = p0; o < p1; o++) {
-                    const int8_t *qo = j->q + o * j->K;
-                    TB_SWITCH(Q8V_CALL, tb, j->xf, j->K, qo, j->scale[o], j->yf + o, j->N)
-                }
+                TB_SWITCH(Q8V_ROWS, tb, j->xf, j->K, j->q, j->scale, p0, p1, j->yf, j->N)
             }
         }
     } else {

@@ -4,7 +4,6 @@
 /* Rows r0..r0+n of a [*, K] activation buffer (xf; for int4 also xp, xs; G = K / g) through output row o of w:
  * results to out[(r0 + t) * ldo], t < n, in blocks of 8 sharing one pass over the weight row (each block
  * size its own constant: a block of 5-8 rows row by row unpacked the int4 weights once per row). */
-#define Q8V_TB(TB, _) q8v_row_block(xb, K, qo, so, TB, yo, ldo)
 #define Q8_TB(TB, _) q8_row_block(xf + (long)t0 * K, K, qo, so, TB, yo, ldo)
 #define Q4_TB(TB, _) q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, TB, yo, ldo, bfm)
 static void rows_through(int scheme, const coli_qw *w, int K, int g, int G, int o, const float *xf, const float *xp,
@@ -15,12 +14,7 @@ static void rows_through(int scheme, const coli_qw *w, int K, int g, int G, int 
         if (scheme == 8) {
             const int8_t *qo = (const int8_t *)w->q + (long)o * K;
             float so = ((const float *)w->s)[o];
-            if (bfm) {  /* xp holds q8_prep rows */
-                const float *xb = xp + (long)t0 * Q8_STRIDE(K);
-                TB_SWITCH(Q8V_TB, tb, 0)
-            } else {
-                TB_SWITCH(Q8_TB, tb, 0)
-            }
+            TB_SWITCH(Q8_TB, tb, 0)  /* (int8 with prepared rows: q8v_rows, in moe_part) */
         } else {
             const uint8_t *qo = (const uint8_t *)w->q + (long)o * (K / 2);
             const uint16_t *so = (const uint16_t *)w->s + (long)o * G, *mo = (const uint16_t *)w->m + (long)o * G;
@@ -59,14 +53,16 @@ static void moe_part(void *p, int id, int n) {
             rows = 0;
         }
 #endif
-#ifdef COLI_VNNI
-        if (rows == 1 && j->bfm && j->scheme == 8) {
+        if (j->bfm && j->scheme == 8) {  /* int8 rows in blocks of 8 over the panel, reduced 16 sums at a time */
             const coli_qw *w = j->w + j->uexp[u];
-            q8v_rows1(j->xp + (long)a * Q8_STRIDE(j->K), j->K, (const int8_t *)w->q, (const float *)w->s, o, o + np,
-                      j->out + (long)a * j->N);
+            for (int t0 = 0; t0 < rows; t0 += 8) {
+                int tb = rows - t0 < 8 ? rows - t0 : 8;
+                const float *xb = j->xp + (long)a * Q8_STRIDE(j->K);
+                TB_SWITCH(Q8V_ROWS, tb, xb, j->K, (const int8_t *)w->q, (const float *)w->s, o, o + np,
+                          j->out + (long)a * j->N, j->N)
+            }
             rows = 0;
         }
-#endif
         for (int t0 = a; t0 < a + rows; t0 += 8) {
             int tb = a + rows - t0 < 8 ? a + rows - t0 : 8;
             for (int oo = o; oo < o + np; oo++)

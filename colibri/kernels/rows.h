@@ -143,10 +143,13 @@ static inline void q8_prep(const float *xf, int n, int K, float *xp) {
 #endif
 
 #ifdef COLI_VNNI
-static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
-    __m512 acc[8];
+/* The 16 partial sums (acc[t], t < TB <= 8) of weight row qo with TB prepared rows; the output is
+ * scale * (the sum of acc[t]'s lanes - row t's corr). */
+static inline __attribute__((always_inline)) void q8v_row_acc(const float *xp, int K, const int8_t *qo, int TB,
+                                                              __m512 *acc) {
     __m512i p[8];
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 8
     for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
     for (int s0 = 0; s0 < K; s0 += Q8_SPAN) {
         int se = s0 + Q8_SPAN < K ? s0 + Q8_SPAN : K;
@@ -165,60 +168,61 @@ static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[t]),
                                      _mm512_loadu_ps(xp + (long)t * Q8_STRIDE(K) + K / 4 + s0 / 32), acc[t]);
     }
-#pragma GCC unroll 8  /* (acc stays in registers: see q4v_row_block) */
-    for (int t = 0; t < TB; t++)
-        out[(long)t * N] = so * (hsum1(acc[t]) - xp[(long)t * Q8_STRIDE(K) + K / 2]);
 }
 
-/* Output rows o0..o1 of an int8 weight (q: its row 0) for one prepared activation row: a decode step's
- * GEMVs, and an expert with one row. 16 output rows' sums reduce together (hsum16) and store as one
- * vector: the reduction and the call per row were ~a third of the work on 512-column rows (an expert's
- * down projection). The bits of q8v_row_block (hsum1 adds in hsum16's order). */
-static void q8v_rows1(const float *xp, int K, const int8_t *q, const float *scale, long o0, long o1, float *out) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int8_t *xq = (const int8_t *)xp;
-    const float *ls = xp + K / 4;
-    const __m512 corr = _mm512_set1_ps(xp[K / 2]);
-    long o = o0;
-    for (; o + 16 <= o1; o += 16) {
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; r++) {
-            const int8_t *qo = q + (o + r) * K;
-            __m512 a = _mm512_setzero_ps();
-            for (int s0 = 0; s0 < K; s0 += Q8_SPAN) {
-                int se = s0 + Q8_SPAN < K ? s0 + Q8_SPAN : K;
-                __m512i p = _mm512_setzero_si512();
-                for (int i = s0; i < se; i += 64) {
-                    _mm_prefetch((const char *)(qo + i + Q8_PREFETCH), _MM_HINT_T1);
-                    p = _mm512_dpbusd_epi32(p, _mm512_xor_si512(_mm512_loadu_si512((const void *)(qo + i)), flip),
-                                            _mm512_loadu_si512((const void *)(xq + i)));
-                }
-                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(ls + s0 / 32), a);
-            }
-            acc[r] = a;
+/* Output rows o0..o1 of an int8 weight (q: its row 0) for TB prepared rows (xp; outputs out[t * N + o]):
+ * for one or two rows the sums are reduced 16 at a time (hsum16) and scaled as one vector -- a
+ * reduction per output row was ~8 vector ops against ~3 a 64-column chunk, most of a one-row GEMV's
+ * overhead on 512-column rows (an expert's down projection); hot [3072 x 1024] GEMV, 1 / 2 rows:
+ * 25.7 / 36.6 -> 24.8 / 32.6 us; [1024 x 512], 1 row: 6.6 -> 5.7 us. A sum's bits
+ * do not depend on which others share its reduction (hsum16 adds each vector in hsum1's order). */
+static inline __attribute__((always_inline)) void q8v_rows(const float *xp, int K, const int8_t *q, const float *scale,
+                                                           long o0, long o1, int TB, float *out, long N) {
+    __m512 sums[16];
+    float sc[16], cr[16], res[16], corr[8];
+    float *dst[16];
+    int n = 0;
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; t++) corr[t] = xp[(long)t * Q8_STRIDE(K) + K / 2];
+    for (long o = o0; o < o1; o++) {
+        __m512 acc[8];
+        q8v_row_acc(xp, K, q + o * K, TB, acc);
+        if (TB > 2) {  /* 4-8 rows: the products are the work (vpdpbusd-bound); buffering the sums cost more */
+#pragma GCC unroll 8
+            for (int t = 0; t < TB; t++) out[t * N + o] = scale[o] * (hsum1(acc[t]) - corr[t]);
+            continue;
         }
-        _mm512_storeu_ps(out + o, _mm512_mul_ps(_mm512_loadu_ps(scale + o), _mm512_sub_ps(hsum16(acc), corr)));
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++, n++) {
+            sums[n] = acc[t];
+            sc[n] = scale[o];
+            cr[n] = corr[t];
+            dst[n] = out + t * N + o;
+        }
+        if (n + TB > 16 || o + 1 == o1) {  /* full (the next row's would not fit), or the last row */
+            for (int i = n; i < 16; i++) sums[i] = _mm512_setzero_ps();
+            _mm512_storeu_ps(res, _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_sub_ps(hsum16(sums), _mm512_loadu_ps(cr))));
+            for (int i = 0; i < n; i++) *dst[i] = res[i];
+            n = 0;
+        }
     }
-    for (; o < o1; o++) q8v_row_block(xp, K, q + o * K, scale[o], 1, out + o, 1);
 }
+
+
 #define Q8V_OK(bf16, K) ((bf16) && (K) % 64 == 0)
 #else
 static inline void q8_prep(const float *xf, int n, int K, float *xp) {
     (void)xf; (void)n; (void)K; (void)xp;
 }
-static inline void q8v_row_block(const float *xp, int K, const int8_t *qo, float so, int TB, float *out, int N) {
-    (void)xp; (void)K; (void)qo; (void)so; (void)TB; (void)out; (void)N;
-}
-static inline void q8v_rows1(const float *xp, int K, const int8_t *q, const float *scale, long o0, long o1,
-                             float *out) {
-    (void)xp; (void)K; (void)q; (void)scale; (void)o0; (void)o1; (void)out;
+static inline void q8v_rows(const float *xp, int K, const int8_t *q, const float *scale, long o0, long o1, int TB,
+                            float *out, long N) {
+    (void)xp; (void)K; (void)q; (void)scale; (void)o0; (void)o1; (void)TB; (void)out; (void)N;
 }
 #define Q8V_OK(bf16, K) 0
 #endif
 
-#define Q8V_CALL(TB, xp, K, qo, so, yo, N) \
-    q8v_row_block((xp) + (long)t0 * Q8_STRIDE(K), K, qo, so, TB, (yo) + (long)t0 * (N), N)
+#define Q8V_ROWS(TB, xp, K, q, scale, o0, o1, y, N) \
+    q8v_rows((xp) + (long)t0 * Q8_STRIDE(K), K, q, scale, o0, o1, TB, (y) + (long)t0 * (N), N)
 
 /* ------------------------------------------------------------------------------------ int4 */
 
@@ -481,7 +485,7 @@ static inline __attribute__((always_inline)) __m512 q4v_row_sums(const float *xp
 static void q4v_rows1(const float *xp, const float *xs, int K, int G, int g, const uint8_t *q, const uint16_t *s,
                       const uint16_t *m, long o0, long o1, float *out) {
     long o = o0;
-    for (; o + 16 <= o1; o += 16) {  /* 16 rows' sums reduced together, in hsum1's order (q8v_rows1) */
+    for (; o + 16 <= o1; o += 16) {  /* 16 rows' sums reduced together, in hsum1's order (as q8v_rows) */
         __m512 acc[16];
         for (int r = 0; r < 16; r++)
             acc[r] = q4v_row_sums(xp, xs, K, G, g, q + (o + r) * (K / 2), s + (o + r) * G, m + (o + r) * G);
