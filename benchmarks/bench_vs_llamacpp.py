@@ -17,7 +17,8 @@
    llama-bench: pp), peak RSS (wait4's ru_maxrss of the process tree), each engine's load
    average, the ratio colibri / llama.cpp, and the decode weight traffic as % of the RAM read
    bandwidth (a plain torch sum over a 1 GiB buffer) measured at the start of the run and again just
-   before each engine's run: each engine's % is against its own (the VM's bandwidth swings).
+   before and just after each engine's run: each engine's % is against its own (the VM's bandwidth
+   swings between ~47 and ~75 GB/s; a run whose before and after disagree is flagged).
 4. --memcap LIMIT (default for the 7b shape: 3500M): both again inside `memcap LIMIT` after
    `evict` of the model files (cold page cache): colibri with --mem-budget (default per scheme,
    BUDGET), llama.cpp with its default mmap, and again with `--repack 0` if the cap OOM-kills
@@ -227,12 +228,21 @@ def table(title: str, c: dict, ll: dict, cname: str, lname: str) -> None:
               f"{ll['load']:>6.1f}{_ratio(c, ll, key):>8}")
 
 
-def bandwidth_line(name: str, bytes_tok: int, r: dict, bw: float) -> str:
+def bandwidth_line(name: str, bytes_tok: int, r: dict, bw: float, bw_after: float) -> str:
     if not r.get("decode_tok_s"):
         return f"    {name}: {bytes_tok / 2**20:.1f} MiB of weights per token"
     gbs = bytes_tok * r["decode_tok_s"] / 1e9
-    return (f"    {name}: {bytes_tok / 2**20:.1f} MiB of weights per token x {r['decode_tok_s']:.2f} tok/s = "
-            f"{gbs:.2f} GB/s = {gbs / bw:.0%} of the RAM read bandwidth measured just before it ({bw:.1f} GB/s)")
+    line = (f"    {name}: {bytes_tok / 2**20:.1f} MiB of weights per token x {r['decode_tok_s']:.2f} tok/s = "
+            f"{gbs:.2f} GB/s = {gbs / bw:.0%} of the RAM read bandwidth measured just before it ({bw:.1f} GB/s), "
+            f"{gbs / bw_after:.0%} of that just after ({bw_after:.1f})")
+    if moved(bw, bw_after):
+        line += "\n      (the bandwidth moved during this engine's run: its % is not against the bandwidth it ran at)"
+    return line
+
+
+def moved(*bws: float) -> bool:
+    """Whether bandwidth readings differ by more than 20% (the VM switched between its two modes)."""
+    return max(bws) > 1.2 * min(bws)
 
 
 def main() -> None:
@@ -281,17 +291,19 @@ def main() -> None:
             # The bandwidth again just before each engine: this VM's memory bandwidth changes with the
             # host's other work (torch's sum read 47-50 or 72-77 GB/s, minutes apart), so a figure taken
             # at the start may not hold for a run minutes later.
+            # And just after: a mode switch during a run shows as a before/after pair that disagrees.
             bw_c = ram_bandwidth(a.threads)
             c = run_colibri(colis[s], a)
             bw_l = ram_bandwidth(a.threads)
             ll = run_llama(bin_dir, ggufs[s], a)
+            bw_end = ram_bandwidth(a.threads)
             table(f"{s} vs {GGUF_TYPE[s].upper()}, in RAM (mean of {a.repeats})", c, ll, cname, lname)
-            print(bandwidth_line(cname, cb, c, bw_c))
-            print(bandwidth_line(lname, lb, ll, bw_l), flush=True)
-            if max(bw_c, bw_l) > 1.2 * min(bw_c, bw_l):
-                print(f"    (the RAM bandwidth moved between the two engines' runs, {bw_c:.1f} -> {bw_l:.1f} GB/s: "
-                      "this pair's ratio is not like for like; run it again)", flush=True)
-            c["ram_gbs_before"], ll["ram_gbs_before"] = bw_c, bw_l
+            print(bandwidth_line(cname, cb, c, bw_c, bw_l))
+            print(bandwidth_line(lname, lb, ll, bw_l, bw_end), flush=True)
+            if moved(bw_c, bw_l, bw_end):
+                print(f"    (the RAM bandwidth moved during the pair's runs, {bw_c:.1f} -> {bw_l:.1f} -> {bw_end:.1f} "
+                      "GB/s: this pair's ratio is not like for like; run it again)", flush=True)
+            c["ram_gbs_before"], ll["ram_gbs_before"], ll["ram_gbs_after"] = bw_c, bw_l, bw_end
             results["runs"][f"{s}/ram"] = {"colibri": _clean(c), "llama.cpp": _clean(ll)}
         if cap:
             if shared_tools() is None:
