@@ -61,11 +61,7 @@ static void q4_range(const q4_job *j, long o0, long o1) {
         long p1 = p0 + P < o1 ? p0 + P : o1;
         for (int t0 = 0; t0 < j->T; t0 += 8) {
             int tb = j->T - t0 < 8 ? j->T - t0 : 8;
-            for (long o = p0; o < p1; o++) {
-                const uint8_t *qo = j->q + o * (K / 2);
-                const uint16_t *so = j->scale + o * G, *mo = j->mn + o * G;
-                TB_SWITCH(Q4_CALL, tb, xp, xs, K, G, g, qo, so, mo, yf + o, N, bfm)
-            }
+            TB_SWITCH(Q4_ROWS, tb, xp, xs, K, G, g, j->q, j->scale, j->mn, p0, p1, yf, N, bfm)
         }
     }
     store_y(j->yf, j->bf16, j->T, N, (int)o0, (int)o1, j->y);

@@ -1,28 +1,6 @@
 /* One routed-expert layer (SiLU-GLU) in one call: colibri/models/moe.py's native path. */
 #include "rows.h"
 
-/* Rows r0..r0+n of a [*, K] activation buffer (xf; for int4 also xp, xs; G = K / g) through output row o of w:
- * results to out[(r0 + t) * ldo], t < n, in blocks of 8 sharing one pass over the weight row (each block
- * size its own constant: a block of 5-8 rows row by row unpacked the int4 weights once per row). */
-#define Q8_TB(TB, _) q8_row_block(xf + (long)t0 * K, K, qo, so, TB, yo, ldo)
-#define Q4_TB(TB, _) q4_row_block(xrow(xp, bfm, t0, K), xs + (long)t0 * G, K, G, g, qo, so, mo, TB, yo, ldo, bfm)
-static void rows_through(int scheme, const coli_qw *w, int K, int g, int G, int o, const float *xf, const float *xp,
-                         const float *xs, int r0, int n, float *out, int ldo, int bfm) {
-    for (int t0 = r0; t0 < r0 + n; t0 += 8) {
-        int tb = r0 + n - t0 < 8 ? r0 + n - t0 : 8;
-        float *yo = out + (long)t0 * ldo + o;
-        if (scheme == 8) {
-            const int8_t *qo = (const int8_t *)w->q + (long)o * K;
-            float so = ((const float *)w->s)[o];
-            TB_SWITCH(Q8_TB, tb, 0)  /* (int8 with prepared rows: q8v_rows, in moe_part) */
-        } else {
-            const uint8_t *qo = (const uint8_t *)w->q + (long)o * (K / 2);
-            const uint16_t *so = (const uint16_t *)w->s + (long)o * G, *mo = (const uint16_t *)w->m + (long)o * G;
-            TB_SWITCH(Q4_TB, tb, 0)
-        }
-    }
-}
-
 typedef struct {
     int scheme, g, K, N, nu;  /* N output rows per expert, K inputs */
     const int *uexp, *uoff;
@@ -38,23 +16,22 @@ static void moe_part(void *p, int id, int n) {
     moe_job *j = (moe_job *)p;
     long r0, r1;
     split((long)j->nu * j->N, id, n, &r0, &r1);
-    int G = j->scheme == 4 ? j->K / j->g : 0;  /* once here: rows_through divided per row */
+    int G = j->scheme == 4 ? j->K / j->g : 0;  /* once here, not per row */
     int P = panel_rows(j->scheme == 4 ? j->K / 2 + 4L * G : j->K);
     int u = (int)(r0 / j->N), o = (int)(r0 % j->N);  /* then stepped: no division per row */
     for (long r = r0; r < r1;) {
         int np = P < j->N - o ? P : j->N - o;
         if (np > r1 - r) np = (int)(r1 - r);
         int a = j->uoff[u], rows = j->uoff[u + 1] - a;
+        const coli_qw *w = j->w + j->uexp[u];
 #ifdef COLI_Q4V
         if (rows == 1 && j->bfm == 2 && j->scheme == 4) {  /* one row for this expert: no call per weight row */
-            const coli_qw *w = j->w + j->uexp[u];
             q4v_rows1(xrow(j->xp, 2, a, j->K), j->xs + (long)a * G, j->K, G, j->g, (const uint8_t *)w->q,
                       (const uint16_t *)w->s, (const uint16_t *)w->m, o, o + np, j->out + (long)a * j->N);
             rows = 0;
         }
 #endif
         if (j->bfm && j->scheme == 8) {  /* int8 rows in blocks of 8 over the panel, reduced 16 sums at a time */
-            const coli_qw *w = j->w + j->uexp[u];
             for (int t0 = 0; t0 < rows; t0 += 8) {
                 int tb = rows - t0 < 8 ? rows - t0 : 8;
                 const float *xb = j->xp + (long)a * Q8_STRIDE(j->K);
@@ -63,11 +40,16 @@ static void moe_part(void *p, int id, int n) {
             }
             rows = 0;
         }
+        /* the expert's rows in blocks of 8 over the panel (each block size its own constant: a block of
+         * 5-8 rows row by row unpacked the int4 weights once per row) */
         for (int t0 = a; t0 < a + rows; t0 += 8) {
             int tb = a + rows - t0 < 8 ? a + rows - t0 : 8;
-            for (int oo = o; oo < o + np; oo++)
-                rows_through(j->scheme, j->w + j->uexp[u], j->K, j->g, G, oo, j->xf, j->xp, j->xs, t0, tb, j->out,
-                             j->N, j->bfm);
+            if (j->scheme == 4)
+                TB_SWITCH(Q4_ROWS, tb, j->xp, j->xs, j->K, G, j->g, (const uint8_t *)w->q, (const uint16_t *)w->s,
+                          (const uint16_t *)w->m, o, o + np, j->out, j->N, j->bfm)
+            else  /* int8, f32 activations (prepared rows: q8v_rows above) */
+                q8_rows(j->xf + (long)t0 * j->K, tb, j->K, (const int8_t *)w->q, (const float *)w->s, j->N, o, o + np,
+                        j->out + (long)t0 * j->N);
         }
         r += np;
         if ((o += np) == j->N) { o = 0; u++; }

@@ -610,8 +610,18 @@ static inline const float *xrow(const float *xp, int bfm, long r, int K) {
     return bfm == 1 ? (const float *)((const uint16_t *)xp + r * K) : bfm == 2 ? xp + r * Q4V_ROW(K) : xp + r * K;
 }
 
-#define Q4_CALL(TB, xp, xs, K, G, g, qo, so, mo, yo, N, bfm) \
-    q4_row_block(xrow(xp, bfm, t0, K), (xs) + (long)t0 * (G), K, G, g, qo, so, mo, TB, (yo) + (long)t0 * (N), N, bfm)
+/* Output rows o0..o1 of an int4 weight (q, s, m: its row 0) for TB (<= 8, a constant after inlining)
+ * rows prepared from activation row t0 (outputs y[t * N + o]): the loop over output rows inside, one
+ * dispatch on TB per panel (as q8v_rows; a switch per output row cost ~10% of an 8-row int8 GEMV). */
+static inline __attribute__((always_inline)) void q4_rows(const float *xp, const float *xs, int K, int G, int g,
+                                                          const uint8_t *q, const uint16_t *s, const uint16_t *m,
+                                                          long o0, long o1, int TB, float *y, long N, int bfm, long t0) {
+    const float *xb = xrow(xp, bfm, t0, K), *xsb = xs + t0 * G;
+    for (long o = o0; o < o1; o++)
+        q4_row_block(xb, xsb, K, G, g, q + o * (K / 2), s + o * G, m + o * G, TB, y + t0 * N + o, (int)N, bfm);
+}
+
+#define Q4_ROWS(TB, xp, xs, K, G, g, q, s, m, o0, o1, y, N, bfm) q4_rows(xp, xs, K, G, g, q, s, m, o0, o1, TB, y, N, bfm, t0)
 
 
 #endif
