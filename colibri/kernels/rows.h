@@ -201,7 +201,10 @@ static inline __attribute__((always_inline)) void q8v_rows(const float *xp, int 
             dst[n] = out + t * N + o;
         }
         if (n + TB > 16 || o + 1 == o1) {  /* full (the next row's would not fit), or the last row */
-            for (int i = n; i < 16; i++) sums[i] = _mm512_setzero_ps();
+            for (int i = n; i < 16; i++) {  /* unused lanes: zeros, not stale values */
+                sums[i] = _mm512_setzero_ps();
+                sc[i] = cr[i] = 0.f;
+            }
             _mm512_storeu_ps(res, _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_sub_ps(hsum16(sums), _mm512_loadu_ps(cr))));
             for (int i = 0; i < n; i++) *dst[i] = res[i];
             n = 0;
