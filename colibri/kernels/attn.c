@@ -32,7 +32,6 @@ static inline void attn_prefetch(const char *p, long bytes) {
 #endif
 }
 
-
 #ifdef COLI_AVX512
 /* of[0..Dv) = sum_s p[s] * v[s] for bf16 value rows (vb: position 0's, rows Dv apart), Dv a multiple of
  * 32 up to 128 (a constant after inlining): the sums stay in registers, even and odd channels apart
@@ -70,13 +69,13 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
     float scale = j->scale, *buf = j->buf;
     const float *sinks = j->sinks;
     void *out = j->out;
+    int fast = 0;  /* the bf16 vector path (keys scored 16 at a time): reads q as it is */
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+    fast = bf16 && D % 32 == 0;
+#endif
     for (int h = (int)h0; h < (int)h1; h++) {
         float *sc = buf + (size_t)h * S, *qf = buf + (size_t)H * S + (size_t)h * (D + Dv), *of = qf + D;
         long kv = h / rep;
-        int fast = 0;  /* the bf16 vector path (keys scored 16 at a time): reads q as it is */
-#if defined(COLI_AVX512) && defined(__AVX512BF16__)
-        fast = bf16 && D % 32 == 0;
-#endif
         if (!fast)
             for (int d = 0; d < D; d++) qf[d] = ld(q, bf16, (long)h * D + d);
         float mx = sinks ? sinks[h] : -INFINITY;
@@ -159,24 +158,24 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
             sc[s0] = expf(sc[s0] - mx);
             den += sc[s0];
         }
-        int done = 0;
 #ifdef COLI_AVX512
-        if (bf16 && (Dv == 64 || Dv == 128)) {
-            const uint16_t *vb = (const uint16_t *)v + kv * vs;
-            if (Dv == 64) attn_values_bf(vb, S, 64, sc, of);
-            else attn_values_bf(vb, S, 128, sc, of);
-            done = 1;
-        }
+        if (bf16 && Dv == 64)
+            attn_values_bf((const uint16_t *)v + kv * vs, S, 64, sc, of);
+        else if (bf16 && Dv == 128)
+            attn_values_bf((const uint16_t *)v + kv * vs, S, 128, sc, of);
+        else
 #endif
-        if (!done) for (int d = 0; d < Dv; d++) of[d] = 0.f;
-        for (int s = 0; s < (done ? 0 : S); s++) {
-            long base = kv * vs + (long)s * Dv;
-            float p = sc[s];
+        {
+            for (int d = 0; d < Dv; d++) of[d] = 0.f;
+            for (int s = 0; s < S; s++) {
+                long base = kv * vs + (long)s * Dv;
+                float p = sc[s];
 #ifdef COLI_AVX512
-            attn_prefetch((const char *)v + (base + (long)ATTN_PF * Dv) * es, Dv * es);
+                attn_prefetch((const char *)v + (base + (long)ATTN_PF * Dv) * es, Dv * es);
 #endif
-            if (bf16) for (int d = 0; d < Dv; d++) of[d] += p * bf16_to_f32(((const uint16_t *)v)[base + d]);
-            else for (int d = 0; d < Dv; d++) of[d] += p * ((const float *)v)[base + d];
+                if (bf16) for (int d = 0; d < Dv; d++) of[d] += p * bf16_to_f32(((const uint16_t *)v)[base + d]);
+                else for (int d = 0; d < Dv; d++) of[d] += p * ((const float *)v)[base + d];
+            }
         }
         int d0 = 0;
 #ifdef COLI_AVX512

@@ -31,15 +31,6 @@ static void moe_part(void *p, int id, int n) {
             rows = 0;
         }
 #endif
-        if (j->bfm && j->scheme == 8) {  /* int8 rows in blocks of 8 over the panel, reduced 16 sums at a time */
-            for (int t0 = 0; t0 < rows; t0 += 8) {
-                int tb = rows - t0 < 8 ? rows - t0 : 8;
-                const float *xb = j->xp + (long)a * Q8_STRIDE(j->K);
-                TB_SWITCH(Q8V_ROWS, tb, xb, j->K, (const int8_t *)w->q, (const float *)w->s, o, o + np,
-                          j->out + (long)a * j->N, j->N)
-            }
-            rows = 0;
-        }
         /* the expert's rows in blocks of 8 over the panel (each block size its own constant: a block of
          * 5-8 rows row by row unpacked the int4 weights once per row) */
         for (int t0 = a; t0 < a + rows; t0 += 8) {
@@ -47,7 +38,9 @@ static void moe_part(void *p, int id, int n) {
             if (j->scheme == 4)
                 TB_SWITCH(Q4_ROWS, tb, j->xp, j->xs, j->K, G, j->g, (const uint8_t *)w->q, (const uint16_t *)w->s,
                           (const uint16_t *)w->m, o, o + np, j->out, j->N, j->bfm)
-            else  /* int8, f32 activations (prepared rows: q8v_rows above) */
+            else if (j->bfm)  /* int8, prepared (int8) activation rows */
+                TB_SWITCH(Q8V_ROWS, tb, j->xp, j->K, (const int8_t *)w->q, (const float *)w->s, o, o + np, j->out, j->N)
+            else  /* int8, f32 activations */
                 q8_rows(j->xf + (long)t0 * j->K, tb, j->K, (const int8_t *)w->q, (const float *)w->s, j->N, o, o + np,
                         j->out + (long)t0 * j->N);
         }

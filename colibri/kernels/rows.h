@@ -212,7 +212,6 @@ static inline __attribute__((always_inline)) void q8v_rows(const float *xp, int 
     }
 }
 
-
 #define Q8V_OK(bf16, K) ((bf16) && (K) % 64 == 0)
 #else
 static inline void q8_prep(const float *xf, int n, int K, float *xp) {
@@ -474,15 +473,6 @@ static inline __attribute__((always_inline)) void q4v_row_block(const float *xp,
     for (int t = 0; t < TB; t++) out[(long)t * N] = hsum1(acc[t]);
 }
 
-/* One prepared row's 16 partial sums for output row o (q4v_rows1 reduces 16 rows' at once). */
-static inline __attribute__((always_inline)) __m512 q4v_row_sums(const float *xp, const float *xs, int K, int G, int g,
-                                                                 const uint8_t *qo, const uint16_t *so,
-                                                                 const uint16_t *mo) {
-    __m512 acc[1];
-    q4v_row_acc(xp, xs, K, G, g, qo, so, mo, 1, acc);
-    return acc[0];
-}
-
 /* Output rows o0..o1 of an int4 weight (q, s, m: its row 0) for one prepared activation row, a decode
  * step's case: the row kernel inlined in the loop, its constants hoisted. A call per row cost about as
  * much as a row of 1024 columns (moe_part and q4_part's own time: ~10% of an int4 decode step). */
@@ -492,7 +482,7 @@ static void q4v_rows1(const float *xp, const float *xs, int K, int G, int g, con
     for (; o + 16 <= o1; o += 16) {  /* 16 rows' sums reduced together, in hsum1's order (as q8v_rows) */
         __m512 acc[16];
         for (int r = 0; r < 16; r++)
-            acc[r] = q4v_row_sums(xp, xs, K, G, g, q + (o + r) * (K / 2), s + (o + r) * G, m + (o + r) * G);
+            q4v_row_acc(xp, xs, K, G, g, q + (o + r) * (K / 2), s + (o + r) * G, m + (o + r) * G, 1, acc + r);
         _mm512_storeu_ps(out + o, hsum16(acc));
     }
     for (; o < o1; o++)
