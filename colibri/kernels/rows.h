@@ -141,6 +141,9 @@ static inline void q8_prep(const float *xf, int n, int K, float *xp) {
 #ifndef Q8_PREFETCH
 #define Q8_PREFETCH 16384
 #endif
+#ifndef Q8_PREFETCH_HINT
+#define Q8_PREFETCH_HINT _MM_HINT_T1
+#endif
 
 #ifdef COLI_VNNI
 /* The 16 partial sums (acc[t], t < TB <= 8) of weight row qo with TB prepared rows; the output is
@@ -156,7 +159,7 @@ static inline __attribute__((always_inline)) void q8v_row_acc(const float *xp, i
 #pragma GCC unroll 8
         for (int t = 0; t < TB; t++) p[t] = _mm512_setzero_si512();
         for (int i = s0; i < se; i += 64) {
-            _mm_prefetch((const char *)(qo + i + Q8_PREFETCH), _MM_HINT_T1);
+            _mm_prefetch((const char *)(qo + i + Q8_PREFETCH), Q8_PREFETCH_HINT);
             __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qo + i)), flip);
 #pragma GCC unroll 8
             for (int t = 0; t < TB; t++)
