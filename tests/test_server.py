@@ -227,7 +227,9 @@ def _busy(s: Server) -> int:
 def test_queue_full_disconnect_and_shutdown(chat_model):
     """One slot, no queue: a second request gets 429; a client that goes away frees its slot; SIGTERM
     refuses new requests with 503 and lets the running one finish."""
-    s = Server(chat_model[1], "--slots", "1", "--max-queue", "0", "--ctx-size", "4096")
+    # The grace outlasts the 1500-token stream below on a slow machine (~9 s on the reference VM: the
+    # default 10 s cancelled it there once).
+    s = Server(chat_model[1], "--slots", "1", "--max-queue", "0", "--ctx-size", "4096", "--shutdown-grace", "120")
     try:
         long = {"prompt": "Once upon", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
         conn, _ = _open_stream(s.port, long)
@@ -253,6 +255,27 @@ def test_queue_full_disconnect_and_shutdown(chat_model):
     lines = [ln for ln in err.splitlines() if " completions: prompt " in ln]  # one per request that ran
     assert len(lines) == 2 and lines[0].endswith("finish cancelled") and lines[1].endswith("finish length")
     assert "completion 1500 tok" in lines[1] and "TTFT" in lines[1] and "tok/s" in lines[1]
+
+
+def test_shutdown_grace_cancels_what_still_runs(chat_model):
+    """--shutdown-grace 0: a stream still running at SIGTERM is cancelled at once (it ends with an error
+    event, not its 3000 tokens) and the process exits 0."""
+    s = Server(chat_model[1], "--slots", "1", "--ctx-size", "4096", "--shutdown-grace", "0")
+    try:
+        conn, stream = _open_stream(s.port, {"prompt": "Once upon", "max_tokens": 3000, "temperature": 0,
+                                             "ignore_eos": True})
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        events = [ln for ln in stream.read().decode().splitlines() if ln.startswith("data: ")]
+        assert s.proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 10  # not the default 10 s, nor the 3000 tokens
+        tail = [json.loads(e[6:]) for e in events if e != "data: [DONE]"][-1]
+        assert "error" in tail and "choices" not in tail, tail
+        assert len(events) < 3000
+    finally:
+        err = s.stop()
+    assert "Traceback" not in err
+    assert any(" completions: prompt " in ln and ln.endswith("finish cancelled") for ln in err.splitlines()), err
 
 
 def test_relay_sends_an_empty_piece_for_a_token_without_text():

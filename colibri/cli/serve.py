@@ -1,6 +1,6 @@
 """`colibri serve`: the OpenAI-compatible HTTP server (docs/SERVER.md).
 
-    colibri serve --model M.coli [--host 127.0.0.1] [--port 8000] [--slots 4] [--api-key KEY]
+    colibri serve --model M.coli [--host 127.0.0.1] [--port 8000] [--slots 4] [--api-key KEY] [--shutdown-grace 10]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
     h.add_argument("--model-id", default=None,
                    help="the model name clients send and /v1/models lists (default: the file's stem)")
+    h.add_argument("--shutdown-grace", type=bounded("--shutdown-grace", 0, 86400), default=10, metavar="S",
+                   help="after SIGINT/SIGTERM, seconds running requests may go on before they are cancelled")
     add_engine_args(p, slots=4)
     p.set_defaults(log_level="info")  # one line per request
     return p

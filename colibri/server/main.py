@@ -14,17 +14,16 @@ from ..errors import ColibriError
 from .app import ServerState, create_app, default_model_id
 
 log = logging.getLogger("colibri.server")
-GRACE_S = 10.0  # how long running requests may go on after SIGINT/SIGTERM before they are cancelled
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGINT/SIGTERM drains: the server keeps answering (503 for new
-    requests, /health says shutting_down) until running requests end or GRACE_S passes, then exits.
-    A second signal exits at once."""
+    requests, /health says shutting_down) until running requests end or `grace` seconds pass, then
+    exits. A second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace: float):
         super().__init__(config)
-        self.state, self.drain_since = state, None
+        self.state, self.drain_since, self.grace = state, None, grace
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.state.draining:
@@ -39,9 +38,9 @@ class _DrainingServer(uvicorn.Server):
         if self.drain_since is not None and not self.should_exit:
             if not self.state.inflight:
                 self.should_exit = True
-            elif time.monotonic() - self.drain_since > GRACE_S:
+            elif time.monotonic() - self.drain_since > self.grace:
                 self.state.cancel_all()  # their streams end with an error event; then the next tick exits
-                self.drain_since = time.monotonic() - GRACE_S + 1.0
+                self.drain_since = time.monotonic() - self.grace + 1.0
         return await super().on_tick(counter)
 
 
@@ -55,7 +54,7 @@ def serve(a: argparse.Namespace) -> int:
         state = ServerState(engine, a.model_id or default_model_id(a.model), a.api_key)
         config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=5)
-        server = _DrainingServer(config, state)
+        server = _DrainingServer(config, state, float(a.shutdown_grace))
         print(f"colibri: serving '{state.model_id}' ({engine.n_slots} slots x {engine.ctx_size} ctx, loaded in "
               f"{time.perf_counter() - t0:.1f} s) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:
