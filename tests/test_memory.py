@@ -54,10 +54,11 @@ def rss_children(tmp_path_factory):
     from colibri.demo import demo_model
 
     d = tmp_path_factory.mktemp("rss")
+    paths = {scheme: demo_model(scheme) for scheme, _ in RSS_CASES}  # (built first: nothing runs if one fails)
     runs = {}
     for scheme, budget in RSS_CASES:
         out, err = open(d / f"{scheme}-{budget}.out", "w+"), open(d / f"{scheme}-{budget}.err", "w+")
-        proc = subprocess.Popen([sys.executable, str(BENCH), "--threads", "1", "--child", str(demo_model(scheme)),
+        proc = subprocess.Popen([sys.executable, str(BENCH), "--threads", "1", "--child", str(paths[scheme]),
                                  "-" if budget is None else str(budget), "4000"], stdout=out, stderr=err, text=True)
         runs[(scheme, budget)] = (proc, out, err)
     yield runs

@@ -262,8 +262,8 @@ def test_shutdown_grace_cancels_what_still_runs(chat_model):
     event, not its 3000 tokens) and the process exits 0."""
     s = Server(chat_model[1], "--slots", "1", "--ctx-size", "4096", "--shutdown-grace", "0")
     try:
-        conn, stream = _open_stream(s.port, {"prompt": "Once upon", "max_tokens": 3000, "temperature": 0,
-                                             "ignore_eos": True})
+        _, stream = _open_stream(s.port, {"prompt": "Once upon", "max_tokens": 3000, "temperature": 0,
+                                          "ignore_eos": True})
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         events = [ln for ln in stream.read().decode().splitlines() if ln.startswith("data: ")]
