@@ -78,7 +78,8 @@ def _prompt(n: int) -> list[int]:
 def worker_colibri(a: argparse.Namespace) -> dict:
     import colibri
 
-    llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads)
+    llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads,
+                       cache_prompt=False)  # the same prompt is timed in every round
     prompt = _prompt(a.prompt_len)
     # Warm-up: oneDNN primitive creation and first page faults are not decode speed.
     list(llm.generate_ids(prompt[:8], 4, temperature=0, ignore_eos=True))

@@ -161,7 +161,9 @@ def worker(a: argparse.Namespace) -> dict:
     from colibri.store.placement import parse_size
 
     budget = parse_size(a.mem_budget) if a.mem_budget else None
-    llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads, mem_budget=budget)
+    # No prompt caching: the same prompt is timed again and again (llama-bench's pp computes it each time).
+    llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads, mem_budget=budget,
+                       cache_prompt=False)
     rng = random.Random(0)
     prompt = [1] + [rng.randrange(3, 384) for _ in range(a.prompt_len - 1)]  # ids the test tokenizer has
     # Warm-up (llama-bench warms up too): the timed prompt's path (up to 192 tokens: native 64-row

@@ -70,6 +70,9 @@ class Engine:
     - `prefill_chunk`: prompt tokens per step (a long prompt is read in chunks, interleaved
       with the decode steps of the running requests; the last <= 192 prompt rows, and prompts
       joining running streams, go <= 64 rows a step on the native kernels: docs/ENGINE.md).
+    - `cache_prompt`: a request reuses the K/V a free slot already holds for the leading tokens
+      of its prompt (a chat's earlier turns) and computes only the rest. Off while a route trace
+      or the debug routing log runs (they need every token's routing).
     - `route_trace`: path of a routing trace to append to (docs/ROUTING.md).
 
     Memory tiers (docs/TIERS.md), all keyword-only:
@@ -91,7 +94,7 @@ class Engine:
 
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
                  dtype: torch.dtype | None = None, verify: bool = False, *, slots: int = 1, max_queue: int = 64,
-                 prefill_chunk: int = 512, route_trace: str | os.PathLike | None = None,
+                 prefill_chunk: int = 512, cache_prompt: bool = True, route_trace: str | os.PathLike | None = None,
                  placement: Placement | PlacementFn | None = None, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | None = None, cache_policy: str = "reuse"):
@@ -134,7 +137,8 @@ class Engine:
         # measured in `colibri serve`, 3-7 prompts joining one running stream in one torch-GEMM step took
         # 0.6-1 s to their first token; in steps of <= 64 rows on the native pool, ~0.1 s per step.
         mixed = native.MOE_MAX_ROWS if native.available() else None
-        self._sched = Scheduler(self.slots, max_queue, prefill_chunk, mixed)
+        self._sched = Scheduler(self.slots, max_queue, prefill_chunk, mixed, cache_prompt and route_trace is None)
+        self._cache_prompt = cache_prompt
         self._runner = Runner(self.model, self._sched, self.store, self.threads, lambda: self.tokenizer.eos_ids)
         self._local = threading.local()
         self._closed = False
@@ -154,7 +158,9 @@ class Engine:
 
     @property
     def caches(self) -> list:
-        """Slot 0's per-layer caches (introspection)."""
+        """Slot 0's per-layer caches (introspection; a caller may write into them, so the slot's
+        prompt cache is dropped)."""
+        self.slots.forget(0)
         return self.slots.caches[0]
 
     def kv_bytes(self) -> int:
@@ -346,6 +352,8 @@ class Engine:
         elif not enabled and getattr(self, "_route_logger", None) is not None:
             self.remove_step_listener(self._route_logger)
             self._route_logger = None
+        # Every prompt token's routing is logged only if every prompt token is computed.
+        self._sched.cache_prompt = self._cache_prompt and not enabled and self._trace is None
 
     def close(self) -> None:
         """Cancel what is running, stop the engine thread, release the file. Idempotent."""

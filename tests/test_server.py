@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf
+from hf_tiny import hf_greedy, hf_logits, load_hf
 from serve_proc import Server
 
 openai = pytest.importorskip("openai")
@@ -78,6 +78,29 @@ def test_greedy_chat_matches_transformers(client, hf):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_a_chat_turn_reuses_the_conversation_so_far(server, client, hf):
+    """The second turn re-sends the first: its slot's cache serves that prefix, the answer stays
+    transformers' answer, and usage and /metrics count the cached tokens."""
+    model, tok = hf
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    ids1 = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert first.usage.prompt_tokens_details.cached_tokens < len(ids1)
+    turn2 = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And then?"}]
+    r = client.chat.completions.create(model="tiny", messages=turn2, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    ids2 = tok.apply_chat_template(turn2, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert r.choices[0].message.content == tok.decode(hf_greedy(model, ids2, 10), skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids2)
+    assert len(ids1) <= r.usage.prompt_tokens_details.cached_tokens < len(ids2)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("colibri_prompt_tokens_cached_total"))
+    assert float(line.split()[-1]) >= len(ids1)
 
 
 def test_echo_prompt_logprobs_match_transformers(client, hf):

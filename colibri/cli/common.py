@@ -115,6 +115,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False,
                    help="requests waiting for a slot beyond which new ones are refused")
     g.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=512,
                    help="prompt tokens prefilled per engine step (long prompts do not stall running requests)")
+    g.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V a free slot holds for the start of a new prompt (a chat's earlier turns); "
+                        "off while routes are traced or logged")
     g.add_argument("--verify", action="store_true", help="verify every checksum of the container before running")
     g.add_argument("--log-level", default="warning", choices=["error", "warning", "info", "debug"],
                    help="stderr verbosity; debug logs each token's experts and routing weights per layer")
@@ -259,7 +262,8 @@ def engine_from_args(a: argparse.Namespace):
         llm = Engine(model, ctx_size=a.ctx_size, threads=a.threads, verify=a.verify, placement=placement,
                      mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
                      direct_io=a.direct_io, slots=a.slots, max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
-                     route_trace=getattr(a, "route_trace", None), cache_policy=a.cache_policy)
+                     route_trace=getattr(a, "route_trace", None), cache_policy=a.cache_policy,
+                     cache_prompt=a.cache_prompt)
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
         if isinstance(e, RuntimeError) and "alloc" not in str(e) and "memory" not in str(e):

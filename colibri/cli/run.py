@@ -148,7 +148,8 @@ def _generate(a: argparse.Namespace, llm, prompt: str) -> None:
 
 def stats_line(st) -> str:
     rss = st.extra.get("peak_rss_mib", 0.0)
-    return (f"[colibri] prompt {st.prompt_tokens} tok, prefill {st.prefill_tps:.1f} tok/s | "
+    cached = f" ({st.cached_tokens} cached)" if st.cached_tokens else ""
+    return (f"[colibri] prompt {st.prompt_tokens} tok{cached}, prefill {st.prefill_tps:.1f} tok/s | "
             f"generated {st.generated} tok, decode {st.decode_tps:.2f} tok/s | "
             f"TTFT {st.ttft_s * 1000:.0f} ms | peak RSS {rss:.0f} MiB")
 

@@ -1,8 +1,13 @@
-"""KV slots: N sequences' caches, preallocated once for `ctx` positions each.
+"""KV slots: N sequences' caches, preallocated once for `ctx` positions each, and what each holds.
 
 A slot is one sequence's list of per-layer caches (K/V for attention layers, the latent for
 MLA). Slots are handed to requests and taken back when they end; nothing is allocated per
 request, so memory is `n_slots x ctx x bytes_per_position` for the engine's whole life.
+
+A slot also remembers the tokens whose K/V it holds (positions 0..len-1). A new request takes
+the free slot whose tokens share the longest prefix with its prompt and skips computing that
+prefix (prompt caching, llama-server's `cache_prompt`): a chat's next turn re-sends the whole
+conversation, and only the new part is prefilled.
 """
 
 from __future__ import annotations
@@ -11,6 +16,14 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class SlotPool:
@@ -24,7 +37,8 @@ class SlotPool:
                 if device_of(i).type != "cpu":
                     cache.to(device_of(i))
             self.caches.append(caches)
-        self._free = list(range(n_slots))[::-1]  # popped from the end: slot 0 first
+        self._free = list(range(n_slots))  # least recently released first
+        self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # per slot: the ids its K/V hold
 
     @property
     def nbytes(self) -> int:
@@ -38,9 +52,32 @@ class SlotPool:
     def free(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> int | None:
-        return self._free.pop() if self._free else None
+    def acquire(self, prompt: list[int] | None = None) -> tuple[int, int] | None:
+        """A free slot and how many leading tokens of `prompt` its cache already holds: the free slot
+        with the longest shared prefix, else the least recently used one (whose contents are the
+        least likely to be asked for again). None when every slot is taken."""
+        if not self._free:
+            return None
+        best, shared = self._free[0], 0
+        if prompt:
+            for s in self._free:
+                n = common_prefix(self.tokens[s], prompt)
+                if n > shared:
+                    best, shared = s, n
+        self._free.remove(best)
+        return best, shared
 
     def release(self, slot: int) -> None:
         # No clearing: a sequence only reads positions it wrote (attention stops at its own length).
         self._free.append(slot)
+
+    def wrote(self, slot: int, start: int, tokens: list[int]) -> None:
+        """A step wrote the K/V of `tokens` at positions start.. of the slot."""
+        held = self.tokens[slot]
+        del held[start:]
+        if len(held) == start:
+            held.extend(tokens)
+
+    def forget(self, slot: int, start: int = 0) -> None:
+        """The slot's positions from `start` on are no longer known (a failed step, an outside writer)."""
+        del self.tokens[slot][start:]

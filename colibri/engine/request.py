@@ -79,6 +79,7 @@ class RequestStats:
     """What one request cost; the engine fills it as the request runs."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # leading prompt tokens whose K/V the slot already held (not computed)
     generated: int = 0
     queued_s: float = 0.0  # submit -> slot
     prefill_s: float = 0.0  # slot -> first token
@@ -94,7 +95,7 @@ class RequestStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tps(self) -> float:

@@ -88,6 +88,8 @@ class Runner:
                                 torch.tensor(out_rows, dtype=torch.long))  # [len(out_rows), V]
         except BaseException as e:  # noqa: BLE001 - handed to the requests of the step, the engine goes on
             self.capture.take()
+            for c in chunks:  # what the step wrote is unknown
+                self.sched.slots.forget(c.a.slot, c.start)
             if not isinstance(e, ColibriError | MemoryError):
                 log.exception("colibri: engine step failed")
             for c in chunks:
@@ -97,6 +99,8 @@ class Runner:
             return
         routes = self.capture.take()
         now = time.perf_counter()
+        for c in chunks:
+            self.sched.slots.wrote(c.a.slot, c.start, c.tokens)
         if decode_only:
             self.decode_threads.record(len(chunks), n_threads, now - t0)
         # Counters and listeners first: a request's stats and routing are complete when it ends.

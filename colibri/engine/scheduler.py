@@ -60,14 +60,17 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, slots: SlotPool, max_queue: int, prefill_chunk: int, mixed_rows: int | None = None):
-        """`mixed_rows`: while sequences are decoding, a step holds at most this many rows in all (the
-        native kernels' row limit: such a step stays on them, and the running streams wait one short
-        step rather than a long prefill). Prompts alone get `prefill_chunk` rows a step, except that
-        once at most `short_prompt` (3 x mixed_rows) prompt rows are left, they too go `mixed_rows` at a
-        time. None: no limit."""
+    def __init__(self, slots: SlotPool, max_queue: int, prefill_chunk: int, mixed_rows: int | None = None,
+                 cache_prompt: bool = True):
+        """`cache_prompt`: a request starts from the longest prefix of its prompt that a free slot's
+        cache holds (engine/kv.py). `mixed_rows`: while sequences are decoding, a step holds at most
+        this many rows in all (the native kernels' row limit: such a step stays on them, and the
+        running streams wait one short step rather than a long prefill). Prompts alone get
+        `prefill_chunk` rows a step, except that once at most `short_prompt` (3 x mixed_rows) prompt
+        rows are left, they too go `mixed_rows` at a time. None: no limit."""
         self.slots, self.max_queue, self.prefill_chunk = slots, max_queue, prefill_chunk
         self.mixed_rows = mixed_rows
+        self.cache_prompt = cache_prompt
         # Measured (2 threads, AVX-512): a 128-token prompt in 64-row native steps took 0.55-0.75 of the
         # time of one torch-GEMM step on the 0.44b int8 model and 0.57 on the OLMoE-1B-7B-shaped int4 one;
         # by 256-384 tokens on the 0.44b shape the GEMMs win (they grow more efficient with rows).
@@ -118,9 +121,13 @@ class Scheduler:
                 self.finish(a, "cancelled")
             while self.queue and self.slots.free:
                 h = self.queue.popleft()
-                slot = self.slots.acquire()
+                # Prompt scoring needs every prompt row's logits: it computes them all.
+                reuse = self.cache_prompt and not h.want_logits and h.prompt_logprobs is None
+                slot, held = self.slots.acquire(h.prompt_ids if reuse else None)
                 h.stats.queued_s = time.perf_counter() - h.submitted_at
-                self.active.append(Active(h, slot, TokenPicker(h.sampling, h.prompt_ids)))
+                # At least the last prompt row is computed: it gives the first token's logits.
+                h.stats.cached_tokens = min(held, max(len(h.prompt_ids) - 1, 0))
+                self.active.append(Active(h, slot, TokenPicker(h.sampling, h.prompt_ids), h.stats.cached_tokens))
 
     def finish(self, a: Active, reason: str, error: BaseException | None = None) -> None:
         """End a request and free its slot at once (the next admit reuses it)."""

@@ -90,9 +90,10 @@ class ServerState:
         self.inflight.discard(h)
         ttft = st.ttft_s if st.generated else None
         self.metrics.finished(endpoint, r.finish_reason, st.prompt_tokens, st.generated, ttft,
-                              time.perf_counter() - r.started)
-        log.info("%s %s: prompt %d tok, completion %d tok, TTFT %s, %.1f tok/s, finish %s", h.id, endpoint,
-                 st.prompt_tokens, st.generated, f"{ttft * 1000:.0f} ms" if ttft is not None else "-",
+                              time.perf_counter() - r.started, st.cached_tokens)
+        log.info("%s %s: prompt %d tok (%d cached), completion %d tok, TTFT %s, %.1f tok/s, finish %s", h.id,
+                 endpoint, st.prompt_tokens, st.cached_tokens, st.generated,
+                 f"{ttft * 1000:.0f} ms" if ttft is not None else "-",
                  st.decode_tps, r.finish_reason)
 
     def cancel_all(self) -> None:
@@ -176,7 +177,8 @@ def create_app(state: ServerState) -> FastAPI:
         text, events = await _until_disconnect(request, relay.text())
         _raise_engine_error(relay)
         lp = chat_logprobs(events, state.text_of) if req.logprobs else None
-        return bodies.full(text, relay.finish_reason, lp, usage(len(ids), relay.handle.stats.generated))
+        return bodies.full(text, relay.finish_reason, lp, usage(len(ids), relay.handle.stats.generated,
+                                                                          relay.handle.stats.cached_tokens))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -208,8 +210,7 @@ def create_app(state: ServerState) -> FastAPI:
             head = _echo_text(state, p, ids) if req.echo else ""
             lp = _completion_lp(state, req, ids, r, events) if req.logprobs is not None else None
             choices.append(CompletionBodies.choice(i, head + text, r.finish_reason, lp))
-        return bodies.full(choices, usage(sum(len(ids) for _, ids in prompts),
-                                          sum(r.handle.stats.generated for r in relays)))
+        return bodies.full(choices, _usage(prompts, relays))
 
     return app
 
@@ -297,7 +298,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, relay: Re
     else:
         yield _json(bodies.chunk({}, relay.finish_reason, with_usage=with_usage))
         if with_usage:
-            yield _json(bodies.usage_chunk(usage(relay.handle.stats.prompt_tokens, relay.handle.stats.generated)))
+            st = relay.handle.stats
+            yield _json(bodies.usage_chunk(usage(st.prompt_tokens, st.generated, st.cached_tokens)))
     yield {"data": "[DONE]"}
 
 
@@ -335,12 +337,16 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, prompts
                   if req.logprobs is not None else None)
             yield _json(bodies.chunk(i, p.text, logprobs=lp, with_usage=with_usage))
         if with_usage:
-            yield _json(bodies.usage_chunk(usage(sum(len(ids) for _, ids in prompts),
-                                                 sum(r.handle.stats.generated for r in relays))))
+            yield _json(bodies.usage_chunk(_usage(prompts, relays)))
         yield {"data": "[DONE]"}
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _usage(prompts: list, relays: list[Relay]) -> dict:
+    return usage(sum(len(ids) for _, ids in prompts), sum(r.handle.stats.generated for r in relays),
+                 sum(r.handle.stats.cached_tokens for r in relays))
 
 
 def _echo_text(state: ServerState, prompt, ids: list[int]) -> str:

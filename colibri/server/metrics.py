@@ -47,6 +47,8 @@ class Metrics:
         self.requests = Counter("colibri_requests", "finished requests", ["endpoint", "finish_reason"], registry=r)
         self.errors = Counter("colibri_request_errors", "requests answered with an error", ["status"], registry=r)
         self.prompt_tokens = Counter("colibri_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("colibri_prompt_tokens_cached",
+                                     "prompt tokens of finished requests whose K/V a slot already held", registry=r)
         self.generation_tokens = Counter("colibri_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("colibri_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY, registry=r)
@@ -58,9 +60,10 @@ class Metrics:
             r.register(_EngineCollector(engine))
 
     def finished(self, endpoint: str, finish_reason: str, prompt_tokens: int, generated: int,
-                 ttft_s: float | None, duration_s: float) -> None:
+                 ttft_s: float | None, duration_s: float, cached_tokens: int = 0) -> None:
         self.requests.labels(endpoint, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.inc(generated)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

@@ -1,0 +1,143 @@
+"""Prompt caching: a request reuses the K/V a free slot holds for the start of its prompt, and gets
+exactly the tokens of a run that computes the whole prompt (and transformers' tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import hf_greedy, load_hf
+
+import colibri
+from colibri.engine.kv import SlotPool, common_prefix
+from colibri.errors import ColibriError
+from colibri.models.base import SUPPORTED
+
+P1 = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
+P2 = [1, 88, 5, 61, 9, 12]
+N = 8
+
+
+def run(llm, prompt: list[int], n: int = N, **kw) -> tuple[list[int], int]:
+    """Greedy tokens of one request and how many of its prompt tokens were cached."""
+    h = llm.submit(prompt, n, ignore_eos=True, **kw)
+    return h.wait(), h.stats.cached_tokens
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_cached_prefixes_give_the_tokens_of_a_full_prefill(ckpt, model_type):
+    path = ckpt.coli(model_type, "f32")
+    with colibri.load(path, ctx_size=96, threads=2, slots=1) as llm:
+        a, cached = run(llm, P1)
+        assert cached == 0
+        follow = P1 + a + [33, 71, 8]  # the next turn: the previous prompt and answer, then new text
+        b, cached_b = run(llm, follow)
+        assert cached_b == len(P1) + N - 1  # the answer's last token was never fed
+        again, cached_again = run(llm, follow)  # the same prompt again: all but its last token
+        assert cached_again == len(follow) - 1
+        branch = follow[:5] + [44, 45, 46]  # shares 5 tokens with what the slot holds
+        c, cached_c = run(llm, branch)
+        assert cached_c == 5
+    hf = load_hf(ckpt.hf(model_type))
+    with colibri.load(path, ctx_size=96, threads=2, slots=1, cache_prompt=False) as full:
+        for prompt, got in ((P1, a), (follow, b), (follow, again), (branch, c)):
+            ref, cached = run(full, prompt)
+            assert cached == 0
+            assert got == ref == hf_greedy(hf, prompt, N), prompt
+
+
+def test_a_request_takes_the_slot_that_holds_its_prefix(ckpt):
+    path = ckpt.coli("olmoe", "f32")
+    with colibri.load(path, ctx_size=96, threads=2, slots=3) as llm:
+        h1, h2 = llm.submit(P1, N, ignore_eos=True), llm.submit(P2, N, ignore_eos=True)
+        a1, a2 = h1.wait(), h2.wait()
+        # Both slots are free again; each follow-up finds its own conversation's slot.
+        b2, c2 = run(llm, P2 + a2 + [5])
+        b1, c1 = run(llm, P1 + a1 + [5])
+        assert (c1, c2) == (len(P1) + N - 1, len(P2) + N - 1)
+        _, c3 = run(llm, [1, 250, 251])  # only BOS in common with any slot
+        assert c3 == 1
+        m = llm.metrics()
+    with colibri.load(path, ctx_size=96, threads=2, slots=1, cache_prompt=False) as full:
+        assert run(full, P1 + a1 + [5])[0] == b1
+        assert run(full, P2 + a2 + [5])[0] == b2
+    assert m["requests"] == 5
+
+
+def test_prompt_scoring_and_route_traces_compute_every_prompt_token(ckpt, tmp_path):
+    path = ckpt.coli("qwen3_moe", "f32")
+    with colibri.load(path, ctx_size=96, threads=2, slots=1, cache_prompt=False) as full:
+        want = full.logits(P1)
+        scores = full.submit(P1, 0, prompt_logprobs=1)
+        scores.wait()
+    with colibri.load(path, ctx_size=96, threads=2, slots=1) as llm:
+        run(llm, P1)
+        assert torch.equal(llm.logits(P1), want)  # [T, V]: every row, none from the cache
+        h = llm.submit(P1, 0, prompt_logprobs=1)
+        h.wait()
+        assert h.stats.cached_tokens == 0 and h.prompt_token_logprobs == scores.prompt_token_logprobs
+        llm.trace_routing()  # the debug log needs every prompt token's routing
+        assert run(llm, P1)[1] == 0
+        llm.trace_routing(False)
+        assert run(llm, P1)[1] == len(P1) - 1
+    trace = tmp_path / "t.jsonl"
+    with colibri.load(path, ctx_size=96, threads=2, slots=1, route_trace=trace) as llm:
+        run(llm, P1)
+        assert run(llm, P1)[1] == 0
+
+
+class _Cache:
+    nbytes = 8
+
+
+class _Model:
+    def make_cache(self, ctx, dtype):
+        return [_Cache()]
+
+
+def test_slot_pool_remembers_what_each_slot_holds():
+    pool = SlotPool(_Model(), 2, 32, torch.float32, lambda i: torch.device("cpu"))
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+    s0, held = pool.acquire([1, 2, 3])
+    assert (s0, held) == (0, 0)
+    pool.wrote(s0, 0, [1, 2, 3])
+    pool.wrote(s0, 3, [9])  # a decode row
+    pool.release(s0)
+    s1, held = pool.acquire([5])  # nothing shared: the least recently used free slot
+    assert (s1, held) == (1, 0)
+    pool.release(s1)
+    assert pool.acquire([1, 2, 3, 9, 7]) == (0, 4)
+    pool.wrote(0, 2, [8])  # a chunk rewrote position 2 on: what followed is gone
+    assert pool.tokens[0] == [1, 2, 8]
+    pool.forget(0, 1)  # a failed step from position 1
+    assert pool.tokens[0] == [1]
+    pool.wrote(0, 3, [4])  # a write past what is known leaves nothing claimed beyond it
+    assert pool.tokens[0] == [1]
+    pool.release(0)
+    assert pool.acquire([1, 2]) == (0, 1)
+    assert pool.acquire([1]) == (1, 0)
+    assert pool.acquire([1]) is None
+
+
+def test_a_failed_step_forgets_what_it_may_have_written(ckpt, monkeypatch):
+    path = ckpt.coli("olmoe", "f32")
+    with colibri.load(path, ctx_size=96, threads=2, slots=1) as llm:
+        a, _ = run(llm, P1)
+        model = llm.model
+        real = type(model).forward
+        calls = {"n": 0}
+
+        def failing(self, *args, **kw):
+            calls["n"] += 1
+            raise ColibriError("injected failure")
+
+        monkeypatch.setattr(type(model), "forward", failing)
+        h = llm.submit(P1 + a + [5, 6], N, ignore_eos=True)
+        with pytest.raises(ColibriError, match="injected"):
+            h.wait()
+        assert calls["n"] == 1
+        monkeypatch.setattr(type(model), "forward", real)
+        # The failed step ran from position len(P1) + N - 1 on: the slot still holds what came before.
+        b, cached = run(llm, P1 + a + [5, 6])
+        assert cached == len(P1) + N - 1
+    with colibri.load(path, ctx_size=96, threads=2, slots=1, cache_prompt=False) as full:
+        assert run(full, P1 + a + [5, 6])[0] == b
