@@ -197,6 +197,9 @@ class Engine:
         elif sampling_kw:
             raise ColibriError("give either sampling= or sampling keywords, not both")
         sampling.validate()
+        if sampling.logit_bias and max(sampling.logit_bias) >= self.vocab_rows:
+            raise ColibriError(f"logit_bias: token id {max(sampling.logit_bias)} is beyond the vocabulary "
+                               f"({self.vocab_rows} ids)")
         ids = self._check_prompt(prompt_ids)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ColibriError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")

@@ -98,6 +98,26 @@ def test_api_rejects_bad_settings(ckpt):
         llm.logits(list(range(1, 20)))
 
 
+def test_logit_bias_moves_the_choice_not_the_logprobs(ckpt):
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=1) as llm:
+        ids = [1, 5, 9, 13]
+        logits = llm.logits(ids)[-1]  # [V]
+        best, second = logits.topk(2).indices.tolist()
+        assert list(llm.generate_ids(ids, 1, logit_bias={best: -100})) == [second]
+        low = int(logits.argmin())
+        assert list(llm.generate_ids(ids, 1, logit_bias={low: 100.0, best: -5})) == [low]
+        h = llm.submit(ids, 1, logit_bias={low: 100}, logprobs=1)
+        ev = next(iter(h))
+        logp = torch.log_softmax(logits, -1)
+        assert ev.token == low and ev.logprob == pytest.approx(float(logp[low]), abs=1e-5)
+        assert ev.top[0][0] == best  # alternatives: the model's own ranking
+        sampled = [list(llm.generate_ids(ids, 4, temperature=1.0, seed=s, logit_bias={low: 100})) for s in range(3)]
+        assert all(t[0] == low for t in sampled)
+        for bad in ({-1: 1.0}, {llm.vocab_rows: 1.0}, {3: 101.0}, {3: float("nan")}, {True: 1.0}, {"3": 1.0}, [3]):
+            with pytest.raises(ColibriError, match="logit_bias"):
+                llm.submit(ids, 1, logit_bias=bad)
+
+
 def test_chat_prompt_gets_no_second_bos(ckpt, capsys):
     from colibri.cli import main
 

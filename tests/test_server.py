@@ -17,6 +17,8 @@ import torch
 from hf_tiny import hf_greedy, hf_logits, load_hf
 from serve_proc import Server
 
+from colibri.engine.kv import common_prefix
+
 openai = pytest.importorskip("openai")
 
 KEY = "sk-test-colibri"
@@ -95,12 +97,16 @@ def test_a_chat_turn_reuses_the_conversation_so_far(server, client, hf):
     ids2 = tok.apply_chat_template(turn2, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert r.choices[0].message.content == tok.decode(hf_greedy(model, ids2, 10), skip_special_tokens=True)
     assert r.usage.prompt_tokens == len(ids2)
-    assert len(ids1) <= r.usage.prompt_tokens_details.cached_tokens < len(ids2)
+    # The slot holds the first turn's prompt (and answer): at least what the two prompts share is reused
+    # (the generation prompt's last token may merge with the answer's first characters when re-tokenized).
+    shared = common_prefix(ids1, ids2)
+    assert shared >= len(ids1) - 1
+    assert shared <= r.usage.prompt_tokens_details.cached_tokens < len(ids2)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     line = next(ln for ln in text.splitlines() if ln.startswith("colibri_prompt_tokens_cached_total"))
-    assert float(line.split()[-1]) >= len(ids1)
+    assert float(line.split()[-1]) >= shared
 
 
 def test_echo_prompt_logprobs_match_transformers(client, hf):
@@ -182,6 +188,19 @@ def test_chat_logprobs_and_penalties(client):
     assert pen.choices[0].message.content != plain  # the penalties reach the sampler
 
 
+def test_logit_bias_forces_and_bans_tokens(client, hf):
+    model, tok = hf
+    ids = tok("Once upon a time").input_ids
+    logits = hf_logits(model, ids)[-1]  # [V]
+    low, best = int(logits.argmin()), int(logits.argmax())
+    kw = dict(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    forced = client.completions.create(**kw, logit_bias={str(low): 100})
+    assert forced.choices[0].logprobs.tokens == [tok.decode([low])]
+    plain = client.completions.create(**kw)
+    banned = client.completions.create(**kw, logit_bias={str(best): -100})
+    assert plain.choices[0].logprobs.tokens == [tok.decode([best])] != banned.choices[0].logprobs.tokens
+
+
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     status, h = server.request("GET", "/health")
@@ -209,6 +228,9 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 21, "logprobs": True}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "unsupported_value"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"five": 1}}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": -100}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
     ("/v1/chat/completions", {"max_tokens": 4}, 400, "missing_parameter"),

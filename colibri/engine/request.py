@@ -13,7 +13,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import ColibriError
@@ -27,8 +27,10 @@ class SamplingParams:
 
     Penalties act as logits processors over the prompt and generated tokens: `repeat_penalty`
     (CTRL/transformers style, 1.0 = off), `presence_penalty` and `frequency_penalty`
-    (OpenAI style, 0 = off). `logprobs`: None = none; n >= 0 = the chosen token's log-probability
-    plus the n most likely alternatives (of the model's distribution before sampling settings)."""
+    (OpenAI style, 0 = off). `logit_bias`: {token id: bias in [-100, 100]} added to the logits
+    before anything else (OpenAI's rule; -100 bans a token, +100 all but forces it). `logprobs`:
+    None = none; n >= 0 = the chosen token's log-probability plus the n most likely alternatives
+    (of the model's distribution before sampling settings)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -38,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    logit_bias: Mapping[int, float] | None = None
 
     def validate(self) -> SamplingParams:
         def finite(name: str, v: float) -> None:
@@ -59,6 +62,15 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise ColibriError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ColibriError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
+            for tok, bias in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise ColibriError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                finite(f"logit_bias[{tok}]", bias)
+                if not -100 <= bias <= 100:
+                    raise ColibriError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= 20):
             raise ColibriError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")

@@ -1,8 +1,9 @@
-"""Per-request token choice: logits processors (penalties) then a sampler, with optional logprobs.
+"""Per-request token choice: logits processors (bias, penalties) then a sampler, with optional logprobs.
 
-Penalties are processors over what the request has seen, so generation has no special cases
-(mlx-lm's make_logits_processors): the repetition penalty over prompt + generated tokens (the
-transformers rule), presence/frequency penalties over the generated tokens (the OpenAI rule).
+Processors act on what the request asked for and has seen, so generation has no special cases
+(mlx-lm's make_logits_processors): the logit bias (OpenAI's), the repetition penalty over prompt +
+generated tokens (the transformers rule), presence/frequency penalties over the generated tokens
+(the OpenAI rule).
 """
 
 from __future__ import annotations
@@ -67,9 +68,15 @@ class TokenPicker:
         self.sample = make_sampler(sp.temperature, sp.top_k, sp.top_p, gen)
         self.seen = torch.tensor(prompt_ids, dtype=torch.long) if sp.repeat_penalty != 1.0 else None
         self.counts: dict[int, int] = {}  # generated token -> times (presence/frequency penalties)
+        bias = sp.logit_bias or {}
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long) if bias else None  # [B]
+        self.bias = torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None  # [B]
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
         sp = self.sp
+        if self.bias_ids is not None:
+            logits = logits.clone()
+            logits[self.bias_ids] += self.bias.to(logits.dtype)
         if self.seen is not None:
             logits = apply_repetition_penalty(logits, self.seen, sp.repeat_penalty)
         if self.counts and (sp.presence_penalty or sp.frequency_penalty):

@@ -2,7 +2,7 @@
 
 Bodies are validated strictly (a string where a number belongs is a 400, as OpenAI does); fields
 the server does not know are ignored; fields it knows but does not implement (n > 1, tools,
-logit_bias, ...) are refused with a 400 that names them (docs/SERVER.md).
+JSON modes, ...) are refused with a 400 that names them (docs/SERVER.md).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate past end-of-sequence (benchmarks)
     n: int = 1
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -111,13 +111,21 @@ class _Sampling(_Strict):
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0,
                 "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "seed": self.seed}
+                "seed": self.seed, "logit_bias": self.token_biases()}
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids, as JSON object keys are strings) as integers."""
+        if not self.logit_bias:
+            return None
+        bad = next((k for k in self.logit_bias if not k.isdigit()), None)
+        if bad is not None:
+            raise bad_request(f"logit_bias keys must be token ids, got {bad!r}", "logit_bias")
+        return {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise bad_request("only n=1 is supported", "n", "unsupported_value")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+        self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         self.stop_strings()
