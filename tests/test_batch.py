@@ -168,7 +168,8 @@ def test_steps_with_running_streams_stay_small(ckpt, monkeypatch):
         alone = [list(solo.generate_ids(p, 6, ignore_eos=True)) for p in prompts]
     with colibri.load(path, ctx_size=128, threads=2, slots=3) as llm:
         llm._sched.mixed_rows = 16  # small enough for these prompts to need several steps
-        llm._sched.short_prompt = 0  # (a lone short prompt would go 16 rows a step too: the next test)
+        # (else a lone prompt goes 16 rows a step: the next test)
+        llm._sched.short_prompt = llm._sched.native_prompt = 0
         rows.clear()
         first = llm.submit(prompts[0], 30, ignore_eos=True)
         next(iter(first))  # decoding now
@@ -182,9 +183,10 @@ def test_steps_with_running_streams_stay_small(ckpt, monkeypatch):
 
 
 def test_short_prompts_go_in_native_sized_steps(ckpt, monkeypatch):
-    """A lone prompt is read in steps of `mixed_rows` once at most `short_prompt` of its rows are left
-    (the native kernels' size: faster than one GEMM step for short prompts); a longer one gets the
-    prefill chunk first. Tokens do not depend on it (f32)."""
+    """A lone prompt is read in steps of `mixed_rows` when it has at most `native_prompt` rows to
+    compute, or once at most `short_prompt` of its rows are left (the native kernels' size: faster
+    than one GEMM step for short prompts); a longer one gets the prefill chunk first. Tokens do not
+    depend on it (f32)."""
     from colibri.engine.runner import Runner
 
     path = ckpt.coli("olmoe", "f32")
@@ -200,8 +202,15 @@ def test_short_prompts_go_in_native_sized_steps(ckpt, monkeypatch):
     with colibri.load(path, ctx_size=128, threads=2, slots=1, prefill_chunk=64) as big:
         ref = list(big.generate_ids(prompt, 4, ignore_eos=True))
     with colibri.load(path, ctx_size=128, threads=2, slots=1, prefill_chunk=64) as llm:
-        llm._sched.mixed_rows, llm._sched.short_prompt = 16, 48
+        llm._sched.mixed_rows, llm._sched.short_prompt, llm._sched.native_prompt = 16, 48, 99
         rows.clear()
         got = list(llm.generate_ids(prompt, 4, ignore_eos=True))
-    assert rows[:5] == [64, 16, 16, 4, 1]  # 64 (52 left > 48), then 16-row steps, then decode
-    assert got == ref
+        assert rows[:5] == [64, 16, 16, 4, 1]  # 100 rows > 99: 64 (52 left > 48), then 16-row steps, then decode
+        llm._sched.native_prompt = 100
+        rows.clear()
+        again = list(llm.generate_ids(prompt[:-1] + [3], 4, ignore_eos=True))  # 99 of its rows cached
+        assert rows[:2] == [1, 1]
+        rows.clear()
+        got_native = list(llm.generate_ids(prompt, 4, ignore_eos=True, prompt_logprobs=0))  # (no cache)
+        assert rows[:9] == [16] * 6 + [4, 1, 1]  # 100 rows <= 100: native-sized steps throughout
+    assert got == ref == got_native and len(again) == 4

@@ -37,6 +37,7 @@ class Active:
     logits_parts: list[torch.Tensor] = field(default_factory=list)  # want_logits: prompt logits so far
     first_at: float = 0.0
     final: bool = False  # done generating; its last token is fed once more only so listeners see its routing
+    native_prefill: bool = False  # its prompt is short enough for the native-sized steps throughout
 
     @property
     def prompt_len(self) -> int:
@@ -65,16 +66,20 @@ class Scheduler:
         """`cache_prompt`: a request starts from the longest prefix of its prompt that a free slot's
         cache holds (engine/kv.py). `mixed_rows`: while sequences are decoding, a step holds at most
         this many rows in all (the native kernels' row limit: such a step stays on them, and the
-        running streams wait one short step rather than a long prefill). Prompts alone get
-        `prefill_chunk` rows a step, except that once at most `short_prompt` (3 x mixed_rows) prompt
-        rows are left, they too go `mixed_rows` at a time. None: no limit."""
+        running streams wait one short step rather than a long prefill). Prompts alone go
+        `mixed_rows` at a time too when each had at most `native_prompt` (8 x mixed_rows) rows to
+        compute and at most that many are left in all, or once at most `short_prompt` (3 x
+        mixed_rows) are left; otherwise `prefill_chunk` rows a step. None: no limit."""
         self.slots, self.max_queue, self.prefill_chunk = slots, max_queue, prefill_chunk
         self.mixed_rows = mixed_rows
         self.cache_prompt = cache_prompt
         # Measured (2 threads, AVX-512): a 128-token prompt in 64-row native steps took 0.55-0.75 of the
-        # time of one torch-GEMM step on the 0.44b int8 model and 0.57 on the OLMoE-1B-7B-shaped int4 one;
-        # by 256-384 tokens on the 0.44b shape the GEMMs win (they grow more efficient with rows).
+        # time of one torch-GEMM step on the 0.44b int8 model and 0.57 on the OLMoE-1B-7B-shaped int4 one.
+        # The GEMMs grow more efficient with rows: on the AMD VM they won by 256-384 tokens; on the Intel
+        # reference VM 64-row steps were 1.46-1.49x faster at 256 tokens, 1.30-1.35x at 384, 1.06-1.08x at
+        # 512, and 0.80-0.88x at 1024-1536 tokens (0.44b int8 and int4, docs/ENGINE.md).
         self.short_prompt = 3 * mixed_rows if mixed_rows else 0
+        self.native_prompt = 8 * mixed_rows if mixed_rows else 0
         self.queue: deque[RequestHandle] = deque()
         self.active: list[Active] = []  # admission order
         self.cond = threading.Condition()
@@ -127,7 +132,9 @@ class Scheduler:
                 h.stats.queued_s = time.perf_counter() - h.submitted_at
                 # At least the last prompt row is computed: it gives the first token's logits.
                 h.stats.cached_tokens = min(held, max(len(h.prompt_ids) - 1, 0))
-                self.active.append(Active(h, slot, TokenPicker(h.sampling, h.prompt_ids), h.stats.cached_tokens))
+                a = Active(h, slot, TokenPicker(h.sampling, h.prompt_ids), h.stats.cached_tokens)
+                a.native_prefill = a.prompt_len - a.fed <= self.native_prompt
+                self.active.append(a)
 
     def finish(self, a: Active, reason: str, error: BaseException | None = None) -> None:
         """End a request and free its slot at once (the next admit reuses it)."""
@@ -143,9 +150,11 @@ class Scheduler:
         budget = self.prefill_chunk
         if chunks and self.mixed_rows is not None:
             budget = min(budget, max(self.mixed_rows - len(chunks), 1))
-        elif self.mixed_rows is not None and \
-                sum(a.prompt_len - a.fed for a in self.active if a.prefilling) <= self.short_prompt:
-            budget = min(budget, self.mixed_rows)
+        elif self.mixed_rows is not None:
+            prefilling = [a for a in self.active if a.prefilling]
+            left = sum(a.prompt_len - a.fed for a in prefilling)
+            if left <= self.short_prompt or (left <= self.native_prompt and all(a.native_prefill for a in prefilling)):
+                budget = min(budget, self.mixed_rows)
         for a in self.active:
             if not a.prefilling or budget <= 0:
                 continue
