@@ -157,6 +157,30 @@ def test_multiple_prompts_and_seeded_sampling(client):
     assert sample(3) == sample(3) != sample(4)
 
 
+def test_n_choices_are_the_requests_with_seed_plus_i(client):
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.5, top_p=0.95,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    r = client.chat.completions.create(**kw, n=3, seed=3)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    singles = [client.chat.completions.create(**kw, seed=3 + i) for i in range(3)]
+    assert texts == [s.choices[0].message.content for s in singles]
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens and r.usage.completion_tokens == 36
+    chunks = list(client.chat.completions.create(**kw, n=3, seed=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    got = ["", "", ""]
+    for c in chunks:
+        for ch in c.choices:
+            got[ch.index] += ch.delta.content or ""
+    assert got == texts and chunks[-1].usage.completion_tokens == 36
+    assert sorted(ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason) == ["length"] * 3
+    ckw = dict(model="tiny", max_tokens=5, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(**ckw, prompt=["Once upon", "The quick"], n=2, seed=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]  # prompt i's choice j is i * n + j
+    assert r.choices[3].text == client.completions.create(**ckw, prompt="The quick", seed=3).choices[0].text
+    assert r.choices[0].text == client.completions.create(**ckw, prompt="Once upon", seed=2).choices[0].text
+
+
 def test_stop_strings_split_across_tokens(client):
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
     full = client.chat.completions.create(**kw, logprobs=True, extra_body={"ignore_eos": True})
@@ -227,7 +251,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     ("/v1/chat/completions", {**CHAT, "max_tokens": 500}, 400, "context_length_exceeded"),
     ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 21, "logprobs": True}, 400, "invalid_value"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "unsupported_value"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 3}, 400, "unsupported_value"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"five": 1}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": -100}}, 400, "invalid_value"),

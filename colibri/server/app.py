@@ -167,18 +167,21 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request(str(e), "messages", "chat_template_error") from None
         ids = state.tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        relay = state.submit("chat", ids, state.fit(len(ids), req.max_new, "messages"), req.stop_strings(),
-                             stop_ids=() if req.ignore_eos else state.template.stop_ids,
-                             ignore_eos=req.ignore_eos, request_id=rid,
-                             logprobs=(req.top_logprobs or 0) if req.logprobs else None, **req.sampling_kw())
+        max_new = state.fit(len(ids), req.max_new, "messages")
+        relays = _submit_all(req.n, lambda i: state.submit(
+            "chat", ids, max_new, req.stop_strings(), stop_ids=() if req.ignore_eos else state.template.stop_ids,
+            ignore_eos=req.ignore_eos, request_id=rid if req.n == 1 else f"{rid}-{i}",
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None, **req.sampling_kw(i)))
         bodies = ChatBodies(rid, state.model_id)
         if req.stream:
-            return _sse(_chat_stream(state, req, relay, bodies))
-        text, events = await _until_disconnect(request, relay.text())
-        _raise_engine_error(relay)
-        lp = chat_logprobs(events, state.text_of) if req.logprobs else None
-        return bodies.full(text, relay.finish_reason, lp, usage(len(ids), relay.handle.stats.generated,
-                                                                          relay.handle.stats.cached_tokens))
+            return _sse(_chat_stream(state, req, [ids], relays, bodies))
+        results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
+        choices = []
+        for i, (r, (text, events)) in enumerate(zip(relays, results)):
+            _raise_engine_error(r)
+            lp = chat_logprobs(events, state.text_of) if req.logprobs else None
+            choices.append(ChatBodies.choice(i, text, r.finish_reason, lp))
+        return bodies.full(choices, _usage([ids], relays))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -188,29 +191,24 @@ def create_app(state: ServerState) -> FastAPI:
         prompts = [(p, state.tok.encode(p) if isinstance(p, str) else p) for p in req.prompts()]
         for _, ids in prompts:
             state.fit(len(ids), req.max_tokens, "prompt")
-        relays: list[Relay] = []
-        try:
-            for i, (_, ids) in enumerate(prompts):
-                relays.append(state.submit(
-                    "completions", ids, req.max_tokens, req.stop_strings(), ignore_eos=req.ignore_eos,
-                    request_id=rid if len(prompts) == 1 else f"{rid}-{i}", logprobs=req.logprobs,
-                    prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-                    **req.sampling_kw()))
-        except APIError:
-            for r in relays:
-                r.handle.cancel()
-            raise
+        # Choice i * n + j: prompt i's j-th completion (OpenAI's order).
+        each = [prompts[i // req.n] for i in range(len(prompts) * req.n)]
+        relays = _submit_all(len(each), lambda i: state.submit(
+            "completions", each[i][1], req.max_tokens, req.stop_strings(), ignore_eos=req.ignore_eos,
+            request_id=rid if len(each) == 1 else f"{rid}-{i}", logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            **req.sampling_kw(i % req.n)))
         bodies = CompletionBodies(rid, state.model_id)
         if req.stream:
-            return _sse(_completion_stream(state, req, prompts, relays, bodies))
+            return _sse(_completion_stream(state, req, each, [ids for _, ids in prompts], relays, bodies))
         results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
         choices = []
-        for i, ((p, ids), r, (text, events)) in enumerate(zip(prompts, relays, results)):
+        for i, ((p, ids), r, (text, events)) in enumerate(zip(each, relays, results)):
             _raise_engine_error(r)
             head = _echo_text(state, p, ids) if req.echo else ""
             lp = _completion_lp(state, req, ids, r, events) if req.logprobs is not None else None
             choices.append(CompletionBodies.choice(i, head + text, r.finish_reason, lp))
-        return bodies.full(choices, _usage(prompts, relays))
+        return bodies.full(choices, _usage([ids for _, ids in prompts], relays))
 
     return app
 
@@ -287,26 +285,8 @@ async def _until_disconnect(request: Request, work):
     return task.result()
 
 
-async def _chat_stream(state: ServerState, req: ChatCompletionRequest, relay: Relay, bodies: ChatBodies):
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
-    yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage))
-    async for p in relay.pieces():
-        lp = chat_logprobs(p.events, state.text_of) if req.logprobs else None
-        yield _json(bodies.chunk({"content": p.text}, logprobs=lp, with_usage=with_usage))
-    if (err := _error_event(relay)) is not None:
-        yield err
-    else:
-        yield _json(bodies.chunk({}, relay.finish_reason, with_usage=with_usage))
-        if with_usage:
-            st = relay.handle.stats
-            yield _json(bodies.usage_chunk(usage(st.prompt_tokens, st.generated, st.cached_tokens)))
-    yield {"data": "[DONE]"}
-
-
-async def _completion_stream(state: ServerState, req: CompletionRequest, prompts: list, relays: list[Relay],
-                             bodies: CompletionBodies):
-    """Several prompts stream interleaved, each chunk naming its choice index."""
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+async def _merged(relays: list[Relay]):
+    """(choice index, piece) as each request's text comes, then (index, None) when it ends."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, r: Relay) -> None:
@@ -317,36 +297,80 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, prompts
             await queue.put((i, None))
 
     tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(relays)]
-    echoed, open_ = [False] * len(relays), len(relays)
     try:
-        while open_:
-            i, p = await queue.get()
-            (prompt, ids), r = prompts[i], relays[i]
-            if req.echo and not echoed[i]:  # the prompt first (its scores are ready once a token or the end is)
-                echoed[i] = True
-                lp = _prompt_lp(state, req, ids, r) if req.logprobs is not None else None
-                yield _json(bodies.chunk(i, _echo_text(state, prompt, ids), logprobs=lp, with_usage=with_usage))
-            if p is None:
-                open_ -= 1
-                if (err := _error_event(r)) is not None:
-                    yield err
-                else:
-                    yield _json(bodies.chunk(i, "", r.finish_reason, with_usage=with_usage))
-                continue
-            lp = (completion_logprobs([(e.token, e.logprob, e.top) for e in p.events], state.text_of)
-                  if req.logprobs is not None else None)
-            yield _json(bodies.chunk(i, p.text, logprobs=lp, with_usage=with_usage))
-        if with_usage:
-            yield _json(bodies.usage_chunk(_usage(prompts, relays)))
-        yield {"data": "[DONE]"}
+        for _ in range(len(relays)):
+            while (item := await queue.get())[1] is not None:
+                yield item
+            yield item
     finally:
-        for t in tasks:
+        for t in tasks:  # the client went away: closing each pieces() generator cancels its request
             t.cancel()
 
 
-def _usage(prompts: list, relays: list[Relay]) -> dict:
-    return usage(sum(len(ids) for _, ids in prompts), sum(r.handle.stats.generated for r in relays),
-                 sum(r.handle.stats.cached_tokens for r in relays))
+async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: list[list[int]],
+                       relays: list[Relay], bodies: ChatBodies):
+    """The n choices stream interleaved, each chunk naming its index; a role chunk first for each."""
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    for i in range(len(relays)):
+        yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage, index=i))
+    async for i, p in _merged(relays):
+        r = relays[i]
+        if p is not None:
+            lp = chat_logprobs(p.events, state.text_of) if req.logprobs else None
+            yield _json(bodies.chunk({"content": p.text}, logprobs=lp, with_usage=with_usage, index=i))
+        elif (err := _error_event(r)) is not None:
+            yield err
+        else:
+            yield _json(bodies.chunk({}, r.finish_reason, with_usage=with_usage, index=i))
+    if with_usage and not any(_error_event(r) for r in relays):
+        yield _json(bodies.usage_chunk(_usage(prompts, relays)))
+    yield {"data": "[DONE]"}
+
+
+async def _completion_stream(state: ServerState, req: CompletionRequest, each: list, prompts: list[list[int]],
+                             relays: list[Relay], bodies: CompletionBodies):
+    """Every choice (prompts x n) streams interleaved, each chunk naming its index."""
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    echoed = [False] * len(relays)
+    async for i, p in _merged(relays):
+        (prompt, ids), r = each[i], relays[i]
+        if req.echo and not echoed[i]:  # the prompt first (its scores are ready once a token or the end is)
+            echoed[i] = True
+            lp = _prompt_lp(state, req, ids, r) if req.logprobs is not None else None
+            yield _json(bodies.chunk(i, _echo_text(state, prompt, ids), logprobs=lp, with_usage=with_usage))
+        if p is None:
+            if (err := _error_event(r)) is not None:
+                yield err
+            else:
+                yield _json(bodies.chunk(i, "", r.finish_reason, with_usage=with_usage))
+            continue
+        lp = (completion_logprobs([(e.token, e.logprob, e.top) for e in p.events], state.text_of)
+              if req.logprobs is not None else None)
+        yield _json(bodies.chunk(i, p.text, logprobs=lp, with_usage=with_usage))
+    if with_usage:
+        yield _json(bodies.usage_chunk(_usage(prompts, relays)))
+    yield {"data": "[DONE]"}
+
+
+def _submit_all(n: int, submit) -> list[Relay]:
+    """`submit(i)` for i < n; if one is refused, the ones already queued are cancelled."""
+    relays: list[Relay] = []
+    try:
+        for i in range(n):
+            relays.append(submit(i))
+    except APIError:
+        for r in relays:
+            r.handle.cancel()
+        raise
+    return relays
+
+
+def _usage(prompts: list[list[int]], relays: list[Relay]) -> dict:
+    """Each prompt's tokens once (as OpenAI counts n choices), every choice's completion; cached: per
+    prompt, the fewest any of its choices found cached."""
+    n = len(relays) // len(prompts)
+    cached = sum(min(r.handle.stats.cached_tokens for r in relays[i * n:(i + 1) * n]) for i in range(len(prompts)))
+    return usage(sum(len(ids) for ids in prompts), sum(r.handle.stats.generated for r in relays), cached)
 
 
 def _echo_text(state: ServerState, prompt, ids: list[int]) -> str:

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server accepts, and its OpenAI-shaped errors.
 
 Bodies are validated strictly (a string where a number belongs is a 400, as OpenAI does); fields
-the server does not know are ignored; fields it knows but does not implement (n > 1, tools,
+the server does not know are ignored; fields it knows but does not implement (tools, best_of > n,
 JSON modes, ...) are refused with a 400 that names them (docs/SERVER.md).
 """
 
@@ -76,6 +76,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MAX_N = 16  # choices per prompt (each takes a slot or waits in the queue)
 Temperature = Annotated[float, Field(ge=0, le=2)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
@@ -95,7 +96,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate past end-of-sequence (benchmarks)
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1  # choices per prompt: separate requests, seeds seed + i
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     user: str | None = None
 
@@ -105,13 +106,15 @@ class _Sampling(_Strict):
             raise bad_request("stop strings must not be empty", "stop")
         return stops
 
-    def sampling_kw(self) -> dict:
-        """Keywords for `Engine.submit`: OpenAI's defaults (temperature 1, top_p 1) where unset."""
+    def sampling_kw(self, choice: int = 0) -> dict:
+        """Keywords for `Engine.submit`: OpenAI's defaults (temperature 1, top_p 1) where unset; choice i
+        of n samples with seed + i (the choices differ, the request stays reproducible)."""
         return {"temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0,
                 "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "seed": self.seed, "logit_bias": self.token_biases()}
+                "seed": None if self.seed is None else (self.seed + choice) % 2**63,
+                "logit_bias": self.token_biases()}
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias with its keys (token ids, as JSON object keys are strings) as integers."""
@@ -123,8 +126,6 @@ class _Sampling(_Strict):
         return {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise bad_request("only n=1 is supported", "n", "unsupported_value")
         self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -168,8 +169,9 @@ class CompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.best_of not in (None, 1):
-            raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
+        if self.best_of not in (None, self.n):
+            raise bad_request("best_of other than n is not supported (no ranking of choices)", "best_of",
+                              "unsupported_value")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         if isinstance(self.prompt, list) and not self.prompt:

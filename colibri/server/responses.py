@@ -62,15 +62,18 @@ class ChatBodies:
     def __init__(self, rid: str, model: str):
         self.base = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": None}
 
-    def full(self, text: str, finish: str, logprobs: dict | None, use: dict) -> dict:
-        return {**self.base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, "finish_reason": finish}], "usage": use}
+    def full(self, choices: list[dict], use: dict) -> dict:
+        return {**self.base, "object": "chat.completion", "choices": choices, "usage": use}
+
+    @staticmethod
+    def choice(index: int, text: str, finish: str, logprobs: dict | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
 
     def chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None,
-              with_usage: bool = False) -> dict:
+              with_usage: bool = False, index: int = 0) -> dict:
         out = {**self.base, "object": "chat.completion.chunk",
-               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+               "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if with_usage:
             out["usage"] = None  # only the extra last chunk carries usage (stream_options.include_usage)
         return out
