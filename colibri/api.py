@@ -325,7 +325,8 @@ class Engine:
                "generated_tokens": k.generated_tokens, "steps": k.steps, "rows": k.rows,
                "decode_rows": k.decode_rows, "experts_unique": k.experts_unique,
                "experts_summed": k.experts_summed, "busy_s": k.busy_s,
-               "batching_gain": k.experts_summed / k.experts_unique if k.experts_unique else 1.0}
+               "batching_gain": k.experts_summed / k.experts_unique if k.experts_unique else 1.0,
+               "prompt_tokens_cached": self._sched.cached_tokens, "prompt_positions_copied": self.slots.copied}
         out.update(self._sched.counts())
         out["store"] = self.store.stats()
         return out

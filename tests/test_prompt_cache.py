@@ -10,6 +10,7 @@ from hf_tiny import hf_greedy, load_hf
 import colibri
 from colibri.engine.kv import SlotPool, common_prefix
 from colibri.errors import ColibriError
+from colibri.kernels import native
 from colibri.models.base import SUPPORTED
 
 P1 = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
@@ -88,6 +89,12 @@ def test_prompt_scoring_and_route_traces_compute_every_prompt_token(ckpt, tmp_pa
 class _Cache:
     nbytes = 8
 
+    def __init__(self):
+        self.copies = []
+
+    def copy_prefix(self, src, start, end):
+        self.copies.append((src, start, end))
+
 
 class _Model:
     def make_cache(self, ctx, dtype):
@@ -114,8 +121,43 @@ def test_slot_pool_remembers_what_each_slot_holds():
     assert pool.tokens[0] == [1]
     pool.release(0)
     assert pool.acquire([1, 2]) == (0, 1)
-    assert pool.acquire([1]) == (1, 0)
+    assert pool.copied == 0
+    assert pool.acquire([1, 7]) == (1, 1)  # the busy slot 0 holds [1]: copied into the free slot 1
+    assert pool.tokens[1] == [1] and pool.copied == 1
+    assert pool.caches[1][0].copies == [(pool.caches[0][0], 0, 1)]
     assert pool.acquire([1]) is None
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v3"])  # K/V caches, MLA latent caches
+def test_a_prefix_held_by_another_slot_is_copied(ckpt, model_type):
+    path = ckpt.coli(model_type, "f32")
+    system = P1 + [33, 71, 8, 19, 140, 77]  # a system prompt every conversation starts with
+    with colibri.load(path, ctx_size=96, threads=2, slots=2) as llm:
+        first = llm.submit(system + [5, 6], 40, ignore_eos=True)
+        next(iter(first))  # decoding in slot 0
+        second = llm.submit(system + [9, 10, 11], N, ignore_eos=True)
+        b = second.wait()
+        first.wait()
+        assert second.stats.cached_tokens == len(system)  # copied from the busy slot
+        m = llm.metrics()
+        assert m["prompt_positions_copied"] == len(system) and m["prompt_tokens_cached"] == len(system)
+    with colibri.load(path, ctx_size=96, threads=2, slots=1, cache_prompt=False) as full:
+        assert run(full, system + [9, 10, 11])[0] == b
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the native kernels (x86-64 AVX-512, a C compiler)")
+def test_reduced_precision_conversation_is_bit_identical_with_the_cache(ckpt):
+    """int8 (bf16 compute): prompt rows up to 512 go through the native kernels, which compute each
+    row alone, so a chat's turns give the same tokens whether their prefix is cached or computed."""
+    path = ckpt.coli("olmoe", "int8")
+    conv, tail = list(P1), [33, 71, 8, 19, 140, 77, 5, 61, 12]
+    with colibri.load(path, ctx_size=256, threads=2, slots=1) as llm, \
+            colibri.load(path, ctx_size=256, threads=2, slots=1, cache_prompt=False) as full:
+        for turn in range(5):
+            got, cached = run(llm, conv, 12)
+            assert got == run(full, conv, 12)[0], turn
+            assert cached == (0 if turn == 0 else len(conv) - len(tail) - 1)
+            conv = conv + got + tail
 
 
 def test_a_failed_step_forgets_what_it_may_have_written(ckpt, monkeypatch):

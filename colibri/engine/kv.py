@@ -7,7 +7,9 @@ request, so memory is `n_slots x ctx x bytes_per_position` for the engine's whol
 A slot also remembers the tokens whose K/V it holds (positions 0..len-1). A new request takes
 the free slot whose tokens share the longest prefix with its prompt and skips computing that
 prefix (prompt caching, llama-server's `cache_prompt`): a chat's next turn re-sends the whole
-conversation, and only the new part is prefilled.
+conversation, and only the new part is prefilled. Where another slot, busy or free, holds a
+longer prefix (a system prompt shared by several conversations), its K/V are copied over: a copy
+of what was computed, the same bits, for a fraction of the compute.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class SlotPool:
             self.caches.append(caches)
         self._free = list(range(n_slots))  # least recently released first
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # per slot: the ids its K/V hold
+        self.copied = 0  # positions copied between slots (a shared prefix)
 
     @property
     def nbytes(self) -> int:
@@ -53,9 +56,10 @@ class SlotPool:
         return len(self._free)
 
     def acquire(self, prompt: list[int] | None = None) -> tuple[int, int] | None:
-        """A free slot and how many leading tokens of `prompt` its cache already holds: the free slot
-        with the longest shared prefix, else the least recently used one (whose contents are the
-        least likely to be asked for again). None when every slot is taken."""
+        """A free slot and how many leading tokens of `prompt` its cache holds: the free slot with the
+        longest shared prefix, else the least recently used one (whose contents are the least likely
+        to be asked for again); topped up from any slot that holds more of the prompt. None when
+        every slot is taken. Only the engine thread calls it (between steps: the copy is safe)."""
         if not self._free:
             return None
         best, shared = self._free[0], 0
@@ -64,8 +68,23 @@ class SlotPool:
                 n = common_prefix(self.tokens[s], prompt)
                 if n > shared:
                     best, shared = s, n
+            src, more = best, shared
+            for s in range(self.n_slots):
+                n = common_prefix(self.tokens[s], prompt)
+                if n > more:
+                    src, more = s, n
+            if src != best:
+                self._copy(src, best, shared, more)
+                shared = more
         self._free.remove(best)
         return best, shared
+
+    def _copy(self, src: int, dst: int, start: int, end: int) -> None:
+        """Positions start..end of slot src's caches (and tokens) into slot dst."""
+        for a, b in zip(self.caches[dst], self.caches[src]):
+            a.copy_prefix(b, start, end)
+        self.tokens[dst][start:] = self.tokens[src][start:end]
+        self.copied += end - start
 
     def release(self, slot: int) -> None:
         # No clearing: a sequence only reads positions it wrote (attention stops at its own length).

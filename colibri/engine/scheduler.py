@@ -85,6 +85,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.closed = False
         self.finished: dict[str, int] = {}  # finish reason -> requests
+        self.cached_tokens = 0  # prompt tokens not computed: a slot's cache held them
 
     # ------------------------------------------------------------------ any thread
 
@@ -134,6 +135,7 @@ class Scheduler:
                 h.stats.cached_tokens = min(held, max(len(h.prompt_ids) - 1, 0))
                 a = Active(h, slot, TokenPicker(h.sampling, h.prompt_ids), h.stats.cached_tokens)
                 a.native_prefill = a.prompt_len - a.fed <= self.native_prompt
+                self.cached_tokens += a.fed
                 self.active.append(a)
 
     def finish(self, a: Active, reason: str, error: BaseException | None = None) -> None:

@@ -199,6 +199,11 @@ class KVCache:
         self.k, self.v = self.k.to(device), self.v.to(device)
         return self
 
+    def copy_prefix(self, src: KVCache, start: int, end: int) -> None:
+        """Positions start..end of another sequence's cache of this layer (a shared prompt prefix)."""
+        self.k[:, start:end] = src.k[:, start:end]
+        self.v[:, start:end] = src.v[:, start:end]
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

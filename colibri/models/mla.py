@@ -82,6 +82,10 @@ class LatentCache:
         self.kv = self.kv.to(device)
         return self
 
+    def copy_prefix(self, src: LatentCache, start: int, end: int) -> None:
+        """Positions start..end of another sequence's cache of this layer (a shared prompt prefix)."""
+        self.kv[start:end] = src.kv[start:end]
+
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes
