@@ -79,7 +79,8 @@ def main() -> None:
     _, colis, ggufs = prepare(a.shape, a.workdir, a.schemes, cache)
     print(f"shape {a.shape}, {a.threads} threads; prefill tok/s (prompt / time to first token, median of "
           f"{a.rounds}); colibri: native = 64-row steps up to native_prompt rows, gemm = GEMM steps until 192 "
-          "rows are left (the former plan); llama.cpp: llama-bench pp")
+          "rows are left (the former plan; the same plan at <= 192 and > native_prompt rows: those lengths show "
+          "the noise); llama.cpp: llama-bench pp")
     print(f"{'scheme':<8}{'length':>7}{'native':>9}{'gemm':>9}{'llama':>9}{'native/gemm':>13}"
           f"{'native/llama':>14}{'load':>6}")
     for s in a.schemes:
