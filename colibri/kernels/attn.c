@@ -197,11 +197,18 @@ typedef struct {
     int T, H;
 } attn_multi;
 
+/* Head-major: a head's keys and values (a few hundred KiB at a long context) are read by every row of a
+ * prompt chunk while they sit in L2; row-major (-DATTN_ROW_MAJOR) read all heads' (MiBs) again per row,
+ * from L3. Same jobs, same bits. */
 static void attn_multi_part(void *p, int id, int n) {
     attn_multi *m = (attn_multi *)p;
     long a, b;
     split((long)m->T * m->H, id, n, &a, &b);
+#ifdef ATTN_ROW_MAJOR
     for (long i = a; i < b; i++) attn_heads(&m->rows[i / m->H], i % m->H, i % m->H + 1);
+#else
+    for (long i = a; i < b; i++) attn_heads(&m->rows[i % m->T], i / m->T, i / m->T + 1);
+#endif
 }
 
 /* coli_attn_decode for T query rows at once (a prompt chunk, a batch of sequences): row t's query at
