@@ -3,12 +3,15 @@
 and llama.cpp's pp, same checkpoint, same run.
 
     .venv/bin/python benchmarks/bench_prefill.py [--shape 0.44b] [--schemes int8 int4]
-        [--lengths 128 256 384 512 1024] [--rounds 3] [--threads 2] [--workdir /tmp/colibri-bench]
+        [--lengths 128 256 384 512 1024] [--after 0] [--rounds 3] [--threads 2] [--workdir /tmp/colibri-bench]
 
 Same checkpoint and converters as bench_vs_llamacpp.py. colibri runs in one process per scheme
 (prompt caching off: every prompt is computed), the two plans interleaved per length, --rounds
 times; prefill tok/s = prompt tokens / time to the first token, median of the rounds. llama.cpp:
 llama-bench -p LENGTH (its pp, --rounds repeats). Printed with the ratios and the load average.
+--after C: each colibri prompt is C tokens its slot already holds (prompt caching on) and LENGTH
+new ones, a chat turn deep in a conversation (llama-bench has no such test: its column is then pp
+from an empty context, for scale).
 """
 
 from __future__ import annotations
@@ -35,16 +38,24 @@ def worker(a: argparse.Namespace) -> None:
     """In a fresh process: {length: {"native": tok/s, "gemm": tok/s}} as JSON on stdout."""
     import colibri
 
-    llm = colibri.load(a.model, ctx_size=max(a.lengths) + 8, threads=a.threads, cache_prompt=False)
+    llm = colibri.load(a.model, ctx_size=a.after + max(*a.lengths, 700) + 8, threads=a.threads,
+                       cache_prompt=a.after > 0)
     rng = random.Random(0)
     native_prompt = llm._sched.native_prompt
+    head = [1] + [rng.randrange(3, 384) for _ in range(a.after - 1)] if a.after else []  # ids the test tokenizer has
+    if head:
+        llm.submit(head, 1, ignore_eos=True).wait()
 
     def prefill(n: int, plan: int) -> float:
         llm._sched.native_prompt = plan
-        prompt = [1] + [rng.randrange(3, 384) for _ in range(n - 1)]  # ids the test tokenizer has
+        prompt = head + [rng.randrange(3, 384) for _ in range(n)] if head else \
+            [1] + [rng.randrange(3, 384) for _ in range(n - 1)]
         t0 = time.perf_counter()
-        list(llm.generate_ids(prompt, 1, ignore_eos=True))
-        return n / (time.perf_counter() - t0)
+        h = llm.submit(prompt, 1, ignore_eos=True)
+        h.wait()
+        t = time.perf_counter() - t0
+        assert h.stats.cached_tokens >= len(head)  # (more when the new part starts as the last one did)
+        return (len(prompt) - h.stats.cached_tokens) / t
 
     for n in (64, 300, 700):  # warm-up: both paths
         prefill(n, native_prompt)
@@ -65,6 +76,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.44b")
     ap.add_argument("--schemes", nargs="+", choices=sorted(GGUF_TYPE), default=["int8", "int4"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 384, 512, 1024])
+    ap.add_argument("--after", type=int, default=0, help="tokens of each prompt already in the slot's cache")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/colibri-bench"))
@@ -77,7 +89,8 @@ def main() -> None:
     cache = a.workdir / "llamacpp"
     bin_dir = llamacpp.build(cache)
     _, colis, ggufs = prepare(a.shape, a.workdir, a.schemes, cache)
-    print(f"shape {a.shape}, {a.threads} threads; prefill tok/s (prompt / time to first token, median of "
+    after = f", after {a.after} cached positions" if a.after else ""
+    print(f"shape {a.shape}, {a.threads} threads{after}; prefill tok/s (prompt / time to first token, median of "
           f"{a.rounds}); colibri: native = 64-row steps up to native_prompt rows, gemm = GEMM steps until 192 "
           "rows are left (the former plan; the same plan at <= 192 and > native_prompt rows: those lengths show "
           "the noise); llama.cpp: llama-bench pp")
@@ -85,7 +98,7 @@ def main() -> None:
           f"{'native/llama':>14}{'load':>6}")
     for s in a.schemes:
         cmd = [sys.executable, __file__, "--worker", "--model", str(colis[s]), "--threads", str(a.threads),
-               "--rounds", str(a.rounds), "--lengths", *map(str, a.lengths)]
+               "--rounds", str(a.rounds), "--after", str(a.after), "--lengths", *map(str, a.lengths)]
         r = measured(cmd, env={"PYTHONPATH": str(ROOT)})
         if r["rc"] != 0:
             raise SystemExit(f"colibri worker failed:\n{r['stderr'][-2000:]}")
