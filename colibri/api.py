@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -345,6 +346,37 @@ class Engine:
     def remove_step_listener(self, fn: Callable[[StepInfo], None]) -> None:
         if fn in self._runner.listeners:
             self._runner.listeners.remove(fn)
+
+    def save_prompt_cache(self, path: str | os.PathLike, slot: int = 0) -> int:
+        """Write a free slot's token ids and their K/V to `path` (engine/kvfile.py); returns the positions
+        written. `load_prompt_cache` in a later run lets a prompt that starts the same skip that part."""
+        from .engine import kvfile
+
+        with self._idle_slot(slot):
+            return kvfile.save(self.slots, slot, path, kvfile.model_identity(self.container.header, self.dtype))
+
+    def load_prompt_cache(self, path: str | os.PathLike, slot: int = 0) -> int:
+        """Fill a free slot from a file of `save_prompt_cache` (same model and dtype, else ColibriError);
+        returns the positions loaded."""
+        from .engine import kvfile
+
+        with self._idle_slot(slot):
+            try:
+                return kvfile.load(self.slots, slot, path, kvfile.model_identity(self.container.header, self.dtype))
+            except BaseException:
+                self.slots.forget(slot)  # partly overwritten, or never known
+                raise
+
+    @contextlib.contextmanager
+    def _idle_slot(self, slot: int):
+        """Hold the scheduler (no admission meanwhile) while a slot no request holds is read or written."""
+        self._check_open()
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
+            raise ColibriError(f"slot must be an integer in [0, {self.n_slots}), got {slot!r}")
+        with self._sched.cond:
+            if slot not in self.slots._free:
+                raise ColibriError(f"slot {slot} is serving a request; save or load its cache when it is free")
+            yield
 
     def trace_routing(self, enabled: bool = True) -> None:
         """Log every token's experts and routing weights per layer (debug level; docs/ROUTING.md)."""

@@ -183,3 +183,64 @@ def test_a_failed_step_forgets_what_it_may_have_written(ckpt, monkeypatch):
         assert cached == len(P1) + N - 1
     with colibri.load(path, ctx_size=96, threads=2, slots=1, cache_prompt=False) as full:
         assert run(full, P1 + a + [5, 6])[0] == b
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v3"])
+def test_a_prompt_cache_file_serves_the_next_run(ckpt, tmp_path, model_type):
+    path, cache = ckpt.coli(model_type, "f32"), tmp_path / "prompt.cache"
+    with colibri.load(path, ctx_size=96, threads=2) as llm:
+        a, _ = run(llm, P1)
+        saved = llm.save_prompt_cache(cache)
+    assert saved == len(P1) + N - 1
+    follow = P1 + a + [5, 6]
+    with colibri.load(path, ctx_size=96, threads=2) as llm:
+        assert llm.load_prompt_cache(cache) == saved
+        b, cached = run(llm, follow)
+        assert cached == saved
+    with colibri.load(path, ctx_size=96, threads=2, cache_prompt=False) as full:
+        assert run(full, follow)[0] == b
+
+
+def test_prompt_cache_files_are_checked(ckpt, tmp_path):
+    cache, junk = tmp_path / "olmoe.cache", tmp_path / "junk.cache"
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=96, threads=2, slots=2) as llm:
+        assert llm.save_prompt_cache(cache) == 0 and not cache.exists()  # an empty slot: nothing to save
+        run(llm, P1)
+        assert llm.save_prompt_cache(cache) > 0
+        h = llm.submit(P2[1:], 60, ignore_eos=True)
+        next(iter(h))  # nothing in common with slot 0: slot 1 (the least recently used) is busy now
+        with pytest.raises(ColibriError, match="serving a request"):
+            llm.save_prompt_cache(cache, slot=1)
+        with pytest.raises(ColibriError, match="slot must be"):
+            llm.save_prompt_cache(cache, slot=2)
+        h.cancel()
+    junk.write_bytes(b"\x80\x04not a pickle at all" * 10)
+    with colibri.load(ckpt.coli("qwen3_moe", "f32"), ctx_size=96, threads=2) as other:
+        with pytest.raises(ColibriError, match="another model"):
+            other.load_prompt_cache(cache)
+        with pytest.raises(ColibriError, match="not a colibri prompt cache"):
+            other.load_prompt_cache(junk)
+        assert run(other, P1)[1] == 0  # nothing was loaded
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=8, threads=2) as short:
+        with pytest.raises(ColibriError, match="more than ctx-size"):
+            short.load_prompt_cache(cache)
+
+
+def test_run_prompt_cache_flag(ckpt, tmp_path, capsys):
+    from colibri.cli.run import main
+
+    path, cache = ckpt.coli("olmoe", "f32"), tmp_path / "p.cache"
+    argv = ["--model", str(path), "--prompt", "Once upon a time there was a fox", "-n", "4", "--temperature", "0",
+            "--prompt-cache", str(cache), "--ctx-size", "64"]
+    main(argv)
+    first = capsys.readouterr()
+    assert cache.exists() and "cached)" not in first.err
+    main(argv)
+    second = capsys.readouterr()
+    assert second.out == first.out and "cached)" in second.err
+    cache.write_bytes(b"garbage")
+    main(argv)  # a bad file is replaced, with a warning
+    third = capsys.readouterr()
+    assert third.out == first.out and "ignoring the prompt cache" in third.err
+    with pytest.raises(ColibriError, match="no-cache-prompt"):
+        main(argv + ["--no-cache-prompt"])

@@ -37,6 +37,9 @@ def run_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template as one user turn (see 'colibri chat')")
     g.add_argument("-n", "--n-predict", type=positive("-n"), default=128, help="number of tokens to generate")
+    g.add_argument("--prompt-cache", metavar="FILE", default=None,
+                   help="load the K/V of an earlier run's prompt from FILE (the part this prompt shares is not "
+                        "computed again), and save this run's to it")
     add_sampling_args(p)
     add_engine_args(p)
     o = p.add_argument_group("output")
@@ -97,16 +100,37 @@ def main(argv: list[str] | None = None) -> int:
     prompt = _read_prompt(a)
     if a.prompt is not None and a.file:
         raise ColibriError("give either --prompt or --file, not both")
+    if a.prompt_cache and not a.cache_prompt:
+        raise ColibriError("--prompt-cache needs prompt caching (drop --no-cache-prompt)")
+    if a.prompt_cache and Path(a.prompt_cache).is_dir():
+        raise ColibriError(f"--prompt-cache {a.prompt_cache} is a directory, not a file")
     t0 = time.perf_counter()
     llm = engine_from_args(a)
     log.info("loaded %s (%s, %s, %d layers) in %.2fs; KV cache %.1f MiB for ctx %d", a.model,
              llm.container.model_type, llm.scheme, llm.n_layers, time.perf_counter() - t0,
              llm.kv_bytes() / 2**20, a.ctx_size)
     try:
+        if a.prompt_cache:
+            _load_prompt_cache(llm, a.prompt_cache)
         _generate(a, llm, prompt)
+        if a.prompt_cache:
+            n = llm.save_prompt_cache(a.prompt_cache)
+            log.info("prompt cache %s: %d positions saved", a.prompt_cache, n)
     finally:
         llm.close()  # in-process callers (tests, the fuzz worker) must not keep the engine thread
     return 0
+
+
+def _load_prompt_cache(llm, path: str) -> None:
+    """A missing file is created at the end; one of another model (or damaged) is replaced, with a warning."""
+    if not Path(path).exists():
+        return
+    try:
+        n = llm.load_prompt_cache(path)
+    except ColibriError as e:
+        log.warning("colibri: ignoring the prompt cache: %s (it will be overwritten)", e)
+        return
+    log.info("prompt cache %s: %d positions loaded", path, n)
 
 
 def _generate(a: argparse.Namespace, llm, prompt: str) -> None:

@@ -204,6 +204,17 @@ class KVCache:
         self.k[:, start:end] = src.k[:, start:end]
         self.v[:, start:end] = src.v[:, start:end]
 
+    def state(self, n: int) -> dict[str, torch.Tensor]:
+        """Positions 0..n, for a prompt cache file (engine/kvfile.py)."""
+        return {"k": self.k[:, :n].cpu(), "v": self.v[:, :n].cpu()}
+
+    def load_state(self, st: dict[str, torch.Tensor], n: int) -> None:
+        self.k[:, :n] = st["k"]
+        self.v[:, :n] = st["v"]
+
+    def state_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.k.shape[0], n, self.k.shape[2]), "v": (self.v.shape[0], n, self.v.shape[2])}
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

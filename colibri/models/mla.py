@@ -86,6 +86,16 @@ class LatentCache:
         """Positions start..end of another sequence's cache of this layer (a shared prompt prefix)."""
         self.kv[start:end] = src.kv[start:end]
 
+    def state(self, n: int) -> dict[str, torch.Tensor]:
+        """Positions 0..n, for a prompt cache file (engine/kvfile.py)."""
+        return {"kv": self.kv[:n].cpu()}
+
+    def load_state(self, st: dict[str, torch.Tensor], n: int) -> None:
+        self.kv[:n] = st["kv"]
+
+    def state_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
+        return {"kv": (n, self.kv.shape[1])}
+
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes

@@ -1,0 +1,78 @@
+"""Prompt cache files: one slot's token ids and their K/V on disk (llama.cpp's `--prompt-cache`).
+
+A long prompt is computed once; the next run with the same model loads its K/V into a slot and
+prompt caching (engine/kv.py) skips whatever prefix the new prompt shares with it. The file is a
+`torch.save` of plain tensors and lists, read back with `weights_only=True` (no code runs from it),
+and it names the model it belongs to (a hash of the container's header, which holds every
+tensor's checksum), the compute dtype and every layer's shapes: a file of another model, dtype or
+shape is refused with a clear error, never loaded into the wrong cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import ColibriError
+from .kv import SlotPool
+
+FORMAT = "colibri-prompt-cache/1"
+
+
+def model_identity(header: dict, dtype: torch.dtype) -> str:
+    """What a file must match: the container's header (tensor names, shapes, checksums) and the dtype."""
+    h = hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode())
+    return f"{h.hexdigest()[:32]}/{dtype}"
+
+
+def save(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> int:
+    """Write the slot's tokens and their K/V; returns the positions written (0: nothing to save)."""
+    tokens = list(pool.tokens[slot])
+    n = len(tokens)
+    if n == 0:
+        return 0
+    state = {"format": FORMAT, "model": identity, "tokens": torch.tensor(tokens, dtype=torch.int64),
+             "layers": [c.state(n) for c in pool.caches[slot]]}
+    tmp = Path(f"{path}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a reader never sees half a file
+    return n
+
+
+def load(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> int:
+    """Read a file written by `save` into the slot; returns the positions loaded."""
+    try:
+        with warnings.catch_warnings():  # torch's notes about a foreign file's pickle: the error says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
+        raise ColibriError(f"{path}: not a colibri prompt cache ({type(e).__name__})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ColibriError(f"{path}: not a colibri prompt cache")
+    if state.get("model") != identity:
+        raise ColibriError(f"{path}: a prompt cache of another model or dtype")
+    tokens, layers = state.get("tokens"), state.get("layers")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or not isinstance(layers, list):
+        raise ColibriError(f"{path}: a damaged prompt cache")
+    n = tokens.shape[0]
+    caches = pool.caches[slot]
+    if n > pool.ctx:
+        raise ColibriError(f"{path}: holds {n} positions, more than ctx-size {pool.ctx}")
+    if len(layers) != len(caches) or any(
+            not isinstance(st, dict) or {k: tuple(v.shape) for k, v in st.items() if isinstance(v, torch.Tensor)}
+            != c.state_shapes(n) for st, c in zip(layers, caches)):
+        raise ColibriError(f"{path}: a damaged prompt cache (layer shapes differ)")
+    for st, c in zip(layers, caches):
+        if any(st[k].dtype != v.dtype for k, v in c.state(0).items()):
+            raise ColibriError(f"{path}: a damaged prompt cache (dtype differs)")
+    for st, c in zip(layers, caches):
+        c.load_state(st, n)
+    pool.tokens[slot] = tokens.tolist()
+    return n
