@@ -244,3 +244,28 @@ def test_run_prompt_cache_flag(ckpt, tmp_path, capsys):
     assert third.out == first.out and "ignoring the prompt cache" in third.err
     with pytest.raises(ColibriError, match="no-cache-prompt"):
         main(argv + ["--no-cache-prompt"])
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the native kernels (x86-64 AVX-512, a C compiler)")
+def test_a_long_prompt_rerun_from_its_cache_file_gives_the_same_tokens(ckpt, tmp_path):
+    """int8: a prompt too long for the native plan is read in GEMM steps up to its last `short_prompt`
+    rows, which go through the native kernels; a rerun that loads the rest from a file computes its last
+    row there too, so the tokens and their log-probabilities (the logits' bits) are the same. (With the
+    GEMM steps running to the prompt's end, as before, the first token's logprob differed: -0.038 vs
+    -0.079.)"""
+    path, cache = ckpt.coli("olmoe", "int8"), tmp_path / "p.cache"
+    prompt = [1] + [3 + (7 * i) % 300 for i in range(299)]
+
+    def scored(llm) -> tuple[list[tuple[int, float]], int]:
+        h = llm.submit(prompt, 6, ignore_eos=True, logprobs=0)
+        return [(ev.token, ev.logprob) for ev in h], h.stats.cached_tokens
+
+    with colibri.load(path, ctx_size=400, threads=2) as llm:
+        llm._sched.native_prompt = 0  # (a tiny model: make 300 rows "long")
+        first, _ = scored(llm)
+        llm.save_prompt_cache(cache)
+    with colibri.load(path, ctx_size=400, threads=2) as llm:
+        llm._sched.native_prompt = 0
+        llm.load_prompt_cache(cache)
+        again, cached = scored(llm)
+    assert cached == len(prompt) - 1 and again == first

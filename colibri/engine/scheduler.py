@@ -69,8 +69,8 @@ class Scheduler:
         running streams wait one short step rather than a long prefill). Prompts alone go
         `mixed_rows` at a time too when each had at most `native_prompt` (8 x mixed_rows) rows to
         compute, and at most twice that in all (cached ones included), and at most `native_prompt`
-        are left in all, or once at most `short_prompt` (3 x mixed_rows) are left; otherwise
-        `prefill_chunk` rows a step. None: no limit."""
+        are left in all, or once at most `short_prompt` (3 x mixed_rows) are left; otherwise up to
+        `prefill_chunk` rows a step until `short_prompt` are left. None: no limit."""
         self.slots, self.max_queue, self.prefill_chunk = slots, max_queue, prefill_chunk
         self.mixed_rows = mixed_rows
         self.cache_prompt = cache_prompt
@@ -160,6 +160,9 @@ class Scheduler:
             left = sum(a.prompt_len - a.fed for a in prefilling)
             if left <= self.short_prompt or (left <= self.native_prompt and all(a.native_prefill for a in prefilling)):
                 budget = min(budget, self.mixed_rows)
+            else:  # GEMM steps stop short_prompt rows before the end: a prompt's last rows always take the
+                # native steps, also when a rerun finds the rest cached (the same bits, the same output)
+                budget = min(budget, left - self.short_prompt)
         for a in self.active:
             if not a.prefilling or budget <= 0:
                 continue
