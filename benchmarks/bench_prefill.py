@@ -1,5 +1,5 @@
 """Prefill by prompt length: colibri's step plan (native 64-row steps for prompts of at most
-`Scheduler.native_prompt` rows) against the former plan (torch GEMM steps until 192 rows are left)
+`Scheduler.native_prompt` rows) against the GEMM plan (torch GEMM steps until 192 rows are left, the former one)
 and llama.cpp's pp, same checkpoint, same run.
 
     .venv/bin/python benchmarks/bench_prefill.py [--shape 0.44b] [--schemes int8 int4]
@@ -91,9 +91,9 @@ def main() -> None:
     _, colis, ggufs = prepare(a.shape, a.workdir, a.schemes, cache)
     after = f", after {a.after} cached positions" if a.after else ""
     print(f"shape {a.shape}, {a.threads} threads{after}; prefill tok/s (prompt / time to first token, median of "
-          f"{a.rounds}); colibri: native = 64-row steps up to native_prompt rows, gemm = GEMM steps until 192 "
-          "rows are left (the former plan; the same plan at <= 192 and > native_prompt rows: those lengths show "
-          "the noise); llama.cpp: llama-bench pp")
+          f"{a.rounds}); colibri: native = the plan (64-row steps up to native_prompt rows), gemm = GEMM steps "
+          "until 192 rows are left (native_prompt 0; the same plan at <= 192 and > native_prompt rows: those "
+          "lengths show the noise); llama.cpp: llama-bench pp")
     print(f"{'scheme':<8}{'length':>7}{'native':>9}{'gemm':>9}{'llama':>9}{'native/gemm':>13}"
           f"{'native/llama':>14}{'load':>6}")
     for s in a.schemes:
