@@ -374,7 +374,7 @@ class Engine:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
             raise ColibriError(f"slot must be an integer in [0, {self.n_slots}), got {slot!r}")
         with self._sched.cond:
-            if slot not in self.slots._free:
+            if not self.slots.is_free(slot):
                 raise ColibriError(f"slot {slot} is serving a request; save or load its cache when it is free")
             yield
 

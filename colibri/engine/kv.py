@@ -90,6 +90,9 @@ class SlotPool:
         self.tokens[dst][start:] = self.tokens[src][start:end]
         self.copied += end - start
 
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
+
     def release(self, slot: int) -> None:
         # No clearing: a sequence only reads positions it wrote (attention stops at its own length).
         self._free.append(slot)
