@@ -88,12 +88,13 @@ def test_prompt_scoring_and_route_traces_compute_every_prompt_token(ckpt, tmp_pa
 
 class _Cache:
     nbytes = 8
+    POS_DIM = 0
 
     def __init__(self):
-        self.copies = []
+        self.t = torch.zeros(32)
 
-    def copy_prefix(self, src, start, end):
-        self.copies.append((src, start, end))
+    def parts(self):
+        return {"t": self.t}
 
 
 class _Model:
@@ -122,9 +123,10 @@ def test_slot_pool_remembers_what_each_slot_holds():
     pool.release(0)
     assert pool.acquire([1, 2]) == (0, 1)
     assert pool.copied == 0
+    pool.caches[0][0].t[0] = 7.0  # (what slot 0 computed for position 0)
     assert pool.acquire([1, 7]) == (1, 1)  # the busy slot 0 holds [1]: copied into the free slot 1
     assert pool.tokens[1] == [1] and pool.copied == 1
-    assert pool.caches[1][0].copies == [(pool.caches[0][0], 0, 1)]
+    assert pool.caches[1][0].t[0] == 7.0  # the K/V slot 0 holds for position 0
     assert pool.acquire([1]) is None
 
 

@@ -20,6 +20,11 @@ import torch
 from torch import nn
 
 
+def positions(cache, start: int, end: int) -> dict[str, torch.Tensor]:
+    """Views of positions start..end of a layer cache's tensors (KVCache, LatentCache: `parts()`)."""
+    return {k: t.narrow(cache.POS_DIM, start, end - start) for k, t in cache.parts().items()}
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix. Blocks of 256 compare as slices (in C), so a 32k-token
     conversation costs ~130 Python steps per slot, not 32k (admission holds the scheduler's lock)."""
@@ -68,25 +73,22 @@ class SlotPool:
             return None
         best, shared = self._free[0], 0
         if prompt:
-            for s in self._free:
-                n = common_prefix(self.tokens[s], prompt)
-                if n > shared:
-                    best, shared = s, n
-            src, more = best, shared
-            for s in range(self.n_slots):
-                n = common_prefix(self.tokens[s], prompt)
-                if n > more:
-                    src, more = s, n
-            if src != best:
-                self._copy(src, best, shared, more)
-                shared = more
+            held = [common_prefix(t, prompt) for t in self.tokens]
+            best = max(self._free, key=lambda s: held[s])  # (ties: the least recently used)
+            src = max(range(self.n_slots), key=lambda s: held[s])
+            shared = held[best]
+            if held[src] > shared:
+                self._copy(src, best, shared, held[src])
+                shared = held[src]
         self._free.remove(best)
         return best, shared
 
     def _copy(self, src: int, dst: int, start: int, end: int) -> None:
         """Positions start..end of slot src's caches (and tokens) into slot dst."""
         for a, b in zip(self.caches[dst], self.caches[src]):
-            a.copy_prefix(b, start, end)
+            into = positions(a, start, end)
+            for name, t in positions(b, start, end).items():
+                into[name].copy_(t)
         self.tokens[dst][start:] = self.tokens[src][start:end]
         self.copied += end - start
 

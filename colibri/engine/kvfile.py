@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ColibriError
-from .kv import SlotPool
+from .kv import SlotPool, positions
 
 FORMAT = "colibri-prompt-cache/1"
 
@@ -37,7 +37,7 @@ def save(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> i
     if n == 0:
         return 0
     state = {"format": FORMAT, "model": identity, "tokens": torch.tensor(tokens, dtype=torch.int64),
-             "layers": [c.state(n) for c in pool.caches[slot]]}
+             "layers": [{k: t.cpu() for k, t in positions(c, 0, n).items()} for c in pool.caches[slot]]}
     tmp = Path(f"{path}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # a reader never sees half a file
@@ -65,14 +65,18 @@ def load(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> i
     caches = pool.caches[slot]
     if n > pool.ctx:
         raise ColibriError(f"{path}: holds {n} positions, more than ctx-size {pool.ctx}")
-    if len(layers) != len(caches) or any(
-            not isinstance(st, dict) or {k: tuple(v.shape) for k, v in st.items() if isinstance(v, torch.Tensor)}
-            != c.state_shapes(n) for st, c in zip(layers, caches)):
-        raise ColibriError(f"{path}: a damaged prompt cache (layer shapes differ)")
-    for st, c in zip(layers, caches):
-        if any(st[k].dtype != v.dtype for k, v in c.state(0).items()):
-            raise ColibriError(f"{path}: a damaged prompt cache (dtype differs)")
-    for st, c in zip(layers, caches):
-        c.load_state(st, n)
+    into = [positions(c, 0, n) for c in caches]  # views of the slot's caches: [layer][name]
+    if len(layers) != len(caches) or any(not _fits(st, dst) for st, dst in zip(layers, into)):
+        raise ColibriError(f"{path}: a damaged prompt cache (layer shapes or dtypes differ)")
+    for st, dst in zip(layers, into):
+        for name, t in dst.items():
+            t.copy_(st[name])
     pool.tokens[slot] = tokens.tolist()
     return n
+
+
+def _fits(saved, views: dict[str, torch.Tensor]) -> bool:
+    """A saved layer has exactly the tensors of the cache's views, with their shapes and dtypes."""
+    return isinstance(saved, dict) and saved.keys() == views.keys() and all(
+        isinstance(saved[k], torch.Tensor) and saved[k].shape == v.shape and saved[k].dtype == v.dtype
+        for k, v in views.items())

@@ -199,21 +199,11 @@ class KVCache:
         self.k, self.v = self.k.to(device), self.v.to(device)
         return self
 
-    def copy_prefix(self, src: KVCache, start: int, end: int) -> None:
-        """Positions start..end of another sequence's cache of this layer (a shared prompt prefix)."""
-        self.k[:, start:end] = src.k[:, start:end]
-        self.v[:, start:end] = src.v[:, start:end]
+    POS_DIM = 1  # the position axis of every tensor of `parts()`
 
-    def state(self, n: int) -> dict[str, torch.Tensor]:
-        """Positions 0..n, for a prompt cache file (engine/kvfile.py)."""
-        return {"k": self.k[:, :n].cpu(), "v": self.v[:, :n].cpu()}
-
-    def load_state(self, st: dict[str, torch.Tensor], n: int) -> None:
-        self.k[:, :n] = st["k"]
-        self.v[:, :n] = st["v"]
-
-    def state_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
-        return {"k": (self.k.shape[0], n, self.k.shape[2]), "v": (self.v.shape[0], n, self.v.shape[2])}
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold positions (copied between slots, saved to prompt cache files: engine/kv.py)."""
+        return {"k": self.k, "v": self.v}
 
     @property
     def nbytes(self) -> int:

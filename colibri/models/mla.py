@@ -82,19 +82,11 @@ class LatentCache:
         self.kv = self.kv.to(device)
         return self
 
-    def copy_prefix(self, src: LatentCache, start: int, end: int) -> None:
-        """Positions start..end of another sequence's cache of this layer (a shared prompt prefix)."""
-        self.kv[start:end] = src.kv[start:end]
+    POS_DIM = 0  # the position axis of every tensor of `parts()`
 
-    def state(self, n: int) -> dict[str, torch.Tensor]:
-        """Positions 0..n, for a prompt cache file (engine/kvfile.py)."""
-        return {"kv": self.kv[:n].cpu()}
-
-    def load_state(self, st: dict[str, torch.Tensor], n: int) -> None:
-        self.kv[:n] = st["kv"]
-
-    def state_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
-        return {"kv": (n, self.kv.shape[1])}
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold positions (copied between slots, saved to prompt cache files: engine/kv.py)."""
+        return {"kv": self.kv}
 
     @property
     def nbytes(self) -> int:
