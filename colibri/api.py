@@ -367,6 +367,23 @@ class Engine:
                 self.slots.forget(slot)  # partly overwritten, or never known
                 raise
 
+    def erase_prompt_cache(self, slot: int = 0) -> int:
+        """Forget what a free slot holds (its next request computes its whole prompt); returns the
+        positions it held."""
+        with self._idle_slot(slot):
+            held = len(self.slots.tokens[slot])
+            self.slots.forget(slot)
+            return held
+
+    def slot_states(self) -> list[dict]:
+        """Per slot: `id`, `busy`, the `request_id` it serves (None when free) and `n_cached`, the
+        positions whose K/V it holds (what a prompt starting with those tokens would skip)."""
+        self._check_open()
+        with self._sched.cond:
+            serving = {a.slot: a.h.id for a in list(self._sched.active)}
+            return [{"id": i, "busy": not self.slots.is_free(i), "request_id": serving.get(i),
+                     "n_cached": len(self.slots.tokens[i])} for i in range(self.n_slots)]
+
     @contextlib.contextmanager
     def _idle_slot(self, slot: int):
         """Hold the scheduler (no admission meanwhile) while a slot no request holds is read or written."""

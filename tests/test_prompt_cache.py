@@ -147,6 +147,23 @@ def test_a_prefix_held_by_another_slot_is_copied(ckpt, model_type):
         assert run(full, system + [9, 10, 11])[0] == b
 
 
+@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v3"])
+def test_requests_arriving_together_prefill_their_shared_prefix_once(ckpt, model_type):
+    """n choices of one prompt, or conversations opening with one system prompt: the first computes
+    the shared part, the others wait for it and copy it (they would share the steps' rows anyway)."""
+    path = ckpt.coli(model_type, "f32")
+    system = [1] + [(7 * i + 3) % 240 + 2 for i in range(59)]
+    prompts = [system + [5, 6], system + [9, 10, 11], system + [5, 6], system[:40] + [12], P2]
+    with colibri.load(path, ctx_size=128, threads=2, slots=5) as llm:
+        with llm._sched.cond:  # the engine thread admits them all in one go
+            hs = [llm.submit(p, N, ignore_eos=True) for p in prompts]
+        got = [h.wait() for h in hs]
+        assert [h.stats.cached_tokens for h in hs] == [0, 60, 61, 40, 0]  # P2 went in at once, beside the first
+        assert llm.metrics()["prompt_tokens_cached"] == 161
+    with colibri.load(path, ctx_size=128, threads=2, slots=1, cache_prompt=False) as full:
+        assert [run(full, p)[0] for p in prompts] == got
+
+
 @pytest.mark.skipif(not native.available(), reason="needs the native kernels (x86-64 AVX-512, a C compiler)")
 def test_reduced_precision_conversation_is_bit_identical_with_the_cache(ckpt):
     """int8 (bf16 compute): prompt rows up to 512 go through the native kernels, which compute each

@@ -41,8 +41,9 @@ def chat_model(ckpt, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def server(chat_model):
-    s = Server(chat_model[1], "--api-key", KEY, "--model-id", "tiny", "--slots", "4", "--ctx-size", "128")
+def server(chat_model, tmp_path_factory):
+    s = Server(chat_model[1], "--api-key", KEY, "--model-id", "tiny", "--slots", "4", "--ctx-size", "128",
+               "--slot-save-path", str(tmp_path_factory.mktemp("slots")))
     yield s
     err = s.stop()
     assert s.proc.returncode == 0, err
@@ -242,6 +243,59 @@ def test_models_health_metrics(server, client):
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def test_slots_save_erase_and_restore(server, hf):
+    model, tok = hf
+    doc = tok("Once upon a time there was a little girl who lived in a village near the forest, and "
+              "every morning she walked to the river").input_ids
+    assert server.request("POST", "/v1/completions", {"prompt": doc, "max_tokens": 1}, AUTH)[0] == 200
+    status, slots = server.request("GET", "/slots", None, AUTH)
+    assert status == 200 and [s["id"] for s in slots] == [0, 1, 2, 3] and {s["n_ctx"] for s in slots} == {128}
+    held = max(slots, key=lambda s: s["n_cached"])
+    assert held["n_cached"] >= len(doc) and not held["busy"] and held["request_id"] is None
+    status, r = server.request("POST", f"/slots/{held['id']}?action=save", {"filename": "doc.bin"}, AUTH)
+    assert status == 200 and r["n_saved"] == held["n_cached"] and r["n_written"] > 0
+    for s in slots:
+        assert server.request("POST", f"/slots/{s['id']}?action=erase", None, AUTH)[1]["n_erased"] == s["n_cached"]
+    assert {s["n_cached"] for s in server.request("GET", "/slots", None, AUTH)[1]} == {0}
+    status, r = server.request("POST", "/slots/2?action=restore", {"filename": "doc.bin"}, AUTH)
+    assert status == 200 and r["n_restored"] == held["n_cached"]
+    question = doc + tok(" and then", add_special_tokens=False).input_ids
+    body = {"prompt": question, "max_tokens": 6, "ignore_eos": True}
+    status, r = server.request("POST", "/v1/completions", body, AUTH)
+    assert status == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(doc)
+    assert r["choices"][0]["text"] == tok.decode(hf_greedy(model, question, 6), skip_special_tokens=True)
+    for path, body, want, code in (
+            ("/slots/0?action=nap", {"filename": "a"}, 400, "invalid_value"),
+            ("/slots/9?action=save", {"filename": "a"}, 404, "slot_not_found"),
+            ("/slots/0?action=save", {"filename": "../evil"}, 400, "invalid_value"),
+            ("/slots/0?action=restore", {"filename": "missing.bin"}, 404, "slot_file_not_found")):
+        status, r = server.request("POST", path, body, AUTH)
+        assert status == want and r["error"]["code"] == code, (path, r)
+    assert server.request("GET", "/slots", None, {})[0] == 401
+
+
+
+def test_tokenize_and_detokenize(server, hf):
+    _, tok = hf
+    text = "Once upon a time there was"
+    status, r = server.request("POST", "/tokenize", {"prompt": text, "with_pieces": True}, AUTH)
+    assert status == 200 and r["tokens"] == tok(text).input_ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 128 and r["pieces"] == [tok.decode([i]) for i in r["tokens"]]
+    assert server.request("POST", "/tokenize", {"content": text, "add_special_tokens": False},
+                          AUTH)[1]["tokens"] == tok(text, add_special_tokens=False).input_ids
+    status, r = server.request("POST", "/tokenize", {"messages": MESSAGES}, AUTH)
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert status == 200 and r["tokens"] == ids
+    status, back = server.request("POST", "/detokenize", {"tokens": ids}, AUTH)
+    assert status == 200 and back["prompt"] == tok.decode(ids)
+    for path, body in (("/tokenize", {"prompt": "a", "messages": MESSAGES}), ("/tokenize", {}),
+                       ("/detokenize", {"tokens": [1, 99999]}), ("/detokenize", {"tokens": "1 2"})):
+        status, r = server.request("POST", path, body, AUTH)
+        assert status == 400 and r["error"]["code"] == "invalid_value", (path, body, r)
+    assert server.request("POST", "/tokenize", {"prompt": "a"}, {})[0] == 401
+
 
 
 @pytest.mark.parametrize("path, body, status, code", [

@@ -1,6 +1,7 @@
 """`colibri serve`: the OpenAI-compatible HTTP server (docs/SERVER.md).
 
     colibri serve --model M.coli [--host 127.0.0.1] [--port 8000] [--slots 4] [--api-key KEY] [--shutdown-grace 10]
+                  [--slot-save-path DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="the model name clients send and /v1/models lists (default: the file's stem)")
     h.add_argument("--shutdown-grace", type=bounded("--shutdown-grace", 0, 86400), default=10, metavar="S",
                    help="after SIGINT/SIGTERM, seconds running requests may go on before they are cancelled")
+    h.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="enable POST /slots/{id}?action=save|restore: slot prompt caches are saved to and "
+                        "restored from files in DIR (created if missing)")
     add_engine_args(p, slots=4)
     p.set_defaults(log_level="info")  # one line per request
     return p

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv import SlotPool
+from .kv import SlotPool, common_prefix
 from .request import EngineClosedError, QueueFullError, RequestHandle
 from .sampling import TokenPicker
 
@@ -87,6 +87,7 @@ class Scheduler:
         self.closed = False
         self.finished: dict[str, int] = {}  # finish reason -> requests
         self.cached_tokens = 0  # prompt tokens not computed: a slot's cache held them
+        self.min_shared = 32  # a queued prompt waits for another's prefill when it would copy this many more
 
     # ------------------------------------------------------------------ any thread
 
@@ -126,10 +127,14 @@ class Scheduler:
                 h._finish("cancelled")
             for a in [a for a in self.active if a.h.cancelled]:
                 self.finish(a, "cancelled")
-            while self.queue and self.slots.free:
-                h = self.queue.popleft()
+            for h in list(self.queue):
+                if not self.slots.free:
+                    break
                 # Prompt scoring needs every prompt row's logits: it computes them all.
                 reuse = self.cache_prompt and not h.want_logits and h.prompt_logprobs is None
+                if reuse and self._awaits_prefix(h):
+                    continue
+                self.queue.remove(h)
                 slot, held = self.slots.acquire(h.prompt_ids if reuse else None)
                 h.stats.queued_s = time.perf_counter() - h.submitted_at
                 # At least the last prompt row is computed: it gives the first token's logits.
@@ -140,6 +145,18 @@ class Scheduler:
                 a.native_prefill = a.prompt_len - a.fed <= self.native_prompt and a.prompt_len <= 2 * self.native_prompt
                 self.cached_tokens += a.fed
                 self.active.append(a)
+
+    def _awaits_prefix(self, h: RequestHandle) -> bool:
+        """Whether `h` should wait for a request now prefilling a prompt that shares at least
+        `min_shared` more of h's prompt than that request has computed: once computed, h copies those
+        positions instead of computing them alongside (n choices of one prompt, or many conversations
+        with one system prompt arriving together, prefill it once). Waiting costs h nothing: the two
+        would share each step's prefill rows anyway. Requests behind h in the queue may go first."""
+        want = len(h.prompt_ids) - 1  # the last prompt row is always computed
+        for a in self.active:
+            if a.prefilling and min(common_prefix(a.h.prompt_ids, h.prompt_ids), want) - a.fed >= self.min_shared:
+                return True
+        return False
 
     def finish(self, a: Active, reason: str, error: BaseException | None = None) -> None:
         """End a request and free its slot at once (the next admit reuses it)."""

@@ -28,6 +28,8 @@ from .metrics import CONTENT_TYPE, Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 from .relay import Relay
 from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
+from .slots import router as slots_router
+from .tokens import router as tokens_router
 
 log = logging.getLogger("colibri.server")
 
@@ -35,8 +37,9 @@ log = logging.getLogger("colibri.server")
 class ServerState:
     """What the routes share: the engine, the model's id and template, requests in flight."""
 
-    def __init__(self, engine, model_id: str, api_key: str | None = None):
+    def __init__(self, engine, model_id: str, api_key: str | None = None, slot_dir: Path | None = None):
         self.engine, self.model_id, self.api_key = engine, model_id, api_key
+        self.slot_dir = slot_dir  # --slot-save-path: where POST /slots/{id} saves and restores
         self.tok = engine.tokenizer
         self.text_of = TokenText(self.tok)
         self.metrics = Metrics(engine)
@@ -130,6 +133,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(_Gate, state=state)
     app.include_router(dashboard_router)  # GET /dashboard, GET /v1/colibri/stats
+    app.include_router(tokens_router)  # POST /tokenize, POST /detokenize
+    app.include_router(slots_router)  # GET /slots, POST /slots/{id}?action=save|restore|erase
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -216,15 +221,18 @@ def create_app(state: ServerState) -> FastAPI:
 # ---------------------------------------------------------------------------- helpers
 
 
+_KEYED = ("/tokenize", "/detokenize", "/slots")  # besides /v1/*: what an API key guards
+
+
 class _Gate:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from streams):
-    the API key on /v1/*, and 503 while shutting down."""
+    the API key on /v1/* and the tokenizer routes, and 503 while shutting down."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", *_KEYED)):
             err = None
             if self.state.api_key is not None:
                 auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -49,9 +50,16 @@ def serve(a: argparse.Namespace) -> int:
 
     setup_logging(a.log_level)
     t0 = time.perf_counter()
+    slot_dir = None
+    if a.slot_save_path is not None:
+        slot_dir = Path(a.slot_save_path)
+        try:
+            slot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ColibriError(f"--slot-save-path {slot_dir}: {e.strerror or e}") from None
     engine = engine_from_args(a)
     try:
-        state = ServerState(engine, a.model_id or default_model_id(a.model), a.api_key)
+        state = ServerState(engine, a.model_id or default_model_id(a.model), a.api_key, slot_dir)
         config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         server = _DrainingServer(config, state, float(a.shutdown_grace))

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "service_unavailable"}
+                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -34,6 +34,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming a known field this server does not implement (bodies with such fields)."""
 
 
 class TextPart(_Strict):
