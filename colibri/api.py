@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .container import Container
+from .engine.grammar import GrammarCompiler
 from .engine.kv import SlotPool
 from .engine.request import EngineClosedError, QueueFullError, RequestHandle, RequestStats, SamplingParams, TokenEvent
 from .engine.runner import Runner
@@ -141,6 +142,7 @@ class Engine:
         self._sched = Scheduler(self.slots, max_queue, prefill_chunk, mixed, cache_prompt and route_trace is None)
         self._cache_prompt = cache_prompt
         self._runner = Runner(self.model, self._sched, self.store, self.threads, lambda: self.tokenizer.eos_ids)
+        self._grammars = GrammarCompiler(self.tokenizer.tk, self.vocab_rows)
         self._local = threading.local()
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.store, self.container)
@@ -202,6 +204,9 @@ class Engine:
             raise ColibriError(f"logit_bias: token id {max(sampling.logit_bias)} is beyond the vocabulary "
                                f"({self.vocab_rows} ids)")
         ids = self._check_prompt(prompt_ids)
+        constraint = None
+        if sampling.grammar is not None:  # compiled here, in the caller's thread: a bad grammar is its error
+            constraint = self._grammars.constraint(sampling.grammar, frozenset(stop_ids) | self.tokenizer.eos_ids)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ColibriError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         if len(ids) > self.ctx_size or (max_tokens > 0 and len(ids) >= self.ctx_size):
@@ -211,7 +216,8 @@ class Engine:
                                             or not 0 <= prompt_logprobs <= 20):
             raise ColibriError(f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}")
         h = RequestHandle(ids, max_tokens, sampling, stop_ids=frozenset(stop_ids), ignore_eos=ignore_eos,
-                          prompt_logprobs=prompt_logprobs, want_logits=_want_logits, request_id=request_id)
+                          prompt_logprobs=prompt_logprobs, want_logits=_want_logits, request_id=request_id,
+                          constraint=constraint)
         if listener is not None:
             h.add_listener(listener)
         self._sched.submit(h)

@@ -245,6 +245,28 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 
+PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                         "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["color", "n"], "additionalProperties": False}
+
+
+def test_structured_output_follows_the_schema(client):
+    pytest.importorskip("llguidance")
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK, "strict": True}}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0,
+                                       response_format=fmt)
+    obj = json.loads(r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop" and set(obj) == {"color", "n"} and 0 <= obj["n"] <= 99
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    # llama-server's json_schema field, on completions, sampled
+    r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=64, temperature=1.0, seed=4,
+                                  extra_body={"json_schema": PICK})
+    assert json.loads(r.choices[0].text)["color"] in ("red", "green", "blue")
+
+
+
 def test_slots_save_erase_and_restore(server, hf):
     model, tok = hf
     doc = tok("Once upon a time there was a little girl who lived in a village near the forest, and "
@@ -311,6 +333,12 @@ def test_tokenize_and_detokenize(server, hf):
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": -100}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": "Hi", "json_schema": {"type": "object"}, "response_format": {
+        "type": "json_object"}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
     ("/v1/chat/completions", {"max_tokens": 4}, 400, "missing_parameter"),
     ("/v1/chat/completions", b"{not json", 400, "invalid_json"),

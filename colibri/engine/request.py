@@ -28,7 +28,8 @@ class SamplingParams:
     Penalties act as logits processors over the prompt and generated tokens: `repeat_penalty`
     (CTRL/transformers style, 1.0 = off), `presence_penalty` and `frequency_penalty`
     (OpenAI style, 0 = off). `logit_bias`: {token id: bias in [-100, 100]} added to the logits
-    before anything else (OpenAI's rule; -100 bans a token, +100 all but forces it). `logprobs`:
+    before anything else (OpenAI's rule; -100 bans a token, +100 all but forces it). `grammar`: the
+    text must stay inside it (structured output, engine/grammar.py). `logprobs`:
     None = none; n >= 0 = the chosen token's log-probability plus the n most likely alternatives
     (of the model's distribution before sampling settings)."""
 
@@ -41,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None
+    grammar: str | None = None  # structured output (engine/grammar.py: json_grammar, regex_grammar, ...)
 
     def validate(self) -> SamplingParams:
         def finite(name: str, v: float) -> None:
@@ -71,6 +73,8 @@ class SamplingParams:
                 finite(f"logit_bias[{tok}]", bias)
                 if not -100 <= bias <= 100:
                     raise ColibriError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ColibriError(f"grammar must be a string (colibri.engine.grammar), got {type(self.grammar).__name__}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= 20):
             raise ColibriError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
@@ -131,8 +135,10 @@ class RequestHandle:
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, *,
                  stop_ids: frozenset[int] = frozenset(), ignore_eos: bool = False,
-                 prompt_logprobs: int | None = None, want_logits: bool = False, request_id: str | None = None):
+                 prompt_logprobs: int | None = None, want_logits: bool = False, request_id: str | None = None,
+                 constraint=None):
         self.id = request_id or f"req-{next(_ids)}"
+        self.constraint = constraint  # the grammar's state (engine/grammar.py Constraint), or None
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self.sampling = sampling

@@ -1,4 +1,5 @@
-"""Per-request token choice: logits processors (bias, penalties) then a sampler, with optional logprobs.
+"""Per-request token choice: logits processors (bias, penalties, a grammar) then a sampler, with optional
+logprobs.
 
 Processors act on what the request asked for and has seen, so generation has no special cases
 (mlx-lm's make_logits_processors): the logit bias (OpenAI's), the repetition penalty over prompt +
@@ -62,8 +63,9 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
 class TokenPicker:
     """One request's processors + sampler, and the history they need."""
 
-    def __init__(self, sp: SamplingParams, prompt_ids: list[int]):
+    def __init__(self, sp: SamplingParams, prompt_ids: list[int], constraint=None):
         self.sp = sp
+        self.constraint = constraint  # a grammar (engine/grammar.py): applied last, so nothing lifts its -inf
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
         self.sample = make_sampler(sp.temperature, sp.top_k, sp.top_p, gen)
         self.seen = torch.tensor(prompt_ids, dtype=torch.long) if sp.repeat_penalty != 1.0 else None
@@ -84,6 +86,8 @@ class TokenPicker:
             n = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
             logits = logits.clone()
             logits[ids] -= sp.presence_penalty + sp.frequency_penalty * n
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         return logits
 
     def pick(self, logits: torch.Tensor) -> tuple[int, float | None, list[tuple[int, float]] | None]:
@@ -95,6 +99,8 @@ class TokenPicker:
         if self.seen is not None:
             self.seen = torch.cat([self.seen, torch.tensor([tok])])
         self.counts[tok] = self.counts.get(tok, 0) + 1
+        if self.constraint is not None:
+            self.constraint.accept(tok)
         return tok, lp, top
 
 

@@ -139,7 +139,7 @@ class Scheduler:
                 h.stats.queued_s = time.perf_counter() - h.submitted_at
                 # At least the last prompt row is computed: it gives the first token's logits.
                 h.stats.cached_tokens = min(held, max(len(h.prompt_ids) - 1, 0))
-                a = Active(h, slot, TokenPicker(h.sampling, h.prompt_ids), h.stats.cached_tokens)
+                a = Active(h, slot, TokenPicker(h.sampling, h.prompt_ids, h.constraint), h.stats.cached_tokens)
                 # The native steps' attention reads the context once per row, torch's once per step: deep in
                 # a conversation (1500 positions) the GEMM steps were as fast or faster (0.77-1.03x).
                 a.native_prefill = a.prompt_len - a.fed <= self.native_prompt and a.prompt_len <= 2 * self.native_prompt

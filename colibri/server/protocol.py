@@ -2,7 +2,7 @@
 
 Bodies are validated strictly (a string where a number belongs is a 400, as OpenAI does); fields
 the server does not know are ignored; fields it knows but does not implement (tools, best_of > n,
-JSON modes, ...) are refused with a 400 that names them (docs/SERVER.md).
+suffix, ...) are refused with a 400 that names them (docs/SERVER.md).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ColibriError
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
@@ -84,6 +86,18 @@ Temperature = Annotated[float, Field(ge=0, le=2)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Strict):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -101,6 +115,8 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # extension (vLLM): generate past end-of-sequence (benchmarks)
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1  # choices per prompt: separate requests, seeds seed + i
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
+    response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
+    json_schema: dict[str, Any] | None = None  # extension (llama-server): the schema itself
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -117,7 +133,31 @@ class _Sampling(_Strict):
                 "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "seed": None if self.seed is None else (self.seed + choice) % 2**63,
-                "logit_bias": self.token_biases()}
+                "logit_bias": self.token_biases(), "grammar": self.grammar()}
+
+    def grammar(self) -> str | None:
+        """The grammar of response_format (json_object: any JSON object; json_schema: that schema) or of
+        llama-server's `json_schema`; None for plain text."""
+        try:
+            return self._grammar()
+        except ColibriError as e:  # a bad schema; llguidance missing
+            raise bad_request(str(e), "response_format" if self.json_schema is None else "json_schema") from None
+
+    def _grammar(self) -> str | None:
+        from ..engine.grammar import json_grammar
+
+        rf = self.response_format
+        if rf is not None and rf.type != "text" and self.json_schema is not None:
+            raise bad_request("give response_format or json_schema, not both", "json_schema")
+        if self.json_schema is not None:
+            return json_grammar(self.json_schema)
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return json_grammar(None)
+        if rf.json_schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema", "response_format")
+        return json_grammar(rf.json_schema.schema_ or {})
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias with its keys (token ids, as JSON object keys are strings) as integers."""
@@ -130,6 +170,7 @@ class _Sampling(_Strict):
 
     def refuse_unsupported(self) -> None:
         self.token_biases()
+        self.grammar()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         self.stop_strings()
@@ -145,15 +186,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
             raise bad_request("tool calling is not supported", "tools", "unsupported_parameter")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format other than 'text' is not supported", "response_format",
-                              "unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
