@@ -42,6 +42,22 @@ def test_run_streams_only_generated_text_to_stdout(ckpt, capsys):
     assert "[colibri] prompt" in err and "decode" in err and "peak RSS" in err
 
 
+def test_structured_output_flags(ckpt, capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    model = str(ckpt.coli("mixtral", "f32"))
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["color", "n"], "additionalProperties": False}
+    rc, out, _ = run(["-m", model, "-p", "Once upon", "-n", "64", "--temp", "0", "--ctx-size", "96",
+                      "--json-schema", json.dumps(schema)], capsys)
+    obj = json.loads(out)
+    assert rc == 0 and obj["color"] in ("red", "blue") and 0 <= obj["n"] <= 9
+    g = tmp_path / "yn.gbnf"
+    g.write_text('root ::= ("yes" | "no") "!"')
+    rc, out, _ = run(["-m", model, "-p", "Once upon", "-n", "16", "--temp", "1", "--seed", "3", "--ctx-size", "96",
+                      "--grammar-file", str(g)], capsys)
+    assert rc == 0 and out in ("yes!\n", "no!\n")
+
+
 def test_run_subcommand_is_the_bare_form(ckpt, capsys):
     args = ["--model", str(ckpt.coli("mixtral", "f32")), "-p", "Hi", "-n", "8", "--temp", "0", "--no-stats"]
     assert run(["run", *args], capsys)[1] == run(args, capsys)[1]

@@ -40,6 +40,9 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 
 FLAG_MISTAKES = [
     (["--temperature", "nan", "-p", "x"], "--temperature"),
+    (["--json-schema", "{bad", "-p", "x"], "--json-schema"),
+    (["--json-schema", "{}", "--grammar", 'root ::= "a"', "-p", "x"], "not several"),
+    (["--grammar-file", "/nonexistent/g.gbnf", "-p", "x"], "--grammar-file"),
     (["--temp", "inf", "-p", "x"], "--temperature"),
     (["--temperature", "-1", "-p", "x"], "--temperature"),
     (["--top-p", "nan", "-p", "x"], "--top-p"),

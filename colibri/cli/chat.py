@@ -15,7 +15,7 @@ import sys
 
 from ..errors import ColibriError
 from .common import HelpFormatter, add_engine_args, engine_from_args, positive, setup_logging
-from .run import add_sampling_args, stats_line, validate_sampling
+from .run import add_sampling_args, grammar_from_args, stats_line, validate_sampling
 
 log = logging.getLogger("colibri")
 HELP = "commands: /reset  /system TEXT  /exit   (Ctrl-C stops an answer, Ctrl-D exits)"
@@ -65,7 +65,7 @@ def _answer(llm, template, ids: list[int], a: argparse.Namespace) -> str:
 
     h = llm.submit(ids, min(a.n_predict, llm.ctx_size - len(ids)), stop_ids=() if a.ignore_eos else template.stop_ids,
                    ignore_eos=a.ignore_eos, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                   repeat_penalty=a.repeat_penalty, seed=a.seed)
+                   repeat_penalty=a.repeat_penalty, seed=a.seed, grammar=a.grammar_text)
     dec, parts = StreamDecoder(llm.tokenizer), []
     try:
         for ev in h:
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     a = chat_parser().parse_args(argv)
     setup_logging(a.log_level)
     validate_sampling(a)
+    a.grammar_text = grammar_from_args(a)  # every answer follows it (checked before loading)
     llm = engine_from_args(a)
     try:
         template = llm.tokenizer.template()

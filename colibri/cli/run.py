@@ -63,6 +63,40 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
     s.add_argument("--seed", type=bounded("--seed", 0, 2**63 - 1), default=None,
                    help="random seed for sampling (reproducible output)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
+    g = p.add_argument_group("structured output (llguidance; llama.cpp's flags)")
+    g.add_argument("-j", "--json-schema", metavar="SCHEMA", default=None,
+                   help="the text must be JSON following this JSON schema ('{}': any JSON value)")
+    g.add_argument("--json-schema-file", metavar="FILE", default=None, help="--json-schema read from FILE")
+    g.add_argument("--grammar", metavar="GRAMMAR", default=None,
+                   help="the text must follow this GBNF (root rule 'root') or Lark grammar")
+    g.add_argument("--grammar-file", metavar="FILE", default=None, help="--grammar read from FILE")
+
+
+def grammar_from_args(a: argparse.Namespace) -> str | None:
+    """The llguidance grammar of --json-schema / --grammar (or their -file forms), or None."""
+    import json
+
+    from ..engine.grammar import gbnf_grammar, json_grammar
+
+    given = [(f, v) for f, v in (("--json-schema", a.json_schema), ("--json-schema-file", a.json_schema_file),
+                                 ("--grammar", a.grammar), ("--grammar-file", a.grammar_file)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ColibriError(f"give one of {', '.join(f for f, _ in given)}, not several")
+    flag, value = given[0]
+    if flag.endswith("-file"):
+        try:
+            value = Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ColibriError(f"cannot read {flag} {value}: {getattr(e, 'strerror', None) or e}") from None
+    if flag.startswith("--grammar"):
+        return gbnf_grammar(value)
+    try:
+        schema = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ColibriError(f"{flag}: not JSON: {e}") from None
+    return json_grammar(schema)
 
 
 def validate_sampling(a: argparse.Namespace) -> None:
@@ -104,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ColibriError("--prompt-cache needs prompt caching (drop --no-cache-prompt)")
     if a.prompt_cache and Path(a.prompt_cache).is_dir():
         raise ColibriError(f"--prompt-cache {a.prompt_cache} is a directory, not a file")
+    grammar = grammar_from_args(a)  # (before loading: a bad schema is one line, not a wait)
     t0 = time.perf_counter()
     llm = engine_from_args(a)
     log.info("loaded %s (%s, %s, %d layers) in %.2fs; KV cache %.1f MiB for ctx %d", a.model,
@@ -112,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.prompt_cache:
             _load_prompt_cache(llm, a.prompt_cache)
-        _generate(a, llm, prompt)
+        _generate(a, llm, prompt, grammar)
         if a.prompt_cache:
             n = llm.save_prompt_cache(a.prompt_cache)
             log.info("prompt cache %s: %d positions saved", a.prompt_cache, n)
@@ -133,7 +168,7 @@ def _load_prompt_cache(llm, path: str) -> None:
     log.info("prompt cache %s: %d positions loaded", path, n)
 
 
-def _generate(a: argparse.Namespace, llm, prompt: str) -> None:
+def _generate(a: argparse.Namespace, llm, prompt: str, grammar: str | None) -> None:
     recorder = None
     if a.usage_file:  # learned hot set: count this run's routing (colibri/usage.py)
         from ..usage import Recorder
@@ -151,7 +186,7 @@ def _generate(a: argparse.Namespace, llm, prompt: str) -> None:
                     "context is full", len(ids), a.n_predict, a.ctx_size)
     pieces = llm.generate(prompt, a.n_predict, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                           repeat_penalty=a.repeat_penalty, seed=a.seed, ignore_eos=a.ignore_eos,
-                          add_special_tokens=not a.chat)
+                          add_special_tokens=not a.chat, grammar=grammar)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()

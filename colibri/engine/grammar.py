@@ -1,8 +1,8 @@
 """Structured output: a grammar that every generated token must keep the text inside of.
 
 `SamplingParams.grammar` holds a grammar in llguidance's format (the library vLLM and llama.cpp use
-for the same job), made by the helpers here from a JSON schema, a regular expression or a Lark
-grammar. Before each token is picked, the tokens that would take the text out of the grammar get
+for the same job), made by the helpers here from a JSON schema, a regular expression, or a Lark or
+GBNF grammar. Before each token is picked, the tokens that would take the text out of the grammar get
 -inf logits (after the bias and penalties, so nothing lifts them back); once the grammar is
 complete, only the tokens that end the request are allowed (end of sequence, the chat template's
 stop tokens), so the request finishes with `stop`, or with `length` if `max_tokens` cuts it first.
@@ -54,6 +54,14 @@ def regex_grammar(pattern: str) -> str:
 def lark_grammar(text: str) -> str:
     """Text of a Lark grammar (llguidance's dialect; its start rule is `start`)."""
     return _llg().LLMatcher.grammar_from_lark(text)
+
+
+def gbnf_grammar(text: str) -> str:
+    """Text of a GBNF grammar (llama.cpp's `--grammar`; its start rule is `root`), or a Lark one."""
+    try:
+        return _llg().grammar_from("gbnf", text)
+    except ValueError as e:
+        raise ColibriError(f"bad grammar: {e}") from None
 
 
 class Constraint:
