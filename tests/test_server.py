@@ -264,6 +264,9 @@ def test_structured_output_follows_the_schema(client):
     r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=64, temperature=1.0, seed=4,
                                   extra_body={"json_schema": PICK})
     assert json.loads(r.choices[0].text)["color"] in ("red", "green", "blue")
+    r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=16, temperature=1.0, seed=2,
+                                  extra_body={"grammar": 'root ::= ("yes" | "no") "!"'})
+    assert r.choices[0].text in ("yes!", "no!") and r.choices[0].finish_reason == "stop"
 
 
 
@@ -339,6 +342,7 @@ def test_tokenize_and_detokenize(server, hf):
         "name": "x", "schema": {"type": "nonsense"}}}}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "Hi", "json_schema": {"type": "object"}, "response_format": {
         "type": "json_object"}}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": "Hi", "grammar": "root ::= ("}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
     ("/v1/chat/completions", {"max_tokens": 4}, 400, "missing_parameter"),
     ("/v1/chat/completions", b"{not json", 400, "invalid_json"),

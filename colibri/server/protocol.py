@@ -117,6 +117,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
     json_schema: dict[str, Any] | None = None  # extension (llama-server): the schema itself
+    grammar: str | None = None  # extension (llama-server): a GBNF (or Lark) grammar
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -133,22 +134,28 @@ class _Sampling(_Strict):
                 "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "seed": None if self.seed is None else (self.seed + choice) % 2**63,
-                "logit_bias": self.token_biases(), "grammar": self.grammar()}
+                "logit_bias": self.token_biases(), "grammar": self.constraint()}
 
-    def grammar(self) -> str | None:
-        """The grammar of response_format (json_object: any JSON object; json_schema: that schema) or of
-        llama-server's `json_schema`; None for plain text."""
+    def constraint(self) -> str | None:
+        """The grammar of response_format (json_object: any JSON object; json_schema: that schema), of
+        llama-server's `json_schema` or of its `grammar` (GBNF); None for plain text."""
+        rf = self.response_format
+        given = [n for n, v in (("response_format", rf is not None and rf.type != "text"),
+                                ("json_schema", self.json_schema is not None), ("grammar", self.grammar is not None))
+                 if v]
+        if len(given) > 1:
+            raise bad_request(f"give one of {' and '.join(given)}, not several", given[-1])
         try:
-            return self._grammar()
-        except ColibriError as e:  # a bad schema; llguidance missing
-            raise bad_request(str(e), "response_format" if self.json_schema is None else "json_schema") from None
+            return self._constraint()
+        except ColibriError as e:  # a bad schema or grammar; llguidance missing
+            raise bad_request(str(e), given[0] if given else None) from None
 
-    def _grammar(self) -> str | None:
-        from ..engine.grammar import json_grammar
+    def _constraint(self) -> str | None:
+        from ..engine.grammar import gbnf_grammar, json_grammar
 
         rf = self.response_format
-        if rf is not None and rf.type != "text" and self.json_schema is not None:
-            raise bad_request("give response_format or json_schema, not both", "json_schema")
+        if self.grammar is not None:
+            return gbnf_grammar(self.grammar)
         if self.json_schema is not None:
             return json_grammar(self.json_schema)
         if rf is None or rf.type == "text":
@@ -170,7 +177,7 @@ class _Sampling(_Strict):
 
     def refuse_unsupported(self) -> None:
         self.token_biases()
-        self.grammar()
+        self.constraint()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         self.stop_strings()
