@@ -46,6 +46,7 @@ FLAG_MISTAKES = [
     (["--temp", "inf", "-p", "x"], "--temperature"),
     (["--temperature", "-1", "-p", "x"], "--temperature"),
     (["--top-p", "nan", "-p", "x"], "--top-p"),
+    (["--min-p", "2", "-p", "x"], "--min-p"),
     (["--top-p", "0", "-p", "x"], "--top-p"),
     (["--top-p", "1.5", "-p", "x"], "--top-p"),
     (["--repeat-penalty", "nan", "-p", "x"], "--repeat-penalty"),

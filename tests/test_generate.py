@@ -34,6 +34,9 @@ def test_top_k_and_top_p_restrict_the_support():
     # probs ~ [0.665, 0.245, 0.090, ...]: top_p 0.8 keeps the first two tokens only
     assert {make_sampler(1.0, top_p=0.8, generator=g)(logits) for _ in range(200)} == {0, 1}
     assert {make_sampler(1.0, top_p=0.5, generator=g)(logits) for _ in range(50)} == {0}
+    # min_p: 0.3 x 0.665 = 0.20 keeps the first two; 0.5 x 0.665 = 0.33 the first only
+    assert {make_sampler(1.0, generator=g, min_p=0.3)(logits) for _ in range(200)} == {0, 1}
+    assert {make_sampler(1.0, generator=g, min_p=0.5)(logits) for _ in range(50)} == {0}
 
 
 def test_temperature_sampling_follows_the_distribution():
@@ -94,6 +97,8 @@ def test_api_rejects_bad_settings(ckpt):
     llm = colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=16)
     with pytest.raises(ColibriError, match="top_p"):
         list(llm.generate("x", 4, top_p=0))
+    with pytest.raises(ColibriError, match="min_p"):
+        list(llm.generate("x", 4, min_p=1.5))
     with pytest.raises(ColibriError, match="does not fit ctx-size"):
         llm.logits(list(range(1, 20)))
 

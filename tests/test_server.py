@@ -325,6 +325,7 @@ def test_tokenize_and_detokenize(server, hf):
 
 @pytest.mark.parametrize("path, body, status, code", [
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "min_p": 1.5}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": "many"}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 500}, 400, "context_length_exceeded"),

@@ -64,7 +64,7 @@ def _answer(llm, template, ids: list[int], a: argparse.Namespace) -> str:
     from ..tokenizer import StreamDecoder
 
     h = llm.submit(ids, min(a.n_predict, llm.ctx_size - len(ids)), stop_ids=() if a.ignore_eos else template.stop_ids,
-                   ignore_eos=a.ignore_eos, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                   ignore_eos=a.ignore_eos, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                    repeat_penalty=a.repeat_penalty, seed=a.seed, grammar=a.grammar_text)
     dec, parts = StreamDecoder(llm.tokenizer), []
     try:

@@ -57,6 +57,8 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
     s.add_argument("--top-k", type=nonneg("--top-k"), default=40, help="keep the k most likely tokens (0 = off)")
     s.add_argument("--top-p", type=number("--top-p", 0, 1, lo_open=True), default=0.95,
                    help="nucleus sampling mass (1.0 = off)")
+    s.add_argument("--min-p", type=number("--min-p", 0, 1), default=0.05,
+                   help="drop tokens less likely than this fraction of the most likely one (0 = off)")
     s.add_argument("--repeat-penalty", type=number("--repeat-penalty", 0, lo_open=True), default=1.0,
                    help="penalise tokens already seen (1.0 = off)")
     # The engine's seed range (engine/request.py: SamplingParams.validate).
@@ -103,13 +105,16 @@ def validate_sampling(a: argparse.Namespace) -> None:
     """The same ranges as the flag types, for namespaces built without this parser."""
     import math
 
-    for flag, v in (("--temperature", a.temperature), ("--top-p", a.top_p), ("--repeat-penalty", a.repeat_penalty)):
+    for flag, v in (("--temperature", a.temperature), ("--top-p", a.top_p), ("--min-p", a.min_p),
+                    ("--repeat-penalty", a.repeat_penalty)):
         if not math.isfinite(v):
             raise ColibriError(f"{flag} must be a finite number, got {v}")
     if a.temperature < 0:
         raise ColibriError(f"--temperature must be >= 0, got {a.temperature}")
     if not 0 < a.top_p <= 1:
         raise ColibriError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if not 0 <= a.min_p <= 1:
+        raise ColibriError(f"--min-p must be in [0, 1], got {a.min_p}")
     if a.repeat_penalty <= 0:
         raise ColibriError(f"--repeat-penalty must be > 0, got {a.repeat_penalty}")
 
@@ -184,7 +189,7 @@ def _generate(a: argparse.Namespace, llm, prompt: str, grammar: str | None) -> N
     if warned:
         log.warning("colibri: prompt (%d tokens) + -n %d exceeds --ctx-size %d: generation stops when the "
                     "context is full", len(ids), a.n_predict, a.ctx_size)
-    pieces = llm.generate(prompt, a.n_predict, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+    pieces = llm.generate(prompt, a.n_predict, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                           repeat_penalty=a.repeat_penalty, seed=a.seed, ignore_eos=a.ignore_eos,
                           add_special_tokens=not a.chat, grammar=grammar)
     for piece in pieces:

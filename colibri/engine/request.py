@@ -36,6 +36,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -49,12 +50,14 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
                 raise ColibriError(f"{name} must be a finite number, got {v!r}")
 
-        for name in ("temperature", "top_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             finite(name, getattr(self, name))
         if self.temperature < 0:
             raise ColibriError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ColibriError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ColibriError(f"min_p must be in [0, 1], got {self.min_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ColibriError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.repeat_penalty <= 0:

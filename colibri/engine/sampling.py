@@ -38,8 +38,10 @@ def greedy(logits: torch.Tensor) -> int:
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None) -> Callable[[torch.Tensor], int]:
-    """logits [V] (f32) -> token id. temperature 0 is greedy."""
+                 generator: torch.Generator | None = None, min_p: float = 0.0) -> Callable[[torch.Tensor], int]:
+    """logits [V] (f32) -> token id. temperature 0 is greedy. After temperature: top_k, then top_p, then
+    min_p (a token stays if its probability is at least min_p times the most likely one's, as in
+    transformers, vLLM and llama.cpp)."""
     if temperature <= 0:
         return greedy
 
@@ -55,6 +57,8 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
             drop = probs.cumsum(-1) - probs >= top_p
             logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
         probs = torch.softmax(logits, -1)
+        if min_p > 0.0:
+            probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)  # (multinomial renormalizes)
         return int(torch.multinomial(probs, 1, generator=generator))
 
     return sample
@@ -67,7 +71,7 @@ class TokenPicker:
         self.sp = sp
         self.constraint = constraint  # a grammar (engine/grammar.py): applied last, so nothing lifts its -inf
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-        self.sample = make_sampler(sp.temperature, sp.top_k, sp.top_p, gen)
+        self.sample = make_sampler(sp.temperature, sp.top_k, sp.top_p, gen, sp.min_p)
         self.seen = torch.tensor(prompt_ids, dtype=torch.long) if sp.repeat_penalty != 1.0 else None
         self.counts: dict[int, int] = {}  # generated token -> times (presence/frequency penalties)
         bias = sp.logit_bias or {}

@@ -105,6 +105,7 @@ class _Sampling(_Strict):
     temperature: Temperature | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None  # extension (llama.cpp, vLLM)
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # extension (llama.cpp, vLLM)
     repeat_penalty: Annotated[float, Field(gt=0)] | None = None  # extension (llama.cpp)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -131,6 +132,7 @@ class _Sampling(_Strict):
         of n samples with seed + i (the choices differ, the request stays reproducible)."""
         return {"temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0,
+                "min_p": self.min_p or 0.0,
                 "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "seed": None if self.seed is None else (self.seed + choice) % 2**63,
