@@ -24,8 +24,11 @@ openai = pytest.importorskip("openai")
 KEY = "sk-test-colibri"
 # GLM-style: the template writes the next turn's marker, and <|user|> (one token in the tiny
 # vocabulary) is then the template's stop token.
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{% elif m['role'] == "
-            "'system' %}<|system|>{% else %}<|assistant|>{% endif %}\n{{ m['content'] }}{% endfor %}"
+TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+            "{% endif %}"
+            "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{% elif m['role'] in ('system', 'tool') %}"
+            "<|system|>{% else %}<|assistant|>{% endif %}\n{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+            "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
@@ -245,6 +248,59 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_required_named_streamed_and_sent_back(client):
+    pytest.importorskip("llguidance")
+    ask = [{"role": "user", "content": "Paris weather?"}]
+    kw = dict(model="tiny", messages=ask, max_tokens=64, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    r = client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    tc = c.message.tool_calls[0]
+    args = json.loads(tc.function.arguments)
+    assert (tc.function.name, set(args)) in (("get_weather", {"city", "days"}), ("get_time", {"zone"}))
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens  # the template wrote the tools into the prompt
+    named = client.chat.completions.create(**kw, tools=[WEATHER, CLOCK],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+    chunks = list(client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], tool_choice="required",
+                                                 parallel_tool_calls=False, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(tc.function.name, tc.function.arguments)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    # The call and its result go back in the next turn (auto: this random model answers in text).
+    back = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    r = client.chat.completions.create(model="tiny", messages=back, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    assert r.usage.prompt_tokens > named.usage.prompt_tokens
+
+
+def test_hermes_tool_calls_are_parsed_out_of_the_text():
+    from colibri.server.tools import hermes_calls
+
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n'
+            '</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{broken</tool_call>')
+    content, calls = hermes_calls(text, {"get_weather"})
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "days": 2}
+    assert content.startswith("Let me check.") and "get_weather" not in content and "nope" in content
+    assert hermes_calls("no calls here", {"get_weather"}) == ("no calls here", [])
+
+
+
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["color", "n"], "additionalProperties": False}
@@ -274,11 +330,13 @@ def test_slots_save_erase_and_restore(server, hf):
     model, tok = hf
     doc = tok("Once upon a time there was a little girl who lived in a village near the forest, and "
               "every morning she walked to the river").input_ids
+    for i in range(4):  # what earlier tests left in the slots
+        assert server.request("POST", f"/slots/{i}?action=erase", None, AUTH)[0] == 200
     assert server.request("POST", "/v1/completions", {"prompt": doc, "max_tokens": 1}, AUTH)[0] == 200
     status, slots = server.request("GET", "/slots", None, AUTH)
     assert status == 200 and [s["id"] for s in slots] == [0, 1, 2, 3] and {s["n_ctx"] for s in slots} == {128}
-    held = max(slots, key=lambda s: s["n_cached"])
-    assert held["n_cached"] >= len(doc) and not held["busy"] and held["request_id"] is None
+    (held,) = [s for s in slots if s["n_cached"]]
+    assert held["n_cached"] == len(doc) and not held["busy"] and held["request_id"] is None
     status, r = server.request("POST", f"/slots/{held['id']}?action=save", {"filename": "doc.bin"}, AUTH)
     assert status == 200 and r["n_saved"] == held["n_cached"] and r["n_written"] > 0
     for s in slots:
@@ -336,7 +394,11 @@ def test_tokenize_and_detokenize(server, hf):
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"five": 1}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": -100}}, 400, "invalid_value"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "missing_parameter"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {

@@ -30,6 +30,7 @@ from .relay import Relay
 from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
 from .slots import router as slots_router
 from .tokens import router as tokens_router
+from .tools import plan as tool_plan
 
 log = logging.getLogger("colibri.server")
 
@@ -166,26 +167,44 @@ def create_app(state: ServerState) -> FastAPI:
         if state.template is None:
             raise APIError(400, f"chat completions need a chat template: {state.template_error}", "no_chat_template")
         messages = [m.for_template() for m in req.messages]
+        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        forced = plan.grammar() if plan is not None else None  # required / named: the call's JSON
+        if forced is not None and req.constraint() is not None:
+            raise bad_request("a response_format, json_schema or grammar cannot go with tool_choice "
+                              f"'{plan.mode}'", "tool_choice")
+        extra = {"tools": plan.template_tools} if plan is not None else {}
         try:
-            text = state.template.render(messages, True, **(req.chat_template_kwargs or {}))
+            text = state.template.render(messages, True, **extra, **(req.chat_template_kwargs or {}))
         except ColibriError as e:
             raise bad_request(str(e), "messages", "chat_template_error") from None
         ids = state.tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         max_new = state.fit(len(ids), req.max_new, "messages")
+
+        def sampling(i: int) -> dict:
+            kw = req.sampling_kw(i)
+            if forced is not None:
+                kw["grammar"] = forced
+            return kw
+
         relays = _submit_all(req.n, lambda i: state.submit(
             "chat", ids, max_new, req.stop_strings(), stop_ids=() if req.ignore_eos else state.template.stop_ids,
             ignore_eos=req.ignore_eos, request_id=rid if req.n == 1 else f"{rid}-{i}",
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None, **req.sampling_kw(i)))
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling(i)))
         bodies = ChatBodies(rid, state.model_id)
-        if req.stream:
+        if req.stream and plan is None:
             return _sse(_chat_stream(state, req, [ids], relays, bodies))
-        results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
+        work = asyncio.gather(*(r.text() for r in relays))
+        results = await (work if req.stream else _until_disconnect(request, work))
         choices = []
         for i, (r, (text, events)) in enumerate(zip(relays, results)):
             _raise_engine_error(r)
             lp = chat_logprobs(events, state.text_of) if req.logprobs else None
-            choices.append(ChatBodies.choice(i, text, r.finish_reason, lp))
+            content, calls = plan.parse(text) if plan is not None else (text, [])
+            finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
+            choices.append(ChatBodies.choice(i, content, finish, lp, calls))
+        if req.stream:  # with tools: the answers whole, as one delta each (a call is known once complete)
+            return _sse(_chat_whole_stream(req, choices, _usage([ids], relays), bodies))
         return bodies.full(choices, _usage([ids], relays))
 
     @app.post("/v1/completions")
@@ -332,6 +351,22 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: 
             yield _json(bodies.chunk({}, r.finish_reason, with_usage=with_usage, index=i))
     if with_usage and not any(_error_event(r) for r in relays):
         yield _json(bodies.usage_chunk(_usage(prompts, relays)))
+    yield {"data": "[DONE]"}
+
+
+async def _chat_whole_stream(req: ChatCompletionRequest, choices: list[dict], use: dict, bodies: ChatBodies):
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    for c in choices:
+        i, msg = c["index"], c["message"]
+        yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage, index=i))
+        delta: dict = {"content": msg["content"]} if msg["content"] else {}
+        if msg.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
+        if delta:
+            yield _json(bodies.chunk(delta, logprobs=c["logprobs"], with_usage=with_usage, index=i))
+        yield _json(bodies.chunk({}, c["finish_reason"], with_usage=with_usage, index=i))
+    if with_usage:
+        yield _json(bodies.usage_chunk(use))
     yield {"data": "[DONE]"}
 
 

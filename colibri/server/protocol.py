@@ -1,12 +1,13 @@
 """The OpenAI request bodies the server accepts, and its OpenAI-shaped errors.
 
 Bodies are validated strictly (a string where a number belongs is a 400, as OpenAI does); fields
-the server does not know are ignored; fields it knows but does not implement (tools, best_of > n,
+the server does not know are ignored; fields it knows but does not implement (functions, best_of > n,
 suffix, ...) are refused with a 400 that names them (docs/SERVER.md).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,11 +47,49 @@ class TextPart(_Strict):
     text: str | None = None
 
 
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedChoice
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(_Strict):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
     def for_template(self) -> dict:
         """The message as a chat template sees it: content flattened to one string."""
@@ -74,7 +113,20 @@ class ChatMessage(_Strict):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates write `arguments | tojson` (transformers' convention: a dict): a JSON string is parsed.
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
         return out
+
+
+def _arguments(args: str | dict) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
 
 
 class StreamOptions(_Strict):
@@ -192,14 +244,16 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): extra template variables
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None  # colibri/server/tools.py
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            raise bad_request("tool calling is not supported", "tools", "unsupported_parameter")
+        if self.functions:
+            raise bad_request("functions (the deprecated form) is not supported: send tools", "functions",
+                              "unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 

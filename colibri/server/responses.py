@@ -66,9 +66,12 @@ class ChatBodies:
         return {**self.base, "object": "chat.completion", "choices": choices, "usage": use}
 
     @staticmethod
-    def choice(index: int, text: str, finish: str, logprobs: dict | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+    def choice(index: int, text: str | None, finish: str, logprobs: dict | None, tool_calls: list | None = None
+               ) -> dict:
+        msg: dict = {"role": "assistant", "content": text}
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish}
 
     def chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None,
               with_usage: bool = False, index: int = 0) -> dict:
