@@ -288,6 +288,45 @@ def test_tool_calls_required_named_streamed_and_sent_back(client):
     assert r.usage.prompt_tokens > named.usage.prompt_tokens
 
 
+def test_auto_tool_calls_in_the_models_own_words(client):
+    """tool_choice auto: a call the model writes (here forced by a grammar, as a model trained for it
+    would write it) comes back as tool_calls, streamed or not; text around it stays content."""
+    pytest.importorskip("llguidance")
+    gbnf = ('root ::= "Checking. <tool_call>{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"" '
+            '("UTC" | "CET") "\\"}}</tool_call>"')
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=[WEATHER, CLOCK], max_tokens=80,
+              temperature=0, extra_body={"grammar": gbnf})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
+    (tc,) = c.message.tool_calls
+    assert tc.function.name == "get_time" and json.loads(tc.function.arguments)["zone"] in ("UTC", "CET")
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    calls = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert text.strip() == "Checking." and "<tool_call>" not in text
+    assert [(d.function.name, d.function.arguments) for d in calls] == [(tc.function.name, tc.function.arguments)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    # no call written: the streamed text is the plain answer's
+    plain = dict(kw, extra_body={}, max_tokens=12)
+    whole = client.chat.completions.create(**plain).choices[0].message.content
+    chunks = list(client.chat.completions.create(**plain, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
+
+
+def test_hermes_stream_holds_back_only_what_may_open_a_call():
+    from colibri.server.tools import HermesStream
+
+    text = 'a < b, <tool; then <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> done'
+    for size in (1, 2, 3, 7):
+        s = HermesStream({"f"})
+        sent = "".join(s.push(text[i:i + size]) for i in range(0, len(text), size))
+        rest, calls = s.finish()
+        assert sent == "a < b, <tool; then " and rest == "done" and calls[0]["function"]["name"] == "f"
+    s = HermesStream({"f"})
+    assert s.push("x <tool_") == "x " and s.finish() == ("<tool_", [])
+
+
 def test_hermes_tool_calls_are_parsed_out_of_the_text():
     from colibri.server.tools import hermes_calls
 

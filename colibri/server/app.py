@@ -30,6 +30,7 @@ from .relay import Relay
 from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
 from .slots import router as slots_router
 from .tokens import router as tokens_router
+from .tools import HermesStream, ToolPlan
 from .tools import plan as tool_plan
 
 log = logging.getLogger("colibri.server")
@@ -192,8 +193,8 @@ def create_app(state: ServerState) -> FastAPI:
             ignore_eos=req.ignore_eos, request_id=rid if req.n == 1 else f"{rid}-{i}",
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling(i)))
         bodies = ChatBodies(rid, state.model_id)
-        if req.stream and plan is None:
-            return _sse(_chat_stream(state, req, [ids], relays, bodies))
+        if req.stream and (plan is None or plan.mode == "auto"):
+            return _sse(_chat_stream(state, req, [ids], relays, bodies, plan))
         work = asyncio.gather(*(r.text() for r in relays))
         results = await (work if req.stream else _until_disconnect(request, work))
         choices = []
@@ -203,7 +204,7 @@ def create_app(state: ServerState) -> FastAPI:
             content, calls = plan.parse(text) if plan is not None else (text, [])
             finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
             choices.append(ChatBodies.choice(i, content, finish, lp, calls))
-        if req.stream:  # with tools: the answers whole, as one delta each (a call is known once complete)
+        if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
             return _sse(_chat_whole_stream(req, choices, _usage([ids], relays), bodies))
         return bodies.full(choices, _usage([ids], relays))
 
@@ -335,20 +336,33 @@ async def _merged(relays: list[Relay]):
 
 
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: list[list[int]],
-                       relays: list[Relay], bodies: ChatBodies):
-    """The n choices stream interleaved, each chunk naming its index; a role chunk first for each."""
+                       relays: list[Relay], bodies: ChatBodies, plan: ToolPlan | None = None):
+    """The n choices stream interleaved, each chunk naming its index; a role chunk first for each. With
+    tools (tool_choice auto), text streams until a tool call opens; the calls come at the end."""
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    calls = [HermesStream(plan.names) for _ in relays] if plan is not None else None
     for i in range(len(relays)):
         yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage, index=i))
     async for i, p in _merged(relays):
         r = relays[i]
         if p is not None:
-            lp = chat_logprobs(p.events, state.text_of) if req.logprobs else None
-            yield _json(bodies.chunk({"content": p.text}, logprobs=lp, with_usage=with_usage, index=i))
+            text = p.text if calls is None else calls[i].push(p.text)
+            if text or calls is None:
+                lp = chat_logprobs(p.events, state.text_of) if req.logprobs else None
+                yield _json(bodies.chunk({"content": text}, logprobs=lp, with_usage=with_usage, index=i))
         elif (err := _error_event(r)) is not None:
             yield err
         else:
-            yield _json(bodies.chunk({}, r.finish_reason, with_usage=with_usage, index=i))
+            finish = r.finish_reason
+            if calls is not None:
+                rest, made = calls[i].finish()
+                delta: dict = {"content": rest} if rest else {}
+                if made:
+                    delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(made)]
+                    finish = "tool_calls" if finish == "stop" else finish
+                if delta:
+                    yield _json(bodies.chunk(delta, with_usage=with_usage, index=i))
+            yield _json(bodies.chunk({}, finish, with_usage=with_usage, index=i))
     if with_usage and not any(_error_event(r) for r in relays):
         yield _json(bodies.usage_chunk(_usage(prompts, relays)))
     yield {"data": "[DONE]"}

@@ -40,6 +40,10 @@ class ToolPlan:
     parallel: bool = True
 
     @property
+    def names(self) -> set[str]:
+        return {t.function.name for t in self.tools}
+
+    @property
     def template_tools(self) -> list[dict]:
         """The tools as chat templates expect them (transformers' convention)."""
         return [t.model_dump(exclude_none=True) for t in self.tools]
@@ -77,7 +81,7 @@ class ToolPlan:
             except json.JSONDecodeError:
                 return text, []
             return None, [call(c["name"], c["arguments"]) for c in items]
-        return hermes_calls(text, {t.function.name for t in self.tools})
+        return hermes_calls(text, self.names)
 
 
 def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
@@ -100,6 +104,37 @@ def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
     kept.append(text[last:])
     content = "".join(kept).strip()
     return content or None, calls
+
+
+class HermesStream:
+    """Streaming for tool_choice auto: text goes out as it comes until a `<tool_call>` opens (a tail that
+    could be the start of one is held back); from there on it is kept, and `finish()` parses it."""
+
+    OPEN = "<tool_call>"
+
+    def __init__(self, names: set[str]):
+        self.names, self.held, self.calling = names, "", False
+
+    def push(self, piece: str) -> str:
+        """The part of `piece` (with what was held back) that is content for sure."""
+        self.held += piece
+        if self.calling:
+            return ""
+        at = self.held.find(self.OPEN)
+        if at >= 0:
+            out, self.held, self.calling = self.held[:at], self.held[at:], True
+            return out
+        keep = next((n for n in range(min(len(self.OPEN) - 1, len(self.held)), 0, -1)
+                     if self.OPEN.startswith(self.held[-n:])), 0)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def finish(self) -> tuple[str | None, list[dict]]:
+        """(content not sent yet, the tool calls)."""
+        if not self.calling:
+            return self.held or None, []
+        content, calls = hermes_calls(self.held, self.names)
+        return content, calls
 
 
 def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan | None:
