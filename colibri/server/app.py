@@ -195,15 +195,13 @@ def create_app(state: ServerState) -> FastAPI:
         bodies = ChatBodies(rid, state.model_id)
         if req.stream and (plan is None or plan.mode == "auto"):
             return _sse(_chat_stream(state, req, [ids], relays, bodies, plan))
-        work = asyncio.gather(*(r.text() for r in relays))
-        results = await (work if req.stream else _until_disconnect(request, work))
+        results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
         choices = []
         for i, (r, (text, events)) in enumerate(zip(relays, results)):
             _raise_engine_error(r)
             lp = chat_logprobs(events, state.text_of) if req.logprobs else None
             content, calls = plan.parse(text) if plan is not None else (text, [])
-            finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
-            choices.append(ChatBodies.choice(i, content, finish, lp, calls))
+            choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls))
         if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
             return _sse(_chat_whole_stream(req, choices, _usage([ids], relays), bodies))
         return bodies.full(choices, _usage([ids], relays))
@@ -353,19 +351,25 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: 
         elif (err := _error_event(r)) is not None:
             yield err
         else:
-            finish = r.finish_reason
-            if calls is not None:
-                rest, made = calls[i].finish()
-                delta: dict = {"content": rest} if rest else {}
-                if made:
-                    delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(made)]
-                    finish = "tool_calls" if finish == "stop" else finish
-                if delta:
-                    yield _json(bodies.chunk(delta, with_usage=with_usage, index=i))
-            yield _json(bodies.chunk({}, finish, with_usage=with_usage, index=i))
+            rest, made = calls[i].finish() if calls is not None else (None, [])
+            if delta := _answer_delta(rest, made):
+                yield _json(bodies.chunk(delta, with_usage=with_usage, index=i))
+            yield _json(bodies.chunk({}, _finish(r.finish_reason, made), with_usage=with_usage, index=i))
     if with_usage and not any(_error_event(r) for r in relays):
         yield _json(bodies.usage_chunk(_usage(prompts, relays)))
     yield {"data": "[DONE]"}
+
+
+def _answer_delta(content: str | None, calls: list[dict]) -> dict:
+    """A stream delta with an answer's (remaining) text and its tool calls, each naming its index."""
+    delta: dict = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(calls)]
+    return delta
+
+
+def _finish(reason: str, calls: list[dict]) -> str:
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 async def _chat_whole_stream(req: ChatCompletionRequest, choices: list[dict], use: dict, bodies: ChatBodies):
@@ -373,10 +377,7 @@ async def _chat_whole_stream(req: ChatCompletionRequest, choices: list[dict], us
     for c in choices:
         i, msg = c["index"], c["message"]
         yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage, index=i))
-        delta: dict = {"content": msg["content"]} if msg["content"] else {}
-        if msg.get("tool_calls"):
-            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
-        if delta:
+        if delta := _answer_delta(msg["content"], msg.get("tool_calls") or []):
             yield _json(bodies.chunk(delta, logprobs=c["logprobs"], with_usage=with_usage, index=i))
         yield _json(bodies.chunk({}, c["finish_reason"], with_usage=with_usage, index=i))
     if with_usage:
