@@ -162,6 +162,13 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once(ckpt, model
         assert llm.metrics()["prompt_tokens_cached"] == 161
     with colibri.load(path, ctx_size=128, threads=2, slots=1, cache_prompt=False) as full:
         assert [run(full, p)[0] for p in prompts] == got
+    # A waiting request keeps its place: with two slots, the one after it waits for a slot to free.
+    with colibri.load(path, ctx_size=128, threads=2, slots=2) as llm:
+        with llm._sched.cond:
+            hs = [llm.submit(p, N, ignore_eos=True) for p in (prompts[0], prompts[1], P2)]
+        assert [h.wait() for h in hs] == [got[0], got[1], got[4]]
+        assert hs[1].stats.cached_tokens == 60 and hs[1].stats.queued_s < hs[2].stats.queued_s
+        assert hs[2].stats.queued_s > hs[0].stats.ttft_s  # it went in when the first one ended
 
 
 @pytest.mark.skipif(not native.available(), reason="needs the native kernels (x86-64 AVX-512, a C compiler)")

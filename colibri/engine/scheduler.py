@@ -127,12 +127,14 @@ class Scheduler:
                 h._finish("cancelled")
             for a in [a for a in self.active if a.h.cancelled]:
                 self.finish(a, "cancelled")
+            waiting = 0  # requests waiting for a prefix keep their place: a slot each, before later ones
             for h in list(self.queue):
-                if not self.slots.free:
+                if self.slots.free <= waiting:
                     break
                 # Prompt scoring needs every prompt row's logits: it computes them all.
                 reuse = self.cache_prompt and not h.want_logits and h.prompt_logprobs is None
                 if reuse and self._awaits_prefix(h):
+                    waiting += 1
                     continue
                 self.queue.remove(h)
                 slot, held = self.slots.acquire(h.prompt_ids if reuse else None)
@@ -151,7 +153,8 @@ class Scheduler:
         `min_shared` more of h's prompt than that request has computed: once computed, h copies those
         positions instead of computing them alongside (n choices of one prompt, or many conversations
         with one system prompt arriving together, prefill it once). Waiting costs h nothing: the two
-        would share each step's prefill rows anyway. Requests behind h in the queue may go first."""
+        would share each step's prefill rows anyway. Requests behind h may go first into the slots
+        beyond the one h keeps (admit), never into that one."""
         want = len(h.prompt_ids) - 1  # the last prompt row is always computed
         for a in self.active:
             if a.prefilling and min(common_prefix(a.h.prompt_ids, h.prompt_ids), want) - a.fed >= self.min_shared:
