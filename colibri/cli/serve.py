@@ -14,13 +14,15 @@ from .common import HelpFormatter, add_engine_args, bounded
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri serve", formatter_class=HelpFormatter,
                                 description="Serve a model over an OpenAI-compatible HTTP API "
-                                            "(/v1/chat/completions, /v1/completions, /v1/models, /health, "
-                                            "/metrics).")
+                                            "(/v1/chat/completions with tools and JSON modes, /v1/completions, "
+                                            "/v1/models, /tokenize, /detokenize, /slots, /health, /metrics, "
+                                            "/dashboard; docs/SERVER.md).")
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     h.add_argument("--port", type=bounded("--port", 1, 65535), default=8000, help="TCP port")
     h.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
+                   help="require 'Authorization: Bearer KEY' on every /v1, /tokenize, /detokenize and /slots "
+                        "request (default: no key)")
     h.add_argument("--model-id", default=None,
                    help="the model name clients send and /v1/models lists (default: the file's stem)")
     h.add_argument("--shutdown-grace", type=bounded("--shutdown-grace", 0, 86400), default=10, metavar="S",
