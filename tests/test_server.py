@@ -314,6 +314,36 @@ def test_auto_tool_calls_in_the_models_own_words(client):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
 
 
+def test_reasoning_goes_to_reasoning_content(client):
+    """A thinking model's <think> ... </think> (forced here by a grammar) leaves content, plain and streamed."""
+    pytest.importorskip("llguidance")
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=60, temperature=0,
+              extra_body={"grammar": 'root ::= "<think>\\nI should greet.\\n</think>\\n\\n" ("Hello!" | "Hi!")'})
+    m = client.chat.completions.create(**kw).choices[0].message
+    assert m.reasoning_content == "I should greet." and m.content in ("Hello!", "Hi!")
+    chunks = [ch.choices[0].delta for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == "I should greet."
+    assert "".join(d.content or "" for d in chunks) == m.content
+
+
+def test_think_split_streams_what_the_whole_split_gives():
+    from colibri.server.reasoning import ThinkSplit, opens_thinking, split
+
+    cases = [("<think>\nplan a\nplan b\n</think>\n\nThe answer.", False, ("plan a\nplan b", "The answer.")),
+             ("plan</think> ans", True, ("plan", "ans")), ("<think>unfinished", False, ("unfinished", "")),
+             ("Hello <think>x</think>", False, ("", "Hello <think>x</think>")),
+             (" \n<think>x</think>y", False, ("x", "y")),
+             ("<th", False, ("", "<th")), ("a < b </thinking> c", True, ("a < b </thinking> c", ""))]
+    for text, opened, want in cases:
+        assert split(text, opened) == want, text
+        for size in (1, 2, 3, 5):
+            s = ThinkSplit(opened)
+            parts = [s.push(text[i:i + size]) for i in range(0, len(text), size)] + [s.finish()]
+            assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == want, (text, size)
+    assert opens_thinking("<|assistant|><think>\n") and not opens_thinking("<think>x</think>")
+    assert not opens_thinking("<|assistant|>\n")
+
+
 def test_hermes_stream_holds_back_only_what_may_open_a_call():
     from colibri.server.tools import HermesStream
 

@@ -27,6 +27,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="the model name clients send and /v1/models lists (default: the file's stem)")
     h.add_argument("--shutdown-grace", type=bounded("--shutdown-grace", 0, 86400), default=10, metavar="S",
                    help="after SIGINT/SIGTERM, seconds running requests may go on before they are cancelled")
+    h.add_argument("--reasoning-format", choices=("deepseek", "none"), default="deepseek",
+                   help="deepseek: a thinking model's <think>...</think> goes to message.reasoning_content "
+                        "(llama-server's default); none: it stays in content")
     h.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable POST /slots/{id}?action=save|restore: slot prompt caches are saved to and "
                         "restored from files in DIR (created if missing)")

@@ -26,6 +26,8 @@ from ..errors import ColibriError
 from .dashboard import router as dashboard_router
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
+from .reasoning import ThinkSplit, opens_thinking
+from .reasoning import split as split_reasoning
 from .relay import Relay
 from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
 from .slots import router as slots_router
@@ -39,8 +41,10 @@ log = logging.getLogger("colibri.server")
 class ServerState:
     """What the routes share: the engine, the model's id and template, requests in flight."""
 
-    def __init__(self, engine, model_id: str, api_key: str | None = None, slot_dir: Path | None = None):
+    def __init__(self, engine, model_id: str, api_key: str | None = None, slot_dir: Path | None = None,
+                 reasoning: bool = True):
         self.engine, self.model_id, self.api_key = engine, model_id, api_key
+        self.reasoning = reasoning  # <think> ... </think> -> reasoning_content (server/reasoning.py)
         self.slot_dir = slot_dir  # --slot-save-path: where POST /slots/{id} saves and restores
         self.tok = engine.tokenizer
         self.text_of = TokenText(self.tok)
@@ -181,6 +185,9 @@ def create_app(state: ServerState) -> FastAPI:
         ids = state.tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         max_new = state.fit(len(ids), req.max_new, "messages")
+        # Reasoning is split off unless JSON is asked for (a JSON grammar writes no <think>).
+        think = state.reasoning and forced is None and not req.json_mode
+        opened = think and opens_thinking(text)
 
         def sampling(i: int) -> dict:
             kw = req.sampling_kw(i)
@@ -194,14 +201,15 @@ def create_app(state: ServerState) -> FastAPI:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling(i)))
         bodies = ChatBodies(rid, state.model_id)
         if req.stream and (plan is None or plan.mode == "auto"):
-            return _sse(_chat_stream(state, req, [ids], relays, bodies, plan))
+            return _sse(_chat_stream(state, req, [ids], relays, bodies, plan, think, opened))
         results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
         choices = []
         for i, (r, (text, events)) in enumerate(zip(relays, results)):
             _raise_engine_error(r)
             lp = chat_logprobs(events, state.text_of) if req.logprobs else None
+            reasoning, text = split_reasoning(text, opened) if think else ("", text)
             content, calls = plan.parse(text) if plan is not None else (text, [])
-            choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls))
+            choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls, reasoning))
         if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
             return _sse(_chat_whole_stream(req, choices, _usage([ids], relays), bodies))
         return bodies.full(choices, _usage([ids], relays))
@@ -334,26 +342,46 @@ async def _merged(relays: list[Relay]):
 
 
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: list[list[int]],
-                       relays: list[Relay], bodies: ChatBodies, plan: ToolPlan | None = None):
-    """The n choices stream interleaved, each chunk naming its index; a role chunk first for each. With
-    tools (tool_choice auto), text streams until a tool call opens; the calls come at the end."""
+                       relays: list[Relay], bodies: ChatBodies, plan: ToolPlan | None = None, think: bool = False,
+                       opened: bool = False):
+    """The n choices stream interleaved, each chunk naming its index; a role chunk first for each.
+    `think`: reasoning goes out as `reasoning_content` deltas. With tools (tool_choice auto), text
+    streams until a tool call opens; the calls come at the end."""
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
     calls = [HermesStream(plan.names) for _ in relays] if plan is not None else None
+    thoughts = [ThinkSplit(opened) for _ in relays] if think else None
+    pending: list[list] = [[] for _ in relays]  # token events not yet sent with a chunk (their logprobs)
+
+    def chunk(i: int, delta: dict, finish: str | None = None) -> dict:
+        lp = chat_logprobs(pending[i], state.text_of) if req.logprobs and pending[i] else None
+        pending[i] = []
+        return _json(bodies.chunk(delta, finish, logprobs=lp, with_usage=with_usage, index=i))
+
     for i in range(len(relays)):
         yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage, index=i))
     async for i, p in _merged(relays):
         r = relays[i]
         if p is not None:
-            text = p.text if calls is None else calls[i].push(p.text)
-            if text or calls is None:
-                lp = chat_logprobs(p.events, state.text_of) if req.logprobs else None
-                yield _json(bodies.chunk({"content": text}, logprobs=lp, with_usage=with_usage, index=i))
+            pending[i].extend(p.events)
+            reasoning, text = thoughts[i].push(p.text) if thoughts is not None else ("", p.text)
+            if reasoning:
+                yield chunk(i, {"reasoning_content": reasoning})
+            text = text if calls is None else calls[i].push(text)
+            if text or (calls is None and thoughts is None):
+                yield chunk(i, {"content": text})
         elif (err := _error_event(r)) is not None:
             yield err
         else:
-            rest, made = calls[i].finish() if calls is not None else (None, [])
-            if delta := _answer_delta(rest, made):
-                yield _json(bodies.chunk(delta, with_usage=with_usage, index=i))
+            reasoning, rest = thoughts[i].finish() if thoughts is not None else ("", "")
+            if reasoning:
+                yield chunk(i, {"reasoning_content": reasoning})
+            made: list[dict] = []
+            if calls is not None:
+                rest = calls[i].push(rest) if rest else ""
+                more, made = calls[i].finish()
+                rest += more or ""
+            if (delta := _answer_delta(rest or None, made)) or pending[i]:
+                yield chunk(i, delta or {"content": ""})
             yield _json(bodies.chunk({}, _finish(r.finish_reason, made), with_usage=with_usage, index=i))
     if with_usage and not any(_error_event(r) for r in relays):
         yield _json(bodies.usage_chunk(_usage(prompts, relays)))
@@ -377,6 +405,8 @@ async def _chat_whole_stream(req: ChatCompletionRequest, choices: list[dict], us
     for c in choices:
         i, msg = c["index"], c["message"]
         yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage, index=i))
+        if msg.get("reasoning_content"):
+            yield _json(bodies.chunk({"reasoning_content": msg["reasoning_content"]}, with_usage=with_usage, index=i))
         if delta := _answer_delta(msg["content"], msg.get("tool_calls") or []):
             yield _json(bodies.chunk(delta, logprobs=c["logprobs"], with_usage=with_usage, index=i))
         yield _json(bodies.chunk({}, c["finish_reason"], with_usage=with_usage, index=i))

@@ -190,6 +190,12 @@ class _Sampling(_Strict):
                 "seed": None if self.seed is None else (self.seed + choice) % 2**63,
                 "logit_bias": self.token_biases(), "grammar": self.constraint()}
 
+    @property
+    def json_mode(self) -> bool:
+        """The answer must be JSON (response_format json_object / json_schema, or llama's json_schema)."""
+        rf = self.response_format
+        return self.json_schema is not None or (rf is not None and rf.type != "text")
+
     def constraint(self) -> str | None:
         """The grammar of response_format (json_object: any JSON object; json_schema: that schema), of
         llama-server's `json_schema` or of its `grammar` (GBNF); None for plain text."""

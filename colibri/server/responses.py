@@ -66,9 +66,11 @@ class ChatBodies:
         return {**self.base, "object": "chat.completion", "choices": choices, "usage": use}
 
     @staticmethod
-    def choice(index: int, text: str | None, finish: str, logprobs: dict | None, tool_calls: list | None = None
-               ) -> dict:
+    def choice(index: int, text: str | None, finish: str, logprobs: dict | None, tool_calls: list | None = None,
+               reasoning: str | None = None) -> dict:
         msg: dict = {"role": "assistant", "content": text}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
         if tool_calls:
             msg["tool_calls"] = tool_calls
         return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish}

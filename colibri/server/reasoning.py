@@ -1,0 +1,80 @@
+"""A thinking model's reasoning apart from its answer: `<think> ... </think>` -> `reasoning_content`.
+
+Qwen3, DeepSeek-R1-style and GLM-4.5 models write their reasoning between `<think>` and `</think>`
+before the answer (or their template opens the `<think>` in the prompt). OpenAI clients show
+`content`; llama-server and vLLM move the reasoning to `message.reasoning_content` (llama-server's
+`--reasoning-format deepseek`, its default). `ThinkSplit` does that for a whole answer or piece by
+piece while it streams, holding back only a tail that may be the start of a tag.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def _tail(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag` (it may grow into the tag)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
+class ThinkSplit:
+    """push(piece) -> (reasoning, content) that are certain so far; finish() -> the rest. `opened`: the
+    prompt itself ends inside a `<think>` (the template opened it)."""
+
+    def __init__(self, opened: bool = False):
+        self.state = "think" if opened else "start"
+        self.buf = ""
+        self.strip = opened  # the reasoning's and the answer's leading whitespace is dropped
+
+    def push(self, piece: str) -> tuple[str, str]:
+        self.buf += piece
+        if self.state == "start":
+            s = self.buf.lstrip()
+            if s.startswith(OPEN):
+                self.state, self.buf, self.strip = "think", s[len(OPEN):], True
+            elif OPEN.startswith(s):
+                return "", ""  # (nothing yet, or part of the tag)
+            else:
+                self.state = "content"
+        if self.state == "think":
+            if self.strip:
+                self.buf = self.buf.lstrip()
+                self.strip = not self.buf
+            at = self.buf.find(CLOSE)
+            if at < 0:  # hold a tail that may open the tag, and trailing whitespace (dropped before it)
+                cut = len(self.buf) - _tail(self.buf, CLOSE)
+                cut = len(self.buf[:cut].rstrip())
+                out, self.buf = self.buf[:cut], self.buf[cut:]
+                return out, ""
+            reasoning, self.buf = self.buf[:at].rstrip(), self.buf[at + len(CLOSE):]
+            self.state, self.strip = "content", True
+            return reasoning, self._content()
+        return "", self._content()
+
+    def _content(self) -> str:
+        if self.strip:
+            self.buf = self.buf.lstrip()
+            self.strip = not self.buf
+        out, self.buf = self.buf, ""
+        return out
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back: a reasoning never closed (the answer was cut) stays reasoning."""
+        out, self.buf = self.buf, ""
+        if self.state == "think":
+            return out.rstrip(), ""
+        return "", out
+
+
+def split(text: str, opened: bool = False) -> tuple[str, str]:
+    """(reasoning, answer) of a whole answer."""
+    s = ThinkSplit(opened)
+    r1, c1 = s.push(text)
+    r2, c2 = s.finish()
+    return r1 + r2, c1 + c2
+
+
+def opens_thinking(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside an open `<think>` (DeepSeek-R1-style templates)."""
+    at = prompt.rfind(OPEN)
+    return at >= 0 and CLOSE not in prompt[at:] and not prompt[at + len(OPEN):].strip()
