@@ -326,6 +326,41 @@ def test_reasoning_goes_to_reasoning_content(client):
     assert "".join(d.content or "" for d in chunks) == m.content
 
 
+def test_responses_api_text_json_tools_and_stream(client):
+    """POST /v1/responses through the official client: the text of the equivalent chat completion, JSON
+    by schema, function calls, the event stream, and a conversation with a call's output sent back."""
+    pytest.importorskip("llguidance")
+    want = client.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Once upon a time"}])
+    kw = dict(model="tiny", instructions="You tell stories.", input="Once upon a time", max_output_tokens=12,
+              temperature=0)
+    r = client.responses.create(**kw)
+    assert r.output_text == want.choices[0].message.content and r.usage.input_tokens == want.usage.prompt_tokens
+    assert r.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
+    events = list(client.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[0].type == "response.created" and events[-1].response.output_text == r.output_text
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    r = client.responses.create(model="tiny", input="Pick", max_output_tokens=64, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "pick", "schema": PICK}})
+    assert set(json.loads(r.output_text)) == {"color", "n"}
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = client.responses.create(model="tiny", input="Paris weather?", tools=[tool], tool_choice="required",
+                                max_output_tokens=64, temperature=0)
+    (fc,) = [o for o in r.output if o.type == "function_call"]
+    assert fc.name == "get_weather" and json.loads(fc.arguments)["city"] in ("Paris", "Rome")
+    events = list(client.responses.create(model="tiny", input="Paris weather?", tools=[tool], tool_choice="required",
+                                          max_output_tokens=64, temperature=0, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.name, i.arguments) for i in done] == [(fc.name, fc.arguments)]
+    back = [{"role": "user", "content": "Paris weather?"}, fc.model_dump(),
+            {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}]
+    r = client.responses.create(model="tiny", input=back, tools=[tool], max_output_tokens=4, temperature=0)
+    assert r.output_text and r.usage.input_tokens > 10
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+
+
 def test_think_split_streams_what_the_whole_split_gives():
     from colibri.server.reasoning import ThinkSplit, opens_thinking, split
 

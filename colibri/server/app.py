@@ -25,6 +25,7 @@ from ..engine.request import EngineClosedError, QueueFullError, RequestHandle
 from ..errors import ColibriError
 from .dashboard import router as dashboard_router
 from .metrics import CONTENT_TYPE, Metrics
+from .openai_responses import router as responses_router
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 from .reasoning import ThinkSplit, opens_thinking
 from .reasoning import split as split_reasoning
@@ -141,6 +142,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(dashboard_router)  # GET /dashboard, GET /v1/colibri/stats
     app.include_router(tokens_router)  # POST /tokenize, POST /detokenize
     app.include_router(slots_router)  # GET /slots, POST /slots/{id}?action=save|restore|erase
+    app.include_router(responses_router)  # POST /v1/responses (through chat, below)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -167,52 +169,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
-        state.check_model(req.model)
-        if state.template is None:
-            raise APIError(400, f"chat completions need a chat template: {state.template_error}", "no_chat_template")
-        messages = [m.for_template() for m in req.messages]
-        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        forced = plan.grammar() if plan is not None else None  # required / named: the call's JSON
-        if forced is not None and req.constraint() is not None:
-            raise bad_request("a response_format, json_schema or grammar cannot go with tool_choice "
-                              f"'{plan.mode}'", "tool_choice")
-        extra = {"tools": plan.template_tools} if plan is not None else {}
-        try:
-            text = state.template.render(messages, True, **extra, **(req.chat_template_kwargs or {}))
-        except ColibriError as e:
-            raise bad_request(str(e), "messages", "chat_template_error") from None
-        ids = state.tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        max_new = state.fit(len(ids), req.max_new, "messages")
-        # Reasoning is split off unless JSON is asked for (a JSON grammar writes no <think>).
-        think = state.reasoning and forced is None and not req.json_mode
-        opened = think and opens_thinking(text)
+        out = await chat(state, parse(ChatCompletionRequest, await request.body()), request)
+        return out if isinstance(out, dict) else _sse(out)
 
-        def sampling(i: int) -> dict:
-            kw = req.sampling_kw(i)
-            if forced is not None:
-                kw["grammar"] = forced
-            return kw
-
-        relays = _submit_all(req.n, lambda i: state.submit(
-            "chat", ids, max_new, req.stop_strings(), stop_ids=() if req.ignore_eos else state.template.stop_ids,
-            ignore_eos=req.ignore_eos, request_id=rid if req.n == 1 else f"{rid}-{i}",
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling(i)))
-        bodies = ChatBodies(rid, state.model_id)
-        if req.stream and (plan is None or plan.mode == "auto"):
-            return _sse(_chat_stream(state, req, [ids], relays, bodies, plan, think, opened))
-        results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
-        choices = []
-        for i, (r, (text, events)) in enumerate(zip(relays, results)):
-            _raise_engine_error(r)
-            lp = chat_logprobs(events, state.text_of) if req.logprobs else None
-            reasoning, text = split_reasoning(text, opened) if think else ("", text)
-            content, calls = plan.parse(text) if plan is not None else (text, [])
-            choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls, reasoning))
-        if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
-            return _sse(_chat_whole_stream(req, choices, _usage([ids], relays), bodies))
-        return bodies.full(choices, _usage([ids], relays))
+    app.state.chat = chat  # POST /v1/responses (server/openai_responses.py) answers through it
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -242,6 +202,58 @@ def create_app(state: ServerState) -> FastAPI:
         return bodies.full(choices, _usage([ids for _, ids in prompts], relays))
 
     return app
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+async def chat(state: ServerState, req: ChatCompletionRequest, request: Request):
+    """A chat completion: its body, or (stream) the generator of its SSE events."""
+    state.check_model(req.model)
+    if state.template is None:
+        raise APIError(400, f"chat completions need a chat template: {state.template_error}", "no_chat_template")
+    messages = [m.for_template() for m in req.messages]
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    forced = plan.grammar() if plan is not None else None  # required / named: the call's JSON
+    if forced is not None and req.constraint() is not None:
+        raise bad_request("a response_format, json_schema or grammar cannot go with tool_choice "
+                          f"'{plan.mode}'", "tool_choice")
+    extra = {"tools": plan.template_tools} if plan is not None else {}
+    try:
+        text = state.template.render(messages, True, **extra, **(req.chat_template_kwargs or {}))
+    except ColibriError as e:
+        raise bad_request(str(e), "messages", "chat_template_error") from None
+    ids = state.tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
+    rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    max_new = state.fit(len(ids), req.max_new, "messages")
+    # Reasoning is split off unless JSON is asked for (a JSON grammar writes no <think>).
+    think = state.reasoning and forced is None and not req.json_mode
+    opened = think and opens_thinking(text)
+
+    def sampling(i: int) -> dict:
+        kw = req.sampling_kw(i)
+        if forced is not None:
+            kw["grammar"] = forced
+        return kw
+
+    relays = _submit_all(req.n, lambda i: state.submit(
+        "chat", ids, max_new, req.stop_strings(), stop_ids=() if req.ignore_eos else state.template.stop_ids,
+        ignore_eos=req.ignore_eos, request_id=rid if req.n == 1 else f"{rid}-{i}",
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling(i)))
+    bodies = ChatBodies(rid, state.model_id)
+    if req.stream and (plan is None or plan.mode == "auto"):
+        return _chat_stream(state, req, [ids], relays, bodies, plan, think, opened)
+    results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
+    choices = []
+    for i, (r, (text, events)) in enumerate(zip(relays, results)):
+        _raise_engine_error(r)
+        lp = chat_logprobs(events, state.text_of) if req.logprobs else None
+        reasoning, text = split_reasoning(text, opened) if think else ("", text)
+        content, calls = plan.parse(text) if plan is not None else (text, [])
+        choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls, reasoning))
+    if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
+        return _chat_whole_stream(req, choices, _usage([ids], relays), bodies)
+    return bodies.full(choices, _usage([ids], relays))
 
 
 # ---------------------------------------------------------------------------- helpers

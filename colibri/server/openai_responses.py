@@ -1,0 +1,255 @@
+"""POST /v1/responses: OpenAI's Responses API, as a translation of the request into a chat completion
+and of the answer (or its stream of chunks) back into a Response (or its stream of events).
+
+Supported: `input` (a string, or items: messages with text parts, `function_call` and
+`function_call_output`), `instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`,
+`text.format` (text, json_object, json_schema), function `tools`, `tool_choice`,
+`parallel_tool_calls` (and colibri's sampling extensions: seed, top_k, min_p). Nothing is stored:
+`previous_response_id` and `store: true`'s retrieval do not exist here (400). docs/SERVER.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from sse_starlette.sse import EventSourceResponse
+
+from .protocol import ChatCompletionRequest, _Strict, bad_request, parse
+
+router = APIRouter()
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                         and p.get("type") in ("input_text", "output_text", "text") for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad_request(f"{where}: content must be a string or a list of input_text parts (text only)", "input")
+
+
+def _messages(req: ResponsesRequest) -> list[dict]:
+    """The chat messages of `instructions` + `input`."""
+    out: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for n, it in enumerate(items):
+        kind = it.get("type", "message")
+        if kind == "message":
+            if it.get("role") not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"input[{n}]: role must be user, assistant, system or developer", "input")
+            out.append({"role": it["role"], "content": _text(it.get("content"), f"input[{n}]")})
+        elif kind == "function_call":
+            if not isinstance(it.get("name"), str) or not isinstance(it.get("call_id"), str):
+                raise bad_request(f"input[{n}]: a function_call needs name and call_id", "input")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": _text(it.get("output"),
+                                                                                            f"input[{n}]")})
+        else:
+            raise bad_request(f"input[{n}]: items of type '{kind}' are not supported", "input")
+    return out
+
+
+def _chat_body(req: ResponsesRequest) -> dict:
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream}
+    for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"),
+                     ("parallel_tool_calls", "parallel_tool_calls")):
+        if getattr(req, src) is not None:
+            body[dst] = getattr(req, src)
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    fmt = (req.text or {}).get("format")
+    if fmt and fmt.get("type") == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+    elif fmt:
+        body["response_format"] = {"type": fmt.get("type")}
+    if req.tools:
+        if any(t.get("type") != "function" for t in req.tools):
+            raise bad_request("only function tools are supported", "tools", "unsupported_parameter")
+        body["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
+                                                                             "strict") if t.get(k) is not None}}
+                         for t in req.tools]
+    if isinstance(req.tool_choice, dict):
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.get("name")}}
+    elif req.tool_choice is not None:
+        body["tool_choice"] = req.tool_choice
+    return body
+
+
+class _Builder:
+    """The Response object, item by item (output items, their ids, usage, status)."""
+
+    def __init__(self, req: ResponsesRequest, model: str):
+        self.req, self.model = req, model
+        self.id, self.created = f"resp_{uuid.uuid4().hex[:24]}", int(time.time())
+        self.output: list[dict] = []
+        self.usage: dict | None = None
+        self.status, self.incomplete = "in_progress", None
+
+    def item(self, kind: str, **fields) -> dict:
+        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}[kind]
+        it = {"type": kind, "id": f"{prefix}_{uuid.uuid4().hex[:24]}", **fields}
+        self.output.append(it)
+        return it
+
+    def finish(self, reason: str | None, chat_usage: dict | None) -> None:
+        self.status = "incomplete" if reason in ("length", "ctx") else "completed"
+        self.incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
+        if chat_usage:
+            self.usage = {"input_tokens": chat_usage["prompt_tokens"],
+                          "input_tokens_details": chat_usage.get("prompt_tokens_details") or {"cached_tokens": 0},
+                          "output_tokens": chat_usage["completion_tokens"],
+                          "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": chat_usage["total_tokens"]}
+
+    def body(self) -> dict:
+        r = self.req
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+                "model": self.model, "output": self.output, "usage": self.usage, "error": None,
+                "incomplete_details": self.incomplete, "instructions": r.instructions,
+                "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                "tools": r.tools or [], "tool_choice": r.tool_choice or "auto",
+                "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "text": r.text or {"format": {"type": "text"}}, "previous_response_id": None, "store": False,
+                "metadata": {}}
+
+
+def _from_chat(b: _Builder, chat: dict) -> dict:
+    c = chat["choices"][0]
+    msg = c["message"]
+    if msg.get("reasoning_content"):
+        b.item("reasoning", summary=[], content=[{"type": "reasoning_text", "text": msg["reasoning_content"]}])
+    if msg.get("content"):
+        b.item("message", status="completed", role="assistant",
+               content=[{"type": "output_text", "text": msg["content"], "annotations": []}])
+    for tc in msg.get("tool_calls") or []:
+        b.item("function_call", call_id=tc["id"], name=tc["function"]["name"],
+               arguments=tc["function"]["arguments"], status="completed")
+    b.finish(c["finish_reason"], chat.get("usage"))
+    return b.body()
+
+
+async def _events(b: _Builder, chunks):
+    """Responses stream events from the chat completion's SSE chunks."""
+    seq = 0
+
+    def ev(kind: str, **fields) -> dict:
+        nonlocal seq
+        seq += 1
+        return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": seq, **fields},
+                                                  ensure_ascii=False)}
+
+    yield ev("response.created", response=b.body())
+    yield ev("response.in_progress", response=b.body())
+    open_items: dict[str, dict] = {}  # "message" / "reasoning" -> the item being written
+    texts: dict[str, list[str]] = {}
+    finish = None
+
+    def close(kind: str):
+        it = open_items.pop(kind)
+        text, n = "".join(texts.pop(kind)), b.output.index(it)
+        if kind == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            it.update(status="completed", content=[part])
+            yield ev("response.output_text.done", item_id=it["id"], output_index=n, content_index=0, text=text)
+            yield ev("response.content_part.done", item_id=it["id"], output_index=n, content_index=0, part=part)
+        else:
+            it["content"] = [{"type": "reasoning_text", "text": text}]
+            yield ev("response.reasoning_text.done", item_id=it["id"], output_index=n, content_index=0, text=text)
+        yield ev("response.output_item.done", output_index=n, item=it)
+
+    async for raw in chunks:
+        if raw.get("data") == "[DONE]":
+            break
+        chunk = json.loads(raw["data"])
+        if "error" in chunk:
+            yield ev("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"), param=None)
+            return
+        if chunk.get("usage"):
+            b.finish(finish, chunk["usage"])
+        if not chunk.get("choices"):
+            continue
+        c = chunk["choices"][0]
+        d = c["delta"]
+        for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+            if not d.get(key):
+                continue
+            if kind == "message" and "reasoning" in open_items:
+                for e in close("reasoning"):
+                    yield e
+            if kind not in open_items:
+                fields = ({"summary": [], "content": []} if kind == "reasoning"
+                          else {"status": "in_progress", "role": "assistant", "content": []})
+                open_items[kind], texts[kind] = b.item(kind, **fields), []
+                n = len(b.output) - 1
+                yield ev("response.output_item.added", output_index=n, item=open_items[kind])
+                if kind == "message":
+                    yield ev("response.content_part.added", item_id=open_items[kind]["id"], output_index=n,
+                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            it, n = open_items[kind], b.output.index(open_items[kind])
+            texts[kind].append(d[key])
+            name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+            yield ev(name, item_id=it["id"], output_index=n, content_index=0, delta=d[key])
+        for tc in d.get("tool_calls") or []:
+            for kind in list(open_items):
+                for e in close(kind):
+                    yield e
+            it = b.item("function_call", call_id=tc["id"], name=tc["function"]["name"], arguments="",
+                        status="in_progress")
+            n, args = len(b.output) - 1, tc["function"]["arguments"]
+            yield ev("response.output_item.added", output_index=n, item=dict(it))
+            yield ev("response.function_call_arguments.delta", item_id=it["id"], output_index=n, delta=args)
+            yield ev("response.function_call_arguments.done", item_id=it["id"], output_index=n, arguments=args)
+            it.update(arguments=args, status="completed")
+            yield ev("response.output_item.done", output_index=n, item=it)
+        if c.get("finish_reason"):
+            finish = c["finish_reason"]
+    for kind in list(open_items):
+        for e in close(kind):
+            yield e
+    b.finish(finish, None)  # (the status; the usage came in its own chunk)
+    yield ev("response.incomplete" if b.status == "incomplete" else "response.completed", response=b.body())
+
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    state = request.app.state.colibri
+    req: ResponsesRequest = parse(ResponsesRequest, await request.body())
+    if req.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported: responses are not stored; send the whole "
+                          "conversation as input", "previous_response_id", "unsupported_parameter")
+    chat_req = parse(ChatCompletionRequest, json.dumps(_chat_body(req)).encode())
+    out = await request.app.state.chat(state, chat_req, request)
+    b = _Builder(req, state.model_id)
+    if isinstance(out, dict):
+        return _from_chat(b, out)
+    return EventSourceResponse(_events(b, out), sep="\n", ping=15)
