@@ -46,7 +46,7 @@ def chat_model(ckpt, tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
     s = Server(chat_model[1], "--api-key", KEY, "--model-id", "tiny", "--slots", "4", "--ctx-size", "128",
-               "--slot-save-path", str(tmp_path_factory.mktemp("slots")))
+               "--slot-save-path", str(tmp_path_factory.mktemp("slots")), "--allowed-origins", "http://ui.test")
     yield s
     err = s.stop()
     assert s.proc.returncode == 0, err
@@ -523,6 +523,23 @@ def test_bad_requests_get_openai_errors(server, path, body, status, code):
     assert got == status, r
     assert set(r["error"]) >= {"message", "type", "code"} and r["error"]["code"] == code
     assert "Traceback" not in r["error"]["message"] and "\n" not in r["error"]["message"]
+
+
+def test_cors_lets_the_allowed_origin_call_from_a_browser(server):
+    def ask(method: str, origin: str) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request(method, "/v1/chat/completions", None if method == "OPTIONS" else json.dumps(CHAT),
+                     {"Origin": origin, "Access-Control-Request-Method": "POST",
+                      "Access-Control-Request-Headers": "authorization,content-type",
+                      **({} if method == "OPTIONS" else AUTH)})
+        r = conn.getresponse()
+        r.read()
+        return r
+
+    pre = ask("OPTIONS", "http://ui.test")  # the preflight carries no key: answered before the key check
+    assert pre.status == 200 and pre.getheader("access-control-allow-origin") == "http://ui.test"
+    assert ask("POST", "http://ui.test").getheader("access-control-allow-origin") == "http://ui.test"
+    assert ask("OPTIONS", "http://evil.test").getheader("access-control-allow-origin") is None
 
 
 def test_api_key_is_required(server):

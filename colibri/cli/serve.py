@@ -27,6 +27,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="the model name clients send and /v1/models lists (default: the file's stem)")
     h.add_argument("--shutdown-grace", type=bounded("--shutdown-grace", 0, 86400), default=10, metavar="S",
                    help="after SIGINT/SIGTERM, seconds running requests may go on before they are cancelled")
+    h.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated origins whose web pages may call the API from a browser (CORS), "
+                        "e.g. 'http://localhost:3000', or '*' for any (default: none)")
     h.add_argument("--reasoning-format", choices=("deepseek", "none"), default="deepseek",
                    help="deepseek: a thinking model's <think>...</think> goes to message.reasoning_content "
                         "(llama-server's default); none: it stays in content")

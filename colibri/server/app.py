@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -43,8 +44,9 @@ class ServerState:
     """What the routes share: the engine, the model's id and template, requests in flight."""
 
     def __init__(self, engine, model_id: str, api_key: str | None = None, slot_dir: Path | None = None,
-                 reasoning: bool = True):
+                 reasoning: bool = True, allowed_origins: list[str] | None = None):
         self.engine, self.model_id, self.api_key = engine, model_id, api_key
+        self.allowed_origins = allowed_origins or []  # CORS: web pages of these origins may call the API
         self.reasoning = reasoning  # <think> ... </think> -> reasoning_content (server/reasoning.py)
         self.slot_dir = slot_dir  # --slot-save-path: where POST /slots/{id} saves and restores
         self.tok = engine.tokenizer
@@ -139,6 +141,9 @@ def create_app(state: ServerState) -> FastAPI:
         return await api_error(request, APIError(500, f"internal error: {type(e).__name__}", "internal_error"))
 
     app.add_middleware(_Gate, state=state)
+    if state.allowed_origins:  # added last: outermost, so a preflight (no API key) is answered before the gate
+        app.add_middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     app.include_router(dashboard_router)  # GET /dashboard, GET /v1/colibri/stats
     app.include_router(tokens_router)  # POST /tokenize, POST /detokenize
     app.include_router(slots_router)  # GET /slots, POST /slots/{id}?action=save|restore|erase
