@@ -278,6 +278,17 @@ class Engine:
         if rest := dec.flush():
             yield rest
 
+    def chat(self, messages: list[dict], max_tokens: int = 256, *, tools: list[dict] | None = None,
+             template_kwargs: dict | None = None, **kw) -> Iterator[str]:
+        """Yield the assistant's answer to `messages` ([{"role", "content"}, ...]) as it is generated:
+        the model's chat template (with `tools`, and extra variables such as `enable_thinking`), its
+        stop tokens, then `generate`'s sampling keywords."""
+        template = self.tokenizer.template()
+        extra = {"tools": tools} if tools else {}
+        prompt = template.render(messages, True, **extra, **(template_kwargs or {}))
+        stops = frozenset(kw.pop("stop_ids", ())) | (frozenset() if kw.get("ignore_eos") else template.stop_ids)
+        yield from self.generate(prompt, max_tokens, add_special_tokens=False, stop_ids=stops, **kw)
+
     def generate_batch(self, prompts: list[str], max_tokens: int = 256, *, add_special_tokens: bool = True,
                        **sampling) -> list[str]:
         """Run several prompts concurrently (they share decode steps); their texts, in order."""

@@ -134,6 +134,19 @@ def test_repl_through_a_pipe_keeps_history(ckpt):
     assert r.stdout == f"{a1}\n{a2}\n{a3}\n{a4}\n"  # /exit stops before "ignored"
 
 
+def test_engine_chat_answers_as_transformers_does(ckpt):
+    from hf_tiny import hf_greedy, load_hf
+    from transformers import AutoTokenizer
+
+    msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello there"}]
+    tok = AutoTokenizer.from_pretrained(ckpt.hf("mixtral"))
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = tok.decode(hf_greedy(load_hf(ckpt.hf("mixtral")), ids, 8), skip_special_tokens=True)
+    with colibri.load(ckpt.coli("mixtral", "f32"), ctx_size=256) as llm:
+        assert "".join(llm.chat(msgs, 8, temperature=0, ignore_eos=True)) == want
+        assert llm.last_stats.prompt_tokens == len(ids)
+
+
 def test_repl_without_template_is_one_line_error(ckpt, tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(ckpt.hf("mixtral"), hf)
