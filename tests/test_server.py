@@ -517,6 +517,13 @@ def test_tokenize_and_detokenize(server, hf):
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": []}, 400, "invalid_value"),
     ("/v1/nope", {}, 404, "unknown_url"),
+    ("/v1/responses", {"input": "x", "text": {"format": "x"}}, 400, "invalid_value"),
+    ("/v1/responses", {"input": [{"type": "function_call"}]}, 400, "invalid_value"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "invalid_value"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}, 400, "unsupported_parameter"),
+    ("/v1/responses", {"input": "x", "tool_choice": {"type": "function"}}, 400, "invalid_value"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, 400, "invalid_value"),
+    ("/v1/responses", {}, 400, "missing_parameter"),
 ])
 def test_bad_requests_get_openai_errors(server, path, body, status, code):
     got, r = server.request("POST", path, body, AUTH)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
+from pydantic import Field
 from sse_starlette.sse import EventSourceResponse
 
 from .protocol import ChatCompletionRequest, _Strict, bad_request, parse
@@ -23,15 +24,27 @@ from .protocol import ChatCompletionRequest, _Strict, bad_request, parse
 router = APIRouter()
 
 
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool = False
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -86,12 +99,12 @@ def _chat_body(req: ResponsesRequest) -> dict:
             body[dst] = getattr(req, src)
     if req.stream:
         body["stream_options"] = {"include_usage": True}
-    fmt = (req.text or {}).get("format")
-    if fmt and fmt.get("type") == "json_schema":
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
-    elif fmt:
-        body["response_format"] = {"type": fmt.get("type")}
+            "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
+    elif fmt is not None:
+        body["response_format"] = {"type": fmt.type}
     if req.tools:
         if any(t.get("type") != "function" for t in req.tools):
             raise bad_request("only function tools are supported", "tools", "unsupported_parameter")
@@ -99,7 +112,9 @@ def _chat_body(req: ResponsesRequest) -> dict:
                                                                              "strict") if t.get(k) is not None}}
                          for t in req.tools]
     if isinstance(req.tool_choice, dict):
-        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.get("name")}}
+        if not isinstance(req.tool_choice.get("name"), str):
+            raise bad_request("tool_choice: a function choice needs its name", "tool_choice")
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice["name"]}}
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     return body
@@ -139,7 +154,8 @@ class _Builder:
                 "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "tools": r.tools or [], "tool_choice": r.tool_choice or "auto",
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "text": r.text or {"format": {"type": "text"}}, "previous_response_id": None, "store": False,
+                "text": r.text.model_dump(by_alias=True, exclude_none=True) if r.text else {"format": {"type": "text"}},
+                "previous_response_id": None, "store": False,
                 "metadata": {}}
 
 
