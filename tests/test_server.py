@@ -361,6 +361,48 @@ def test_responses_api_text_json_tools_and_stream(client):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
 
 
+def _ndjson(port: int, path: str, body: dict) -> list[dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **AUTH})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type") == "application/x-ndjson"
+    lines = [json.loads(ln) for ln in r.read().decode().splitlines() if ln.strip()]
+    conn.close()
+    return lines
+
+
+def test_ollama_api_chat_generate_tags(server, client):
+    """Ollama's routes answer as the OpenAI ones do (same template, sampling and text), in Ollama's shapes."""
+    want = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)
+    opts = {"temperature": 0, "num_predict": 10}
+    status, r = server.request("POST", "/api/chat", {"model": "tiny", "messages": MESSAGES, "stream": False,
+                                                      "options": opts}, AUTH)
+    assert status == 200 and r["done"] and r["message"]["content"] == want.choices[0].message.content
+    assert r["prompt_eval_count"] == want.usage.prompt_tokens and r["eval_count"] == want.usage.completion_tokens
+    assert r["eval_duration"] > 0 and r["total_duration"] >= r["eval_duration"]
+    lines = _ndjson(server.port, "/api/chat", {"model": "tiny:latest", "messages": MESSAGES, "options": opts})
+    assert "".join(ln["message"]["content"] for ln in lines) == r["message"]["content"]
+    assert [ln["done"] for ln in lines][-1] and not any(ln["done"] for ln in lines[:-1])
+    assert lines[-1]["eval_count"] == r["eval_count"] and lines[-1]["done_reason"] == r["done_reason"]
+    # generate: the template's user turn (+ system), or raw text as /v1/completions
+    status, g = server.request("POST", "/api/generate", {"prompt": "Once upon a time", "system": "You tell stories.",
+                                                          "stream": False, "options": opts}, AUTH)
+    assert status == 200 and g["response"] == r["message"]["content"]
+    raw = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    lines = _ndjson(server.port, "/api/generate", {"prompt": "Once upon a time", "raw": True, "options": opts})
+    assert "".join(ln["response"] for ln in lines) == raw.choices[0].text
+    status, j = server.request("POST", "/api/chat", {"messages": MESSAGES, "stream": False, "format": PICK,
+                                                      "options": {"temperature": 0, "num_predict": 64}}, AUTH)
+    assert set(json.loads(j["message"]["content"])) == {"color", "n"}
+    tags = server.request("GET", "/api/tags", None, AUTH)[1]
+    assert [m["name"] for m in tags["models"]] == ["tiny:latest"]
+    info = server.request("POST", "/api/show", {"model": "tiny"}, AUTH)[1]["model_info"]
+    assert info["colibri.context_length"] == 128
+    assert "version" in server.request("GET", "/api/version", None, AUTH)[1]
+    assert server.request("POST", "/api/chat", {"model": "llama3", "messages": MESSAGES}, AUTH)[0] == 404
+    assert server.request("POST", "/api/chat", {"messages": MESSAGES}, {})[0] == 401
+
+
 def test_think_split_streams_what_the_whole_split_gives():
     from colibri.server.reasoning import ThinkSplit, opens_thinking, split
 

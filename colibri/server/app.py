@@ -26,6 +26,7 @@ from ..engine.request import EngineClosedError, QueueFullError, RequestHandle
 from ..errors import ColibriError
 from .dashboard import router as dashboard_router
 from .metrics import CONTENT_TYPE, Metrics
+from .ollama import router as ollama_router
 from .openai_responses import router as responses_router
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 from .reasoning import ThinkSplit, opens_thinking
@@ -148,6 +149,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(tokens_router)  # POST /tokenize, POST /detokenize
     app.include_router(slots_router)  # GET /slots, POST /slots/{id}?action=save|restore|erase
     app.include_router(responses_router)  # POST /v1/responses (through chat, below)
+    app.include_router(ollama_router)  # Ollama's /api/chat, /api/generate, /api/tags ... (through chat, complete)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -181,30 +183,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req: CompletionRequest = parse(CompletionRequest, await request.body())
-        state.check_model(req.model)
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        prompts = [(p, state.tok.encode(p) if isinstance(p, str) else p) for p in req.prompts()]
-        for _, ids in prompts:
-            state.fit(len(ids), req.max_tokens, "prompt")
-        # Choice i * n + j: prompt i's j-th completion (OpenAI's order).
-        each = [prompts[i // req.n] for i in range(len(prompts) * req.n)]
-        relays = _submit_all(len(each), lambda i: state.submit(
-            "completions", each[i][1], req.max_tokens, req.stop_strings(), ignore_eos=req.ignore_eos,
-            request_id=rid if len(each) == 1 else f"{rid}-{i}", logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-            **req.sampling_kw(i % req.n)))
-        bodies = CompletionBodies(rid, state.model_id)
-        if req.stream:
-            return _sse(_completion_stream(state, req, each, [ids for _, ids in prompts], relays, bodies))
-        results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
-        choices = []
-        for i, ((p, ids), r, (text, events)) in enumerate(zip(each, relays, results)):
-            _raise_engine_error(r)
-            head = _echo_text(state, p, ids) if req.echo else ""
-            lp = _completion_lp(state, req, ids, r, events) if req.logprobs is not None else None
-            choices.append(CompletionBodies.choice(i, head + text, r.finish_reason, lp))
-        return bodies.full(choices, _usage([ids for _, ids in prompts], relays))
+        out = await complete(state, parse(CompletionRequest, await request.body()), request)
+        return out if isinstance(out, dict) else _sse(out)
+
+    app.state.complete = complete  # the Ollama routes (server/ollama.py) answer through these two
 
     return app
 
@@ -258,13 +240,40 @@ async def chat(state: ServerState, req: ChatCompletionRequest, request: Request)
         choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls, reasoning))
     if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
         return _chat_whole_stream(req, choices, _usage([ids], relays), bodies)
-    return bodies.full(choices, _usage([ids], relays))
+    return {**bodies.full(choices, _usage([ids], relays)), "timings": _timings(relays[0])}
+
+
+async def complete(state: ServerState, req: CompletionRequest, request: Request):
+    """A text completion: its body, or (stream) the generator of its SSE events."""
+    state.check_model(req.model)
+    rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    prompts = [(p, state.tok.encode(p) if isinstance(p, str) else p) for p in req.prompts()]
+    for _, ids in prompts:
+        state.fit(len(ids), req.max_tokens, "prompt")
+    # Choice i * n + j: prompt i's j-th completion (OpenAI's order).
+    each = [prompts[i // req.n] for i in range(len(prompts) * req.n)]
+    relays = _submit_all(len(each), lambda i: state.submit(
+        "completions", each[i][1], req.max_tokens, req.stop_strings(), ignore_eos=req.ignore_eos,
+        request_id=rid if len(each) == 1 else f"{rid}-{i}", logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+        **req.sampling_kw(i % req.n)))
+    bodies = CompletionBodies(rid, state.model_id)
+    if req.stream:
+        return _completion_stream(state, req, each, [ids for _, ids in prompts], relays, bodies)
+    results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
+    choices = []
+    for i, ((p, ids), r, (text, events)) in enumerate(zip(each, relays, results)):
+        _raise_engine_error(r)
+        head = _echo_text(state, p, ids) if req.echo else ""
+        lp = _completion_lp(state, req, ids, r, events) if req.logprobs is not None else None
+        choices.append(CompletionBodies.choice(i, head + text, r.finish_reason, lp))
+    return {**bodies.full(choices, _usage([ids for _, ids in prompts], relays)), "timings": _timings(relays[0])}
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-_KEYED = ("/tokenize", "/detokenize", "/slots")  # besides /v1/*: what an API key guards
+_KEYED = ("/tokenize", "/detokenize", "/slots", "/api/")  # besides /v1/*: what an API key guards (/api: Ollama's)
 
 
 class _Gate:
@@ -401,7 +410,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: 
                 yield chunk(i, delta or {"content": ""})
             yield _json(bodies.chunk({}, _finish(r.finish_reason, made), with_usage=with_usage, index=i))
     if with_usage and not any(_error_event(r) for r in relays):
-        yield _json(bodies.usage_chunk(_usage(prompts, relays)))
+        yield _json({**bodies.usage_chunk(_usage(prompts, relays)), "timings": _timings(relays[0])})
     yield {"data": "[DONE]"}
 
 
@@ -453,7 +462,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, each: l
               if req.logprobs is not None else None)
         yield _json(bodies.chunk(i, p.text, logprobs=lp, with_usage=with_usage))
     if with_usage:
-        yield _json(bodies.usage_chunk(_usage(prompts, relays)))
+        yield _json({**bodies.usage_chunk(_usage(prompts, relays)), "timings": _timings(relays[0])})
     yield {"data": "[DONE]"}
 
 
@@ -476,6 +485,18 @@ def _usage(prompts: list[list[int]], relays: list[Relay]) -> dict:
     n = len(relays) // len(prompts)
     cached = sum(min(r.handle.stats.cached_tokens for r in relays[i * n:(i + 1) * n]) for i in range(len(prompts)))
     return usage(sum(len(ids) for ids in prompts), sum(r.handle.stats.generated for r in relays), cached)
+
+
+def _timings(r: Relay) -> dict:
+    """llama-server's `timings` (of the first choice): prompt tokens computed (and cached), their time
+    (submit to first token), generated tokens and their time."""
+    st = r.handle.stats
+    prompt_n, pred_n = st.prompt_tokens - st.cached_tokens, st.generated
+    prompt_ms, pred_ms = st.ttft_s * 1e3, st.decode_s * 1e3
+    return {"cache_n": st.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
+            "predicted_n": pred_n, "predicted_ms": pred_ms,
+            "predicted_per_second": st.decode_tps}
 
 
 def _echo_text(state: ServerState, prompt, ids: list[int]) -> str:

@@ -1,0 +1,265 @@
+"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/show, /api/version), for the clients that
+speak it: each request becomes a chat or text completion of the OpenAI routes, and the answer (or
+its stream) comes back as Ollama's JSON (or newline-delimited JSON, the default: `"stream": true`).
+
+Ollama's sampling defaults apply where `options` leave a value unset (temperature 0.8, top_k 40,
+top_p 0.9, repeat_penalty 1.1); `num_predict` -1 / -2 mean up to the context; `format` "json" or a
+JSON schema constrains the answer. docs/SERVER.md lists what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from .protocol import ChatCompletionRequest, CompletionRequest, _Strict, bad_request, parse
+
+router = APIRouter()
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1}
+
+
+class Options(_Strict):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class _Base(_Strict):
+    model: str | None = None
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+
+
+class ChatBody(_Base):
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(_Base):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+    suffix: str | None = None
+
+
+def _sampling(o: Options | None, fmt) -> dict:
+    o = o or Options()
+    out: dict[str, Any] = {k: getattr(o, k) if getattr(o, k) is not None else v for k, v in DEFAULTS.items()}
+    for k in ("min_p", "seed", "presence_penalty", "frequency_penalty"):
+        if getattr(o, k) is not None:
+            out[k] = getattr(o, k)
+    if o.num_predict is not None and o.num_predict > 0:
+        out["max_tokens"] = o.num_predict
+    if o.stop:
+        out["stop"] = o.stop[:4]
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise bad_request("format must be \"json\" or a JSON schema", "format")
+    return out
+
+
+def _message(m: dict, n: int) -> dict:
+    if m.get("images"):
+        raise bad_request(f"messages[{n}]: images are not supported (text models)", "messages")
+    out = {k: m[k] for k in ("role", "content") if k in m}
+    if m.get("tool_calls"):  # Ollama's calls carry arguments as objects and no ids
+        out["tool_calls"] = [{"id": f"call_{n}_{k}", "type": "function", "function": tc.get("function", {})}
+                             for k, tc in enumerate(m["tool_calls"])]
+    return out
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _stats(timings: dict | None, usage: dict | None, t0: float) -> dict:
+    """Ollama's counters (nanoseconds) from the OpenAI answer's usage and llama-server-style timings."""
+    t, u = timings or {}, usage or {}
+    return {"total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,
+            "prompt_eval_count": u.get("prompt_tokens", 0), "prompt_eval_duration": int(t.get("prompt_ms", 0) * 1e6),
+            "eval_count": u.get("completion_tokens", 0), "eval_duration": int(t.get("predicted_ms", 0) * 1e6)}
+
+
+def _done_reason(finish: str | None) -> str:
+    return "length" if finish in ("length", "ctx") else "stop"
+
+
+def _calls(tool_calls: list | None) -> list[dict]:
+    out = []
+    for tc in tool_calls or []:
+        try:
+            args = json.loads(tc["function"]["arguments"])
+        except json.JSONDecodeError:
+            args = tc["function"]["arguments"]
+        out.append({"function": {"name": tc["function"]["name"], "arguments": args}})
+    return out
+
+
+async def _ndjson(state, chunks, t0: float, chat: bool):
+    """Ollama's stream lines from the OpenAI stream's chunks (one choice)."""
+    finish, usage, timings = None, None, None
+    async for raw in chunks:
+        if raw.get("data") == "[DONE]":
+            break
+        c = json.loads(raw["data"])
+        if "error" in c:
+            yield json.dumps({"error": c["error"].get("message")}) + "\n"
+            return
+        if c.get("usage"):
+            usage, timings = c["usage"], c.get("timings")
+        for ch in c.get("choices") or []:
+            finish = ch.get("finish_reason") or finish
+            if chat:
+                d = ch["delta"]
+                msg: dict[str, Any] = {"role": "assistant", "content": d.get("content") or ""}
+                if d.get("reasoning_content"):
+                    msg["thinking"] = d["reasoning_content"]
+                if d.get("tool_calls"):
+                    msg["tool_calls"] = _calls(d["tool_calls"])
+                if msg["content"] or len(msg) > 2:
+                    yield json.dumps({"model": state.model_id, "created_at": _now(), "message": msg,
+                                      "done": False}, ensure_ascii=False) + "\n"
+            elif ch.get("text"):
+                yield json.dumps({"model": state.model_id, "created_at": _now(), "response": ch["text"],
+                                  "done": False}, ensure_ascii=False) + "\n"
+    last: dict[str, Any] = {"model": state.model_id, "created_at": _now(), "done": True,
+                            "done_reason": _done_reason(finish), **_stats(timings, usage, t0)}
+    last.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    yield json.dumps(last) + "\n"
+
+
+@router.post("/api/chat")
+async def api_chat(request: Request):
+    state, t0 = request.app.state.colibri, time.perf_counter()
+    body: ChatBody = parse(ChatBody, await request.body())
+    oai = {"model": None, "messages": [_message(m, n) for n, m in enumerate(body.messages)], "stream": body.stream,
+           **_sampling(body.options, body.format)}
+    if body.tools:
+        oai["tools"] = body.tools
+    if body.stream:
+        oai["stream_options"] = {"include_usage": True}
+    state.check_model(_model(body.model, state))
+    out = await request.app.state.chat(state, parse(ChatCompletionRequest, json.dumps(oai).encode()), request)
+    if not isinstance(out, dict):
+        return StreamingResponse(_ndjson(state, out, t0, True), media_type="application/x-ndjson")
+    c = out["choices"][0]
+    msg: dict[str, Any] = {"role": "assistant", "content": c["message"]["content"] or ""}
+    if c["message"].get("reasoning_content"):
+        msg["thinking"] = c["message"]["reasoning_content"]
+    if c["message"].get("tool_calls"):
+        msg["tool_calls"] = _calls(c["message"]["tool_calls"])
+    return {"model": state.model_id, "created_at": _now(), "message": msg, "done": True,
+            "done_reason": _done_reason(c["finish_reason"]), **_stats(out.get("timings"), out["usage"], t0)}
+
+
+@router.post("/api/generate")
+async def api_generate(request: Request):
+    state, t0 = request.app.state.colibri, time.perf_counter()
+    body: GenerateBody = parse(GenerateBody, await request.body())
+    state.check_model(_model(body.model, state))
+    if body.images:
+        raise bad_request("images are not supported (text models)", "images")
+    if body.suffix:
+        raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix", "unsupported_parameter")
+    if not body.prompt:  # Ollama: an empty prompt only loads the model
+        return {"model": state.model_id, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+    sampling = _sampling(body.options, body.format)
+    if not body.raw:  # the chat template, as Ollama applies it (system + prompt as one user turn)
+        msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
+            [{"role": "user", "content": body.prompt}]
+        oai = {"messages": msgs, "stream": body.stream, **sampling}
+        if body.stream:
+            oai["stream_options"] = {"include_usage": True}
+        out = await request.app.state.chat(state, parse(ChatCompletionRequest, json.dumps(oai).encode()), request)
+        if not isinstance(out, dict):
+            return StreamingResponse(_generate_lines(_ndjson(state, out, t0, True)), media_type="application/x-ndjson")
+        c = out["choices"][0]
+        text = c["message"]["content"] or ""
+    else:
+        if "response_format" in sampling:
+            raise bad_request("format needs the chat template: not with raw", "format")
+        oai = {"prompt": body.prompt, "stream": body.stream, **sampling}
+        oai.setdefault("max_tokens", state.engine.ctx_size - len(state.tok.encode(body.prompt)))
+        if body.stream:
+            oai["stream_options"] = {"include_usage": True}
+        out = await request.app.state.complete(state, parse(CompletionRequest, json.dumps(oai).encode()), request)
+        if not isinstance(out, dict):
+            return StreamingResponse(_ndjson(state, out, t0, False), media_type="application/x-ndjson")
+        c = out["choices"][0]
+        text = c["text"]
+    return {"model": state.model_id, "created_at": _now(), "response": text, "done": True,
+            "done_reason": _done_reason(c["finish_reason"]), **_stats(out.get("timings"), out["usage"], t0)}
+
+
+async def _generate_lines(chat_lines):
+    """/api/generate's lines from /api/chat's: the message's content becomes `response`."""
+    async for line in chat_lines:
+        obj = json.loads(line)
+        if "message" in obj:
+            obj["response"] = obj.pop("message").get("content", "")
+        yield json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+def _model(name: str | None, state) -> str | None:
+    """Ollama names carry a tag (`name:latest`): the served model answers to its id with or without it."""
+    if name is None or name == state.model_id or name == f"{state.model_id}:latest":
+        return None
+    return name
+
+
+@router.get("/api/tags")
+async def api_tags(request: Request) -> dict:
+    state = request.app.state.colibri
+    return {"models": [_card(state)]}
+
+
+@router.get("/api/ps")
+async def api_ps(request: Request) -> dict:
+    state = request.app.state.colibri
+    return {"models": [{**_card(state), "expires_at": None, "size_vram": 0}]}
+
+
+@router.post("/api/show")
+async def api_show(request: Request) -> dict:
+    state = request.app.state.colibri
+    e = state.engine
+    return {"modelfile": "", "parameters": "", "template": e.tokenizer.chat_template
+            if isinstance(e.tokenizer.chat_template, str) else "",
+            "details": _card(state)["details"],
+            "model_info": {"general.architecture": e.container.model_type, "colibri.context_length": e.ctx_size,
+                           "colibri.n_layers": e.n_layers, "colibri.scheme": e.scheme},
+            "capabilities": ["completion", "tools"]}
+
+
+@router.get("/api/version")
+async def api_version() -> dict:
+    from .. import __version__
+
+    return {"version": __version__}
+
+
+def _card(state) -> dict:
+    e = state.engine
+    return {"name": f"{state.model_id}:latest", "model": f"{state.model_id}:latest",
+            "modified_at": datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z"),
+            "size": os.path.getsize(e.container.path), "digest": "",
+            "details": {"format": "coli", "family": e.container.model_type, "families": [e.container.model_type],
+                        "parameter_size": "", "quantization_level": e.scheme}}
