@@ -191,6 +191,25 @@ def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bo
     assert _rel(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_attention_rows_of_a_chunk_give_each_rows_own_bits(D: int, with_sinks: bool) -> None:
+    """A prompt chunk's rows share passes over the keys and values (ATTN_RB at a time): every row's output
+    is bit-identical to its own one-row call, as a rerun from the prompt cache computes it. Rows of another
+    sequence in the same call (a decode row next to the chunk) take the one-row path."""
+    g = torch.Generator().manual_seed(D)
+    H, Hkv, T, ctx = 8, 2, 11, 96
+    k, v, k2, v2 = (torch.randn(Hkv, ctx, D, generator=g).bfloat16() for _ in range(4))
+    q = torch.randn(T, H, D, generator=g).bfloat16()
+    sinks = torch.randn(H, generator=g) if with_sinks else None
+    S = [40 + t for t in range(T - 2)] + [7, 70]  # a causal chunk of one sequence, then two rows of another
+    ks, vs = [k] * (T - 2) + [k2, k2], [v] * (T - 2) + [v2, v2]
+    out = native.attn_rows(q, ks, vs, S, 0.125, sinks)
+    for t in range(T):
+        one = native.attn_decode(q[t], ks[t][:, :S[t]], vs[t][:, :S[t]], 0.125, sinks)
+        assert torch.equal(out[t], one[0]), t
+
+
 def test_rmsnorm_and_rope_match_f32_reference() -> None:
     from colibri.models.layers import RMSNorm, RoPE
 

@@ -61,6 +61,71 @@ static inline __attribute__((always_inline)) void attn_values_bf(const uint16_t 
 }
 #endif
 
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+/* Scores of positions s1..s1+n (n <= 16) for one bf16 query head qb against the bf16 keys at kb
+ * (position 0's, rows D apart): one vdpbf16ps multiplies 32 pairs exactly (bf16 products fit f32) and
+ * adds them in f32; the 16 positions' sums reduce together (hsum16). Per position that is ~5 vector
+ * ops where converting to f32, multiply-adds and a reduction took ~18: attention at 4096 positions
+ * ran at ~36 GB/s of ~48, compute-bound. Scaled scores go to sc[s1..], their max into *mxv. */
+static inline __attribute__((always_inline)) void attn_scores16(const uint16_t *kb, const uint16_t *qb, int D,
+                                                                int s1, int n, float scale, float *sc, __m512 *mxv) {
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        __m512 acc = _mm512_setzero_ps();
+        if (i < n) {
+            long base = (long)(s1 + i) * D;
+            attn_prefetch((const char *)(kb + base + (long)ATTN_PF * D), D * 2);
+            for (int d = 0; d < D; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(kb + base + d)),
+                                       (__m512bh)_mm512_loadu_si512((const void *)(qb + d)));
+        }
+        r[i] = acc;
+    }
+    __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __m512 sv = _mm512_mul_ps(hsum16(r), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(sc + s1, m, sv);
+    *mxv = _mm512_mask_max_ps(*mxv, m, *mxv, sv);
+}
+#endif
+
+/* sc[s] = exp(sc[s] - mx) for s < S; returns the softmax denominator (plus the sink's share). */
+static inline float attn_exp(float *sc, int S, float mx, const float *sink) {
+    float den = sink ? expf(*sink - mx) : 0.f;
+    int s0 = 0;
+#ifdef COLI_AVX512
+    __m512 dv = _mm512_setzero_ps();  /* the denominator in 16 partial sums */
+    for (; s0 < S; s0 += 16) {
+        __mmask16 m = S - s0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - s0)) - 1);
+        __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s0), _mm512_set1_ps(mx)));
+        _mm512_mask_storeu_ps(sc + s0, m, e);
+        dv = _mm512_mask_add_ps(dv, m, dv, e);
+    }
+    den += _mm512_reduce_add_ps(dv);
+#endif
+    for (; s0 < S; s0++) {
+        sc[s0] = expf(sc[s0] - mx);
+        den += sc[s0];
+    }
+    return den;
+}
+
+/* out[h] = of / den, rounded once to the output's dtype. */
+static inline void attn_out(const float *of, float den, void *out, int bf16, long h, int Dv) {
+    int d0 = 0;
+#ifdef COLI_AVX512
+    if (bf16)  /* the same division and rounding as below, 16 at a time */
+        for (; d0 + 16 <= Dv; d0 += 16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + h * Dv + d0),
+                                f32_to_bf16_16(_mm512_div_ps(_mm512_loadu_ps(of + d0), _mm512_set1_ps(den))));
+#endif
+    for (int d = d0; d < Dv; d++) {
+        float o = of[d] / den;
+        if (bf16) ((uint16_t *)out)[h * Dv + d] = f32_to_bf16(o);
+        else ((float *)out)[h * Dv + d] = o;
+    }
+}
+
 /* Heads h0..h1 of one query row. */
 static void attn_heads(const attn_job *j, long h0, long h1) {
     const void *q = j->q, *k = j->k, *v = j->v;
@@ -88,33 +153,11 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
 #endif
         int s1 = 0;  /* positions scored so far */
 #if defined(COLI_AVX512) && defined(__AVX512BF16__)
-        if (fast) {
-            /* bf16 keys and query: one vdpbf16ps multiplies 32 pairs exactly (bf16 products fit f32) and
-             * adds them in f32; 16 positions' sums reduce together (hsum16). Per position that is ~5 vector
-             * ops where converting to f32, multiply-adds and a reduction took ~18: attention at 4096
-             * positions ran at ~36 GB/s of ~48, compute-bound. */
-            const uint16_t *qb = (const uint16_t *)q + (long)h * D, *kb = (const uint16_t *)k;
+        if (fast) {  /* bf16 keys and query, 16 positions at a time (attn_scores16) */
+            const uint16_t *qb = (const uint16_t *)q + (long)h * D, *kb = (const uint16_t *)k + kv * ks;
             __m512 mxv = _mm512_set1_ps(mx);
-            for (; s1 < S; s1 += 16) {
-                int n = S - s1 < 16 ? S - s1 : 16;
-                __m512 r[16];
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; i++) {
-                    __m512 acc = _mm512_setzero_ps();
-                    if (i < n) {
-                        long base = kv * ks + (long)(s1 + i) * D;
-                        attn_prefetch((const char *)(kb + base + (long)ATTN_PF * D), D * 2);
-                        for (int d = 0; d < D; d += 32)
-                            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(kb + base + d)),
-                                                   (__m512bh)_mm512_loadu_si512((const void *)(qb + d)));
-                    }
-                    r[i] = acc;
-                }
-                __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-                __m512 sv = _mm512_mul_ps(hsum16(r), _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(sc + s1, m, sv);
-                mxv = _mm512_mask_max_ps(mxv, m, mxv, sv);
-            }
+            for (; s1 < S; s1 += 16)
+                attn_scores16(kb, qb, D, s1, S - s1 < 16 ? S - s1 : 16, scale, sc, &mxv);
             mx = _mm512_reduce_max_ps(mxv);
         }
 #endif
@@ -142,22 +185,7 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
             sc[s] = a * scale;
             if (sc[s] > mx) mx = sc[s];
         }
-        float den = sinks ? expf(sinks[h] - mx) : 0.f;
-        int s0 = 0;
-#ifdef COLI_AVX512
-        __m512 dv = _mm512_setzero_ps();  /* the denominator in 16 partial sums */
-        for (; s0 < S; s0 += 16) {
-            __mmask16 m = S - s0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - s0)) - 1);
-            __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s0), _mm512_set1_ps(mx)));
-            _mm512_mask_storeu_ps(sc + s0, m, e);
-            dv = _mm512_mask_add_ps(dv, m, dv, e);
-        }
-        den += _mm512_reduce_add_ps(dv);
-#endif
-        for (; s0 < S; s0++) {
-            sc[s0] = expf(sc[s0] - mx);
-            den += sc[s0];
-        }
+        float den = attn_exp(sc, S, mx, sinks ? sinks + h : NULL);
 #ifdef COLI_AVX512
         if (bf16 && Dv == 64)
             attn_values_bf((const uint16_t *)v + kv * vs, S, 64, sc, of);
@@ -177,20 +205,99 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
                 else for (int d = 0; d < Dv; d++) of[d] += p * ((const float *)v)[base + d];
             }
         }
-        int d0 = 0;
-#ifdef COLI_AVX512
-        if (bf16)  /* the same division and rounding as below, 16 at a time */
-            for (; d0 + 16 <= Dv; d0 += 16)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + (long)h * Dv + d0),
-                                    f32_to_bf16_16(_mm512_div_ps(_mm512_loadu_ps(of + d0), _mm512_set1_ps(den))));
-#endif
-        for (int d = d0; d < Dv; d++) {
-            float o = of[d] / den;
-            if (bf16) ((uint16_t *)out)[(long)h * Dv + d] = f32_to_bf16(o);
-            else ((float *)out)[(long)h * Dv + d] = o;
-        }
+        attn_out(of, den, out, bf16, h, Dv);
     }
 }
+
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+#ifndef ATTN_RB
+#define ATTN_RB 4  /* query rows of one sequence that share each pass over a head's keys and values */
+#endif
+/* of[r][0..Dv) = sum_s p[r][s] * v[s] for R rows at once, row r over positions s < S[r] (S[r] = 0: no
+ * row): attn_values_bf's arithmetic for each row, in its order (the same bits), but each value row is
+ * loaded and widened once for all R. R and Dv are constants after inlining (R x Dv = 256: 16 accumulators). */
+static inline __attribute__((always_inline)) void attn_values_rows(const uint16_t *vb, const int *S, int R, int Dv,
+                                                                   float *const *p, float *const *of) {
+    __m512 ev[ATTN_RB][4], od[ATTN_RB][4];
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    int Smax = 0;
+    for (int r = 0; r < R; r++) {
+        for (int j = 0; j < Dv / 32; j++) ev[r][j] = od[r][j] = _mm512_setzero_ps();
+        Smax = S[r] > Smax ? S[r] : Smax;
+    }
+    for (int s = 0; s < Smax; s++) {
+        const uint16_t *row = vb + (long)s * Dv;
+        attn_prefetch((const char *)(row + (long)ATTN_PF * Dv), Dv * 2);
+        for (int j = 0; j < Dv / 32; j++) {
+            __m512i x = _mm512_loadu_si512((const void *)(row + 32 * j));
+            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), up = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+            for (int r = 0; r < R; r++)
+                if (s < S[r]) {
+                    __m512 ps = _mm512_set1_ps(p[r][s]);
+                    ev[r][j] = _mm512_fmadd_ps(lo, ps, ev[r][j]);
+                    od[r][j] = _mm512_fmadd_ps(up, ps, od[r][j]);
+                }
+        }
+    }
+    const __m512i lo_i = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi_i = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int r = 0; r < R; r++)
+        if (S[r])
+            for (int j = 0; j < Dv / 32; j++) {
+                _mm512_storeu_ps(of[r] + 32 * j, _mm512_permutex2var_ps(ev[r][j], lo_i, od[r][j]));
+                _mm512_storeu_ps(of[r] + 32 * j + 16, _mm512_permutex2var_ps(ev[r][j], hi_i, od[r][j]));
+            }
+}
+
+/* Head h of nr <= ATTN_RB query rows of one sequence (the same keys and values, bf16, D % 32 == 0, Dv 64 or
+ * 128): each row's arithmetic is attn_heads' (the same bits), but the rows take each 16-position block of
+ * keys in turn while it sits in L1, and share each value row's loads (attn_values_rows). A prompt chunk's
+ * rows read a long context's keys and values once per ATTN_RB rows instead of once per row. */
+static void attn_heads_rows(const attn_job *j, int nr, int h) {
+    int D = j[0].D, Dv = j[0].Dv, Smax = 0;
+    long kv = h / j[0].rep;
+    const uint16_t *kb = (const uint16_t *)j[0].k + kv * j[0].ks, *vb = (const uint16_t *)j[0].v + kv * j[0].vs;
+    float *sc[ATTN_RB], *of[ATTN_RB];
+    int S[ATTN_RB];
+    __m512 mxv[ATTN_RB];
+    for (int r = 0; r < ATTN_RB; r++) {
+        const attn_job *a = j + (r < nr ? r : 0);
+        S[r] = r < nr ? a->S : 0;
+        sc[r] = a->buf + (size_t)h * a->S;
+        of[r] = a->buf + (size_t)a->H * a->S + (size_t)h * (D + Dv) + D;
+        mxv[r] = _mm512_set1_ps(a->sinks ? a->sinks[h] : -INFINITY);
+        Smax = S[r] > Smax ? S[r] : Smax;
+    }
+    attn_prefetch((const char *)kb, (S[0] < ATTN_PF ? S[0] : ATTN_PF) * D * 2);
+    attn_prefetch((const char *)vb, (S[0] < ATTN_PF ? S[0] : ATTN_PF) * Dv * 2);
+    for (int s1 = 0; s1 < Smax; s1 += 16)
+        for (int r = 0; r < nr; r++)
+            if (s1 < S[r])
+                attn_scores16(kb, (const uint16_t *)j[r].q + (long)h * D, D, s1, S[r] - s1 < 16 ? S[r] - s1 : 16,
+                              j[r].scale, sc[r], &mxv[r]);
+    float den[ATTN_RB];
+    for (int r = 0; r < nr; r++)
+        den[r] = attn_exp(sc[r], S[r], _mm512_reduce_max_ps(mxv[r]), j[r].sinks ? j[r].sinks + h : NULL);
+    if (Dv == 64)
+        attn_values_rows(vb, S, ATTN_RB, 64, sc, of);
+    else
+        for (int r0 = 0; r0 < ATTN_RB; r0 += 2) {  /* 128-wide rows two at a time: 16 accumulators */
+            if (ATTN_RB - r0 >= 2)
+                attn_values_rows(vb, S + r0, 2, 128, sc + r0, of + r0);
+            else
+                attn_values_rows(vb, S + r0, 1, 128, sc + r0, of + r0);
+        }
+    for (int r = 0; r < nr; r++) attn_out(of[r], den[r], j[r].out, 1, h, Dv);
+}
+
+/* Whether rows r0..r0+n can take attn_heads_rows: one sequence, the bf16 vector path. */
+static int attn_rows_ok(const attn_job *j, int n) {
+    if (!(j[0].bf16 && j[0].D % 32 == 0 && (j[0].Dv == 64 || j[0].Dv == 128))) return 0;
+    for (int r = 1; r < n; r++)
+        if (j[r].k != j[0].k || j[r].v != j[0].v) return 0;
+    return 1;
+}
+#endif
 
 typedef struct {
     const attn_job *rows;
@@ -203,10 +310,22 @@ typedef struct {
 static void attn_multi_part(void *p, int id, int n) {
     attn_multi *m = (attn_multi *)p;
     long a, b;
+#if defined(ATTN_ROW_MAJOR)
     split((long)m->T * m->H, id, n, &a, &b);
-#ifdef ATTN_ROW_MAJOR
     for (long i = a; i < b; i++) attn_heads(&m->rows[i / m->H], i % m->H, i % m->H + 1);
+#elif defined(COLI_AVX512) && defined(__AVX512BF16__)
+    /* (head, block of ATTN_RB rows) jobs, head-major */
+    long nb = (m->T + ATTN_RB - 1) / ATTN_RB;
+    split(nb * m->H, id, n, &a, &b);
+    for (long i = a; i < b; i++) {
+        int h = (int)(i / nb), r0 = (int)(i % nb) * ATTN_RB, nr = m->T - r0 < ATTN_RB ? m->T - r0 : ATTN_RB;
+        if (nr > 1 && attn_rows_ok(m->rows + r0, nr))
+            attn_heads_rows(m->rows + r0, nr, h);
+        else
+            for (int r = r0; r < r0 + nr; r++) attn_heads(&m->rows[r], h, h + 1);
+    }
 #else
+    split((long)m->T * m->H, id, n, &a, &b);
     for (long i = a; i < b; i++) attn_heads(&m->rows[i % m->T], i / m->T, i / m->T + 1);
 #endif
 }

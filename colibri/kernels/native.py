@@ -143,6 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_get_threads.restype = i
     lib.coli_attn_decode.argtypes = [p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, i, ctypes.c_float, p, p]
     lib.coli_attn_decode.restype = i
+    lib.coli_attn_rows.argtypes = [i, p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, p, ctypes.c_float, p, p]
+    lib.coli_attn_rows.restype = i
     lib.coli_rmsnorm.argtypes = [p, i, ctypes.c_long, i, p, ctypes.c_float, p]
     lib.coli_rmsnorm.restype = i
     lib.coli_rope.argtypes = [p, i, i, i, i, i, p, p, p]
@@ -330,6 +332,26 @@ def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_moe_block failed ({rc})")
     return h_out, idx, wts
+
+
+def attn_rows(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], S: list[int], scale: float,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """T query rows at once (what a step's attention calls): q [T, H, D]; row t attends over the first S[t]
+    positions of ks[t] [Hkv, *, D] / vs[t] [Hkv, *, Dv] (views of KV caches, one head stride for all) ->
+    [T, H * Dv] in q's dtype. Tests compare it with attn_decode row by row."""
+    T, H, D = q.shape
+    Hkv, _, Dv = vs[0].shape
+    q = q.contiguous()
+    out = torch.empty(T, H * Dv, dtype=q.dtype)
+    kp = (ctypes.c_void_p * T)(*[k.data_ptr() for k in ks])
+    vp = (ctypes.c_void_p * T)(*[v.data_ptr() for v in vs])
+    sk = sinks.float().contiguous() if sinks is not None else None
+    rc = _lib.coli_attn_rows(T, q.data_ptr(), int(q.dtype == torch.bfloat16), H, Hkv, D, Dv, kp, ks[0].stride(0), vp,
+                             vs[0].stride(0), (ctypes.c_int * T)(*S), scale, None if sk is None else sk.data_ptr(),
+                             out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_attn_rows failed ({rc})")
+    return out
 
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
