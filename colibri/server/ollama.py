@@ -18,7 +18,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from .protocol import ChatCompletionRequest, CompletionRequest, _Strict, bad_request, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, _Strict, bad_request, parse, parse_arguments
+from .responses import chunk_dicts
 
 router = APIRouter()
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1}
@@ -103,23 +104,14 @@ def _done_reason(finish: str | None) -> str:
 
 
 def _calls(tool_calls: list | None) -> list[dict]:
-    out = []
-    for tc in tool_calls or []:
-        try:
-            args = json.loads(tc["function"]["arguments"])
-        except json.JSONDecodeError:
-            args = tc["function"]["arguments"]
-        out.append({"function": {"name": tc["function"]["name"], "arguments": args}})
-    return out
+    return [{"function": {"name": tc["function"]["name"], "arguments": parse_arguments(tc["function"]["arguments"])}}
+            for tc in tool_calls or []]
 
 
 async def _ndjson(state, chunks, t0: float, chat: bool):
     """Ollama's stream lines from the OpenAI stream's chunks (one choice)."""
     finish, usage, timings = None, None, None
-    async for raw in chunks:
-        if raw.get("data") == "[DONE]":
-            break
-        c = json.loads(raw["data"])
+    async for c in chunk_dicts(chunks):
         if "error" in c:
             yield json.dumps({"error": c["error"].get("message")}) + "\n"
             return

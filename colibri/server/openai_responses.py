@@ -20,6 +20,7 @@ from pydantic import Field
 from sse_starlette.sse import EventSourceResponse
 
 from .protocol import ChatCompletionRequest, _Strict, bad_request, parse
+from .responses import chunk_dicts
 
 router = APIRouter()
 
@@ -203,10 +204,7 @@ async def _events(b: _Builder, chunks):
             yield ev("response.reasoning_text.done", item_id=it["id"], output_index=n, content_index=0, text=text)
         yield ev("response.output_item.done", output_index=n, item=it)
 
-    async for raw in chunks:
-        if raw.get("data") == "[DONE]":
-            break
-        chunk = json.loads(raw["data"])
+    async for chunk in chunk_dicts(chunks):
         if "error" in chunk:
             yield ev("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"), param=None)
             return

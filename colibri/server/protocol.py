@@ -116,11 +116,12 @@ class ChatMessage(_Strict):
         if self.tool_calls:
             # Templates write `arguments | tojson` (transformers' convention: a dict): a JSON string is parsed.
             out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": parse_arguments(c.function.arguments)}} for c in self.tool_calls]
         return out
 
 
-def _arguments(args: str | dict) -> Any:
+def parse_arguments(args: str | dict) -> Any:
+    """A tool call's arguments as an object where its JSON text parses (what templates and Ollama want)."""
     if isinstance(args, str):
         try:
             return json.loads(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from ..engine.request import TokenEvent
@@ -56,6 +57,15 @@ def completion_logprobs(entries: list[tuple[int, float | None, list[tuple[int, f
         out["text_offset"].append(offset)
         offset += text_of.visible_len(token)
     return out
+
+
+async def chunk_dicts(events):
+    """The chunk objects of an OpenAI stream's SSE events (what the chat and completion handlers yield),
+    up to its `[DONE]`: what the other APIs' streams (Responses, Ollama) are translated from."""
+    async for ev in events:
+        if ev.get("data") == "[DONE]":
+            return
+        yield json.loads(ev["data"])
 
 
 class ChatBodies:

@@ -1,0 +1,98 @@
+"""Multi-row attention, the rows of a prompt chunk ATTN_RB at a time per head (kernels/attn.c) vs one at a
+time (a build with -DATTN_RB=1), each in its own process, alternated.
+
+    .venv/bin/python benchmarks/bench_attention.py [--rounds 4]                 # the kernel alone
+    .venv/bin/python benchmarks/bench_attention.py --model M.coli [--after 1500] [--lengths 128 256]
+
+The kernel: `native.attn_rows` for 64 rows over 300 or 1500 cached positions (16 heads of 64; 16 query
+heads on 4 KV heads of 128), median of 15 calls per process. With --model: the time to first token of a
+prompt whose first --after tokens a slot already holds and --lengths new ones (median of 3 per process),
+what a chat turn deep in a conversation costs. Prints each build's median over the rounds, the ratio
+and the load average. Both builds give the same bits (tests/test_native.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+BUILDS = {"one row at a time": "-DATTN_RB=1", "rows in blocks": ""}
+
+
+def kernel() -> dict:
+    import torch
+
+    from colibri.kernels import native
+
+    native.set_threads(2)
+    torch.set_num_threads(1)
+    out = {}
+    for D, Hkv, ctx in ((64, 16, 1500), (64, 16, 300), (128, 4, 1500)):
+        g = torch.Generator().manual_seed(0)
+        k, v = (torch.randn(Hkv, ctx + 64, D, generator=g).bfloat16() for _ in range(2))
+        q = torch.randn(64, 16, D, generator=g).bfloat16()
+        S = [ctx + t + 1 for t in range(64)]
+        ts = []
+        for i in range(18):
+            t0 = time.perf_counter()
+            native.attn_rows(q, [k] * 64, [v] * 64, S, 0.125)
+            if i >= 3:  # (warm-up)
+                ts.append(time.perf_counter() - t0)
+        out[f"64 rows, 16 heads of {D} on {Hkv} KV heads, {ctx} positions (ms)"] = statistics.median(ts) * 1e3
+    return out
+
+
+def engine(model: str, after: int, lengths: list[int]) -> dict:
+    import colibri
+
+    llm = colibri.load(model, ctx_size=after + max(lengths) + 16, threads=2)
+    rng = random.Random(0)
+    base = [1] + [rng.randrange(3, 384) for _ in range(after - 1)]  # ids the test tokenizer has
+    list(llm.generate_ids(base, 1, ignore_eos=True))
+    out = {}
+    for n in lengths:
+        ts = []
+        for _ in range(3):
+            h = llm.submit(base + [rng.randrange(3, 384) for _ in range(n)], 1, ignore_eos=True)
+            h.wait()
+            ts.append(h.stats.ttft_s)
+        out[f"{n} new rows after {after} (TTFT ms)"] = statistics.median(ts) * 1e3
+    llm.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--after", type=int, default=1500)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(engine(a.model, a.after, a.lengths) if a.model else kernel()))
+        return
+    runs: dict[str, list[dict]] = {name: [] for name in BUILDS}
+    load0 = os.getloadavg()[0]
+    args = [sys.executable, __file__, "--worker", "--after", str(a.after), "--lengths", *map(str, a.lengths)]
+    args += ["--model", a.model] if a.model else []
+    for r in range(a.rounds):
+        for name, flags in list(BUILDS.items())[:: 1 if r % 2 == 0 else -1]:
+            p = subprocess.run(args, env={**os.environ, "COLIBRI_NATIVE_CFLAGS": flags}, capture_output=True,
+                               text=True, check=True)
+            runs[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    one, blocks = runs.values()
+    print(f"{a.rounds} alternated rounds per build, medians; load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
+    for key in one[0]:
+        x, y = statistics.median(r[key] for r in one), statistics.median(r[key] for r in blocks)
+        print(f"  {key}: one row at a time {x:.2f}, rows in blocks {y:.2f}: {x / y:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
