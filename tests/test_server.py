@@ -399,7 +399,10 @@ def test_ollama_api_chat_generate_tags(server, client):
     info = server.request("POST", "/api/show", {"model": "tiny"}, AUTH)[1]["model_info"]
     assert info["colibri.context_length"] == 128
     assert "version" in server.request("GET", "/api/version", None, AUTH)[1]
-    assert server.request("POST", "/api/chat", {"model": "llama3", "messages": MESSAGES}, AUTH)[0] == 404
+    status, err = server.request("POST", "/api/chat", {"model": "llama3", "messages": MESSAGES}, AUTH)
+    assert status == 404 and "llama3" in err["error"]  # Ollama's error shape: the text
+    status, err = server.request("POST", "/api/generate", {"prompt": "x", "options": {"temperature": -1}}, AUTH)
+    assert status == 400 and isinstance(err["error"], str)
     assert server.request("POST", "/api/chat", {"messages": MESSAGES}, {})[0] == 401
 
 

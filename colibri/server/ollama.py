@@ -9,6 +9,7 @@ JSON schema constrains the answer. docs/SERVER.md lists what is supported.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -16,9 +17,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from .protocol import ChatCompletionRequest, CompletionRequest, _Strict, bad_request, parse, parse_arguments
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Strict, bad_request, parse, parse_arguments
 from .responses import chunk_dicts
 
 router = APIRouter()
@@ -138,7 +139,19 @@ async def _ndjson(state, chunks, t0: float, chat: bool):
     yield json.dumps(last) + "\n"
 
 
+def _ollama_errors(fn):
+    """Errors in Ollama's shape, `{"error": "text"}` (its clients raise with that text), same statuses."""
+    @functools.wraps(fn)
+    async def wrapped(request: Request):
+        try:
+            return await fn(request)
+        except APIError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
+    return wrapped
+
+
 @router.post("/api/chat")
+@_ollama_errors
 async def api_chat(request: Request):
     state, t0 = request.app.state.colibri, time.perf_counter()
     body: ChatBody = parse(ChatBody, await request.body())
@@ -163,6 +176,7 @@ async def api_chat(request: Request):
 
 
 @router.post("/api/generate")
+@_ollama_errors
 async def api_generate(request: Request):
     state, t0 = request.app.state.colibri, time.perf_counter()
     body: GenerateBody = parse(GenerateBody, await request.body())
@@ -230,6 +244,7 @@ async def api_ps(request: Request) -> dict:
 
 
 @router.post("/api/show")
+@_ollama_errors
 async def api_show(request: Request) -> dict:
     state = request.app.state.colibri
     e = state.engine
