@@ -23,9 +23,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import llamacpp  # noqa: E402  (benchmarks/ is not a package)
-from bench_serve import Server, free_port  # noqa: E402
-from bench_vs_llamacpp import GGUF_TYPE, SHAPES, prepare  # noqa: E402
+from bench_serve import cache_servers, each_server  # noqa: E402
+from bench_vs_llamacpp import GGUF_TYPE, add_model_args, model_pair  # noqa: E402
 
 MESSAGE = ("Tell me more about the village by the river, the old mill, the baker and his daughter, the "
            "market on Sundays, the bridge that the children cross on their way to school, the forest "
@@ -63,34 +62,18 @@ def converse(base: str, turns: int, answer: int, message: str = MESSAGE) -> list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.44b")
-    ap.add_argument("--scheme", choices=sorted(GGUF_TYPE), default="int8")
+    add_model_args(ap)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--answer", type=int, default=32, help="tokens per answer")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/colibri-bench"))
     a = ap.parse_args()
-    cache = a.workdir / "llamacpp"
-    bin_dir = llamacpp.build(cache)
-    _, colis, ggufs = prepare(a.shape, a.workdir, [a.scheme], cache)
-    coli, gguf = colis[a.scheme], ggufs[a.scheme]
+    bin_dir, coli, gguf = model_pair(a)
     ctx = 320 * a.turns + 512  # the test tokenizer (384 ids) spends ~200 tokens on a user message
-    ccmd = [sys.executable, "-m", "colibri", "serve", "--model", str(coli), "--slots", "1", "--threads",
-            str(a.threads), "--ctx-size", str(ctx)]
-    servers = {"colibri": lambda p: ccmd + ["--port", str(p)],
-               "colibri no-cache": lambda p: ccmd + ["--no-cache-prompt", "--port", str(p)],
-               "llama-server": lambda p: llamacpp.server_cmd(bin_dir, gguf, p, a.threads, 1, ctx)}
-    results = {}
-    for name, make in servers.items():
-        port = free_port()
-        srv = Server(name, make(port), port, a.workdir / f"bench_chat-{name.replace(' ', '-')}.log", None)
-        try:
-            srv.wait_ready()
-            converse(srv.base, 1, 4, "Say hello {}.")  # warm-up: shares only the template's start
-            results[name] = converse(srv.base, a.turns, a.answer)
-        finally:
-            srv.stop()
-        print(f"  {name} done", file=sys.stderr, flush=True)
+
+    def job(base: str) -> list[dict]:
+        converse(base, 1, 4, "Say hello {}.")  # warm-up: shares only the template's start
+        return converse(base, a.turns, a.answer)
+
+    results = each_server(cache_servers(a, coli, gguf, bin_dir, 1, ctx), a.workdir, "bench_chat", job)
     print(f"shape {a.shape}, {a.scheme} vs {GGUF_TYPE[a.scheme].upper()}, in RAM; {a.threads} threads, one slot; "
           f"{a.turns} turns, {a.answer}-token greedy answers; TTFT in ms")
     c, n, ll = results["colibri"], results["colibri no-cache"], results["llama-server"]

@@ -45,6 +45,30 @@ PROMPTS = ["Tell me a story about a little girl and a dog.", "What is the capita
            "Describe the forest in winter.", "Who came to the village with a cart full of books?"]
 
 
+def cache_servers(a: argparse.Namespace, coli: Path, gguf: Path, bin_dir: Path, slots: int, ctx: int) -> dict:
+    """colibri serve with and without prompt caching, and llama-server: name -> (port -> command)."""
+    ccmd = [sys.executable, "-m", "colibri", "serve", "--model", str(coli), "--slots", str(slots), "--threads",
+            str(a.threads), "--ctx-size", str(ctx)]
+    return {"colibri": lambda p: ccmd + ["--port", str(p)],
+            "colibri no-cache": lambda p: ccmd + ["--no-cache-prompt", "--port", str(p)],
+            "llama-server": lambda p: llamacpp.server_cmd(bin_dir, gguf, p, a.threads, slots, ctx)}
+
+
+def each_server(servers: dict, workdir: Path, tag: str, job) -> dict:
+    """Start each server alone on a free port, `job(base_url)` once it is ready, stop it: name -> result."""
+    results = {}
+    for name, make in servers.items():
+        port = free_port()
+        srv = Server(name, make(port), port, workdir / f"{tag}-{name.replace(' ', '-')}.log", None)
+        try:
+            srv.wait_ready()
+            results[name] = job(srv.base)
+        finally:
+            srv.stop()
+        print(f"  {name} done", file=sys.stderr, flush=True)
+    return results
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

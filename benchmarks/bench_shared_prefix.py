@@ -24,9 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import llamacpp  # noqa: E402  (benchmarks/ is not a package)
-from bench_serve import Server, free_port  # noqa: E402
-from bench_vs_llamacpp import GGUF_TYPE, SHAPES, prepare  # noqa: E402
+from bench_serve import cache_servers, each_server  # noqa: E402
+from bench_vs_llamacpp import GGUF_TYPE, add_model_args, model_pair  # noqa: E402
 
 WORDS = ("river mill baker daughter market bridge school forest hills winter summer garden lantern harbor "
          "boat fisher storm meadow orchard candle letter window station tower").split()
@@ -71,35 +70,20 @@ def burst(base: str, clients: int, round_: int, words: int, answer: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.44b")
-    ap.add_argument("--scheme", choices=sorted(GGUF_TYPE), default="int8")
+    add_model_args(ap)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--system-words", type=int, default=300)
     ap.add_argument("--answer", type=int, default=16, help="tokens per answer")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/colibri-bench"))
     a = ap.parse_args()
-    cache = a.workdir / "llamacpp"
-    bin_dir = llamacpp.build(cache)
-    _, colis, ggufs = prepare(a.shape, a.workdir, [a.scheme], cache)
+    bin_dir, coli, gguf = model_pair(a)
     ctx = 4 * a.system_words + 256  # the test tokenizer (384 ids) spends ~3 tokens a word
-    ccmd = [sys.executable, "-m", "colibri", "serve", "--model", str(colis[a.scheme]), "--slots", str(a.clients),
-            "--threads", str(a.threads), "--ctx-size", str(ctx)]
-    servers = {"colibri": lambda p: ccmd + ["--port", str(p)],
-               "colibri no-cache": lambda p: ccmd + ["--no-cache-prompt", "--port", str(p)],
-               "llama-server": lambda p: llamacpp.server_cmd(bin_dir, ggufs[a.scheme], p, a.threads, a.clients, ctx)}
-    results: dict[str, list[dict]] = {}
-    for name, make in servers.items():
-        port = free_port()
-        srv = Server(name, make(port), port, a.workdir / f"bench_shared_prefix-{name.replace(' ', '-')}.log", None)
-        try:
-            srv.wait_ready()
-            burst(srv.base, 1, -1, 8, 4)  # warm-up
-            results[name] = [burst(srv.base, a.clients, r, a.system_words, a.answer) for r in range(a.rounds)]
-        finally:
-            srv.stop()
-        print(f"  {name} done", file=sys.stderr, flush=True)
+
+    def job(base: str) -> list[dict]:
+        burst(base, 1, -1, 8, 4)  # warm-up
+        return [burst(base, a.clients, r, a.system_words, a.answer) for r in range(a.rounds)]
+
+    results = each_server(cache_servers(a, coli, gguf, bin_dir, a.clients, ctx), a.workdir, "bench_shared_prefix", job)
     print(f"shape {a.shape}, {a.scheme} vs {GGUF_TYPE[a.scheme].upper()}, in RAM; {a.threads} threads; {a.clients} "
           f"requests at once with one system prompt of {a.system_words} words, {a.answer}-token greedy answers")
     print(f"{'round':>5} {'server':<17}{'prompt':>7}{'cached':>8}{'TTFT mean':>11}{'TTFT max':>10}{'all done':>10}"

@@ -143,6 +143,22 @@ def prepare(shape: str, work: Path, schemes: list[str], cache: Path) -> tuple[Pa
     return hf, colis, ggufs
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--shape, --scheme, --threads, --workdir: one checkpoint for colibri and llama.cpp (the serving benchmarks)."""
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.44b")
+    ap.add_argument("--scheme", choices=sorted(GGUF_TYPE), default="int8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/colibri-bench"))
+
+
+def model_pair(a: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """(llama.cpp's bin folder, the .coli, the .gguf) of add_model_args' flags, each made once."""
+    cache = a.workdir / "llamacpp"
+    bin_dir = llamacpp.build(cache)
+    _, colis, ggufs = prepare(a.shape, a.workdir, [a.scheme], cache)
+    return bin_dir, colis[a.scheme], ggufs[a.scheme]
+
+
 def colibri_active_bytes(path: Path) -> int:
     """Weight bytes one decode token reads from a .coli (the planner's accounting)."""
     from colibri.container import Container

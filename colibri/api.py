@@ -20,7 +20,7 @@ from .engine.request import EngineClosedError, QueueFullError, RequestHandle, Re
 from .engine.runner import Runner
 from .engine.scheduler import Scheduler
 from .engine.stats import StepInfo
-from .errors import ColibriError
+from .errors import ColibriError, SlotBusyError
 from .kernels import native
 from .models.base import bind, build
 from .store import Placement, TieredStore
@@ -409,7 +409,7 @@ class Engine:
             raise ColibriError(f"slot must be an integer in [0, {self.n_slots}), got {slot!r}")
         with self._sched.cond:
             if not self.slots.is_free(slot):
-                raise ColibriError(f"slot {slot} is serving a request; save or load its cache when it is free")
+                raise SlotBusyError(f"slot {slot} is serving a request; save or load its cache when it is free")
             yield
 
     def trace_routing(self, enabled: bool = True) -> None:

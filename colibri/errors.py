@@ -20,5 +20,9 @@ class ColibriError(Exception):
         return " ".join(super().__str__().split())
 
 
+class SlotBusyError(ColibriError):
+    """A KV slot's cache was to be saved, loaded or erased while a request holds the slot."""
+
+
 class ContainerError(ColibriError):
     """A .coli container cannot be written, opened, validated or read."""

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF checkpoints (built once per session) and their f32 containers."""
+"""Shared fixtures: tiny HF checkpoints (built once per session) and their f32 containers; the chat model
+and `colibri serve` process of the server tests (one per test module)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
 
-from hf_tiny import make_tiny_checkpoint  # noqa: E402
+from chat_server import KEY, TEMPLATE  # noqa: E402
+from hf_tiny import load_hf, make_tiny_checkpoint  # noqa: E402
+from serve_proc import Server  # noqa: E402
 
 from colibri.convert import convert  # noqa: E402
 
@@ -42,3 +45,37 @@ class Checkpoints:
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def chat_model(ckpt, tmp_path_factory) -> tuple[Path, Path]:
+    """(HF folder with chat_template.jinja, its f32 container)."""
+    import shutil
+
+    hf = tmp_path_factory.mktemp("srv") / "hf"
+    shutil.copytree(ckpt.hf("mixtral"), hf)
+    (hf / "chat_template.jinja").write_text(TEMPLATE)
+    return hf, convert(hf, hf.parent / "m.coli", "f32", 32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    s = Server(chat_model[1], "--api-key", KEY, "--model-id", "tiny", "--slots", "4", "--ctx-size", "128",
+               "--slot-save-path", str(tmp_path_factory.mktemp("slots")), "--allowed-origins", "http://ui.test")
+    yield s
+    err = s.stop()
+    assert s.proc.returncode == 0, err
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf(chat_model):
+    """transformers' model and tokenizer of the chat model."""
+    from transformers import AutoTokenizer
+
+    return load_hf(chat_model[0]), AutoTokenizer.from_pretrained(chat_model[0])

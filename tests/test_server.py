@@ -5,66 +5,20 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import hf_greedy, hf_logits, load_hf
+from chat_server import AUTH, CHAT, MESSAGES
+from hf_tiny import hf_greedy, hf_logits
 from serve_proc import Server
 
 from colibri.engine.kv import common_prefix
 
 openai = pytest.importorskip("openai")
-
-KEY = "sk-test-colibri"
-# GLM-style: the template writes the next turn's marker, and <|user|> (one token in the tiny
-# vocabulary) is then the template's stop token.
-TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
-            "{% endif %}"
-            "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{% elif m['role'] in ('system', 'tool') %}"
-            "<|system|>{% else %}<|assistant|>{% endif %}\n{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
-            "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_model(ckpt, tmp_path_factory) -> tuple[Path, Path]:
-    """(HF folder with chat_template.jinja, its f32 container)."""
-    hf = tmp_path_factory.mktemp("srv") / "hf"
-    shutil.copytree(ckpt.hf("mixtral"), hf)
-    (hf / "chat_template.jinja").write_text(TEMPLATE)
-    from colibri.convert import convert
-
-    return hf, convert(hf, hf.parent / "m.coli", "f32", 32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def server(chat_model, tmp_path_factory):
-    s = Server(chat_model[1], "--api-key", KEY, "--model-id", "tiny", "--slots", "4", "--ctx-size", "128",
-               "--slot-save-path", str(tmp_path_factory.mktemp("slots")), "--allowed-origins", "http://ui.test")
-    yield s
-    err = s.stop()
-    assert s.proc.returncode == 0, err
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def hf(chat_model):
-    from transformers import AutoTokenizer
-
-    return load_hf(chat_model[0]), AutoTokenizer.from_pretrained(chat_model[0])
-
-
-MESSAGES = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Once upon a time"}]
 
 
 def test_greedy_chat_matches_transformers(client, hf):
@@ -84,6 +38,7 @@ def test_greedy_chat_matches_transformers(client, hf):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
 
 
 def test_a_chat_turn_reuses_the_conversation_so_far(server, client, hf):
@@ -113,6 +68,7 @@ def test_a_chat_turn_reuses_the_conversation_so_far(server, client, hf):
     assert float(line.split()[-1]) >= shared
 
 
+
 def test_echo_prompt_logprobs_match_transformers(client, hf):
     model, tok = hf
     ids = tok("Once upon a time there was a little girl").input_ids
@@ -126,6 +82,7 @@ def test_echo_prompt_logprobs_match_transformers(client, hf):
     top = lp.top_logprobs[1]  # about token 1: the two most likely after token 0
     assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
     assert r.choices[0].text == tok.decode(ids, skip_special_tokens=True) and r.usage.completion_tokens == 0
+
 
 
 def test_concurrent_streams_get_their_solo_output(client):
@@ -145,6 +102,7 @@ def test_concurrent_streams_get_their_solo_output(client):
     assert together == alone and len(set(alone)) > 1
 
 
+
 def test_multiple_prompts_and_seeded_sampling(client):
     r = client.completions.create(model="tiny", prompt=["Once upon", "The quick"], max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -159,6 +117,7 @@ def test_multiple_prompts_and_seeded_sampling(client):
         return r.choices[0].message.content
 
     assert sample(3) == sample(3) != sample(4)
+
 
 
 def test_n_choices_are_the_requests_with_seed_plus_i(client):
@@ -185,6 +144,7 @@ def test_n_choices_are_the_requests_with_seed_plus_i(client):
     assert r.choices[0].text == client.completions.create(**ckw, prompt="Once upon", seed=2).choices[0].text
 
 
+
 def test_stop_strings_split_across_tokens(client):
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
     full = client.chat.completions.create(**kw, logprobs=True, extra_body={"ignore_eos": True})
@@ -199,6 +159,7 @@ def test_stop_strings_split_across_tokens(client):
     chunks = list(client.chat.completions.create(**kw, stop=stop, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+
 
 
 def test_chat_logprobs_and_penalties(client):
@@ -216,6 +177,7 @@ def test_chat_logprobs_and_penalties(client):
     assert pen.choices[0].message.content != plain  # the penalties reach the sampler
 
 
+
 def test_logit_bias_forces_and_bans_tokens(client, hf):
     model, tok = hf
     ids = tok("Once upon a time").input_ids
@@ -227,6 +189,7 @@ def test_logit_bias_forces_and_bans_tokens(client, hf):
     plain = client.completions.create(**kw)
     banned = client.completions.create(**kw, logit_bias={str(best): -100})
     assert plain.choices[0].logprobs.tokens == [tok.decode([best])] != banned.choices[0].logprobs.tokens
+
 
 
 def test_models_health_metrics(server, client):
@@ -242,236 +205,6 @@ def test_models_health_metrics(server, client):
         assert name in text, name
     assert float(next(ln.split()[-1] for ln in text.splitlines()
                       if ln.startswith("colibri_generation_tokens_total"))) > 0
-
-
-AUTH = {"Authorization": f"Bearer {KEY}"}
-CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
-
-
-def test_tool_calls_required_named_streamed_and_sent_back(client):
-    pytest.importorskip("llguidance")
-    ask = [{"role": "user", "content": "Paris weather?"}]
-    kw = dict(model="tiny", messages=ask, max_tokens=64, temperature=0)
-    plain = client.chat.completions.create(**kw)
-    r = client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
-    c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
-    tc = c.message.tool_calls[0]
-    args = json.loads(tc.function.arguments)
-    assert (tc.function.name, set(args)) in (("get_weather", {"city", "days"}), ("get_time", {"zone"}))
-    assert r.usage.prompt_tokens > plain.usage.prompt_tokens  # the template wrote the tools into the prompt
-    named = client.chat.completions.create(**kw, tools=[WEATHER, CLOCK],
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    (call,) = named.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
-    chunks = list(client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], tool_choice="required",
-                                                 parallel_tool_calls=False, stream=True))
-    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [(tc.function.name, tc.function.arguments)]
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
-    # The call and its result go back in the next turn (auto: this random model answers in text).
-    back = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-    r = client.chat.completions.create(model="tiny", messages=back, tools=[WEATHER], max_tokens=4, temperature=0)
-    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
-    assert r.usage.prompt_tokens > named.usage.prompt_tokens
-
-
-def test_auto_tool_calls_in_the_models_own_words(client):
-    """tool_choice auto: a call the model writes (here forced by a grammar, as a model trained for it
-    would write it) comes back as tool_calls, streamed or not; text around it stays content."""
-    pytest.importorskip("llguidance")
-    gbnf = ('root ::= "Checking. <tool_call>{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"" '
-            '("UTC" | "CET") "\\"}}</tool_call>"')
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=[WEATHER, CLOCK], max_tokens=80,
-              temperature=0, extra_body={"grammar": gbnf})
-    r = client.chat.completions.create(**kw)
-    c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
-    (tc,) = c.message.tool_calls
-    assert tc.function.name == "get_time" and json.loads(tc.function.arguments)["zone"] in ("UTC", "CET")
-    chunks = list(client.chat.completions.create(**kw, stream=True))
-    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    calls = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
-    assert text.strip() == "Checking." and "<tool_call>" not in text
-    assert [(d.function.name, d.function.arguments) for d in calls] == [(tc.function.name, tc.function.arguments)]
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
-    # no call written: the streamed text is the plain answer's
-    plain = dict(kw, extra_body={}, max_tokens=12)
-    whole = client.chat.completions.create(**plain).choices[0].message.content
-    chunks = list(client.chat.completions.create(**plain, stream=True))
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
-
-
-def test_reasoning_goes_to_reasoning_content(client):
-    """A thinking model's <think> ... </think> (forced here by a grammar) leaves content, plain and streamed."""
-    pytest.importorskip("llguidance")
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=60, temperature=0,
-              extra_body={"grammar": 'root ::= "<think>\\nI should greet.\\n</think>\\n\\n" ("Hello!" | "Hi!")'})
-    m = client.chat.completions.create(**kw).choices[0].message
-    assert m.reasoning_content == "I should greet." and m.content in ("Hello!", "Hi!")
-    chunks = [ch.choices[0].delta for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == "I should greet."
-    assert "".join(d.content or "" for d in chunks) == m.content
-
-
-def test_responses_api_text_json_tools_and_stream(client):
-    """POST /v1/responses through the official client: the text of the equivalent chat completion, JSON
-    by schema, function calls, the event stream, and a conversation with a call's output sent back."""
-    pytest.importorskip("llguidance")
-    want = client.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
-        {"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Once upon a time"}])
-    kw = dict(model="tiny", instructions="You tell stories.", input="Once upon a time", max_output_tokens=12,
-              temperature=0)
-    r = client.responses.create(**kw)
-    assert r.output_text == want.choices[0].message.content and r.usage.input_tokens == want.usage.prompt_tokens
-    assert r.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
-    events = list(client.responses.create(**kw, stream=True))
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
-    assert events[0].type == "response.created" and events[-1].response.output_text == r.output_text
-    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
-    r = client.responses.create(model="tiny", input="Pick", max_output_tokens=64, temperature=0,
-                                text={"format": {"type": "json_schema", "name": "pick", "schema": PICK}})
-    assert set(json.loads(r.output_text)) == {"color", "n"}
-    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
-    r = client.responses.create(model="tiny", input="Paris weather?", tools=[tool], tool_choice="required",
-                                max_output_tokens=64, temperature=0)
-    (fc,) = [o for o in r.output if o.type == "function_call"]
-    assert fc.name == "get_weather" and json.loads(fc.arguments)["city"] in ("Paris", "Rome")
-    events = list(client.responses.create(model="tiny", input="Paris weather?", tools=[tool], tool_choice="required",
-                                          max_output_tokens=64, temperature=0, stream=True))
-    done = [e.item for e in events if e.type == "response.output_item.done"]
-    assert [(i.name, i.arguments) for i in done] == [(fc.name, fc.arguments)]
-    back = [{"role": "user", "content": "Paris weather?"}, fc.model_dump(),
-            {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}]
-    r = client.responses.create(model="tiny", input=back, tools=[tool], max_output_tokens=4, temperature=0)
-    assert r.output_text and r.usage.input_tokens > 10
-    with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
-
-
-def _ndjson(port: int, path: str, body: dict) -> list[dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **AUTH})
-    r = conn.getresponse()
-    assert r.status == 200 and r.getheader("content-type") == "application/x-ndjson"
-    lines = [json.loads(ln) for ln in r.read().decode().splitlines() if ln.strip()]
-    conn.close()
-    return lines
-
-
-def test_ollama_api_chat_generate_tags(server, client):
-    """Ollama's routes answer as the OpenAI ones do (same template, sampling and text), in Ollama's shapes."""
-    want = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)
-    opts = {"temperature": 0, "num_predict": 10}
-    status, r = server.request("POST", "/api/chat", {"model": "tiny", "messages": MESSAGES, "stream": False,
-                                                      "options": opts}, AUTH)
-    assert status == 200 and r["done"] and r["message"]["content"] == want.choices[0].message.content
-    assert r["prompt_eval_count"] == want.usage.prompt_tokens and r["eval_count"] == want.usage.completion_tokens
-    assert r["eval_duration"] > 0 and r["total_duration"] >= r["eval_duration"]
-    lines = _ndjson(server.port, "/api/chat", {"model": "tiny:latest", "messages": MESSAGES, "options": opts})
-    assert "".join(ln["message"]["content"] for ln in lines) == r["message"]["content"]
-    assert [ln["done"] for ln in lines][-1] and not any(ln["done"] for ln in lines[:-1])
-    assert lines[-1]["eval_count"] == r["eval_count"] and lines[-1]["done_reason"] == r["done_reason"]
-    # generate: the template's user turn (+ system), or raw text as /v1/completions
-    status, g = server.request("POST", "/api/generate", {"prompt": "Once upon a time", "system": "You tell stories.",
-                                                          "stream": False, "options": opts}, AUTH)
-    assert status == 200 and g["response"] == r["message"]["content"]
-    raw = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
-    lines = _ndjson(server.port, "/api/generate", {"prompt": "Once upon a time", "raw": True, "options": opts})
-    assert "".join(ln["response"] for ln in lines) == raw.choices[0].text
-    status, j = server.request("POST", "/api/chat", {"messages": MESSAGES, "stream": False, "format": PICK,
-                                                      "options": {"temperature": 0, "num_predict": 64}}, AUTH)
-    assert set(json.loads(j["message"]["content"])) == {"color", "n"}
-    tags = server.request("GET", "/api/tags", None, AUTH)[1]
-    assert [m["name"] for m in tags["models"]] == ["tiny:latest"]
-    info = server.request("POST", "/api/show", {"model": "tiny"}, AUTH)[1]["model_info"]
-    assert info["colibri.context_length"] == 128
-    assert "version" in server.request("GET", "/api/version", None, AUTH)[1]
-    status, err = server.request("POST", "/api/chat", {"model": "llama3", "messages": MESSAGES}, AUTH)
-    assert status == 404 and "llama3" in err["error"]  # Ollama's error shape: the text
-    status, err = server.request("POST", "/api/generate", {"prompt": "x", "options": {"temperature": -1}}, AUTH)
-    assert status == 400 and isinstance(err["error"], str)
-    assert server.request("POST", "/api/chat", {"messages": MESSAGES}, {})[0] == 401
-
-
-def test_think_split_streams_what_the_whole_split_gives():
-    from colibri.server.reasoning import ThinkSplit, opens_thinking, split
-
-    cases = [("<think>\nplan a\nplan b\n</think>\n\nThe answer.", False, ("plan a\nplan b", "The answer.")),
-             ("plan</think> ans", True, ("plan", "ans")), ("<think>unfinished", False, ("unfinished", "")),
-             ("Hello <think>x</think>", False, ("", "Hello <think>x</think>")),
-             (" \n<think>x</think>y", False, ("x", "y")),
-             ("<th", False, ("", "<th")), ("a < b </thinking> c", True, ("a < b </thinking> c", ""))]
-    for text, opened, want in cases:
-        assert split(text, opened) == want, text
-        for size in (1, 2, 3, 5):
-            s = ThinkSplit(opened)
-            parts = [s.push(text[i:i + size]) for i in range(0, len(text), size)] + [s.finish()]
-            assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == want, (text, size)
-    assert opens_thinking("<|assistant|><think>\n") and not opens_thinking("<think>x</think>")
-    assert not opens_thinking("<|assistant|>\n")
-
-
-def test_hermes_stream_holds_back_only_what_may_open_a_call():
-    from colibri.server.tools import HermesStream
-
-    text = 'a < b, <tool; then <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> done'
-    for size in (1, 2, 3, 7):
-        s = HermesStream({"f"})
-        sent = "".join(s.push(text[i:i + size]) for i in range(0, len(text), size))
-        rest, calls = s.finish()
-        assert sent == "a < b, <tool; then " and rest == "done" and calls[0]["function"]["name"] == "f"
-    s = HermesStream({"f"})
-    assert s.push("x <tool_") == "x " and s.finish() == ("<tool_", [])
-
-
-def test_hermes_tool_calls_are_parsed_out_of_the_text():
-    from colibri.server.tools import hermes_calls
-
-    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n'
-            '</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{broken</tool_call>')
-    content, calls = hermes_calls(text, {"get_weather"})
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "days": 2}
-    assert content.startswith("Let me check.") and "get_weather" not in content and "nope" in content
-    assert hermes_calls("no calls here", {"get_weather"}) == ("no calls here", [])
-
-
-
-PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                         "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["color", "n"], "additionalProperties": False}
-
-
-def test_structured_output_follows_the_schema(client):
-    pytest.importorskip("llguidance")
-    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK, "strict": True}}
-    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0,
-                                       response_format=fmt)
-    obj = json.loads(r.choices[0].message.content)
-    assert r.choices[0].finish_reason == "stop" and set(obj) == {"color", "n"} and 0 <= obj["n"] <= 99
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0,
-                                                 response_format=fmt, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
-    # llama-server's json_schema field, on completions, sampled
-    r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=64, temperature=1.0, seed=4,
-                                  extra_body={"json_schema": PICK})
-    assert json.loads(r.choices[0].text)["color"] in ("red", "green", "blue")
-    r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=16, temperature=1.0, seed=2,
-                                  extra_body={"grammar": 'root ::= ("yes" | "no") "!"'})
-    assert r.choices[0].text in ("yes!", "no!") and r.choices[0].finish_reason == "stop"
 
 
 
@@ -506,6 +239,12 @@ def test_slots_save_erase_and_restore(server, hf):
         status, r = server.request("POST", path, body, AUTH)
         assert status == want and r["error"]["code"] == code, (path, r)
     assert server.request("GET", "/slots", None, {})[0] == 401
+    conn, _ = _open_stream(server.port, {"prompt": "Once", "max_tokens": 100, "ignore_eos": True}, AUTH)
+    (busy,) = [s for s in server.request("GET", "/slots", None, AUTH)[1] if s["busy"]]
+    assert busy["request_id"]
+    status, r = server.request("POST", f"/slots/{busy['id']}?action=erase", None, AUTH)
+    assert status == 409 and r["error"]["code"] == "slot_busy"
+    conn.close()  # (the server cancels the request)
 
 
 
@@ -577,6 +316,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status, code):
     assert "Traceback" not in r["error"]["message"] and "\n" not in r["error"]["message"]
 
 
+
 def test_cors_lets_the_allowed_origin_call_from_a_browser(server):
     def ask(method: str, origin: str) -> http.client.HTTPResponse:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
@@ -594,6 +334,7 @@ def test_cors_lets_the_allowed_origin_call_from_a_browser(server):
     assert ask("OPTIONS", "http://evil.test").getheader("access-control-allow-origin") is None
 
 
+
 def test_api_key_is_required(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         status, r = server.request("POST", "/v1/chat/completions", CHAT, headers)
@@ -602,18 +343,22 @@ def test_api_key_is_required(server):
     assert server.request("GET", "/v1/models", None, AUTH)[0] == 200
 
 
-def _open_stream(port: int, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+
+def _open_stream(port: int, body: dict, headers: dict | None = None
+                 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
-                 {"Content-Type": "application/json"})
+                 {"Content-Type": "application/json", **(headers or {})})
     r = conn.getresponse()
     assert r.status == 200
     assert r.readline().startswith(b"data: ")  # the first token is out: the request holds the slot
     return conn, r
 
 
+
 def _busy(s: Server) -> int:
     return s.request("GET", "/health")[1]["busy"]
+
 
 
 def test_queue_full_disconnect_and_shutdown(chat_model):
@@ -649,6 +394,7 @@ def test_queue_full_disconnect_and_shutdown(chat_model):
     assert "completion 1500 tok" in lines[1] and "TTFT" in lines[1] and "tok/s" in lines[1]
 
 
+
 def test_shutdown_grace_cancels_what_still_runs(chat_model):
     """--shutdown-grace 0: a stream still running at SIGTERM is cancelled at once (it ends with an error
     event, not its 3000 tokens) and the process exits 0."""
@@ -668,6 +414,7 @@ def test_shutdown_grace_cancels_what_still_runs(chat_model):
         err = s.stop()
     assert "Traceback" not in err
     assert any(" completions: prompt " in ln and ln.endswith("finish cancelled") for ln in err.splitlines()), err
+
 
 
 def test_relay_sends_an_empty_piece_for_a_token_without_text():

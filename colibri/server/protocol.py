@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ..errors import ColibriError
 
@@ -173,6 +173,7 @@ class _Sampling(_Strict):
     json_schema: dict[str, Any] | None = None  # extension (llama-server): the schema itself
     grammar: str | None = None  # extension (llama-server): a GBNF (or Lark) grammar
     user: str | None = None
+    _grammar: tuple[str | None] | None = PrivateAttr(default=None)  # (constraint(),) once made
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -199,7 +200,13 @@ class _Sampling(_Strict):
 
     def constraint(self) -> str | None:
         """The grammar of response_format (json_object: any JSON object; json_schema: that schema), of
-        llama-server's `json_schema` or of its `grammar` (GBNF); None for plain text."""
+        llama-server's `json_schema` or of its `grammar` (GBNF); None for plain text. Made once (the body is
+        checked at parse, then each of n choices submits it)."""
+        if self._grammar is None:
+            self._grammar = (self._checked_constraint(),)
+        return self._grammar[0]
+
+    def _checked_constraint(self) -> str | None:
         rf = self.response_format
         given = [n for n, v in (("response_format", rf is not None and rf.type != "text"),
                                 ("json_schema", self.json_schema is not None), ("grammar", self.grammar is not None))

@@ -14,7 +14,7 @@ import time
 
 from fastapi import APIRouter, Request
 
-from ..errors import ColibriError
+from ..errors import ColibriError, SlotBusyError
 from .protocol import APIError, _Strict, bad_request, parse
 
 router = APIRouter()
@@ -65,7 +65,7 @@ async def _run(fn, *args):
     """Off the event loop (a file of many MiB); a busy slot or a file of another model is a 409/400."""
     try:
         return await asyncio.to_thread(fn, *args)
+    except SlotBusyError as e:
+        raise APIError(409, str(e), "slot_busy") from None
     except ColibriError as e:
-        if "is serving a request" in str(e):
-            raise APIError(409, str(e), "slot_busy") from None
         raise bad_request(str(e), "filename") from None
