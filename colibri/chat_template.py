@@ -134,8 +134,10 @@ class ChatTemplate:
                         if k.endswith("_token") and isinstance(t := _token_text(v), str)}
         self.stop_ids: frozenset[int] = frozenset()
         if token_to_id is not None:
-            self.stop_ids = frozenset(i for t in END_OF_TURN_TOKENS
-                                      if self._writes(t) and (i := token_to_id(t)) is not None)
+            # gpt-oss (harmony) writes <|end|> after each message of a turn (its reasoning, then the answer):
+            # only <|return|> and <|call|> end its turn
+            ends = [t for t in END_OF_TURN_TOKENS if t != "<|end|>" or "<|channel|>" not in source]
+            self.stop_ids = frozenset(i for t in ends if self._writes(t) and (i := token_to_id(t)) is not None)
 
     def _writes(self, token: str) -> bool:
         """Whether the template writes `token`: literally, or through a special-token variable."""

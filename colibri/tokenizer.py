@@ -34,6 +34,7 @@ class Tokenizer:
         self.chat_template = self.config.get("chat_template")
         self.eos_ids = self._eos_ids(meta, config or {})
         self.bos_token = _token_text(self.config.get("bos_token"))
+        self._special: frozenset[int] | None = None
 
     def _eos_ids(self, meta: dict, config: dict) -> set[int]:
         ids: set[int] = set()
@@ -54,8 +55,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """The text of `ids`; `keep`: special tokens written even when the others are skipped (the markers
+        a chat answer's parser reads, server/answer.py)."""
+        if not keep or keep.isdisjoint(ids):
+            return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for i in ids:
+            if i in keep:
+                parts.extend((self.tk.decode(run, skip_special_tokens=skip_special_tokens), self.tk.id_to_token(i)))
+                run = []
+            else:
+                run.append(i)
+        parts.append(self.tk.decode(run, skip_special_tokens=skip_special_tokens))
+        return "".join(parts)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding skips this token by default (an added token marked special)."""
+        if self._special is None:
+            self._special = frozenset(i for i, t in self.tk.get_added_tokens_decoder().items() if t.special)
+        return token_id in self._special
 
     def template(self, name: str | None = None):
         """The model's chat template (`colibri.chat_template.ChatTemplate`; `name`: one of several named
@@ -74,14 +93,16 @@ class Tokenizer:
 class StreamDecoder:
     """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, keep: frozenset[int] = frozenset()):
         self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+        # special tokens kept in the text (Tokenizer.decode's `keep`)
+        self.decode = (lambda ids: tokenizer.decode(ids, keep=keep)) if keep else tokenizer.decode
         self.partial = False  # the last push held back part of a character (vs a token with no text)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        before = self.decode(self.ids[self.prefix : self.read])
+        after = self.decode(self.ids[self.prefix :])
         self.partial = after.endswith("\ufffd")
         if len(after) > len(before) and not self.partial:
             self.prefix, self.read = self.read, len(self.ids)
@@ -89,7 +110,7 @@ class StreamDecoder:
         return ""
 
     def flush(self) -> str:
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        before = self.decode(self.ids[self.prefix : self.read])
+        after = self.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return after[len(before) :]

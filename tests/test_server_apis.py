@@ -70,6 +70,38 @@ def test_auto_tool_calls_in_the_models_own_words(client):
 
 
 
+def test_gpt_oss_channels_through_the_server(chat_model):
+    """--tool-parser harmony (gpt-oss's format; auto-detected from its template): the analysis channel is
+    reasoning_content, a commentary message to functions.NAME a tool call, plain and streamed."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("llguidance")
+    from serve_proc import Server
+
+    s = Server(chat_model[1], "--tool-parser", "harmony", "--ctx-size", "512")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        gbnf = ('root ::= "<|channel|>analysis<|message|>Needs the weather.<|end|><|start|>assistant<|channel|>'
+                'commentary to=functions.get_weather <|constrain|>json<|message|>{\\"city\\": \\"" '
+                '("Paris" | "Rome") "\\", \\"days\\": 3}"')
+        kw = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "Weather?"}],
+                  tools=[WEATHER], max_tokens=300, temperature=0, extra_body={"grammar": gbnf})
+        r = c.chat.completions.create(**kw).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.reasoning_content == "Needs the weather."
+        assert r.message.content is None
+        (tc,) = r.message.tool_calls
+        assert tc.function.name == "get_weather" and json.loads(tc.function.arguments)["days"] == 3
+        deltas = [ch.choices[0].delta for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Needs the weather."
+        assert not "".join(d.content or "" for d in deltas)
+        calls = [t.function for d in deltas for t in (d.tool_calls or [])]
+        assert [(f.name, f.arguments) for f in calls] == [(tc.function.name, tc.function.arguments)]
+        final = dict(kw, tools=None, extra_body={"grammar": 'root ::= "<|channel|>final<|message|>Sunny."'})
+        m = c.chat.completions.create(**final).choices[0].message
+        assert (m.content, getattr(m, "reasoning_content", None)) == ("Sunny.", None)
+    finally:
+        s.stop()
+
+
 def test_reasoning_goes_to_reasoning_content(client):
     """A thinking model's <think> ... </think> (forced here by a grammar) leaves content, plain and streamed."""
     pytest.importorskip("llguidance")
@@ -182,33 +214,6 @@ def test_think_split_streams_what_the_whole_split_gives():
             assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == want, (text, size)
     assert opens_thinking("<|assistant|><think>\n") and not opens_thinking("<think>x</think>")
     assert not opens_thinking("<|assistant|>\n")
-
-
-
-def test_hermes_stream_holds_back_only_what_may_open_a_call():
-    from colibri.server.tools import HermesStream
-
-    text = 'a < b, <tool; then <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> done'
-    for size in (1, 2, 3, 7):
-        s = HermesStream({"f"})
-        sent = "".join(s.push(text[i:i + size]) for i in range(0, len(text), size))
-        rest, calls = s.finish()
-        assert sent == "a < b, <tool; then " and rest == "done" and calls[0]["function"]["name"] == "f"
-    s = HermesStream({"f"})
-    assert s.push("x <tool_") == "x " and s.finish() == ("<tool_", [])
-
-
-
-def test_hermes_tool_calls_are_parsed_out_of_the_text():
-    from colibri.server.tools import hermes_calls
-
-    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n'
-            '</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{broken</tool_call>')
-    content, calls = hermes_calls(text, {"get_weather"})
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "days": 2}
-    assert content.startswith("Let me check.") and "get_weather" not in content and "nope" in content
-    assert hermes_calls("no calls here", {"get_weather"}) == ("no calls here", [])
 
 
 

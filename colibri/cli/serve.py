@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..server.tool_formats import NAMES as TOOL_FORMATS
 from .common import HelpFormatter, add_engine_args, bounded
 
 
@@ -33,6 +34,10 @@ def serve_parser() -> argparse.ArgumentParser:
     h.add_argument("--reasoning-format", choices=("deepseek", "none"), default="deepseek",
                    help="deepseek: a thinking model's <think>...</think> goes to message.reasoning_content "
                         "(llama-server's default); none: it stays in content")
+    h.add_argument("--tool-parser", choices=("auto", *TOOL_FORMATS), default="auto",
+                   help="how the model writes tool calls (tool_choice auto): hermes <tool_call>{json}, glm45 "
+                        "<arg_key>/<arg_value>, mistral [TOOL_CALLS], deepseek <｜tool▁call▁begin｜>, harmony "
+                        "(gpt-oss channels); auto: the one the chat template shows")
     h.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable POST /slots/{id}?action=save|restore: slot prompt caches are saved to and "
                         "restored from files in DIR (created if missing)")

@@ -24,18 +24,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import EngineClosedError, QueueFullError, RequestHandle
 from ..errors import ColibriError
+from .answer import keep_ids, splitter, whole
 from .dashboard import router as dashboard_router
 from .metrics import CONTENT_TYPE, Metrics
 from .ollama import router as ollama_router
 from .openai_responses import router as responses_router
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
-from .reasoning import ThinkSplit, opens_thinking
-from .reasoning import split as split_reasoning
+from .reasoning import opens_thinking
 from .relay import Relay
 from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
 from .slots import router as slots_router
 from .tokens import router as tokens_router
-from .tools import HermesStream, ToolPlan
+from .tool_formats import detect
 from .tools import plan as tool_plan
 
 log = logging.getLogger("colibri.server")
@@ -45,7 +45,7 @@ class ServerState:
     """What the routes share: the engine, the model's id and template, requests in flight."""
 
     def __init__(self, engine, model_id: str, api_key: str | None = None, slot_dir: Path | None = None,
-                 reasoning: bool = True, allowed_origins: list[str] | None = None):
+                 reasoning: bool = True, allowed_origins: list[str] | None = None, tool_parser: str | None = None):
         self.engine, self.model_id, self.api_key = engine, model_id, api_key
         self.allowed_origins = allowed_origins or []  # CORS: web pages of these origins may call the API
         self.reasoning = reasoning  # <think> ... </think> -> reasoning_content (server/reasoning.py)
@@ -61,6 +61,10 @@ class ServerState:
         except ColibriError as e:  # the server still serves /v1/completions
             self.template, self.template_error = None, str(e)
             log.warning("colibri: /v1/chat/completions is unavailable: %s", e)
+        # how the model writes tool calls (server/tool_formats.py), and the special tokens of that format
+        # (and <think>) that chat answers keep in their decoded text for the parsers
+        self.tool_format = tool_parser or detect(self.template.source if self.template is not None else "")
+        self.keep = keep_ids(self.tok, self.tool_format)
 
     # ------------------------------------------------------------------ request plumbing
 
@@ -84,7 +88,8 @@ class ServerState:
     def submit(self, endpoint: str, ids: list[int], max_new: int, stops: list[str], **kw) -> Relay:
         if self.draining:
             raise APIError(503, "the server is shutting down", "shutting_down")
-        relay = Relay(self.tok, stops, on_end=lambda r: self._ended(endpoint, r), on_token_gap=self.metrics.itl.observe)
+        relay = Relay(self.tok, stops, on_end=lambda r: self._ended(endpoint, r), on_token_gap=self.metrics.itl.observe,
+                      keep=self.keep if endpoint == "chat" else frozenset())
         try:
             h = self.engine.submit(ids, max_new, request_id=kw.pop("request_id"), listener=relay._on_event, **kw)
         except QueueFullError as e:
@@ -228,15 +233,22 @@ async def chat(state: ServerState, req: ChatCompletionRequest, request: Request)
         ignore_eos=req.ignore_eos, request_id=rid if req.n == 1 else f"{rid}-{i}",
         logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling(i)))
     bodies = ChatBodies(rid, state.model_id)
-    if req.stream and (plan is None or plan.mode == "auto"):
-        return _chat_stream(state, req, [ids], relays, bodies, plan, think, opened)
+    tools = plan.schemas if plan is not None and plan.mode == "auto" else None
+
+    def split():
+        return splitter(state.tool_format, tools, think, opened, state.reasoning)
+
+    if req.stream and forced is None:
+        return _chat_stream(state, req, [ids], relays, bodies, split)
     results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
     choices = []
     for i, (r, (text, events)) in enumerate(zip(relays, results)):
         _raise_engine_error(r)
         lp = chat_logprobs(events, state.text_of) if req.logprobs else None
-        reasoning, text = split_reasoning(text, opened) if think else ("", text)
-        content, calls = plan.parse(text) if plan is not None else (text, [])
+        if forced is not None:  # a required / named call's JSON
+            reasoning, (content, calls) = "", plan.parse(text)
+        else:
+            reasoning, content, calls = whole(split(), text)
         choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls, reasoning))
     if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
         return _chat_whole_stream(req, choices, _usage([ids], relays), bodies)
@@ -368,14 +380,12 @@ async def _merged(relays: list[Relay]):
 
 
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: list[list[int]],
-                       relays: list[Relay], bodies: ChatBodies, plan: ToolPlan | None = None, think: bool = False,
-                       opened: bool = False):
+                       relays: list[Relay], bodies: ChatBodies, split):
     """The n choices stream interleaved, each chunk naming its index; a role chunk first for each.
-    `think`: reasoning goes out as `reasoning_content` deltas. With tools (tool_choice auto), text
-    streams until a tool call opens; the calls come at the end."""
+    `split()` makes a choice's splitter (server/answer.py): reasoning goes out as `reasoning_content`
+    deltas; with tools (tool_choice auto), text streams until a tool call opens; the calls come at the end."""
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
-    calls = [HermesStream(plan.names) for _ in relays] if plan is not None else None
-    thoughts = [ThinkSplit(opened) for _ in relays] if think else None
+    splits = [split() for _ in relays]
     pending: list[list] = [[] for _ in relays]  # token events not yet sent with a chunk (their logprobs)
 
     def chunk(i: int, delta: dict, finish: str | None = None) -> dict:
@@ -389,23 +399,17 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: 
         r = relays[i]
         if p is not None:
             pending[i].extend(p.events)
-            reasoning, text = thoughts[i].push(p.text) if thoughts is not None else ("", p.text)
+            reasoning, text = splits[i].push(p.text)
             if reasoning:
                 yield chunk(i, {"reasoning_content": reasoning})
-            text = text if calls is None else calls[i].push(text)
-            if text or (calls is None and thoughts is None):
+            if text or splits[i].passthrough:
                 yield chunk(i, {"content": text})
         elif (err := _error_event(r)) is not None:
             yield err
         else:
-            reasoning, rest = thoughts[i].finish() if thoughts is not None else ("", "")
+            reasoning, rest, made = splits[i].finish()
             if reasoning:
                 yield chunk(i, {"reasoning_content": reasoning})
-            made: list[dict] = []
-            if calls is not None:
-                rest = calls[i].push(rest) if rest else ""
-                more, made = calls[i].finish()
-                rest += more or ""
             if (delta := _answer_delta(rest or None, made)) or pending[i]:
                 yield chunk(i, delta or {"content": ""})
             yield _json(bodies.chunk({}, _finish(r.finish_reason, made), with_usage=with_usage, index=i))

@@ -61,7 +61,8 @@ def serve(a: argparse.Namespace) -> int:
     try:
         origins = [o.strip() for o in (a.allowed_origins or "").split(",") if o.strip()]
         state = ServerState(engine, a.model_id or default_model_id(a.model), a.api_key, slot_dir,
-                            a.reasoning_format == "deepseek", origins)
+                            a.reasoning_format == "deepseek", origins,
+                            None if a.tool_parser == "auto" else a.tool_parser)
         config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         server = _DrainingServer(config, state, float(a.shutdown_grace))

@@ -29,11 +29,13 @@ class Piece:
 
 class Relay:
     def __init__(self, tokenizer: Tokenizer, stops: list[str],
-                 on_end: Callable[[Relay], None] | None = None, on_token_gap: Callable[[float], None] | None = None):
+                 on_end: Callable[[Relay], None] | None = None, on_token_gap: Callable[[float], None] | None = None,
+                 keep: frozenset[int] = frozenset()):
         # The handle is set right after Engine.submit(listener=self._on_event) returns, on the loop thread:
         # the listener is registered before the request is queued, so no event is missed.
         self.handle: RequestHandle = None  # type: ignore[assignment]
         self.tok = tokenizer
+        self.keep = keep  # special tokens kept in the text: a chat format's markers (server/answer.py)
         self.matcher = StopMatcher(stops)
         self.stop_hit = False
         self.on_end, self.on_token_gap = on_end, on_token_gap
@@ -57,7 +59,7 @@ class Relay:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Text pieces until the request ends: one per token with text, an empty one per token without any
         (a part of a character waits for the rest instead); a stop string ends it early (and is never sent)."""
-        dec = StreamDecoder(self.tok)
+        dec = StreamDecoder(self.tok, self.keep)
         pending: list[TokenEvent] = []
         last = None
         try:

@@ -5,29 +5,19 @@ How a call is obtained depends on `tool_choice`:
 - `"required"`, or a named function: the answer is constrained by a grammar (engine/grammar.py) to JSON
   naming one of the tools with arguments that follow its `parameters` schema (vLLM does the same), so
   it is a well-formed call whatever the model's own tool-call format;
-- `"auto"` (the default when tools are given): the model decides; calls written in the Hermes format
-  that Qwen's templates (and many others) teach, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  are parsed out of the text; the rest stays `content`. Other formats come back as plain text;
+- `"auto"` (the default when tools are given): the model decides; calls written in the model's own
+  format (server/tool_formats.py: Hermes, GLM-4.5, Mistral, DeepSeek; gpt-oss's in server/harmony.py)
+  are parsed out of the text; the rest stays `content`;
 - `"none"`: no tools reach the template, plain text.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from .protocol import NamedChoice, Tool, ToolChoice, bad_request
-
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def call(name: str, arguments: Any) -> dict:
-    """One OpenAI tool call; `arguments` as the JSON text OpenAI sends."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+from .tool_formats import call
 
 
 @dataclass
@@ -42,6 +32,11 @@ class ToolPlan:
     @property
     def names(self) -> set[str]:
         return {t.function.name for t in self.tools}
+
+    @property
+    def schemas(self) -> dict[str, dict]:
+        """{name: parameters schema}: what the format parsers check calls against."""
+        return {t.function.name: self._params(t) for t in self.tools}
 
     @property
     def template_tools(self) -> list[dict]:
@@ -67,8 +62,8 @@ class ToolPlan:
         return json_grammar(schema)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool calls) of an answer. An answer cut short (max_tokens) that does not parse comes
-        back as content."""
+        """(content, tool calls) of a required / named answer (auto: server/answer.py). An answer cut short
+        (max_tokens) that does not parse comes back as content."""
         if self.mode == "named":
             try:
                 json.loads(text)
@@ -81,60 +76,7 @@ class ToolPlan:
             except json.JSONDecodeError:
                 return text, []
             return None, [call(c["name"], c["arguments"]) for c in items]
-        return hermes_calls(text, self.names)
-
-
-def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
-    """Calls in `<tool_call>{"name", "arguments"}</tool_call>` blocks naming a known tool; the text around
-    them is the content (None when nothing else was said). Blocks that do not parse stay in the text."""
-    calls, kept, last = [], [], 0
-    for m in _HERMES.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(call(obj["name"], args))
-        kept.append(text[last:m.start()])
-        last = m.end()
-    if not calls:
-        return text, []
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return content or None, calls
-
-
-class HermesStream:
-    """Streaming for tool_choice auto: text goes out as it comes until a `<tool_call>` opens (a tail that
-    could be the start of one is held back); from there on it is kept, and `finish()` parses it."""
-
-    OPEN = "<tool_call>"
-
-    def __init__(self, names: set[str]):
-        self.names, self.held, self.calling = names, "", False
-
-    def push(self, piece: str) -> str:
-        """The part of `piece` (with what was held back) that is content for sure."""
-        self.held += piece
-        if self.calling:
-            return ""
-        at = self.held.find(self.OPEN)
-        if at >= 0:
-            out, self.held, self.calling = self.held[:at], self.held[at:], True
-            return out
-        keep = next((n for n in range(min(len(self.OPEN) - 1, len(self.held)), 0, -1)
-                     if self.OPEN.startswith(self.held[-n:])), 0)
-        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
-        return out
-
-    def finish(self) -> tuple[str | None, list[dict]]:
-        """(content not sent yet, the tool calls)."""
-        if not self.calling:
-            return self.held or None, []
-        content, calls = hermes_calls(self.held, self.names)
-        return content, calls
+        raise ValueError("auto tool calls are parsed by server/answer.py")
 
 
 def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan | None:

@@ -1,0 +1,220 @@
+"""How models write tool calls in their text, per family, for tool_choice "auto".
+
+Each format is detected from the chat template that teaches it (`detect`), or named with
+`colibri serve --tool-parser`:
+- `hermes` (Qwen2/Qwen3-MoE, many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+- `glm45` (GLM-4.5 / 4.6 / 4.7): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`,
+  a value being raw text for a string parameter and JSON otherwise;
+- `mistral` (Mixtral / Mistral instruct): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the
+  newer `[TOOL_CALLS]NAME[ARGS]{...}` per call;
+- `deepseek` (DeepSeek-V3 / R1 / V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
+  then the arguments in a ```json block (V3), or `...begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each call closed
+  by `<｜tool▁call▁end｜>`.
+(gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
+arguments do not parse, stays in the text, as does everything around the calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .reasoning import _tail
+
+
+def call(name: str, arguments: Any) -> dict:
+    """One OpenAI tool call; `arguments` as the JSON text OpenAI sends."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+# A parser: (text, {tool name: its parameters schema}) -> (the calls found, (start, end) of each in the text).
+Found = tuple[list[dict], list[tuple[int, int]]]
+
+
+def _json_args(name: str, raw: str, tools: dict[str, dict]) -> dict | None:
+    """A call of a known tool whose arguments are a JSON object, else None."""
+    if name not in tools:
+        return None
+    try:
+        args = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        return None
+    return call(name, args) if isinstance(args, dict) else None
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _hermes(text: str, tools: dict[str, dict]) -> Found:
+    calls, spans = [], []
+    for m in _HERMES.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and obj.get("name") in tools:
+            calls.append(call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+            spans.append(m.span())
+    return calls, spans
+
+
+_GLM = re.compile(r"<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>.*?)?)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_value(raw: str, schema: dict) -> Any:
+    if schema.get("type") == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw  # (an untyped or mistyped value: the model's text)
+
+
+def _glm45(text: str, tools: dict[str, dict]) -> Found:
+    calls, spans = [], []
+    for m in _GLM.finditer(text):
+        name = m.group(1).strip()
+        if name not in tools:
+            continue
+        props = (tools[name] or {}).get("properties", {})
+        args = {k.strip(): _glm_value(v.strip(), props.get(k.strip(), {})) for k, v in _GLM_ARG.findall(m.group(2))}
+        calls.append(call(name, args))
+        spans.append(m.span())
+    return calls, spans
+
+
+_MISTRAL = "[TOOL_CALLS]"
+_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\][A-Za-z0-9]*)?\s*\[ARGS\]")
+
+
+def _mistral(text: str, tools: dict[str, dict]) -> Found:
+    calls, spans = [], []
+    dec = json.JSONDecoder()
+    at = text.find(_MISTRAL)
+    while at >= 0:
+        named = _MISTRAL_NAMED.match(text, at)
+        start = named.end() if named else at + len(_MISTRAL)
+        rest = len(text[start:]) - len(text[start:].lstrip())
+        try:
+            obj, end = dec.raw_decode(text, start + rest)
+        except json.JSONDecodeError:
+            at = text.find(_MISTRAL, at + 1)
+            continue
+        made = []
+        if named:  # [TOOL_CALLS]NAME[ARGS]{...}
+            c = _json_args(named.group(1), json.dumps(obj), tools) if isinstance(obj, dict) else None
+            made = [c] if c else []
+        else:  # [TOOL_CALLS][{...}, ...] (or one object)
+            for o in obj if isinstance(obj, list) else [obj]:
+                if isinstance(o, dict) and o.get("name") in tools and isinstance(o.get("arguments", {}), dict):
+                    made.append(call(o["name"], o.get("arguments", {})))
+        if made:
+            calls.extend(made)
+            spans.append((at, end))
+        at = text.find(_MISTRAL, end)
+    return calls, spans
+
+
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>\s*(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+_DS_FENCE = re.compile(r"^\s*([^\n`]*?)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+_DS_WRAP = re.compile(r"<｜tool▁calls▁begin｜>|<｜tool▁calls▁end｜>")
+
+
+def _deepseek(text: str, tools: dict[str, dict]) -> Found:
+    calls, spans = [], []
+    for m in _DS_CALL.finditer(text):
+        head, body = m.group(1).strip(), m.group(2)
+        fenced = _DS_FENCE.match(body)
+        if head == "function" and fenced:  # V3: function<sep>NAME ```json {...} ```
+            c = _json_args(fenced.group(1), fenced.group(2), tools)
+        else:  # V3.1: NAME<sep>{...}
+            c = _json_args(head, body, tools)
+        if c:
+            calls.append(c)
+            spans.append(m.span())
+    return calls, spans
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    opens: tuple[str, ...]  # text that starts a call: a stream's content goes out until one appears
+    parser: Callable[[str, dict[str, dict]], Found]
+    markers: tuple[str, ...]  # tokens the format writes, kept in the decoded text even if special
+    strip: re.Pattern | None = None  # wrappers left around the calls once they are cut out
+
+    def parse(self, text: str, tools: dict[str, dict]) -> tuple[str | None, list[dict]]:
+        """(content, calls) of an answer: the calls naming known tools cut out of the text; the content
+        None when nothing else was said."""
+        calls, spans = self.parser(text, tools)
+        if not calls:
+            return text, []
+        kept, last = [], 0
+        for a, b in spans:
+            kept.append(text[last:a])
+            last = b
+        kept.append(text[last:])
+        content = "".join(kept)
+        if self.strip is not None:
+            content = self.strip.sub("", content)
+        return content.strip() or None, calls
+
+
+FORMATS = {f.name: f for f in (
+    ToolFormat("hermes", ("<tool_call>",), _hermes, ("<tool_call>", "</tool_call>")),
+    ToolFormat("glm45", ("<tool_call>",), _glm45,
+               ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+    ToolFormat("mistral", (_MISTRAL,), _mistral, (_MISTRAL, "[ARGS]", "[CALL_ID]")),
+    ToolFormat("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"), _deepseek,
+               ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                "<｜tool▁calls▁end｜>"), _DS_WRAP),
+)}
+HARMONY = "harmony"  # gpt-oss: server/harmony.py
+NAMES = (*FORMATS, HARMONY)
+
+
+def detect(template: str) -> str:
+    """The tool-call format a chat template teaches (hermes when it shows none)."""
+    if "<|channel|>" in template:
+        return HARMONY
+    if "<arg_key>" in template:
+        return "glm45"
+    if "tool▁call▁begin" in template:
+        return "deepseek"
+    if _MISTRAL in template:
+        return "mistral"
+    return "hermes"
+
+
+class CallStream:
+    """Streaming for tool_choice auto: text goes out as it comes until a call opens (a tail that could be
+    the start of one is held back); from there on it is kept, and `finish()` parses it."""
+
+    def __init__(self, fmt: ToolFormat, tools: dict[str, dict]):
+        self.fmt, self.tools, self.held, self.calling = fmt, tools, "", False
+
+    def push(self, piece: str) -> str:
+        """The part of `piece` (with what was held back) that is content for sure."""
+        self.held += piece
+        if self.calling:
+            return ""
+        found = [at for o in self.fmt.opens if (at := self.held.find(o)) >= 0]
+        if found:
+            at = min(found)
+            out, self.held, self.calling = self.held[:at], self.held[at:], True
+            return out
+        keep = max(_tail(self.held, o) for o in self.fmt.opens)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def finish(self) -> tuple[str | None, list[dict]]:
+        """(content not sent yet, the tool calls)."""
+        if not self.calling:
+            return self.held or None, []
+        return self.fmt.parse(self.held, self.tools)

@@ -1,0 +1,142 @@
+"""Tool calls and reasoning in each model family's own format (server/tool_formats.py, server/harmony.py,
+server/answer.py): whole answers and the same answers streamed in pieces of every size, format detection
+from templates, the special tokens the parsers need kept in decoded text, and gpt-oss's end tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colibri.server.answer import splitter, whole
+from colibri.server.harmony import HarmonySplit
+from colibri.server.tool_formats import FORMATS, HARMONY, CallStream, detect
+
+TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                          "code": {"type": "string"}}}}
+ARGS = {"city": "Rome", "days": 2, "code": "007"}
+
+# (format, an answer saying "Let me check." then calling get_weather(ARGS) in that format)
+CALLS = [
+    ("hermes", 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
+               '"code": "007"}}\n</tool_call>'),
+    ("glm45", "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
+              "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n"
+              "</tool_call>"),
+    ("mistral", 'Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
+                '"code": "007"}}]'),
+    ("mistral", 'Let me check. [TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2, "code": "007"}'),
+    ("deepseek", "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                 '{"city": "Rome", "days": 2, "code": "007"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek", 'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome", '
+                 '"days": 2, "code": "007"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    (HARMONY, "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
+              'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 2, "code": "007"}'),
+]
+
+
+def _streamed(fmt: str, text: str, size: int) -> tuple[str, str, list[dict]]:
+    s = splitter(fmt, TOOLS, True, False, True)
+    parts = [s.push(text[i:i + size]) for i in range(0, len(text), size)]
+    r, c, calls = s.finish()
+    return "".join(p[0] for p in parts) + r, "".join(p[1] for p in parts) + c, calls
+
+
+@pytest.mark.parametrize("fmt,text", CALLS)
+def test_each_format_gives_the_call_and_the_text_streamed_or_whole(fmt, text):
+    reasoning, content, calls = whole(splitter(fmt, TOOLS, True, False, True), text)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == ARGS  # (GLM: "007" stays a string, 2 a number)
+    said = reasoning if fmt == HARMONY else content
+    assert said == "Let me check." and (content is None if fmt == HARMONY else not reasoning)
+    for size in (1, 2, 5, 13):
+        r, c, streamed = _streamed(fmt, text, size)
+        assert (r, c.strip() or None) == (reasoning, content), size
+        assert [x["function"] for x in streamed] == [x["function"] for x in calls], size
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_calls_of_unknown_tools_or_broken_arguments_stay_text(fmt):
+    text = dict(CALLS)[fmt].replace("get_weather", "launch_rocket")
+    assert FORMATS[fmt].parse(text, TOOLS) == (text, [])
+    broken = dict(CALLS)[fmt].replace('"Rome"', '"Rome').replace("<arg_value>2</arg_value>", "<arg_value>2")
+    if fmt != "glm45":  # (GLM's values are text: a broken one is just odd text, and its call still parses)
+        assert FORMATS[fmt].parse(broken, TOOLS) == (broken, [])
+    assert FORMATS[fmt].parse("no calls here", TOOLS) == ("no calls here", [])
+
+
+def test_a_stream_holds_back_only_what_may_open_a_call():
+    fmt = FORMATS["hermes"]
+    text = 'a < b, <tool; then <tool_call>{"name": "get_weather", "arguments": {"days": 1}}</tool_call> done'
+    for size in (1, 2, 3, 7):
+        s = CallStream(fmt, TOOLS)
+        sent = "".join(s.push(text[i:i + size]) for i in range(0, len(text), size))
+        rest, calls = s.finish()
+        assert sent == "a < b, <tool; then " and rest == "done" and calls[0]["function"]["name"] == "get_weather"
+    s = CallStream(fmt, TOOLS)
+    assert s.push("x <tool_") == "x " and s.finish() == ("<tool_", [])
+    s = CallStream(FORMATS["mistral"], TOOLS)  # [ alone may open [TOOL_CALLS]; [1] may not
+    assert s.push("see [1] and [TOOL") == "see [1] and " and s.finish() == ("[TOOL", [])
+
+
+def test_harmony_channels_split_reasoning_answer_and_plain_text():
+    text = "<|channel|>analysis<|message|>Think <|it|> over.<|end|><|start|>assistant<|channel|>final<|message|>Hi <b>!"
+    for size in (1, 3, len(text)):
+        s = HarmonySplit(TOOLS)
+        parts = [s.push(text[i:i + size]) for i in range(0, len(text), size)]
+        r, c, calls = s.finish()
+        assert ("".join(p[0] for p in parts) + r, "".join(p[1] for p in parts) + c, calls) == \
+            ("Think <|it|> over.", "Hi <b>!", []), size
+    assert whole(HarmonySplit(TOOLS), '{"a": 1}') == ("", '{"a": 1}', [])  # a JSON grammar's answer: no header
+    assert whole(HarmonySplit(TOOLS, reasoning=False), text)[:2] == ("", "Think <|it|> over.Hi <b>!")
+    unknown = dict(CALLS)[HARMONY].replace("get_weather", "launch_rocket")
+    r, c, calls = whole(HarmonySplit(TOOLS), unknown)
+    assert r == "Let me check." and calls == [] and json.loads(c) == ARGS  # (no such tool: its text is content)
+
+
+def test_the_format_is_detected_from_the_template():
+    assert detect("{{ '<|start|>' + m.role + '<|channel|>final<|message|>' }}") == HARMONY
+    assert detect("<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>") == "glm45"
+    assert detect("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") == "deepseek"
+    assert detect("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
+    assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
+
+
+def _tokenizer(specials: list[str]):
+    """A colibri Tokenizer over a word-level vocabulary with these special tokens."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    from colibri.tokenizer import Tokenizer
+
+    words = ["hello", "world", "{", "}"]
+    tk = HF(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="hello"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_special_tokens(specials)
+    return Tokenizer({"json": tk.to_str()})
+
+
+def test_special_markers_the_parsers_read_are_kept_in_decoded_text():
+    from colibri.server.answer import keep_ids
+    from colibri.tokenizer import StreamDecoder
+
+    tok = _tokenizer(["<|channel|>", "<|message|>", "<|end|>", "<|endoftext|>"])
+    ids = tok.encode("<|channel|> hello <|message|> world <|endoftext|>", add_special_tokens=False)
+    keep = keep_ids(tok, HARMONY)
+    assert {tok.tk.id_to_token(i) for i in keep} == {"<|channel|>", "<|message|>", "<|end|>"}
+    assert tok.decode(ids) == "hello world"  # special tokens skipped, as ever
+    assert tok.decode(ids, keep=keep) == "<|channel|>hello<|message|>world"
+    dec = StreamDecoder(tok, keep)
+    assert "".join(dec.push(i) for i in ids) + dec.flush() == tok.decode(ids, keep=keep)
+    assert keep_ids(tok, "hermes") == frozenset()  # (its markers are not in this vocabulary)
+
+
+def test_gpt_oss_turns_end_at_return_or_call_not_at_each_messages_end():
+    from colibri.chat_template import ChatTemplate
+
+    vocab = {"<|end|>": 1, "<|return|>": 2, "<|call|>": 3}
+    harmony = ChatTemplate("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}"
+                           "<|end|>{% endfor %}{# <|return|> <|call|> #}", {}, vocab.get)
+    assert harmony.stop_ids == {2, 3}
+    other = ChatTemplate("{% for m in messages %}{{ m.content }}<|end|>{% endfor %}", {}, vocab.get)
+    assert other.stop_ids == {1}
