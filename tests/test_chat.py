@@ -107,10 +107,10 @@ def test_converter_embeds_chat_template_jinja(ckpt, tmp_path):
     assert read_templates(tmp_path / "nowhere", {}) is None
 
 
-def chat(model: Path, stdin: str, *args: str) -> subprocess.CompletedProcess:
+def chat(model: Path, stdin: str, *args: str, ignore_eos: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "colibri", "chat", "--model", str(model), "--temp", "0",
-                           "--threads", "1", "--ctx-size", "256", "-n", "8", "--ignore-eos", *args],
+                           "--threads", "1", "--ctx-size", "256", "-n", "8", *(["--ignore-eos"] * ignore_eos), *args],
                           input=stdin, capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -132,6 +132,18 @@ def test_repl_through_a_pipe_keeps_history(ckpt):
     llm.close()
     assert a2 != a3
     assert r.stdout == f"{a1}\n{a2}\n{a3}\n{a4}\n"  # /exit stops before "ignored"
+
+
+def test_repl_shows_reasoning_on_stderr_and_keeps_the_answer_only(ckpt):
+    """A thinking model's <think> block (forced here by a grammar) goes to stderr; stdout and the next
+    turn's history get the answer."""
+    pytest.importorskip("llguidance")
+    r = chat(ckpt.coli("mixtral", "f32"), "Hi\nAgain\n", "-n", "40",
+             "--grammar", 'root ::= "<think>\\nPonder.\\n</think>\\n\\n" ("Yes." | "No.")', ignore_eos=False)
+    assert r.returncode == 0, r.stderr
+    answers = r.stdout.splitlines()
+    assert len(answers) == 2 and all(a in ("Yes.", "No.") for a in answers), r.stdout
+    assert r.stderr.count("Ponder.") == 2 and "<think>" not in r.stdout + r.stderr
 
 
 def test_engine_chat_answers_as_transformers_does(ckpt):

@@ -5,6 +5,10 @@
 Commands: /reset (forget the conversation), /system TEXT (set the system message and reset),
 /exit. Ctrl-C stops the current answer (not the program); Ctrl-D exits. From a pipe, each input
 line is one user message and only the answers are printed, one per line.
+
+A thinking model's reasoning (`<think> ... </think>`, or gpt-oss's analysis channel) goes to stderr,
+dimmed in a terminal; stdout and the conversation's history get the answer only (as the server's
+`reasoning_content` split, colibri/server/answer.py).
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ class Conversation:
         return msgs + ([{"role": "user", "content": user}] if user is not None else [])
 
 
-def _fit(llm, template, conv: Conversation, user: str) -> list[int]:
-    """Prompt ids for the next answer; the oldest turns are dropped when the context is too short."""
+def _fit(llm, template, conv: Conversation, user: str) -> tuple[list[int], str]:
+    """Prompt ids (and text) for the next answer; the oldest turns are dropped when the context is too short."""
     while True:
-        ids = llm.tokenizer.encode(template.render(conv.messages(user)), add_special_tokens=False)
+        text = template.render(conv.messages(user))
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) < llm.ctx_size or not conv.turns:
             break
         conv.turns = conv.turns[2:]
@@ -56,30 +61,60 @@ def _fit(llm, template, conv: Conversation, user: str) -> list[int]:
     if len(ids) >= llm.ctx_size:
         raise ColibriError(f"this message ({len(ids)} tokens with the template) does not fit --ctx-size "
                            f"{llm.ctx_size}")
-    return ids
+    return ids, text
 
 
-def _answer(llm, template, ids: list[int], a: argparse.Namespace) -> str:
-    """Stream one answer to stdout; Ctrl-C stops it (what came so far is kept)."""
+class _Show:
+    """Reasoning to stderr (dimmed on a terminal), the answer to stdout."""
+
+    def __init__(self):
+        self.dim = sys.stderr.isatty()
+        self.thinking = False
+
+    def __call__(self, reasoning: str, content: str) -> None:
+        if reasoning:
+            sys.stderr.write(f"\x1b[2m{reasoning}\x1b[0m" if self.dim else reasoning)
+            sys.stderr.flush()
+            self.thinking = True
+        if content:
+            if self.thinking:  # the reasoning's line ends where the answer starts
+                sys.stderr.write("\n")
+                self.thinking = False
+            sys.stdout.write(content)
+            sys.stdout.flush()
+
+
+def _answer(llm, template, prompt: tuple[list[int], str], a: argparse.Namespace) -> str:
+    """Stream one answer to stdout (its reasoning to stderr); Ctrl-C stops it (what came so far is kept)."""
+    from ..server.answer import keep_ids, splitter
+    from ..server.reasoning import opens_thinking
+    from ..server.tool_formats import detect
     from ..tokenizer import StreamDecoder
 
+    ids, text = prompt
+    fmt = detect(template.source)
+    split = splitter(fmt, None, True, opens_thinking(text), True)
     h = llm.submit(ids, min(a.n_predict, llm.ctx_size - len(ids)), stop_ids=() if a.ignore_eos else template.stop_ids,
                    ignore_eos=a.ignore_eos, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                    repeat_penalty=a.repeat_penalty, seed=a.seed, grammar=a.grammar_text)
-    dec, parts = StreamDecoder(llm.tokenizer), []
+    dec, parts, show = StreamDecoder(llm.tokenizer, keep_ids(llm.tokenizer, fmt)), [], _Show()
+    interrupted = False
     try:
         for ev in h:
             if piece := dec.push(ev.token):
-                parts.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                reasoning, content = split.push(piece)
+                parts.append(content)
+                show(reasoning, content)
     except KeyboardInterrupt:
         h.cancel()
         for _ in h:  # the engine stops it at its next step
             pass
-        sys.stdout.write(" [interrupted]")
-    parts.append(rest := dec.flush())
-    sys.stdout.write(rest + "\n")
+        interrupted = True
+    reasoning, content = split.push(dec.flush())
+    more, rest, _ = split.finish()
+    parts += [content, rest]
+    show(reasoning + more, content + rest)
+    sys.stdout.write(" [interrupted]\n" if interrupted else "\n")
     sys.stdout.flush()
     if a.stats:
         print(stats_line(h.stats), file=sys.stderr)
