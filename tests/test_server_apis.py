@@ -146,8 +146,34 @@ def test_responses_api_text_json_tools_and_stream(client):
             {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}]
     r = client.responses.create(model="tiny", input=back, tools=[tool], max_output_tokens=4, temperature=0)
     assert r.output_text and r.usage.input_tokens > 10
-    with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+
+
+
+def test_responses_are_stored_continued_retrieved_and_deleted(client):
+    """store (the default): previous_response_id continues a conversation as sending it whole does (without
+    the earlier instructions); GET / DELETE /v1/responses/{id}; store false and unknown ids."""
+    openai = pytest.importorskip("openai")
+    kw = dict(model="tiny", max_output_tokens=6, temperature=0)
+    first = client.responses.create(input="Once upon a time", instructions="You tell stories.", **kw)
+    second = client.responses.create(input="And then?", previous_response_id=first.id, **kw)
+    whole = client.responses.create(input=[{"role": "user", "content": "Once upon a time"},
+                                           {"role": "assistant", "content": first.output_text},
+                                           {"role": "user", "content": "And then?"}], **kw)
+    assert second.output_text == whole.output_text and second.previous_response_id == first.id
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    streamed = list(client.responses.create(input="Go on.", previous_response_id=second.id, stream=True, **kw))
+    third = client.responses.retrieve(streamed[-1].response.id)
+    assert third.output_text == streamed[-1].response.output_text and third.previous_response_id == second.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    for call in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.create(input="x", previous_response_id=first.id, **kw)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = client.responses.create(input="x", store=False, **kw)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
 
 
 

@@ -32,6 +32,7 @@ from .openai_responses import router as responses_router
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 from .reasoning import opens_thinking
 from .relay import Relay
+from .response_store import ResponseStore
 from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
 from .slots import router as slots_router
 from .tokens import router as tokens_router
@@ -185,6 +186,7 @@ def create_app(state: ServerState) -> FastAPI:
         return out if isinstance(out, dict) else _sse(out)
 
     app.state.chat = chat  # POST /v1/responses (server/openai_responses.py) answers through it
+    app.state.responses = ResponseStore()  # ... and keeps what it answered (store: true)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -4,8 +4,9 @@ and of the answer (or its stream of chunks) back into a Response (or its stream 
 Supported: `input` (a string, or items: messages with text parts, `function_call` and
 `function_call_output`), `instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`,
 `text.format` (text, json_object, json_schema), function `tools`, `tool_choice`,
-`parallel_tool_calls` (and colibri's sampling extensions: seed, top_k, min_p). Nothing is stored:
-`previous_response_id` and `store: true`'s retrieval do not exist here (400). docs/SERVER.md.
+`parallel_tool_calls` (and colibri's sampling extensions: seed, top_k, min_p), `store` (the default)
+with `previous_response_id`, `GET` and `DELETE /v1/responses/{id}` (server/response_store.py).
+docs/SERVER.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 from sse_starlette.sse import EventSourceResponse
 
-from .protocol import ChatCompletionRequest, _Strict, bad_request, parse
+from .protocol import APIError, ChatCompletionRequest, _Strict, bad_request, parse
+from .response_store import ResponseStore, output_messages
 from .responses import chunk_dicts
 
 router = APIRouter()
@@ -50,6 +52,8 @@ class ResponsesRequest(_Strict):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
     seed: int | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -65,8 +69,8 @@ def _text(content: Any, where: str) -> str:
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
-    """The chat messages of `instructions` + `input`."""
-    out: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    """The chat messages of `input` (without `instructions`: they are not stored with the conversation)."""
+    out: list[dict] = []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     for n, it in enumerate(items):
         kind = it.get("type", "message")
@@ -91,8 +95,10 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     return out
 
 
-def _chat_body(req: ResponsesRequest) -> dict:
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream}
+def _chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
+    """The chat completion of the request; `history`: the messages the conversation had before `input`."""
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: dict[str, Any] = {"model": req.model, "messages": system + history, "stream": req.stream}
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"),
                      ("parallel_tool_calls", "parallel_tool_calls")):
@@ -124,8 +130,9 @@ def _chat_body(req: ResponsesRequest) -> dict:
 class _Builder:
     """The Response object, item by item (output items, their ids, usage, status)."""
 
-    def __init__(self, req: ResponsesRequest, model: str):
+    def __init__(self, req: ResponsesRequest, model: str, store: ResponseStore, history: list[dict]):
         self.req, self.model = req, model
+        self.store, self.history = store, history  # the conversation through this request's input
         self.id, self.created = f"resp_{uuid.uuid4().hex[:24]}", int(time.time())
         self.output: list[dict] = []
         self.usage: dict | None = None
@@ -156,8 +163,15 @@ class _Builder:
                 "tools": r.tools or [], "tool_choice": r.tool_choice or "auto",
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "text": r.text.model_dump(by_alias=True, exclude_none=True) if r.text else {"format": {"type": "text"}},
-                "previous_response_id": None, "store": False,
-                "metadata": {}}
+                "previous_response_id": r.previous_response_id, "store": r.store,
+                "metadata": r.metadata or {}}
+
+    def done(self) -> dict:
+        """The finished body, stored when asked (`store`, the default)."""
+        body = self.body()
+        if self.req.store:
+            self.store.put(self.id, body, self.history + output_messages(self.output))
+        return body
 
 
 def _from_chat(b: _Builder, chat: dict) -> dict:
@@ -172,7 +186,7 @@ def _from_chat(b: _Builder, chat: dict) -> dict:
         b.item("function_call", call_id=tc["id"], name=tc["function"]["name"],
                arguments=tc["function"]["arguments"], status="completed")
     b.finish(c["finish_reason"], chat.get("usage"))
-    return b.body()
+    return b.done()
 
 
 async def _events(b: _Builder, chunks):
@@ -251,19 +265,41 @@ async def _events(b: _Builder, chunks):
         for e in close(kind):
             yield e
     b.finish(finish, None)  # (the status; the usage came in its own chunk)
-    yield ev("response.incomplete" if b.status == "incomplete" else "response.completed", response=b.body())
+    yield ev("response.incomplete" if b.status == "incomplete" else "response.completed", response=b.done())
 
 
 @router.post("/v1/responses")
 async def responses(request: Request):
     state = request.app.state.colibri
     req: ResponsesRequest = parse(ResponsesRequest, await request.body())
+    store: ResponseStore = request.app.state.responses
+    history = []
     if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: responses are not stored; send the whole "
-                          "conversation as input", "previous_response_id", "unsupported_parameter")
-    chat_req = parse(ChatCompletionRequest, json.dumps(_chat_body(req)).encode())
+        history = list(_stored(store, req.previous_response_id, "previous_response_id").messages)
+    history += _messages(req)
+    chat_req = parse(ChatCompletionRequest, json.dumps(_chat_body(req, history)).encode())
     out = await request.app.state.chat(state, chat_req, request)
-    b = _Builder(req, state.model_id)
+    b = _Builder(req, state.model_id, store, history)
     if isinstance(out, dict):
         return _from_chat(b, out)
     return EventSourceResponse(_events(b, out), sep="\n", ping=15)
+
+
+def _stored(store: ResponseStore, rid: str, param: str | None = None):
+    if (hit := store.get(rid)) is None:
+        raise APIError(404, f"no response with id '{rid}' is stored here (it was not stored, was deleted, or "
+                            f"the oldest ones were dropped past {store.capacity})", "response_not_found", param)
+    return hit
+
+
+@router.get("/v1/responses/{rid}")
+async def get_response(rid: str, request: Request) -> dict:
+    return _stored(request.app.state.responses, rid).body
+
+
+@router.delete("/v1/responses/{rid}")
+async def delete_response(rid: str, request: Request) -> dict:
+    store = request.app.state.responses
+    _stored(store, rid)
+    store.delete(rid)
+    return {"id": rid, "object": "response.deleted", "deleted": True}
