@@ -38,6 +38,7 @@ from .slots import router as slots_router
 from .tokens import router as tokens_router
 from .tool_formats import detect
 from .tools import plan as tool_plan
+from .webui import router as webui_router
 
 log = logging.getLogger("colibri.server")
 
@@ -152,6 +153,7 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.include_router(dashboard_router)  # GET /dashboard, GET /v1/colibri/stats
+    app.include_router(webui_router)  # GET /: the chat page
     app.include_router(tokens_router)  # POST /tokenize, POST /detokenize
     app.include_router(slots_router)  # GET /slots, POST /slots/{id}?action=save|restore|erase
     app.include_router(responses_router)  # POST /v1/responses (through chat, below)
