@@ -281,13 +281,51 @@ class Engine:
     def chat(self, messages: list[dict], max_tokens: int = 256, *, tools: list[dict] | None = None,
              template_kwargs: dict | None = None, **kw) -> Iterator[str]:
         """Yield the assistant's answer to `messages` ([{"role", "content"}, ...]) as it is generated:
-        the model's chat template (with `tools`, and extra variables such as `enable_thinking`), its
-        stop tokens, then `generate`'s sampling keywords."""
+        the model's chat template (with `tools`, OpenAI's function dicts, and extra variables such as
+        `enable_thinking`), its stop tokens, then `generate`'s sampling keywords.
+
+        Yields the answer only: a thinking model's reasoning (`<think>`, gpt-oss's analysis channel) and
+        the tool calls the model writes in its family's format are split off as the server does
+        (colibri/server/answer.py) and land in `last_message` when the answer is complete."""
+        from .server.answer import keep_ids, splitter
+        from .server.reasoning import opens_thinking
+        from .server.tool_formats import detect
+
+        self._check_open()
         template = self.tokenizer.template()
         extra = {"tools": tools} if tools else {}
         prompt = template.render(messages, True, **extra, **(template_kwargs or {}))
         stops = frozenset(kw.pop("stop_ids", ())) | (frozenset() if kw.get("ignore_eos") else template.stop_ids)
-        yield from self.generate(prompt, max_tokens, add_special_tokens=False, stop_ids=stops, **kw)
+        fmt = detect(template.source)
+        schemas = {f["name"]: f.get("parameters") or {} for t in tools or []
+                   if isinstance(f := t.get("function", t), dict) and isinstance(f.get("name"), str)}
+        split = splitter(fmt, schemas if tools else None, True, opens_thinking(prompt), True)
+        dec = StreamDecoder(self.tokenizer, keep_ids(self.tokenizer, fmt))
+        self._local.message = None
+        reasoning, content = [], []
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        for tok in self.generate_ids(ids, max_tokens, stop_ids=stops, **kw):
+            if piece := dec.push(tok):
+                r, c = split.push(piece)
+                reasoning.append(r)
+                if c:
+                    content.append(c)
+                    yield c
+        r, c = split.push(dec.flush())
+        r2, c2, calls = split.finish()
+        reasoning += [r, r2]
+        if rest := c + c2:
+            content.append(rest)
+            yield rest
+        text = "".join(content)
+        self._local.message = {"role": "assistant", "content": (text.strip() or None) if calls else text,
+                               "reasoning_content": "".join(reasoning) or None, "tool_calls": calls or None}
+
+    @property
+    def last_message(self) -> dict | None:
+        """The assistant message of the last `chat()` this thread ran to its end, as OpenAI's chat answer
+        has it: content, reasoning_content, tool_calls (None when absent)."""
+        return getattr(self._local, "message", None)
 
     def generate_batch(self, prompts: list[str], max_tokens: int = 256, *, add_special_tokens: bool = True,
                        **sampling) -> list[str]:

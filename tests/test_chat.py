@@ -159,6 +159,30 @@ def test_engine_chat_answers_as_transformers_does(ckpt):
         assert llm.last_stats.prompt_tokens == len(ids)
 
 
+def test_engine_chat_yields_the_answer_and_keeps_reasoning_and_calls_apart(ckpt):
+    """Engine.chat splits a thinking model's reasoning and the tool calls it writes (here forced by
+    grammars, in the Hermes format the template-less detection assumes) into last_message."""
+    pytest.importorskip("llguidance")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    msgs = [{"role": "user", "content": "Weather in Rome?"}]
+    from colibri.engine.grammar import gbnf_grammar
+
+    with colibri.load(ckpt.coli("mixtral", "f32"), ctx_size=256) as llm:
+        think = gbnf_grammar('root ::= "<think>\\nRome it is.\\n</think>\\n\\n" ("Sunny." | "Rainy.")')
+        answer = "".join(llm.chat(msgs, 60, temperature=0, grammar=think))
+        m = llm.last_message
+        assert answer in ("Sunny.", "Rainy.") and m["content"] == answer
+        assert m["reasoning_content"] == "Rome it is." and m["tool_calls"] is None
+        call = gbnf_grammar('root ::= "Let me look. <tool_call>{\\"name\\": \\"get_weather\\", '
+                            '\\"arguments\\": {\\"city\\": \\"Rome\\"}}</tool_call>"')
+        answer = "".join(llm.chat(msgs, 80, tools=[tool], temperature=0, grammar=call))
+        m = llm.last_message
+        assert answer.strip() == "Let me look." == m["content"] and m["reasoning_content"] is None
+        (tc,) = m["tool_calls"]
+        assert tc["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
 def test_repl_without_template_is_one_line_error(ckpt, tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(ckpt.hf("mixtral"), hf)

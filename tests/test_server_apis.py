@@ -73,7 +73,6 @@ def test_auto_tool_calls_in_the_models_own_words(client):
 def test_gpt_oss_channels_through_the_server(chat_model):
     """--tool-parser harmony (gpt-oss's format; auto-detected from its template): the analysis channel is
     reasoning_content, a commentary message to functions.NAME a tool call, plain and streamed."""
-    openai = pytest.importorskip("openai")
     pytest.importorskip("llguidance")
     from serve_proc import Server
 
@@ -152,7 +151,6 @@ def test_responses_api_text_json_tools_and_stream(client):
 def test_responses_are_stored_continued_retrieved_and_deleted(client):
     """store (the default): previous_response_id continues a conversation as sending it whole does (without
     the earlier instructions); GET / DELETE /v1/responses/{id}; store false and unknown ids."""
-    openai = pytest.importorskip("openai")
     kw = dict(model="tiny", max_output_tokens=6, temperature=0)
     first = client.responses.create(input="Once upon a time", instructions="You tell stories.", **kw)
     second = client.responses.create(input="And then?", previous_response_id=first.id, **kw)
