@@ -297,8 +297,8 @@ class Engine:
         prompt = template.render(messages, True, **extra, **(template_kwargs or {}))
         stops = frozenset(kw.pop("stop_ids", ())) | (frozenset() if kw.get("ignore_eos") else template.stop_ids)
         fmt = detect(template.source)
-        schemas = {f["name"]: f.get("parameters") or {} for t in tools or []
-                   if isinstance(f := t.get("function", t), dict) and isinstance(f.get("name"), str)}
+        schemas = {f["name"]: f.get("parameters") or {} for t in tools or [] if isinstance(t, dict)
+                   and isinstance(f := t.get("function", t), dict) and isinstance(f.get("name"), str)}
         split = splitter(fmt, schemas if tools else None, True, opens_thinking(prompt), True)
         dec = StreamDecoder(self.tokenizer, keep_ids(self.tokenizer, fmt))
         self._local.message = None
