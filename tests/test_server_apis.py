@@ -32,8 +32,15 @@ def test_tool_calls_required_named_streamed_and_sent_back(client):
     chunks = list(client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], tool_choice="required",
                                                  parallel_tool_calls=False, stream=True))
     deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [(tc.function.name, tc.function.arguments)]
+    assert deltas[0].id and deltas[0].function.name == tc.function.name and {d.index for d in deltas} == {0}
+    assert len(deltas) > 2  # the arguments streamed as they were written, not in one piece at the end
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == json.loads(tc.function.arguments)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    chunks = list(client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and len(deltas) > 2
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments  # (greedy: the same)
     # The call and its result go back in the next turn (auto: this random model answers in text).
     back = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]

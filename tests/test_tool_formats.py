@@ -140,3 +140,37 @@ def test_gpt_oss_turns_end_at_return_or_call_not_at_each_messages_end():
     assert harmony.stop_ids == {2, 3}
     other = ChatTemplate("{% for m in messages %}{{ m.content }}<|end|>{% endfor %}", {}, vocab.get)
     assert other.stop_ids == {1}
+
+
+def test_a_forced_call_streams_its_name_then_its_arguments():
+    """tool_choice required / named (server/tool_stream.py): deltas in pieces of any size add up to the
+    calls; an item's arguments written before its name wait for it; a cut answer gives no complete call."""
+    from colibri.server.tool_stream import ForcedCallStream
+
+    text = ('[{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\"", "n": [1, {"x": "}"}]}}, '
+            '{"arguments": {"zone": "UTC"}, "name": "get_time"}]')
+    for size in (1, 2, 3, 7, len(text)):
+        s = ForcedCallStream(None)
+        deltas = []
+        for i in range(0, len(text), size):
+            assert s.push(text[i:i + size]) == ("", "")
+            deltas += s.take()
+        calls = s.finish()[2]
+        got: dict[int, dict] = {}
+        for d in deltas:
+            g = got.setdefault(d["index"], {"id": d.get("id"), "name": d["function"].get("name"), "arguments": ""})
+            g["arguments"] += d["function"].get("arguments", "")
+        assert [g["name"] for g in got.values()] == ["get_weather", "get_time"], size
+        assert [json.loads(g["arguments"]) for g in got.values()] == [json.loads(x["function"]["arguments"])
+                                                                      for x in calls], size
+        assert [g["id"] for g in got.values()] == [x["id"] for x in calls] and not got[0]["arguments"][0].isspace()
+    s = ForcedCallStream("get_weather")
+    s.push('{"city": ')
+    s.push('"Rome"}')
+    deltas = s.take()
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(d["function"].get("arguments", "") for d in deltas) == '{"city": "Rome"}'
+    assert s.finish()[2][0]["function"]["arguments"] == '{"city": "Rome"}'
+    cut = ForcedCallStream(None)
+    cut.push('[{"name": "get_time", "arguments": {"zo')
+    assert cut.finish()[2] == [] and cut.take()[0]["function"]["name"] == "get_time"

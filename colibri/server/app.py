@@ -37,6 +37,7 @@ from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, c
 from .slots import router as slots_router
 from .tokens import router as tokens_router
 from .tool_formats import detect
+from .tool_stream import ForcedCallStream
 from .tools import plan as tool_plan
 from .webui import router as webui_router
 
@@ -240,22 +241,23 @@ async def chat(state: ServerState, req: ChatCompletionRequest, request: Request)
     tools = plan.schemas if plan is not None and plan.mode == "auto" else None
 
     def split():
+        if forced is not None:
+            return ForcedCallStream(plan.named if plan.mode == "named" else None)
         return splitter(state.tool_format, tools, think, opened, state.reasoning)
 
-    if req.stream and forced is None:
+    if req.stream:
         return _chat_stream(state, req, [ids], relays, bodies, split)
     results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
     choices = []
     for i, (r, (text, events)) in enumerate(zip(relays, results)):
         _raise_engine_error(r)
         lp = chat_logprobs(events, state.text_of) if req.logprobs else None
-        if forced is not None:  # a required / named call's JSON
-            reasoning, (content, calls) = "", plan.parse(text)
+        if forced is not None:  # a required / named call's JSON (an answer cut short stays text)
+            calls = whole(split(), text)[2]
+            reasoning, content = "", None if calls else text
         else:
             reasoning, content, calls = whole(split(), text)
         choices.append(ChatBodies.choice(i, content, _finish(r.finish_reason, calls), lp, calls, reasoning))
-    if req.stream:  # a required / named call: the answers whole, as one delta each (JSON is known once complete)
-        return _chat_whole_stream(req, choices, _usage([ids], relays), bodies)
     return {**bodies.full(choices, _usage([ids], relays)), "timings": _timings(relays[0])}
 
 
@@ -387,7 +389,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: 
                        relays: list[Relay], bodies: ChatBodies, split):
     """The n choices stream interleaved, each chunk naming its index; a role chunk first for each.
     `split()` makes a choice's splitter (server/answer.py): reasoning goes out as `reasoning_content`
-    deltas; with tools (tool_choice auto), text streams until a tool call opens; the calls come at the end."""
+    deltas; with tools (tool_choice auto), text streams until a tool call opens; the calls come at the end;
+    a forced call (required / named, server/tool_stream.py) streams its name and argument deltas."""
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
     splits = [split() for _ in relays]
     pending: list[list] = [[] for _ in relays]  # token events not yet sent with a chunk (their logprobs)
@@ -408,18 +411,27 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, prompts: 
                 yield chunk(i, {"reasoning_content": reasoning})
             if text or splits[i].passthrough:
                 yield chunk(i, {"content": text})
+            if calls := _calls_so_far(splits[i]):
+                yield chunk(i, {"tool_calls": calls})
         elif (err := _error_event(r)) is not None:
             yield err
         else:
             reasoning, rest, made = splits[i].finish()
             if reasoning:
                 yield chunk(i, {"reasoning_content": reasoning})
-            if (delta := _answer_delta(rest or None, made)) or pending[i]:
+            sent = getattr(splits[i], "sent_calls", False)  # (a forced call streamed its deltas already)
+            if (delta := _answer_delta(rest or None, [] if sent else made)) or pending[i]:
                 yield chunk(i, delta or {"content": ""})
             yield _json(bodies.chunk({}, _finish(r.finish_reason, made), with_usage=with_usage, index=i))
     if with_usage and not any(_error_event(r) for r in relays):
         yield _json({**bodies.usage_chunk(_usage(prompts, relays)), "timings": _timings(relays[0])})
     yield {"data": "[DONE]"}
+
+
+def _calls_so_far(split) -> list[dict]:
+    """The tool-call deltas a forced call's splitter (server/tool_stream.py) has ready; none for the others."""
+    take = getattr(split, "take", None)
+    return take() if take is not None else []
 
 
 def _answer_delta(content: str | None, calls: list[dict]) -> dict:
@@ -432,21 +444,6 @@ def _answer_delta(content: str | None, calls: list[dict]) -> dict:
 
 def _finish(reason: str, calls: list[dict]) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
-
-
-async def _chat_whole_stream(req: ChatCompletionRequest, choices: list[dict], use: dict, bodies: ChatBodies):
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
-    for c in choices:
-        i, msg = c["index"], c["message"]
-        yield _json(bodies.chunk({"role": "assistant", "content": ""}, with_usage=with_usage, index=i))
-        if msg.get("reasoning_content"):
-            yield _json(bodies.chunk({"reasoning_content": msg["reasoning_content"]}, with_usage=with_usage, index=i))
-        if delta := _answer_delta(msg["content"], msg.get("tool_calls") or []):
-            yield _json(bodies.chunk(delta, logprobs=c["logprobs"], with_usage=with_usage, index=i))
-        yield _json(bodies.chunk({}, c["finish_reason"], with_usage=with_usage, index=i))
-    if with_usage:
-        yield _json(bodies.usage_chunk(use))
-    yield {"data": "[DONE]"}
 
 
 async def _completion_stream(state: ServerState, req: CompletionRequest, each: list, prompts: list[list[int]],

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Strict, bad_request, parse, parse_arguments
-from .responses import chunk_dicts
+from .responses import chunk_dicts, merge_tool_deltas
 
 router = APIRouter()
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1}
@@ -112,6 +112,7 @@ def _calls(tool_calls: list | None) -> list[dict]:
 async def _ndjson(state, chunks, t0: float, chat: bool):
     """Ollama's stream lines from the OpenAI stream's chunks (one choice)."""
     finish, usage, timings = None, None, None
+    calls: dict[int, dict] = {}  # the tool calls so far, by index
     async for c in chunk_dicts(chunks):
         if "error" in c:
             yield json.dumps({"error": c["error"].get("message")}) + "\n"
@@ -125,8 +126,9 @@ async def _ndjson(state, chunks, t0: float, chat: bool):
                 msg: dict[str, Any] = {"role": "assistant", "content": d.get("content") or ""}
                 if d.get("reasoning_content"):
                     msg["thinking"] = d["reasoning_content"]
-                if d.get("tool_calls"):
-                    msg["tool_calls"] = _calls(d["tool_calls"])
+                merge_tool_deltas(calls, d.get("tool_calls") or [])
+                if ch.get("finish_reason") and calls:  # (Ollama sends whole calls: their arguments as objects)
+                    msg["tool_calls"] = _calls([calls[k] for k in sorted(calls)])
                 if msg["content"] or len(msg) > 2:
                     yield json.dumps({"model": state.model_id, "created_at": _now(), "message": msg,
                                       "done": False}, ensure_ascii=False) + "\n"

@@ -22,7 +22,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from .protocol import APIError, ChatCompletionRequest, _Strict, bad_request, parse
 from .response_store import ResponseStore, output_messages
-from .responses import chunk_dicts
+from .responses import chunk_dicts, merge_tool_deltas
 
 router = APIRouter()
 
@@ -203,6 +203,8 @@ async def _events(b: _Builder, chunks):
     yield ev("response.in_progress", response=b.body())
     open_items: dict[str, dict] = {}  # "message" / "reasoning" -> the item being written
     texts: dict[str, list[str]] = {}
+    calls: dict[int, dict] = {}  # tool calls by index, as their deltas come ...
+    items: dict[int, dict] = {}  # ... and their output items
     finish = None
 
     def close(kind: str):
@@ -247,23 +249,28 @@ async def _events(b: _Builder, chunks):
             texts[kind].append(d[key])
             name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
             yield ev(name, item_id=it["id"], output_index=n, content_index=0, delta=d[key])
-        for tc in d.get("tool_calls") or []:
-            for kind in list(open_items):
-                for e in close(kind):
-                    yield e
-            it = b.item("function_call", call_id=tc["id"], name=tc["function"]["name"], arguments="",
-                        status="in_progress")
-            n, args = len(b.output) - 1, tc["function"]["arguments"]
-            yield ev("response.output_item.added", output_index=n, item=dict(it))
-            yield ev("response.function_call_arguments.delta", item_id=it["id"], output_index=n, delta=args)
-            yield ev("response.function_call_arguments.done", item_id=it["id"], output_index=n, arguments=args)
-            it.update(arguments=args, status="completed")
-            yield ev("response.output_item.done", output_index=n, item=it)
+        for tc in d.get("tool_calls") or []:  # a call's first delta names it; the rest are pieces of arguments
+            if merge_tool_deltas(calls, [tc]):  # a new call: the text before it is done
+                for kind in list(open_items):
+                    for e in close(kind):
+                        yield e
+                items[tc["index"]] = it = b.item("function_call", call_id=tc["id"], name=tc["function"]["name"],
+                                                 arguments="", status="in_progress")
+                yield ev("response.output_item.added", output_index=len(b.output) - 1, item=dict(it))
+            if args := tc["function"].get("arguments"):
+                it = items[tc["index"]]
+                yield ev("response.function_call_arguments.delta", item_id=it["id"], output_index=b.output.index(it),
+                         delta=args)
         if c.get("finish_reason"):
             finish = c["finish_reason"]
     for kind in list(open_items):
         for e in close(kind):
             yield e
+    for k, it in items.items():
+        args, n = calls[k]["function"]["arguments"], b.output.index(it)
+        yield ev("response.function_call_arguments.done", item_id=it["id"], output_index=n, arguments=args)
+        it.update(arguments=args, status="completed")
+        yield ev("response.output_item.done", output_index=n, item=it)
     b.finish(finish, None)  # (the status; the usage came in its own chunk)
     yield ev("response.incomplete" if b.status == "incomplete" else "response.completed", response=b.done())
 

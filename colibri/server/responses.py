@@ -68,6 +68,20 @@ async def chunk_dicts(events):
         yield json.loads(ev["data"])
 
 
+def merge_tool_deltas(acc: dict[int, dict], deltas: list[dict]) -> list[int]:
+    """Stream tool-call deltas (by index: the first with the call's id and name, then pieces of its
+    arguments) into whole calls in `acc`; the indices this batch of deltas opened."""
+    opened = []
+    for d in deltas:
+        if d["index"] not in acc:
+            acc[d["index"]] = {"id": d.get("id"), "type": "function", "function": {"name": "", "arguments": ""}}
+            opened.append(d["index"])
+        fn, c = d.get("function") or {}, acc[d["index"]]["function"]
+        c["name"] = fn.get("name") or c["name"]
+        c["arguments"] += fn.get("arguments") or ""
+    return opened
+
+
 class ChatBodies:
     def __init__(self, rid: str, model: str):
         self.base = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": None}

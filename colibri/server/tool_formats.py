@@ -26,10 +26,14 @@ from typing import Any
 from .reasoning import _tail
 
 
-def call(name: str, arguments: Any) -> dict:
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call(name: str, arguments: Any, call_id: str | None = None) -> dict:
     """One OpenAI tool call; `arguments` as the JSON text OpenAI sends."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 # A parser: (text, {tool name: its parameters schema}) -> (the calls found, (start, end) of each in the text).

@@ -13,11 +13,9 @@ How a call is obtained depends on `tool_choice`:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from .protocol import NamedChoice, Tool, ToolChoice, bad_request
-from .tool_formats import call
 
 
 @dataclass
@@ -60,23 +58,6 @@ class ToolPlan:
         if not self.parallel:
             schema["maxItems"] = 1
         return json_grammar(schema)
-
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool calls) of a required / named answer (auto: server/answer.py). An answer cut short
-        (max_tokens) that does not parse comes back as content."""
-        if self.mode == "named":
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [call(self.named, text)]
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [call(c["name"], c["arguments"]) for c in items]
-        raise ValueError("auto tool calls are parsed by server/answer.py")
 
 
 def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan | None:
