@@ -230,7 +230,8 @@ def test_ollama_api_chat_generate_tags(server, client):
 
 
 def test_think_split_streams_what_the_whole_split_gives():
-    from colibri.server.reasoning import ThinkSplit, opens_thinking, split
+    from colibri.server.answer import splitter, whole
+    from colibri.server.reasoning import ThinkSplit, opens_thinking
 
     cases = [("<think>\nplan a\nplan b\n</think>\n\nThe answer.", False, ("plan a\nplan b", "The answer.")),
              ("plan</think> ans", True, ("plan", "ans")), ("<think>unfinished", False, ("unfinished", "")),
@@ -238,7 +239,7 @@ def test_think_split_streams_what_the_whole_split_gives():
              (" \n<think>x</think>y", False, ("x", "y")),
              ("<th", False, ("", "<th")), ("a < b </thinking> c", True, ("a < b </thinking> c", ""))]
     for text, opened, want in cases:
-        assert split(text, opened) == want, text
+        assert whole(splitter("hermes", None, True, opened, True), text)[:2] == want, text
         for size in (1, 2, 3, 5):
             s = ThinkSplit(opened)
             parts = [s.push(text[i:i + size]) for i in range(0, len(text), size)] + [s.finish()]

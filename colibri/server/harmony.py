@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 
-from .reasoning import _tail
+from .reasoning import held_tail
 from .tool_formats import call
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
@@ -87,7 +87,7 @@ class HarmonySplit:
             else:  # body
                 ends = [(at, m) for m in _ENDS if (at := self.buf.find(m)) >= 0]
                 if not ends:
-                    keep = max(_tail(self.buf, m) for m in _ENDS)
+                    keep = max(held_tail(self.buf, m) for m in _ENDS)
                     self._emit(self.buf[: len(self.buf) - keep], out)
                     self.buf = self.buf[len(self.buf) - keep:]
                     break

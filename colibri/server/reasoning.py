@@ -12,7 +12,7 @@ from __future__ import annotations
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def _tail(text: str, tag: str) -> int:
+def held_tail(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag` (it may grow into the tag)."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
@@ -42,7 +42,7 @@ class ThinkSplit:
                 self.strip = not self.buf
             at = self.buf.find(CLOSE)
             if at < 0:  # hold a tail that may open the tag, and trailing whitespace (dropped before it)
-                cut = len(self.buf) - _tail(self.buf, CLOSE)
+                cut = len(self.buf) - held_tail(self.buf, CLOSE)
                 cut = len(self.buf[:cut].rstrip())
                 out, self.buf = self.buf[:cut], self.buf[cut:]
                 return out, ""
@@ -64,14 +64,6 @@ class ThinkSplit:
         if self.state == "think":
             return out.rstrip(), ""
         return "", out
-
-
-def split(text: str, opened: bool = False) -> tuple[str, str]:
-    """(reasoning, answer) of a whole answer."""
-    s = ThinkSplit(opened)
-    r1, c1 = s.push(text)
-    r2, c2 = s.finish()
-    return r1 + r2, c1 + c2
 
 
 def opens_thinking(prompt: str) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .reasoning import _tail
+from .reasoning import held_tail
 
 
 def new_call_id() -> str:
@@ -213,7 +213,7 @@ class CallStream:
             at = min(found)
             out, self.held, self.calling = self.held[:at], self.held[at:], True
             return out
-        keep = max(_tail(self.held, o) for o in self.fmt.opens)
+        keep = max(held_tail(self.held, o) for o in self.fmt.opens)
         out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 

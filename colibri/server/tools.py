@@ -28,10 +28,6 @@ class ToolPlan:
     parallel: bool = True
 
     @property
-    def names(self) -> set[str]:
-        return {t.function.name for t in self.tools}
-
-    @property
     def schemas(self) -> dict[str, dict]:
         """{name: parameters schema}: what the format parsers check calls against."""
         return {t.function.name: self._params(t) for t in self.tools}
