@@ -481,6 +481,7 @@ class Engine:
 
 def _shutdown(runner: Runner, store: TieredStore, container: Container) -> None:
     runner.close()
+    native.background_wait()  # (its read-ahead of the weights, before the file goes)
     store.close()
     container.close()
 

@@ -462,6 +462,32 @@ def test_one_call_step_follows_replaced_caches(ckpt) -> None:
     assert torch.equal(got, ref)
 
 
+def test_read_ahead_between_steps_changes_nothing(ckpt) -> None:
+    """After a one-call step, a pool worker reads the next step's first weights (kernels/step.c pf_job)
+    until the next step starts: greedy tokens and their logprobs are the same without it, with it, and
+    with it reading far past where a step stops it; `background_wait` returns once it is over."""
+    import ctypes
+
+    import colibri
+    from colibri.kernels import native as nat
+
+    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, threads=2)
+    size = ctypes.c_long.in_dll(nat._lib, "coli_pf_bytes")
+    default = size.value
+    runs = []
+    try:
+        for n in (0, default, 1 << 40):
+            size.value = n
+            h = llm.submit(PROMPTS[0], max_tokens=12, ignore_eos=True, temperature=0, logprobs=0)
+            runs.append([(e.token, e.logprob) for e in h])
+            nat.background_wait()
+    finally:
+        size.value = default
+        llm.close()
+    assert default > 0 and len(runs[0]) == 12
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_native_router_matches_torchs(norm: bool) -> None:
     """coli_route against the f32 torch router on bf16 rows: the same experts in the same order (a

@@ -23,6 +23,8 @@ CALLS = [
     ("glm45", "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
               "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n"
               "</tool_call>"),
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n<parameter=code>\n007\n</parameter>\n</function>\n</tool_call>"),
     ("mistral", 'Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
                 '"code": "007"}}]'),
     ("mistral", 'Let me check. [TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2, "code": "007"}'),
@@ -59,10 +61,24 @@ def test_each_format_gives_the_call_and_the_text_streamed_or_whole(fmt, text):
 def test_calls_of_unknown_tools_or_broken_arguments_stay_text(fmt):
     text = dict(CALLS)[fmt].replace("get_weather", "launch_rocket")
     assert FORMATS[fmt].parse(text, TOOLS) == (text, [])
-    broken = dict(CALLS)[fmt].replace('"Rome"', '"Rome').replace("<arg_value>2</arg_value>", "<arg_value>2")
+    broken = dict(CALLS)[fmt].replace('"Rome"', '"Rome').replace("</function>", "</func>")
     if fmt != "glm45":  # (GLM's values are text: a broken one is just odd text, and its call still parses)
         assert FORMATS[fmt].parse(broken, TOOLS) == (broken, [])
     assert FORMATS[fmt].parse("no calls here", TOOLS) == ("no calls here", [])
+
+
+def test_qwen3_coder_values_take_their_parameters_types():
+    """A Qwen3-Coder value is text between newlines: a string parameter keeps it as written (inner lines and
+    all), a typed one gets its JSON; a call without its <tool_call> wrapper still counts."""
+    tools = {"write": {"type": "object", "properties": {"path": {"type": "string"}, "body": {"type": "string"},
+                                                        "mode": {"type": "integer"}, "opts": {"type": "object"}}}}
+    text = ("<function=write>\n<parameter=path>\n/tmp/a.py\n</parameter>\n<parameter=body>\n\nx = 1\n  y\n\n"
+            "</parameter>\n<parameter=mode>\n420\n</parameter>\n<parameter=opts>\n{\"force\": true}\n</parameter>\n"
+            "</function>\nDone.")
+    content, calls = FORMATS["qwen3_coder"].parse(text, tools)
+    assert content == "Done." and len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"]) == {"path": "/tmp/a.py", "body": "\nx = 1\n  y\n",
+                                                             "mode": 420, "opts": {"force": True}}
 
 
 def test_a_stream_holds_back_only_what_may_open_a_call():
@@ -99,6 +115,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect("<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>") == "glm45"
     assert detect("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") == "deepseek"
     assert detect("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
+    assert detect("<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>") == "qwen3_coder"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 
 

@@ -36,7 +36,8 @@ def serve_parser() -> argparse.ArgumentParser:
                         "(llama-server's default); none: it stays in content")
     h.add_argument("--tool-parser", choices=("auto", *TOOL_FORMATS), default="auto",
                    help="how the model writes tool calls (tool_choice auto): hermes <tool_call>{json}, glm45 "
-                        "<arg_key>/<arg_value>, mistral [TOOL_CALLS], deepseek <｜tool▁call▁begin｜>, harmony "
+                        "<arg_key>/<arg_value>, qwen3_coder <function=NAME><parameter=K>, mistral [TOOL_CALLS], "
+                        "deepseek <｜tool▁call▁begin｜>, harmony "
                         "(gpt-oss channels); auto: the one the chat template shows")
     h.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable POST /slots/{id}?action=save|restore: slot prompt caches are saved to and "

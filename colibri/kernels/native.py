@@ -16,6 +16,7 @@ why not OpenMP); `set_threads` sizes it, and the engine calls it with torch.set_
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -121,9 +122,11 @@ class MoeLayer(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.coli_decode_layers.argtypes = [i, p, p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p, p]
+    lib.coli_decode_layers.argtypes = [i, p, p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, ctypes.c_long, p, p,
+                                       p]
     lib.coli_decode_layers.restype = i
-    lib.coli_decode_step.argtypes = [p, p, i, p, p, i, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p, p, p, i, p]
+    lib.coli_decode_step.argtypes = [p, p, i, p, p, i, p, p, p, ctypes.c_long, ctypes.c_long, p, p, ctypes.c_long, p, p,
+                                     p, p, i, p]
     lib.coli_decode_step.restype = i
     lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, p]
     lib.coli_route.restype = i
@@ -139,6 +142,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_q4_gemm.restype = i
     lib.coli_max_rows.restype = i
     lib.coli_simd.restype = i
+    lib.coli_background_wait.argtypes = []
+    lib.coli_background_wait.restype = None
     lib.coli_set_threads.argtypes = [i]
     lib.coli_get_threads.restype = i
     lib.coli_attn_decode.argtypes = [p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, i, ctypes.c_float, p, p]
@@ -176,6 +181,7 @@ def lib() -> ctypes.CDLL | None:
                                    "(COLIBRI_NATIVE=force uses them anyway)")
             lib_.coli_set_threads(torch.get_num_threads())
             _lib = lib_
+            atexit.register(lib_.coli_background_wait)  # (before Python frees the weights it may be reading)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
             log.info("native kernels unavailable (%s); using torch's", e)
@@ -216,6 +222,13 @@ def prof_counters() -> tuple[dict[str, float], int] | None:
     for i in range(len(PROF_STAGES) + 1):
         arr[i] = 0
     return out, steps
+
+
+def background_wait() -> None:
+    """Stop the kernels' background work (a decode step's read-ahead of the next step's first weights,
+    kernels/step.c) and return once it is over: call it before freeing or moving weights it may read."""
+    if _lib is not None:
+        _lib.coli_background_wait()
 
 
 def set_threads(n: int) -> None:
@@ -398,31 +411,32 @@ def _step_failed(name: str, rc: int, failed: ctypes.c_int) -> RuntimeError:
                         else f"{name} failed ({rc}) in layer {failed.value}")
 
 
-def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, cos: torch.Tensor,
-                  sin: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
     arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last block's
-    output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t) ->
+    output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t); rope
+    the rotary tables (cos pointer, sin pointer, rows: f32 [rows, rot], row p position p's) ->
     (idx int64 [L, T, k], weights f32 [L, T, k])."""
     idx, wts = _routes(len(attn), h.shape[0], k)
     failed = ctypes.c_int(-1)
-    rc = _lib.coli_decode_layers(len(attn), attn, moe, h.shape[0], h.data_ptr(), pos, kc, vc, ks, vs, cos.data_ptr(),
-                                 sin.data_ptr(), idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
+    rc = _lib.coli_decode_layers(len(attn), attn, moe, h.shape[0], h.data_ptr(), pos, kc, vc, ks, vs, *rope,
+                                 idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
     if rc != 0:
         raise _step_failed("coli_decode_layers", rc, failed)
     return idx, wts
 
 
-def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs: int, cos: torch.Tensor,
-                sin: torch.Tensor, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
+                k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_decode_step: embedding, every block (as decode_layers), final norm and head for `rows` (int64
     [R], contiguous) of the step's tokens (int64 [T], contiguous) -> (logits f32 [R, V], idx, weights)."""
     idx, wts = _routes(len(attn), tokens.shape[0], k)
     logits = torch.empty(rows.shape[0], tail.vocab, dtype=torch.float32)
     failed = ctypes.c_int(-1)
     rc = _lib.coli_decode_step(ctypes.byref(tail), tokens.data_ptr(), len(attn), attn, moe, tokens.shape[0], pos, kc,
-                               vc, ks, vs, cos.data_ptr(), sin.data_ptr(), idx.data_ptr(), wts.data_ptr(),
-                               ctypes.byref(failed), rows.data_ptr(), rows.shape[0], logits.data_ptr())
+                               vc, ks, vs, *rope, idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed),
+                               rows.data_ptr(), rows.shape[0], logits.data_ptr())
     if rc == -6:
         raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")
     if rc != 0:

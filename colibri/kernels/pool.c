@@ -64,6 +64,25 @@ static void *job_arg;
 static int job_n;                /* threads the current job may use (workers with id >= job_n sit out) */
 static unsigned born_gen[MAX_WORKERS + 1]; /* the job count when worker i was made: it waits for the next */
 
+/* One background job at a time (coli_background_post), run by worker 1 between two jobs: 0 none, 3 being
+ * prepared, 1 posted, 2 running. It polls bg_stop, which the next job (coli_parallel) or
+ * coli_background_wait raises. */
+typedef void (*coli_bg_job)(void *arg, const atomic_int *stop);
+static atomic_int bg_state;
+static atomic_int bg_stop;
+static coli_bg_job bg_fn;
+static void *bg_arg;
+
+static void run_background(void) {
+    int posted = 1;
+    if (!atomic_compare_exchange_strong_explicit(&bg_state, &posted, 2, memory_order_acq_rel, memory_order_acquire))
+        return;
+    bg_fn(bg_arg, &bg_stop);
+    atomic_store_explicit(&bg_state, 0, memory_order_release);
+}
+
+static int bg_posted(int id) { return id == 1 && atomic_load_explicit(&bg_state, memory_order_acquire) == 1; }
+
 static long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -93,13 +112,20 @@ static void *worker(void *p) {
         long t0 = now_ns();
         int spins = 0;
         while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) {
+            if (bg_posted(id)) {  /* (then spin again, as after a job) */
+                run_background();
+                t0 = now_ns();
+                continue;
+            }
             CPU_RELAX();
             if (++spins % 256 == 0 && now_ns() - t0 > SPIN_NS) {
                 pthread_mutex_lock(&mu);
                 sleepers++;
-                while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) pthread_cond_wait(&cv, &mu);
+                while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen && !bg_posted(id))
+                    pthread_cond_wait(&cv, &mu);
                 sleepers--;
                 pthread_mutex_unlock(&mu);
+                if (g == seen) continue;  /* woken for a background job */
                 break;
             }
         }
@@ -118,6 +144,7 @@ static void atfork_child(void) {
     n_workers = 0;
     sleepers = 0;
     atomic_store(&completed, 0);
+    atomic_store(&bg_state, 0);
 }
 
 __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, atfork_child); }
@@ -130,6 +157,7 @@ int coli_get_threads(void) { return n_threads; }
  * among them); returns when all are done. fn must compute a fixed share of the work from (c, C).
  * n <= 1, or the pool busy with another caller: fn(arg, 0, 1) on the calling thread. */
 void coli_parallel(coli_job fn, void *arg, int n) {
+    if (atomic_load_explicit(&bg_state, memory_order_relaxed)) atomic_store_explicit(&bg_stop, 1, memory_order_relaxed);
     if (n > n_threads) n = n_threads;
     if (n <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
         fn(arg, 0, 1);
@@ -169,4 +197,38 @@ void coli_parallel(coli_job fn, void *arg, int n) {
         if (spins % 4096 == 0) sched_yield();
     }
     pthread_mutex_unlock(&call_mu);
+}
+
+/* A background job for worker 1 to run while the caller goes on (e.g. Python between two decode steps):
+ * coli_background_claim() (1: the slot is the caller's; 0 with one thread, no worker yet, or a job still
+ * posted or running), then whatever fn will read prepared, then coli_background_post(fn, arg). fn
+ * returns soon after *stop turns nonzero, which the next parallel job or coli_background_wait makes it.
+ * What fn reads must stay valid until the job ends: see coli_background_wait. */
+int coli_background_claim(void) {
+    int idle = 0;
+    if (n_threads < 2 || n_workers < 1) return 0;
+    return atomic_compare_exchange_strong_explicit(&bg_state, &idle, 3, memory_order_acq_rel, memory_order_acquire);
+}
+
+void coli_background_post(coli_bg_job fn, void *arg) {
+    bg_fn = fn;
+    bg_arg = arg;
+    atomic_store_explicit(&bg_stop, 0, memory_order_relaxed);
+    atomic_store_explicit(&bg_state, 1, memory_order_release);
+    pthread_mutex_lock(&mu);
+    if (sleepers) pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+/* Stop the background job and return once none is posted or running (before freeing what it reads). */
+void coli_background_wait(void) {
+    atomic_store_explicit(&bg_stop, 1, memory_order_release);
+    for (;;) {
+        int s = atomic_load_explicit(&bg_state, memory_order_acquire);
+        if (s == 0) return;
+        if (s == 1 && atomic_compare_exchange_strong_explicit(&bg_state, &s, 0, memory_order_acq_rel,
+                                                              memory_order_acquire))
+            return;
+        CPU_RELAX();
+    }
 }

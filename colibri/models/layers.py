@@ -140,10 +140,8 @@ class RoPE(nn.Module):
         self.dim, self.interleaved = dim, interleaved
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) [n, d]
 
-    def tables(self, pos: int | torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for positions pos..pos+T (int) or for each of the positions in `pos` ([T] tensor),
-        in `dtype` (one cached table per dtype: the compute dtype for torch, f32 for the native kernel)."""
-        end = pos + T if isinstance(pos, int) else int(pos.max()) + 1
+    def all_rows(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached cos/sin tables [n, d] in `dtype`, n >= end (grown by doubling)."""
         cos, sin = self._tables.get(dtype, (None, None))
         if cos is None or cos.shape[0] < end:
             n = max(end, 2 * (0 if cos is None else cos.shape[0]), 256)
@@ -151,6 +149,13 @@ class RoPE(nn.Module):
             emb = torch.cat((freqs, freqs), -1)  # [n, d]
             cos, sin = (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
             self._tables[dtype] = cos, sin
+        return cos, sin
+
+    def tables(self, pos: int | torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for positions pos..pos+T (int) or for each of the positions in `pos` ([T] tensor),
+        in `dtype` (one cached table per dtype: the compute dtype for torch, f32 for the native kernel)."""
+        end = pos + T if isinstance(pos, int) else int(pos.max()) + 1
+        cos, sin = self.all_rows(end, dtype)
         if isinstance(pos, int):
             return cos[pos:end], sin[pos:end]
         return cos[pos], sin[pos]  # gathered rows: the same values a slice would give

@@ -31,6 +31,7 @@ class _Plan:
     def __init__(self, blocks: list[DecoderBlock], attn: list[native.AttnLayer], tables: list[native.MoeTables]):
         self.blocks = blocks
         self.experts = [b.mlp.experts for b in blocks]
+        self.layers = [ex.layer for ex in self.experts]
         self.rope = blocks[0].self_attn.rope
         self.k = blocks[0].mlp.gate.top_k
         self.tables = tables  # the MoeLayer structs point into them: keep them alive
@@ -43,6 +44,24 @@ class _Plan:
         self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
         self.ptrs: dict[tuple, tuple] = {}  # a step's row layout -> (its _Slots, K and V pointer arrays)
         self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
+        self.rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # the f32 rotary tables the call reads ...
+        self.rope_ptrs = (0, 0, 0)  # ... as (cos pointer, sin pointer, rows)
+
+    def __del__(self) -> None:
+        # Before the weights it points into can go: the kernels' read-ahead may be reading them. (At
+        # interpreter exit the module may be gone already; the atexit hook has waited then.)
+        try:
+            native.background_wait()
+        except (AttributeError, TypeError):
+            pass
+
+    def rope_tables(self, end: int) -> tuple[int, int, int]:
+        """The rotary tables' pointers, grown to hold positions < end (the tensors kept: the rope may
+        replace its own when it grows them)."""
+        if end > self.rope_ptrs[2]:
+            cos, sin = self.rope_tab = self.rope.all_rows(end, torch.float32)
+            self.rope_ptrs = (cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+        return self.rope_ptrs
 
 
 def _build(blocks: nn.ModuleList) -> _Plan | None:
@@ -119,6 +138,7 @@ def _plan(model: nn.Module) -> _Plan | None:
 
 def forget(model: nn.Module) -> None:
     """Drop the plan (weights moved: the pointers are stale)."""
+    native.background_wait()
     model.__dict__.pop("_native_plan", None)
 
 
@@ -171,8 +191,7 @@ def _args(plan: _Plan, batch: StepBatch, T: int) -> tuple | None:
         if len(plan.ptrs) > 64:
             plan.ptrs.clear()
             plan.ptrs[key] = ptrs
-    cos, sin = plan.rope.tables(batch.pos, T, torch.float32)
-    return ((ctypes.c_int * T)(*pos), ptrs[1], ptrs[2], slots[0].ks, slots[0].vs, cos.contiguous(), sin.contiguous())
+    return ((ctypes.c_int * T)(*pos), ptrs[1], ptrs[2], slots[0].ks, slots[0].vs, plan.rope_tables(max(pos) + 1))
 
 
 def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
@@ -189,9 +208,16 @@ def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
 
 
 def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor) -> None:
-    for ex, i, w in zip(plan.experts, idx.unbind(0), wts.unbind(0)):  # (one call for the L views)
-        if ex.on_route is not None:
-            ex.on_route(ex.layer, i, w)
+    """Hand the step's routes (idx / wts [L, T, k]) to the experts' `on_route` hooks: all at once where
+    every layer's hook is the same capture's alone (engine/stats.py RouteCapture), else layer by layer."""
+    hooks = [ex.on_route for ex in plan.experts]
+    cap = getattr(hooks[0], "capture", None)
+    if cap is not None and all(getattr(h, "capture", None) is cap for h in hooks):
+        cap.stacked(plan.layers, idx, wts)
+        return
+    for ex, h, i, w in zip(plan.experts, hooks, idx.unbind(0), wts.unbind(0)):  # (one call for the L views)
+        if h is not None:
+            h(ex.layer, i, w)
 
 
 def _plan_for(model: nn.Module, dtype: torch.dtype, device: torch.device, T: int) -> _Plan | None:

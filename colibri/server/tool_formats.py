@@ -7,6 +7,9 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   a value being raw text for a string parameter and JSON otherwise;
 - `mistral` (Mixtral / Mistral instruct): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the
   newer `[TOOL_CALLS]NAME[ARGS]{...}` per call;
+- `qwen3_coder` (Qwen3-Coder, a Qwen3-MoE): `<tool_call><function=NAME><parameter=K>V</parameter>...
+  </function></tool_call>`, each value on lines of its own, raw text for a string parameter and JSON
+  otherwise;
 - `deepseek` (DeepSeek-V3 / R1 / V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
   then the arguments in a ```json block (V3), or `...begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each call closed
   by `<｜tool▁call▁end｜>`.
@@ -71,7 +74,8 @@ _GLM = re.compile(r"<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>.*?)?)</tool_call>",
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-def _glm_value(raw: str, schema: dict) -> Any:
+def _typed_value(raw: str, schema: dict) -> Any:
+    """A parameter written as text: as is for a string parameter, else its JSON when it parses."""
     if schema.get("type") == "string":
         return raw
     try:
@@ -87,7 +91,30 @@ def _glm45(text: str, tools: dict[str, dict]) -> Found:
         if name not in tools:
             continue
         props = (tools[name] or {}).get("properties", {})
-        args = {k.strip(): _glm_value(v.strip(), props.get(k.strip(), {})) for k, v in _GLM_ARG.findall(m.group(2))}
+        args = {k.strip(): _typed_value(v.strip(), props.get(k.strip(), {})) for k, v in _GLM_ARG.findall(m.group(2))}
+        calls.append(call(name, args))
+        spans.append(m.span())
+    return calls, spans
+
+
+_QC = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.DOTALL)
+_QC_ARG = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _unwrap_lines(v: str) -> str:
+    """A value without the newline the template writes before it and the one after it."""
+    return v.removeprefix("\n").removesuffix("\n")
+
+
+def _qwen3_coder(text: str, tools: dict[str, dict]) -> Found:
+    calls, spans = [], []
+    for m in _QC.finditer(text):
+        name = m.group(1).strip()
+        if name not in tools:
+            continue
+        props = (tools[name] or {}).get("properties", {})
+        args = {k.strip(): _typed_value(_unwrap_lines(v), props.get(k.strip(), {}))
+                for k, v in _QC_ARG.findall(m.group(2))}
         calls.append(call(name, args))
         spans.append(m.span())
     return calls, spans
@@ -174,6 +201,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("hermes", ("<tool_call>",), _hermes, ("<tool_call>", "</tool_call>")),
     ToolFormat("glm45", ("<tool_call>",), _glm45,
                ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+    ToolFormat("qwen3_coder", ("<tool_call>", "<function="), _qwen3_coder, ("<tool_call>", "</tool_call>")),
     ToolFormat("mistral", (_MISTRAL,), _mistral, (_MISTRAL, "[ARGS]", "[CALL_ID]")),
     ToolFormat("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"), _deepseek,
                ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
@@ -189,6 +217,8 @@ def detect(template: str) -> str:
         return HARMONY
     if "<arg_key>" in template:
         return "glm45"
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     if "tool▁call▁begin" in template:
         return "deepseek"
     if _MISTRAL in template:
