@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..errors import ColibriError
@@ -24,6 +25,11 @@ from .stats import EngineCounters, RouteCapture, StepInfo, batching_counts
 from .threads import DecodeThreads
 
 log = logging.getLogger("colibri")
+
+
+def _ids(ids: list[int]) -> torch.Tensor:
+    """int64 [n] from a list: through numpy, ~2 us where torch.tensor takes ~7 (two a step)."""
+    return torch.from_numpy(np.array(ids, dtype=np.int64))
 
 
 class Runner:
@@ -84,8 +90,7 @@ class Runner:
         bytes0 = self._bytes_read()
         try:
             batch = StepBatch(seqs)
-            logits = self.model(torch.tensor(tokens, dtype=torch.long), batch,
-                                torch.tensor(out_rows, dtype=torch.long))  # [len(out_rows), V]
+            logits = self.model(_ids(tokens), batch, _ids(out_rows))  # [len(out_rows), V]
         except BaseException as e:  # noqa: BLE001 - handed to the requests of the step, the engine goes on
             self.capture.take()
             for c in chunks:  # what the step wrote is unknown

@@ -85,6 +85,11 @@ def batching_counts(routes: Mapping[int, tuple[torch.Tensor, torch.Tensor]], seq
     unique, summed = {}, {}
     own = [0] * len(seq_bounds)
     lists = routes.id_lists() if isinstance(routes, StackedRoutes) else {n: i.tolist() for n, (i, _) in routes.items()}
+    if len(seq_bounds) == 1:  # (one sequence: its own experts are the union)
+        for layer, rows in lists.items():
+            unique[layer] = summed[layer] = n = len({e for r in rows for e in r})
+            own[0] += n
+        return unique, summed, own
     for layer, rows in lists.items():  # rows [R][k]
         per_seq = [len({e for r in rows[r0:r1] for e in r}) for r0, r1 in seq_bounds]
         unique[layer] = len({e for r in rows for e in r})

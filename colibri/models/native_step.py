@@ -241,8 +241,11 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
     args = _args(plan, batch, T)
     if args is None:
         return None
-    logits, idx, wts = native.decode_step(plan.tail.struct, tokens.to(torch.int64).contiguous(), plan.attn, plan.moe,
-                                          *args, plan.k, rows.contiguous())
+    if tokens.dtype != torch.int64 or not tokens.is_contiguous():
+        tokens = tokens.to(torch.int64).contiguous()
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    logits, idx, wts = native.decode_step(plan.tail.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows)
     _hooks(plan, idx, wts)
     return logits
 
