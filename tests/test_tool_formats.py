@@ -69,16 +69,20 @@ def test_calls_of_unknown_tools_or_broken_arguments_stay_text(fmt):
 
 def test_qwen3_coder_values_take_their_parameters_types():
     """A Qwen3-Coder value is text between newlines: a string parameter keeps it as written (inner lines and
-    all), a typed one gets its JSON; a call without its <tool_call> wrapper still counts."""
+    all), a typed one gets its JSON (or Python literal); a call without its <tool_call> wrapper counts."""
     tools = {"write": {"type": "object", "properties": {"path": {"type": "string"}, "body": {"type": "string"},
                                                         "mode": {"type": "integer"}, "opts": {"type": "object"}}}}
     text = ("<function=write>\n<parameter=path>\n/tmp/a.py\n</parameter>\n<parameter=body>\n\nx = 1\n  y\n\n"
             "</parameter>\n<parameter=mode>\n420\n</parameter>\n<parameter=opts>\n{\"force\": true}\n</parameter>\n"
+            "</function>\n<function=write>\n<parameter=path>\nb\n</parameter>\n<parameter=opts>\n{'force': True}\n"
+            "</parameter>\n<parameter=mode>\nseven\n</parameter>\n"
             "</function>\nDone.")
     content, calls = FORMATS["qwen3_coder"].parse(text, tools)
-    assert content == "Done." and len(calls) == 1
+    assert content == "Done." and len(calls) == 2
     assert json.loads(calls[0]["function"]["arguments"]) == {"path": "/tmp/a.py", "body": "\nx = 1\n  y\n",
                                                              "mode": 420, "opts": {"force": True}}
+    # (an object as the template writes one back, a Python literal; an integer that is neither stays text)
+    assert json.loads(calls[1]["function"]["arguments"]) == {"path": "b", "opts": {"force": True}, "mode": "seven"}
 
 
 def test_a_stream_holds_back_only_what_may_open_a_call():

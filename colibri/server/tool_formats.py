@@ -9,7 +9,7 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   newer `[TOOL_CALLS]NAME[ARGS]{...}` per call;
 - `qwen3_coder` (Qwen3-Coder, a Qwen3-MoE): `<tool_call><function=NAME><parameter=K>V</parameter>...
   </function></tool_call>`, each value on lines of its own, raw text for a string parameter and JSON
-  otherwise;
+  (or a Python literal, as its template writes an object back) otherwise;
 - `deepseek` (DeepSeek-V3 / R1 / V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
   then the arguments in a ```json block (V3), or `...begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each call closed
   by `<｜tool▁call▁end｜>`.
@@ -19,6 +19,7 @@ arguments do not parse, stays in the text, as does everything around the calls.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -75,12 +76,18 @@ _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>"
 
 
 def _typed_value(raw: str, schema: dict) -> Any:
-    """A parameter written as text: as is for a string parameter, else its JSON when it parses."""
+    """A parameter written as text: as is for a string parameter, else its JSON when it parses, else a
+    Python literal (Qwen3-Coder's template writes an object argument with Jinja's `string`: `{'a': True}`),
+    else the text."""
     if schema.get("type") == "string":
         return raw
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return raw  # (an untyped or mistyped value: the model's text)
 
 
