@@ -19,8 +19,9 @@ long coli_prof[P_N];  /* common.h's stage timers: ns per stage, P_STEPS a count 
  * router in order, up to coli_pf_bytes, stopping as soon as the next step's first parallel job starts
  * (what it read then comes from the caches). Nothing it does changes a result. Measured on the 0.44b
  * int4 model (engine decode, sizes interleaved in one process, medians of 20 x 48 tokens): 4.30 ms a
- * token without, 4.21 with a worker that only spins through the gap, 4.05 at 8 MB, 3.98 at 24 MB;
- * int8 6.51 -> 6.50 / 6.39. 8 MB bounds what a long gap (a busy server's Python) costs a core. */
+ * token without, 4.21 with a worker that only spins through the gap, 4.05 at 8 MB, 3.98 at 24 MB (another
+ * run 4.57 -> 4.19 at 8 MB); int8 6.51 -> 6.50 and 7.58 -> 7.00. 8 MB bounds what a long gap (a busy
+ * server's Python) costs a core. */
 #ifndef PF_BYTES
 #define PF_BYTES (8L << 20)
 #endif
