@@ -40,10 +40,15 @@ class StepBatch:
     def __init__(self, seqs: list[Seq]):
         self.seqs = seqs
         self.n_rows = seqs[-1].r1 if seqs else 0
-        if len(seqs) == 1:
-            self.pos: int | torch.Tensor = seqs[0].start
-        else:
-            self.pos = torch.tensor([p for s in seqs for p in range(s.start, s.start + s.r1 - s.r0)])  # [T] int64
+        self._pos: int | torch.Tensor | None = seqs[0].start if len(seqs) == 1 else None
+
+    @property
+    def pos(self) -> int | torch.Tensor:
+        """The rows' positions: an int start for one sequence, else int64 [T] (made on first use: the
+        one-call native step never asks)."""
+        if self._pos is None:
+            self._pos = torch.tensor([p for s in self.seqs for p in range(s.start, s.start + s.r1 - s.r0)])
+        return self._pos
 
     @classmethod
     def single(cls, caches: list, start: int, n: int) -> StepBatch:
