@@ -157,7 +157,8 @@ def test_responses_api_text_json_tools_and_stream(client):
 
 def test_responses_are_stored_continued_retrieved_and_deleted(client):
     """store (the default): previous_response_id continues a conversation as sending it whole does (without
-    the earlier instructions); GET / DELETE /v1/responses/{id}; store false and unknown ids."""
+    the earlier instructions); GET / DELETE /v1/responses/{id}, GET .../input_items (order, limit, after);
+    store false and unknown ids."""
     kw = dict(model="tiny", max_output_tokens=6, temperature=0)
     first = client.responses.create(input="Once upon a time", instructions="You tell stories.", **kw)
     second = client.responses.create(input="And then?", previous_response_id=first.id, **kw)
@@ -170,8 +171,21 @@ def test_responses_are_stored_continued_retrieved_and_deleted(client):
     third = client.responses.retrieve(streamed[-1].response.id)
     assert third.output_text == streamed[-1].response.output_text and third.previous_response_id == second.id
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    # input_items: the request's own input (not the earlier turns), newest first, paged
+    mine = client.responses.input_items.list(second.id).data
+    assert [(it.role, it.content[0].text) for it in mine] == [("user", "And then?")]
+    items = client.responses.input_items.list(whole.id, order="asc").data
+    assert [(it.role, it.content[0].type, it.content[0].text) for it in items] == [
+        ("user", "input_text", "Once upon a time"), ("assistant", "output_text", first.output_text),
+        ("user", "input_text", "And then?")]
+    page = client.responses.input_items.list(whole.id, limit=2)
+    assert [it.id for it in page.data] == [items[2].id, items[1].id] and page.has_more
+    rest = client.responses.input_items.list(whole.id, limit=2, after=items[1].id)
+    assert [it.id for it in rest.data] == [items[0].id] and not rest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(whole.id, limit=0)
     client.responses.delete(first.id)
-    for call in (lambda: client.responses.retrieve(first.id),
+    for call in (lambda: client.responses.retrieve(first.id), lambda: client.responses.input_items.list(first.id),
                  lambda: client.responses.create(input="x", previous_response_id=first.id, **kw)):
         with pytest.raises(openai.NotFoundError):
             call()

@@ -95,6 +95,23 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     return out
 
 
+def _input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's `input` as OpenAI lists it back: items with ids, a message's content as parts."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    out = []
+    for it in items:
+        kind = it.get("type", "message")
+        item = {**it, "type": kind}
+        if kind == "message" and isinstance(it.get("content"), str):
+            part = "output_text" if it.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": it["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+        item.setdefault("id", f"{prefix}_{uuid.uuid4().hex[:24]}")
+        item.setdefault("status", "completed")
+        out.append(item)
+    return out
+
+
 def _chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
     """The chat completion of the request; `history`: the messages the conversation had before `input`."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -133,6 +150,7 @@ class _Builder:
     def __init__(self, req: ResponsesRequest, model: str, store: ResponseStore, history: list[dict]):
         self.req, self.model = req, model
         self.store, self.history = store, history  # the conversation through this request's input
+        self.input_items = _input_items(req)
         self.id, self.created = f"resp_{uuid.uuid4().hex[:24]}", int(time.time())
         self.output: list[dict] = []
         self.usage: dict | None = None
@@ -170,7 +188,7 @@ class _Builder:
         """The finished body, stored when asked (`store`, the default)."""
         body = self.body()
         if self.req.store:
-            self.store.put(self.id, body, self.history + output_messages(self.output))
+            self.store.put(self.id, body, self.history + output_messages(self.output), self.input_items)
         return body
 
 
@@ -302,6 +320,27 @@ def _stored(store: ResponseStore, rid: str, param: str | None = None):
 @router.get("/v1/responses/{rid}")
 async def get_response(rid: str, request: Request) -> dict:
     return _stored(request.app.state.responses, rid).body
+
+
+@router.get("/v1/responses/{rid}/input_items")
+async def input_items(rid: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
+                      ) -> dict:
+    """The response's input items, newest first by default (OpenAI's list: limit 1-100, order, after)."""
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', got '{order}'", "order")
+    items = list(_stored(request.app.state.responses, rid).input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [it["id"] for it in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item '{after}' in response '{rid}'", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.delete("/v1/responses/{rid}")

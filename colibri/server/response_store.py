@@ -1,5 +1,5 @@
 """Stored Responses (`store: true`, OpenAI's default): what `previous_response_id` continues, and what
-`GET` / `DELETE /v1/responses/{id}` read and remove.
+`GET` / `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items` read and remove.
 
 In memory and bounded: the oldest responses go first past `capacity` (a client continuing a long-gone
 response gets a 404 naming it). Each keeps its Response body and the conversation so far as chat
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 class Stored:
     body: dict  # the Response object as it was answered
     messages: list[dict]  # the conversation through this response's output
+    input_items: list[dict]  # the request's own input, as items with ids (GET .../input_items)
 
 
 class ResponseStore:
@@ -25,9 +26,9 @@ class ResponseStore:
         self._items: OrderedDict[str, Stored] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, rid: str, body: dict, messages: list[dict]) -> None:
+    def put(self, rid: str, body: dict, messages: list[dict], input_items: list[dict]) -> None:
         with self._lock:
-            self._items[rid] = Stored(body, messages)
+            self._items[rid] = Stored(body, messages, input_items)
             self._items.move_to_end(rid)
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
