@@ -163,6 +163,28 @@ def test_gpt_oss_turns_end_at_return_or_call_not_at_each_messages_end():
     assert other.stop_ids == {1}
 
 
+def test_mistral_call_ids_are_the_nine_characters_its_templates_require():
+    """Mistral's chat templates refuse tool call ids that are not 9 letters and digits: its calls get such ids
+    (the model's own [CALL_ID] kept), parsed or forced; other formats keep OpenAI's `call_` ids."""
+    import re
+
+    from colibri.server.tool_stream import ForcedCallStream
+
+    nine = re.compile(r"[A-Za-z0-9]{9}")
+    for text in [t for f, t in CALLS if f == "mistral"]:
+        assert nine.fullmatch(FORMATS["mistral"].parse(text, TOOLS)[1][0]["id"])
+    own = 'x [TOOL_CALLS]get_weather[CALL_ID]Ab3De6Gh9[ARGS]{"city": "Rome"}'
+    assert FORMATS["mistral"].parse(own, TOOLS)[1][0]["id"] == "Ab3De6Gh9"
+    for named in (None, "get_weather"):
+        s = ForcedCallStream(named, "mistral")
+        s.push('[{"name": "get_weather", "arguments": {}}]' if named is None else "{}")
+        assert nine.fullmatch(s.finish()[2][0]["id"])
+    assert FORMATS["hermes"].parse(dict(CALLS)["hermes"], TOOLS)[1][0]["id"].startswith("call_")
+    s = ForcedCallStream("get_weather")
+    s.push("{}")
+    assert s.finish()[2][0]["id"].startswith("call_")
+
+
 def test_a_forced_call_streams_its_name_then_its_arguments():
     """tool_choice required / named (server/tool_stream.py): deltas in pieces of any size add up to the
     calls; an item's arguments written before its name wait for it; a cut answer gives no complete call."""

@@ -242,7 +242,7 @@ async def chat(state: ServerState, req: ChatCompletionRequest, request: Request)
 
     def split():
         if forced is not None:
-            return ForcedCallStream(plan.named if plan.mode == "named" else None)
+            return ForcedCallStream(plan.named if plan.mode == "named" else None, state.tool_format)
         return splitter(state.tool_format, tools, think, opened, state.reasoning)
 
     if req.stream:

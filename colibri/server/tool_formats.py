@@ -30,8 +30,10 @@ from typing import Any
 from .reasoning import held_tail
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(fmt: str | None = None) -> str:
+    """A tool call's id: OpenAI's form, or 9 letters and digits for `mistral` (Mistral's chat templates
+    refuse a conversation whose tool call ids are anything else)."""
+    return uuid.uuid4().hex[:9] if fmt == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
 
 
 def call(name: str, arguments: Any, call_id: str | None = None) -> dict:
@@ -128,7 +130,7 @@ def _qwen3_coder(text: str, tools: dict[str, dict]) -> Found:
 
 
 _MISTRAL = "[TOOL_CALLS]"
-_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\][A-Za-z0-9]*)?\s*\[ARGS\]")
+_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\]([A-Za-z0-9]*))?\s*\[ARGS\]")
 
 
 def _mistral(text: str, tools: dict[str, dict]) -> Found:
@@ -145,13 +147,17 @@ def _mistral(text: str, tools: dict[str, dict]) -> Found:
             at = text.find(_MISTRAL, at + 1)
             continue
         made = []
-        if named:  # [TOOL_CALLS]NAME[ARGS]{...}
+        if named:  # [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}: the model's own id kept when it wrote one
             c = _json_args(named.group(1), json.dumps(obj), tools) if isinstance(obj, dict) else None
+            if c:
+                c["id"] = named.group(2) if named.group(2) and len(named.group(2)) == 9 else new_call_id("mistral")
             made = [c] if c else []
         else:  # [TOOL_CALLS][{...}, ...] (or one object)
             for o in obj if isinstance(obj, list) else [obj]:
                 if isinstance(o, dict) and o.get("name") in tools and isinstance(o.get("arguments", {}), dict):
-                    made.append(call(o["name"], o.get("arguments", {})))
+                    oid = o.get("id")
+                    made.append(call(o["name"], o.get("arguments", {}), oid if isinstance(oid, str) and len(oid) == 9
+                                     and oid.isalnum() else new_call_id("mistral")))
         if made:
             calls.extend(made)
             spans.append((at, end))

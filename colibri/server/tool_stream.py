@@ -22,8 +22,8 @@ class ForcedCallStream:
     passthrough = False
     sent_calls = True  # (the calls went out as deltas: the stream's end does not send them again)
 
-    def __init__(self, named: str | None):
-        self.named, self.text, self.deltas = named, "", []
+    def __init__(self, named: str | None, fmt: str | None = None):
+        self.named, self.fmt, self.text, self.deltas = named, fmt, "", []  # fmt: the ids' form (new_call_id)
         self.ids: list[str] = []
         # the required-array scanner
         self.depth, self.in_str, self.esc = 0, False, False
@@ -84,7 +84,7 @@ class ForcedCallStream:
             self.depth += 1
             if self.depth == 2 and ch == "{":  # an item opens
                 self.items.append({"name": None, "held": "", "announced": False, "begun": False, "raw": ""})
-                self.ids.append(new_call_id())
+                self.ids.append(new_call_id(self.fmt))
                 self.expect_key = True
         elif ch in "}]":
             self.depth -= 1
@@ -105,7 +105,7 @@ class ForcedCallStream:
     def push(self, piece: str) -> tuple[str, str]:
         if self.named is not None:
             if not self.ids:
-                self.ids.append(new_call_id())
+                self.ids.append(new_call_id(self.fmt))
                 self._delta(0, name=self.named, arguments="")
             if piece:
                 self._delta(0, arguments=piece)
