@@ -46,7 +46,7 @@ def call(name: str, arguments: Any, call_id: str | None = None) -> dict:
 Found = tuple[list[dict], list[tuple[int, int]]]
 
 
-def _json_args(name: str, raw: str, tools: dict[str, dict]) -> dict | None:
+def _json_args(name: str, raw: str, tools: dict[str, dict], call_id: str | None = None) -> dict | None:
     """A call of a known tool whose arguments are a JSON object, else None."""
     if name not in tools:
         return None
@@ -54,7 +54,7 @@ def _json_args(name: str, raw: str, tools: dict[str, dict]) -> dict | None:
         args = json.loads(raw) if raw.strip() else {}
     except json.JSONDecodeError:
         return None
-    return call(name, args) if isinstance(args, dict) else None
+    return call(name, args, call_id) if isinstance(args, dict) else None
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -93,44 +93,44 @@ def _typed_value(raw: str, schema: dict) -> Any:
         return raw  # (an untyped or mistyped value: the model's text)
 
 
-def _glm45(text: str, tools: dict[str, dict]) -> Found:
-    calls, spans = [], []
-    for m in _GLM.finditer(text):
-        name = m.group(1).strip()
-        if name not in tools:
-            continue
-        props = (tools[name] or {}).get("properties", {})
-        args = {k.strip(): _typed_value(v.strip(), props.get(k.strip(), {})) for k, v in _GLM_ARG.findall(m.group(2))}
-        calls.append(call(name, args))
-        spans.append(m.span())
-    return calls, spans
-
-
-_QC = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.DOTALL)
-_QC_ARG = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-
 def _unwrap_lines(v: str) -> str:
     """A value without the newline the template writes before it and the one after it."""
     return v.removeprefix("\n").removesuffix("\n")
 
 
-def _qwen3_coder(text: str, tools: dict[str, dict]) -> Found:
-    calls, spans = [], []
-    for m in _QC.finditer(text):
-        name = m.group(1).strip()
-        if name not in tools:
-            continue
-        props = (tools[name] or {}).get("properties", {})
-        args = {k.strip(): _typed_value(_unwrap_lines(v), props.get(k.strip(), {}))
-                for k, v in _QC_ARG.findall(m.group(2))}
-        calls.append(call(name, args))
-        spans.append(m.span())
-    return calls, spans
+def _tagged(call_re: re.Pattern, arg_re: re.Pattern, clean: Callable[[str], str]
+            ) -> Callable[[str, dict[str, dict]], Found]:
+    """A parser of calls written as a name then key / value tags (GLM-4.5, Qwen3-Coder): call_re's groups
+    are the name and the tags, arg_re's a key and its value text, typed by the tool's schema."""
+    def parse(text: str, tools: dict[str, dict]) -> Found:
+        calls, spans = [], []
+        for m in call_re.finditer(text):
+            name = m.group(1).strip()
+            if name not in tools:
+                continue
+            props = (tools[name] or {}).get("properties", {})
+            args = {k.strip(): _typed_value(clean(v), props.get(k.strip(), {})) for k, v in arg_re.findall(m.group(2))}
+            calls.append(call(name, args))
+            spans.append(m.span())
+        return calls, spans
+    return parse
+
+
+_QC = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.DOTALL)
+_QC_ARG = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_glm45 = _tagged(_GLM, _GLM_ARG, str.strip)
+_qwen3_coder = _tagged(_QC, _QC_ARG, _unwrap_lines)  # (a value's inner lines and indentation are kept)
 
 
 _MISTRAL = "[TOOL_CALLS]"
 _MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\]([A-Za-z0-9]*))?\s*\[ARGS\]")
+
+
+def _mistral_id(written: object) -> str:
+    """The id the model wrote for its call when it is one Mistral's templates take, else a new one."""
+    if isinstance(written, str) and len(written) == 9 and written.isalnum():
+        return written
+    return new_call_id("mistral")
 
 
 def _mistral(text: str, tools: dict[str, dict]) -> Found:
@@ -147,17 +147,14 @@ def _mistral(text: str, tools: dict[str, dict]) -> Found:
             at = text.find(_MISTRAL, at + 1)
             continue
         made = []
-        if named:  # [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}: the model's own id kept when it wrote one
-            c = _json_args(named.group(1), json.dumps(obj), tools) if isinstance(obj, dict) else None
-            if c:
-                c["id"] = named.group(2) if named.group(2) and len(named.group(2)) == 9 else new_call_id("mistral")
+        if named:  # [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}
+            c = _json_args(named.group(1), json.dumps(obj), tools, _mistral_id(named.group(2))) \
+                if isinstance(obj, dict) else None
             made = [c] if c else []
         else:  # [TOOL_CALLS][{...}, ...] (or one object)
             for o in obj if isinstance(obj, list) else [obj]:
                 if isinstance(o, dict) and o.get("name") in tools and isinstance(o.get("arguments", {}), dict):
-                    oid = o.get("id")
-                    made.append(call(o["name"], o.get("arguments", {}), oid if isinstance(oid, str) and len(oid) == 9
-                                     and oid.isalnum() else new_call_id("mistral")))
+                    made.append(call(o["name"], o.get("arguments", {}), _mistral_id(o.get("id"))))
         if made:
             calls.extend(made)
             spans.append((at, end))
