@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, tiktoken_bpe
 from .container import Container, Writer
 from .errors import ColibriError
 from .models.base import expected_tensors, layer_of
@@ -74,20 +74,26 @@ def _num_experts(cfg: dict) -> int:
     return 0
 
 
-def read_tokenizer(folder: Path) -> dict:
-    tok = folder / "tokenizer.json"
-    if not tok.exists():
-        raise ColibriError(f"no tokenizer.json in {folder}: colibri embeds the tokenizer in the container, "
-                           "so copy tokenizer.json (and tokenizer_config.json) from the model's repository")
-    try:
-        out = {"json": tok.read_bytes().decode("utf-8")}
-    except UnicodeDecodeError as e:
-        raise ColibriError(f"{tok} is not utf-8 text ({e.reason} at byte {e.start}): a damaged download?") from None
-    except OSError as e:
-        raise ColibriError(f"cannot read {tok}: {e.strerror or e}") from None
+def read_tokenizer(folder: Path, vocab_rows: int | None = None) -> dict:
+    """What the container embeds of the tokenizer: tokenizer.json's text (or one made from a tiktoken.model,
+    colibri/tiktoken_bpe.py), its side files and the chat template."""
+    out: dict = {}
     for extra in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
         if (folder / extra).exists():
             out[extra.removesuffix(".json")] = _load_json(folder / extra)
+    tok = folder / "tokenizer.json"
+    if not tok.exists() and (folder / tiktoken_bpe.FILE).exists():
+        out["json"] = tiktoken_bpe.tokenizer_json(folder, out.get("tokenizer_config") or {}, vocab_rows)
+    elif not tok.exists():
+        raise ColibriError(f"no tokenizer.json in {folder}: colibri embeds the tokenizer in the container, "
+                           "so copy tokenizer.json (and tokenizer_config.json) from the model's repository")
+    else:
+        try:
+            out["json"] = tok.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ColibriError(f"{tok} is not utf-8 text ({e.reason} at byte {e.start}): a damaged download?") from None
+        except OSError as e:
+            raise ColibriError(f"cannot read {tok}: {e.strerror or e}") from None
     from .chat_template import read_templates  # chat_template.jinja (current transformers) or the config's
 
     if (template := read_templates(folder, out.get("tokenizer_config"))) is not None:
@@ -303,8 +309,9 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     if arch == "moe" and not n_exp:
         raise ColibriError(f"--arch moe, but {src} is a dense checkpoint ({model_type}, no experts); "
                            "colibri runs MoE models only")
-    tokenizer = read_tokenizer(src)
-    check_tokenizer(tokenizer, cfg.get("vocab_size"), cfg, str(src / "tokenizer.json"))
+    tokenizer = read_tokenizer(src, cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None)
+    tok_file = "tokenizer.json" if (src / "tokenizer.json").exists() else tiktoken_bpe.FILE
+    check_tokenizer(tokenizer, cfg.get("vocab_size"), cfg, str(src / tok_file))
     st = SafetensorsFolder(src)
     embed = "model.embed_tokens.weight"
     check_sizes(cfg, st.shape(embed) if embed in st.names() else None, layers_in(st.names()),

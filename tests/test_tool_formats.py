@@ -32,6 +32,9 @@ CALLS = [
                  '{"city": "Rome", "days": 2, "code": "007"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
     ("deepseek", 'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome", '
                  '"days": 2, "code": "007"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("kimi_k2", "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Rome", "days": 2, "code": "007"}<|tool_call_end|>'
+                "<|tool_calls_section_end|>"),
     (HARMONY, "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 2, "code": "007"}'),
 ]
@@ -119,6 +122,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect("<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>") == "glm45"
     assert detect("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") == "deepseek"
     assert detect("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
+    assert detect("<|tool_calls_section_begin|>{% for tc in m.tool_calls %}<|tool_call_begin|>") == "kimi_k2"
     assert detect("<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>") == "qwen3_coder"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 
@@ -217,3 +221,21 @@ def test_a_forced_call_streams_its_name_then_its_arguments():
     cut = ForcedCallStream(None)
     cut.push('[{"name": "get_time", "arguments": {"zo')
     assert cut.finish()[2] == [] and cut.take()[0]["function"]["name"] == "get_time"
+
+
+def test_kimi_call_ids_are_the_functions_name_index_its_template_writes_back():
+    """Kimi-K2's template writes a call's id back as is and its tool results as "## Return of ID": the id the
+    model wrote (`functions.NAME:IDX`) is kept; forced calls get that form (their place in the answer)."""
+    from colibri.server.tool_stream import ForcedCallStream
+
+    two = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3<|tool_call_argument_begin|>"
+           '{"city": "Rome"}<|tool_call_end|><|tool_call_begin|> get_weather <|tool_call_argument_begin|>{}'
+           "<|tool_call_end|><|tool_calls_section_end|>")
+    content, calls = FORMATS["kimi_k2"].parse(two, TOOLS)
+    assert content is None and [c["id"] for c in calls] == ["functions.get_weather:3", "functions.get_weather:1"]
+    s = ForcedCallStream(None, "kimi_k2")
+    s.push('[{"name": "get_weather", "arguments": {}}, {"arguments": {"city": "Oslo"}, "name": "get_weather"}]')
+    assert [c["id"] for c in s.finish()[2]] == ["functions.get_weather:0", "functions.get_weather:1"]
+    named = ForcedCallStream("get_weather", "kimi_k2")
+    named.push("{}")
+    assert named.take()[0]["id"] == named.finish()[2][0]["id"] == "functions.get_weather:0"

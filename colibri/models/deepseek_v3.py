@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1 (and configs reusing `deepseek_v3`, e.g. Kimi-K2, Moonlight): DeepSeek-V2's
+"""DeepSeek-V3 / R1 (and its layout under other names: Kimi-K2's `kimi_k2`, Moonlight's `deepseek_v3`): DeepSeek-V2's
 MLA + shared-expert layout with the auxiliary-loss-free sigmoid router.
 
 - Router (`topk_method` "noaux_tc", `scoring_func` "sigmoid"): s = sigmoid(x W^T). Selection

@@ -12,7 +12,10 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   (or a Python literal, as its template writes an object back) otherwise;
 - `deepseek` (DeepSeek-V3 / R1 / V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
   then the arguments in a ```json block (V3), or `...begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each call closed
-  by `<｜tool▁call▁end｜>`.
+  by `<｜tool▁call▁end｜>`;
+- `kimi_k2` (Kimi-K2, a DeepSeek-V3): `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX`
+  `<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`, the call's id being
+  `functions.NAME:IDX` (its template writes the id back that way).
 (gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
 arguments do not parse, stays in the text, as does everything around the calls.
 """
@@ -30,10 +33,15 @@ from typing import Any
 from .reasoning import held_tail
 
 
-def new_call_id(fmt: str | None = None) -> str:
-    """A tool call's id: OpenAI's form, or 9 letters and digits for `mistral` (Mistral's chat templates
-    refuse a conversation whose tool call ids are anything else)."""
-    return uuid.uuid4().hex[:9] if fmt == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(fmt: str | None = None, name: str = "", index: int = 0) -> str:
+    """A tool call's id: OpenAI's form; 9 letters and digits for `mistral` (Mistral's chat templates
+    refuse a conversation whose tool call ids are anything else); `functions.NAME:INDEX` for `kimi_k2`
+    (the form its template writes back, `index` the call's place in the answer)."""
+    if fmt == "mistral":
+        return uuid.uuid4().hex[:9]
+    if fmt == "kimi_k2":
+        return f"functions.{name}:{index}"
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def call(name: str, arguments: Any, call_id: str | None = None) -> dict:
@@ -182,6 +190,24 @@ def _deepseek(text: str, tools: dict[str, dict]) -> Found:
     return calls, spans
 
 
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
+                        re.DOTALL)
+_KIMI_HEAD = re.compile(r"(?:functions\.)?(.+?)(?::\d+)?")
+_KIMI_WRAP = re.compile(r"<\|tool_calls?_section_(?:begin|end)\|>")  # (the model sometimes writes "call")
+
+
+def _kimi(text: str, tools: dict[str, dict]) -> Found:
+    calls, spans = [], []
+    for m in _KIMI_CALL.finditer(text):
+        head = m.group(1)
+        name = _KIMI_HEAD.fullmatch(head).group(1)  # type: ignore[union-attr] - (.+?) matches any head
+        written = head if re.fullmatch(r"functions\.[^:\s]+:\d+", head) else None
+        if c := _json_args(name, m.group(2), tools, written or new_call_id("kimi_k2", name, len(calls))):
+            calls.append(c)
+            spans.append(m.span())
+    return calls, spans
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
@@ -216,6 +242,10 @@ FORMATS = {f.name: f for f in (
     ToolFormat("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"), _deepseek,
                ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                 "<｜tool▁calls▁end｜>"), _DS_WRAP),
+    ToolFormat("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>"), _kimi,
+               ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
+                "<|tool_call_section_end|>"), _KIMI_WRAP),
 )}
 HARMONY = "harmony"  # gpt-oss: server/harmony.py
 NAMES = (*FORMATS, HARMONY)
@@ -231,6 +261,8 @@ def detect(template: str) -> str:
         return "qwen3_coder"
     if "tool▁call▁begin" in template:
         return "deepseek"
+    if "tool_calls_section_begin" in template:
+        return "kimi_k2"
     if _MISTRAL in template:
         return "mistral"
     return "hermes"

@@ -56,6 +56,7 @@ class ForcedCallStream:
     def _named_item(self, name: str) -> None:
         it = self.items[-1]
         it["name"], it["announced"] = name, True
+        self.ids[-1] = new_call_id(self.fmt, name, len(self.items) - 1)
         self._delta(len(self.items) - 1, name=name, arguments="")
         if it["held"]:
             self._delta(len(self.items) - 1, arguments=it["held"])
@@ -84,7 +85,7 @@ class ForcedCallStream:
             self.depth += 1
             if self.depth == 2 and ch == "{":  # an item opens
                 self.items.append({"name": None, "held": "", "announced": False, "begun": False, "raw": ""})
-                self.ids.append(new_call_id(self.fmt))
+                self.ids.append("")  # (made with the name: some formats' ids spell it)
                 self.expect_key = True
         elif ch in "}]":
             self.depth -= 1
@@ -105,7 +106,7 @@ class ForcedCallStream:
     def push(self, piece: str) -> tuple[str, str]:
         if self.named is not None:
             if not self.ids:
-                self.ids.append(new_call_id(self.fmt))
+                self.ids.append(new_call_id(self.fmt, self.named))
                 self._delta(0, name=self.named, arguments="")
             if piece:
                 self._delta(0, arguments=piece)
