@@ -23,6 +23,7 @@ from .models.base import expected_tensors, layer_of
 from .progress import Progress
 from .quant import SCHEMES, can_quantize, layout, quantize
 from .safetensors_reader import SafetensorsFolder
+from .source_quant import dequantizing
 from .validate import build_checked, check_config, check_sizes, check_tokenizer, layers_in, loads
 
 # Per-expert (`experts.3.w1.weight`) and fused (`experts.gate_up_proj`, leading [E]) names.
@@ -99,44 +100,6 @@ def read_tokenizer(folder: Path, vocab_rows: int | None = None) -> dict:
     if (template := read_templates(folder, out.get("tokenizer_config"))) is not None:
         out.setdefault("tokenizer_config", {})["chat_template"] = template
     return out
-
-
-class Fp8Blocks:
-    """A safetensors folder whose float8 weights read back dequantized (f32) with their block scales.
-
-    FP8 checkpoints (quantization_config.quant_method "fp8", e.g. DeepSeek-V3) store a weight `W`
-    as F8_E4M3 plus `W_scale_inv` f32 [ceil(out / bo), ceil(in / bi)] for weight_block_size
-    [bo, bi]: w[i, j] = q[i, j] * scale_inv[i // bo, j // bi]. The scale tensors are hidden.
-    """
-
-    def __init__(self, st: SafetensorsFolder, block: tuple[int, int]):
-        self.st, self.block = st, (int(block[0]), int(block[1]))
-        self.scales = {n.removesuffix("_scale_inv"): n for n in st.names() if n.endswith("weight_scale_inv")}
-
-    def __getattr__(self, attr):  # shape, dtype, nbytes: as stored
-        return getattr(self.st, attr)
-
-    def names(self) -> list[str]:
-        return [n for n in self.st.names() if not n.endswith("weight_scale_inv")]
-
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        t = self.st.read(name, index)
-        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return t
-        if name not in self.scales:
-            raise ColibriError(f"{name} is {self.st.dtype(name)} but the checkpoint has no {name}_scale_inv")
-        return dequantize_fp8(t, self.st.read(self.scales[name], index), self.block, name)
-
-
-def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                   name: str = "") -> torch.Tensor:
-    """float8 [out, in] times its per-block f32 scale [ceil(out / bo), ceil(in / bi)] -> f32 [out, in]."""
-    (out, n_in), (bo, bi) = q.shape, block
-    if tuple(scale_inv.shape) != (-(-out // bo), -(-n_in // bi)):
-        raise ColibriError(f"{name}: scale_inv shape {tuple(scale_inv.shape)} does not fit a {(out, n_in)} "
-                           f"weight in {bo}x{bi} blocks (quantization_config.weight_block_size)")
-    s = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :n_in]  # [out, in]
-    return q.float() * s
 
 
 class Plan:
@@ -316,9 +279,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     embed = "model.embed_tokens.weight"
     check_sizes(cfg, st.shape(embed) if embed in st.names() else None, layers_in(st.names()),
                 str(src / "config.json"))
-    qc = cfg.get("quantization_config") or {}
-    if qc.get("quant_method") == "fp8":  # block-quantized float8 weights: dequantize while reading
-        st = Fp8Blocks(st, qc.get("weight_block_size") or (128, 128))
+    st = dequantizing(st, cfg)  # a pre-quantized checkpoint (FP8 blocks, packed ints) reads back in float
     plan = Plan(st, fam, model_type, cfg, scheme, group_size)
     meta = {"model_type": model_type, "config": cfg, "tokenizer": tokenizer,
             "quant": {"scheme": scheme, "group_size": group_size},

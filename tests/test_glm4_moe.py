@@ -27,7 +27,6 @@ def _cfg(**over):
     ("hidden_act", "gelu", "hidden_act"),
     ("n_group", 3, "n_group"),  # 8 experts do not split into 3 groups
     ("topk_group", 3, "topk_group"),  # more groups kept than exist (n_group=2)
-    ("quantization_config", {"quant_method": "fp8"}, "quant_method='fp8'"),
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_type='dynamic'"),
 ])
 def test_check_config_refuses_naming_the_field(field, value, named):

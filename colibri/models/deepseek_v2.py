@@ -11,8 +11,8 @@ cache, dense first layers, shared experts, softmax router with greedy or group-l
   released V2 config has it false). `moe_layer_freq` likewise follows DeepSeek's code.
 - RoPE pairs are interleaved (DeepSeek's complex-number layout); YaRN scaling also
   multiplies the softmax scale by mscale(factor, mscale_all_dim)^2.
-- Checkpoint names are already canonical (no `sanitize`). FP8 block-quantized
-  checkpoints are dequantized by the converter; other quantization_configs are refused.
+- Checkpoint names are already canonical (no `sanitize`). Pre-quantized checkpoints (FP8
+  blocks, compressed-tensors) are dequantized by the converter (colibri/source_quant.py).
 """
 
 from __future__ import annotations
@@ -138,10 +138,6 @@ def check_common(cfg: dict) -> None:
             raise ColibriError(f"config rope_scaling/rope_parameters: {e}") from None
     if cfg.get("hidden_act", "silu") != "silu":
         raise ColibriError(f"config hidden_act '{cfg['hidden_act']}' is not supported (only silu)")
-    qc = cfg.get("quantization_config")
-    if qc and qc.get("quant_method") != "fp8":
-        raise ColibriError(f"config quantization_config.quant_method '{qc.get('quant_method')}' is not "
-                           "supported (only 'fp8' block-quantized checkpoints, dequantized at conversion)")
     n_exp, n_group = int(cfg.get("n_routed_experts") or 0), cfg.get("n_group") or 1
     if n_exp and n_exp % n_group:
         raise ColibriError(f"config n_group {n_group} does not divide n_routed_experts {n_exp}")

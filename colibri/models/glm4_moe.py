@@ -68,9 +68,6 @@ def check_config(cfg: dict) -> None:
         refuse("scoring_func", cfg["scoring_func"], "only sigmoid")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         refuse("topk_method", cfg["topk_method"], "only noaux_tc")
-    q = cfg.get("quantization_config")
-    if q:
-        refuse("quantization_config.quant_method", q.get("quant_method"), "convert from the bf16 checkpoint")
     experts, groups = int(cfg.get("n_routed_experts", 128)), int(cfg.get("n_group") or 1)
     if experts % groups or experts // groups < 2:
         refuse("n_group", groups, f"must split n_routed_experts={experts} into groups of >= 2")

@@ -1,0 +1,149 @@
+"""Pre-quantized checkpoints in llm-compressor's compressed-tensors format (Kimi-K2-Thinking's int4 experts,
+GLM-4.5-FP8, RedHatAI's w4a16 models) convert to the weights they stand for: packed ints unpacked as the
+compressed-tensors library packs them, scales per group / channel / block, and the converted model gives
+transformers' logits on the dequantized weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from hf_tiny import hf_logits, load_hf
+from safetensors.torch import load_file, save_file
+
+import colibri
+from colibri.convert import convert
+from colibri.errors import ColibriError
+from colibri.safetensors_reader import SafetensorsFolder
+from colibri.source_quant import dequantizing, unpack_int32
+
+IDS = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("cols", [32, 50, 96])
+def test_unpack_reads_what_compressed_tensors_packs(bits, cols):
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    g = torch.Generator().manual_seed(bits * 100 + cols)
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (7, cols), generator=g).to(torch.int8)
+    packed = helpers.pack_to_int32(q, bits)
+    assert torch.equal(unpack_int32(packed, bits, cols), q)
+
+
+def _int_group(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric ints per group of `group` inputs: (q int8 [out, in], scale bf16 [out, in / group])."""
+    top = (1 << (bits - 1)) - 1
+    g = w.reshape(w.shape[0], -1, group)
+    scale = (g.abs().amax(-1) / top).clamp_min(1e-8).to(torch.bfloat16)  # [out, in / group]
+    q = torch.round(g / scale.float()[..., None]).clamp(-top - 1, top).reshape(w.shape).to(torch.int8)
+    return q, scale
+
+
+def _compressed_folder(src, dst):
+    """A compressed-tensors copy of `src`: routed experts int4 in groups of 32 (pack-quantized, as Kimi-K2-
+    Thinking), attention projections float8 per output channel (float-quantized), the rest as it was; and a
+    folder with the float weights they stand for."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    packed, deq = {}, {}
+    for k, w in load_file(src / "model.safetensors").items():
+        base = k.removesuffix(".weight")
+        if ".mlp.experts." in k and w.dim() == 2:
+            q, s = _int_group(w.float(), 4, 32)
+            packed |= {base + ".weight_packed": helpers.pack_to_int32(q, 4), base + ".weight_scale": s,
+                       base + ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+            deq[k] = q.float() * s.float().repeat_interleave(32, 1)
+        elif ".self_attn." in k and w.dim() == 2:  # (every 2-D weight there is a Linear's)
+            s = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp_min(1e-8)  # [out, 1]
+            q = (w.float() / s).to(torch.float8_e4m3fn)
+            packed |= {k: q, base + ".weight_scale": s}
+            deq[k] = q.float() * s
+        else:
+            packed[k] = deq[k] = w
+    qc = {"quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+          "config_groups": {
+              "group_0": {"targets": ["re:.*mlp\\.experts.*"], "format": "pack-quantized",
+                          "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                      "group_size": 32}},
+              "group_1": {"targets": ["re:.*self_attn.*"], "format": "float-quantized",
+                          "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}},
+          "ignore": ["lm_head"]}
+    for folder, tensors, extra in ((dst / "ct", packed, True), (dst / "deq", deq, False)):
+        shutil.copytree(src, folder)
+        (folder / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        if extra:
+            cfg = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
+    return dst / "ct", dst / "deq"
+
+
+def test_compressed_tensors_checkpoint_converts_to_the_weights_it_stands_for(ckpt, tmp_path):
+    ct, deq = _compressed_folder(ckpt.hf("deepseek_v3"), tmp_path)
+    a = convert(ct, tmp_path / "ct.coli", "f32", progress=False)
+    b = convert(deq, tmp_path / "deq.coli", "f32", progress=False)
+    la, lb = colibri.load(a), colibri.load(b)
+    try:
+        got, same = la.logits(IDS), lb.logits(IDS)
+    finally:
+        la.close()
+        lb.close()
+    assert torch.equal(got, same)  # the same f32 weights, bit for bit
+    torch.testing.assert_close(got, hf_logits(load_hf(deq), IDS), rtol=1e-4, atol=1e-4)
+    # int4 in groups of 32 stays int4 (re-quantized from the dequantized weights)
+    c = convert(ct, tmp_path / "ct4.coli", "int4", 32, progress=False)
+    with colibri.load(c) as llm:
+        assert llm.logits(IDS).shape == got.shape
+
+
+def test_the_reader_hides_scales_and_names_unpacked_weights(ckpt, tmp_path):
+    ct, _ = _compressed_folder(ckpt.hf("deepseek_v3"), tmp_path)
+    cfg = json.loads((ct / "config.json").read_text())
+    st = SafetensorsFolder(ct)
+    r = dequantizing(st, cfg)
+    names = set(r.names())
+    packed = next(n for n in st.names() if n.endswith(".weight_packed"))
+    w = packed.removesuffix("_packed")
+    assert w in names and not any(n.endswith(("_packed", "_scale", "_shape")) for n in names)
+    assert r.shape(w) == tuple(r.read(w).shape) and r.dtype(w) == "F32"
+
+
+def test_unsupported_quantizations_are_refused_by_name(ckpt, tmp_path):
+    ct, _ = _compressed_folder(ckpt.hf("deepseek_v3"), tmp_path)
+    st = SafetensorsFolder(ct)
+    with pytest.raises(ColibriError, match="'gptq' is not supported"):
+        dequantizing(st, {"quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(ColibriError, match="'marlin-24'"):
+        dequantizing(st, {"quantization_config": {"quant_method": "compressed-tensors", "format": "marlin-24"}})
+    asym = {"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "pack-quantized",
+                                                                         "weights": {"symmetric": False}}}}
+    with pytest.raises(ColibriError, match="asymmetric"):
+        dequantizing(st, {"quantization_config": asym})
+    src = tmp_path / "src"
+    shutil.copytree(ckpt.hf("deepseek_v3"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ColibriError, match="quant_method 'awq' is not supported"):
+        convert(src, tmp_path / "m.coli", "f32", progress=False)
+
+
+def test_transformers_reads_the_test_checkpoint_as_the_same_weights(ckpt, tmp_path):
+    """The oracle of the format itself: transformers + the compressed-tensors library decompress the folder
+    the tests write to the weights colibri reads from it (its experts land in bf16 parameters: rounded)."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    ct, deq = _compressed_folder(ckpt.hf("deepseek_v3"), tmp_path)
+    sd = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.float32).state_dict()
+    want = load_file(deq / "model.safetensors")
+    L = json.loads((ct / "config.json").read_text())["num_hidden_layers"] - 1
+    p = f"model.layers.{L}.mlp.experts"
+    n = sd[f"{p}.down_proj"].shape[0]
+    gate_up = torch.stack([torch.cat([want[f"{p}.{e}.gate_proj.weight"], want[f"{p}.{e}.up_proj.weight"]])
+                           for e in range(n)])
+    down = torch.stack([want[f"{p}.{e}.down_proj.weight"] for e in range(n)])
+    assert torch.equal(sd[f"{p}.gate_up_proj"].float(), gate_up.to(sd[f"{p}.gate_up_proj"].dtype).float())
+    assert torch.equal(sd[f"{p}.down_proj"].float(), down.to(sd[f"{p}.down_proj"].dtype).float())
+    attn = f"model.layers.{L}.self_attn.o_proj.weight"  # (kept in float8, its scale beside it, for FP8 matmuls)
+    assert torch.equal(sd[attn].float() * sd[attn + "_scale"].float(), want[attn].float())
