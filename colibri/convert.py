@@ -207,10 +207,11 @@ class Plan:
         return n + sum(self.st.nbytes(h) for parts in self.experts.values() for h in parts.values())
 
 
-def stored_tensors(name: str, w: torch.Tensor, scheme: str, group_size: int,
-                   stats=None, full_name: str | None = None) -> dict[str, tuple[torch.Tensor, dict]]:
+def stored_tensors(name: str, w: torch.Tensor, scheme: str, group_size: int, stats=None,
+                   full_name: str | None = None, grid: bool = False) -> dict[str, tuple[torch.Tensor, dict]]:
     """{stored name: (tensor, index attrs)} for one weight in `scheme` (quantized: data + companions).
-    `stats` (calibrate.ActivationStats): group schemes use the importance-weighted quantizer."""
+    `stats` (calibrate.ActivationStats): group schemes use the importance-weighted quantizer. `grid`: the
+    checkpoint was quantized already (groups on a grid of the scheme's levels are kept exactly)."""
     if scheme in FLOAT_DTYPES:
         return {name: (w.to(FLOAT_DTYPES[scheme]), {})}
     if stats is not None and scheme in ("int4", "int3", "int2"):
@@ -218,7 +219,7 @@ def stored_tensors(name: str, w: torch.Tensor, scheme: str, group_size: int,
 
         q = quantize_calibrated(w.float(), scheme, group_size, stats, full_name or name)
     else:
-        q = quantize(w.float(), scheme, group_size)
+        q = quantize(w.float(), scheme, group_size, grid)
     attrs = {"quant": {"scheme": scheme, "group_size": group_size, "shape": list(w.shape)}}
     return {name + suffix: (t, attrs if not suffix else {}) for suffix, t in q.items()}
 
@@ -299,6 +300,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
         stats = stats_for_convert(calibration, src, group_size)
         meta["quant"]["calibration"] = stats.source or "uniform weights (no statistics)"
     record_fn = getattr(fam, "expert_record", expert_record)
+    grid = getattr(st, "integer_grid", False)  # (packed ints: keep groups that are on a grid exactly)
     with Progress(plan.total_bytes(), f"converting {src.name} -> {dst.name} ({scheme})", enabled=progress) as bar, \
             Writer(dst, meta) as w:
         for name, (kind, shape) in plan.expected.items():
@@ -318,14 +320,15 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                             members[pname] = (t.float(), {})
                         else:
                             s = plan.storage(f"{name}.{e}.{pname}", "linear", tuple(t.shape))
-                            members.update(stored_tensors(pname, t, s, group_size, stats, f"{name}.{e}.{pname}"))
+                            members.update(stored_tensors(pname, t, s, group_size, stats, f"{name}.{e}.{pname}",
+                                                          grid))
                     w.add_record(f"{name}.{e}", members)
                 continue
             t = st.read(plan.sources[name])
             check_finite(plan.sources[name], t)
             bar.update(t.nbytes)
             for sname, (data, attrs) in stored_tensors(name, t, plan.storage(name, kind, shape), group_size,
-                                                       stats).items():
+                                                       stats, grid=grid).items():
                 w.add_tensor(sname, data, **attrs)
         if stats is not None and stats.unseen:  # e.g. a saved statistics file from another model
             w.meta["quant"]["uncalibrated"] = len(stats.unseen)

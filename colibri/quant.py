@@ -161,7 +161,7 @@ def _quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8), scale
 
 
-def _quantize_group(w: Tensor, scheme: str, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_group(w: Tensor, scheme: str, group_size: int, grid: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     out, n_in = w.shape
     qmax = (1 << _BITS[scheme]) - 1
     wg = w.float().view(out, n_in // group_size, group_size)  # [out, G, g]
@@ -176,14 +176,35 @@ def _quantize_group(w: Tensor, scheme: str, group_size: int) -> tuple[Tensor, Te
     safe = torch.where(s32 > 0, s32, 1.0)  # constant group (or f16 underflow): q = 0, w = min
     q = torch.round((wg - mn.float()[..., None]) / safe[..., None]).clamp_(0, qmax)
     q = torch.where(s32[..., None] > 0, q, 0.0)
+    if grid:
+        q, scale = _on_grid(wg, mn, q, scale, qmax)
     return _pack(q.to(torch.uint8).view(out, n_in), scheme), scale, mn
 
 
-def quantize(w: Tensor, scheme: str, group_size: int = 64) -> dict[str, Tensor]:
+def _on_grid(wg: Tensor, mn: Tensor, q: Tensor, scale: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """Groups whose values already lie on a grid min + k * d (k <= qmax; d their smallest gap), e.g. a
+    symmetric int4 checkpoint's q * s (Kimi-K2-Thinking) that does not span all 16 levels, take that grid:
+    stored exactly instead of rounded a second time. Any other group keeps (q, scale). wg [out, G, g] f32,
+    mn / scale f16 [out, G], q [out, G, g]."""
+    gaps = wg.sort(dim=-1).values.diff(dim=-1)  # [out, G, g - 1]
+    d = torch.where(gaps > 0, gaps, torch.inf).amin(dim=-1).to(torch.float16)  # [out, G]
+    d32 = d.float()
+    ok = torch.isfinite(d32) & (d32 > 0)
+    safe = torch.where(ok, d32, 1.0)[..., None]
+    qd = torch.round((wg - mn.float()[..., None]) / safe)
+    exact = ok & (qd <= qmax).all(-1) & (qd * safe + mn.float()[..., None] == wg).all(-1)  # [out, G]
+    if not exact.any():
+        return q, scale
+    return torch.where(exact[..., None], qd, q), torch.where(exact, d, scale)
+
+
+def quantize(w: Tensor, scheme: str, group_size: int = 64, grid: bool = False) -> dict[str, Tensor]:
     """Quantize a [out, in] weight (any float dtype) into its canonical tensors, keyed by suffix.
 
     Float schemes return {"": w cast} (w itself when the dtype already matches). int2/int3
     are EXPERIMENTAL. Raises ValueError if the shape does not fit the scheme (see can_quantize).
+    `grid`: the weight comes from a quantized checkpoint: a group already on a grid of the scheme's
+    levels is stored exactly (`_on_grid`; it costs a sort per group, ~4x the time).
     """
     _check_scheme(scheme)
     if not w.is_floating_point():
@@ -200,7 +221,7 @@ def quantize(w: Tensor, scheme: str, group_size: int = 64) -> dict[str, Tensor]:
         if scheme == "int8":
             parts.append(_quantize_int8(chunk))
         else:
-            parts.append(_quantize_group(chunk, scheme, group_size))
+            parts.append(_quantize_group(chunk, scheme, group_size, grid))
     if scheme == "int8":
         return {"": torch.cat([p[0] for p in parts]), ".scale": torch.cat([p[1] for p in parts])}
     return {

@@ -98,6 +98,7 @@ class CompressedTensors(_Wrapped):
     are hidden."""
 
     HIDDEN = ("weight_scale", "weight_shape", "weight_g_idx", "input_scale", "weight_global_scale")
+    integer_grid = True  # (its ints' groups can be stored exactly by a group scheme: quant.quantize(grid=True))
 
     def __init__(self, st):
         super().__init__(st)

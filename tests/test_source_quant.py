@@ -147,3 +147,46 @@ def test_transformers_reads_the_test_checkpoint_as_the_same_weights(ckpt, tmp_pa
     assert torch.equal(sd[f"{p}.down_proj"].float(), down.to(sd[f"{p}.down_proj"].dtype).float())
     attn = f"model.layers.{L}.self_attn.o_proj.weight"  # (kept in float8, its scale beside it, for FP8 matmuls)
     assert torch.equal(sd[attn].float() * sd[attn + "_scale"].float(), want[attn].float())
+
+
+def test_int4_groups_already_on_a_grid_are_stored_exactly():
+    """A symmetric int4 checkpoint's q * s (Kimi-K2-Thinking's experts) re-quantized to colibri's int4 in
+    the same groups: every group, even one using few of the 16 levels, dequantizes to the same weights;
+    weights on no grid are quantized as without the flag."""
+    from colibri.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randint(-8, 8, (64, 256), generator=g).float()
+    k[:, :32] = torch.randint(-3, 3, (64, 32), generator=g).float()  # a narrow group
+    k[:, 32:64] = 2 * torch.randint(-4, 4, (64, 32), generator=g).float()  # even levels only
+    s = (torch.rand(64, 8, generator=g) * 0.02 + 1e-3).to(torch.bfloat16).float()
+    w = k * s.repeat_interleave(32, 1)
+    plain = dequantize(quantize(w, "int4", 32), "int4", (64, 256), 32)
+    assert not torch.equal(plain, w)  # (min/max scaling rounds the narrow groups again)
+    assert torch.equal(dequantize(quantize(w, "int4", 32, grid=True), "int4", (64, 256), 32), w)
+    r = torch.randn(64, 256, generator=g)
+    a, b = quantize(r, "int4", 32), quantize(r, "int4", 32, grid=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_packed_int4_checkpoint_converts_to_int4_without_a_second_rounding(ckpt, tmp_path):
+    from colibri.container import Container
+    from colibri.quant import dequantize
+
+    ct, deq = _compressed_folder(ckpt.hf("deepseek_v3"), tmp_path)
+    path = convert(ct, tmp_path / "ct4.coli", "int4", 32, progress=False)
+    want = load_file(deq / "model.safetensors")
+    c = Container(path)
+    try:
+        names = [n for n in c.record_names() if ".mlp.experts." in n]
+        assert names
+        for rec in names:
+            members = c.record(rec)["tensors"]
+            down = {s.removeprefix("down.weight"): c.tensor(f) for s, f in members.items()
+                    if s.startswith("down.weight")}
+            info = c.info(members["down.weight"])["quant"]
+            assert (info["scheme"], info["group_size"]) == ("int4", 32)
+            got = dequantize(down, "int4", tuple(info["shape"]), 32)
+            assert torch.equal(got, want[f"{rec}.down_proj.weight"]), rec
+    finally:
+        c.close()
