@@ -67,6 +67,8 @@ Other family-specific tensors (same in both layouts):
   ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``; both
   ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` / ``o_proj``.
 - gpt_oss: ``self_attn.sinks`` [n_heads]; biases on q/k/v/o; router bias.
+- minimax_m2: mixtral's layout plus ``mlp.e_score_correction_bias`` [E] (on the MoE block) and
+  olmoe's whole-projection ``self_attn.q_norm/k_norm``; RoPE on 16 of the 32 channels of a head.
 
 Every weight is re-drawn by ``_randomize`` (not left at transformers' init), so
 norm weights are not all ones, biases and ``e_score_correction_bias`` are not all
@@ -93,6 +95,7 @@ FAMILIES: tuple[str, ...] = (
     "deepseek_v2",
     "deepseek_v3",
     "gpt_oss",
+    "minimax_m2",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -309,6 +312,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "v_head_dim": 16,
             "num_key_value_heads": 4,
             "rope_interleave": True,
+        },
+        "minimax_m2": {
+            "num_local_experts": 8,
+            "head_dim": 32,  # (hidden / heads is 16: the released model's head is wider than that too)
+            "rotary_dim": 16,  # RoPE on half of each head, the rest passes (the released config's field)
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
         },
         "gpt_oss": {
             "num_local_experts": 4,

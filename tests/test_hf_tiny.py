@@ -108,7 +108,8 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     else:
         assert not any("gate_up_proj" in k for k in legacy)
         per_expert = (
-            ".block_sparse_moe.experts.0.w1.weight" if model_type == "mixtral" else ".mlp.experts.0.gate_proj.weight"
+            ".block_sparse_moe.experts.0.w1.weight" if model_type in ("mixtral", "minimax_m2")
+            else ".mlp.experts.0.gate_proj.weight"
         )
         assert any(per_expert in k for k in legacy)
     # Same weights: both layouts load to the same model.
@@ -126,7 +127,7 @@ def test_routers_and_norms_are_nontrivial(model_type: str) -> None:
     for name, t in state.items():
         if t.is_floating_point() and t.numel() > 1:
             assert t.std() > 0, f"{name} is constant"
-    if model_type in ("glm4_moe", "deepseek_v3"):
+    if model_type in ("glm4_moe", "deepseek_v3", "minimax_m2"):
         bias = [t for k, t in state.items() if k.endswith("e_score_correction_bias")]
         assert bias and all(b.abs().min() > 0 for b in bias)
 

@@ -377,7 +377,7 @@ def _spy(real, seen: list[bool]):
 
 
 @pytest.mark.parametrize("model_type,overrides", [("olmoe", {"clip_qkv": 0.5}), ("qwen3_moe", {}),
-                                                 ("mixtral", {"sliding_window": 5})])
+                                                 ("mixtral", {"sliding_window": 5}), ("minimax_m2", {})])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
     """coli_attn_block (norm, q/k/v, q/k norm, clip, rotary, cache write, attention, o_proj, residual,
@@ -488,15 +488,29 @@ def test_read_ahead_between_steps_changes_nothing(ckpt) -> None:
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_native_router_matches_torchs(norm: bool) -> None:
-    """coli_route against the f32 torch router on bf16 rows: the same experts in the same order (a
-    tie within an ulp aside) and weights within float rounding; NaN logits are an error."""
+def _router(kind: str, hidden: int, experts: int, k: int, norm: bool):
+    """A softmax top-k router (Mixtral's), or a sigmoid one with a selection bias and a weight scale, one
+    group (MiniMax-M2's / GLM-4.5's), with random weights."""
+    from colibri.models.glm4_moe import GroupLimitedRouter
     from colibri.models.moe import TopKRouter
 
+    if kind == "softmax":
+        r = TopKRouter(hidden, experts, k, norm)
+    else:
+        r = GroupLimitedRouter(hidden, experts, k, 1, 1, norm, 2.5)
+        r.e_score_correction_bias.data = torch.randn(experts) * 0.2
+    r.weight.data = torch.randn(experts, hidden)
+    return r
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_native_router_matches_torchs(kind: str, norm: bool) -> None:
+    """coli_route against the f32 torch router on bf16 rows: the same experts in the same order (a
+    tie within an ulp aside) and weights within float rounding; NaN logits are an error. For both rules:
+    softmax, and sigmoid scores picked with a correction bias and weighted without it."""
     torch.manual_seed(3)
-    r = TopKRouter(96, 24, 5, norm)
-    r.weight.data = torch.randn(24, 96)
+    r = _router(kind, 96, 24, 5, norm)
     x = torch.randn(40, 96).bfloat16()
     idx, w = r(x)  # native (bf16 input)
     ref_idx, ref_w = r(x.float())  # torch (f32 input: the oracle path, same values)
@@ -509,8 +523,7 @@ def test_native_router_matches_torchs(norm: bool) -> None:
         r(x)
     # A few rows over a router of >= 64 KiB: their logits are split between the threads over (row, expert)
     # (moe.c logits_part): the same routes as torch's, and as each row alone.
-    big = TopKRouter(1024, 32, 4, norm)
-    big.weight.data = torch.randn(32, 1024)
+    big = _router(kind, 1024, 32, 4, norm)
     xs = torch.randn(5, 1024).bfloat16()
     prev = native.get_threads()
     native.set_threads(2)

@@ -32,6 +32,9 @@ CALLS = [
                  '{"city": "Rome", "days": 2, "code": "007"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
     ("deepseek", 'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome", '
                  '"days": 2, "code": "007"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("minimax_m2", 'Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Rome'
+                   '</parameter>\n<parameter name="days">2</parameter>\n<parameter name="code">007</parameter>\n'
+                   "</invoke>\n</minimax:tool_call>"),
     ("kimi_k2", "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                 '<|tool_call_argument_begin|>{"city": "Rome", "days": 2, "code": "007"}<|tool_call_end|>'
                 "<|tool_calls_section_end|>"),
@@ -64,7 +67,7 @@ def test_each_format_gives_the_call_and_the_text_streamed_or_whole(fmt, text):
 def test_calls_of_unknown_tools_or_broken_arguments_stay_text(fmt):
     text = dict(CALLS)[fmt].replace("get_weather", "launch_rocket")
     assert FORMATS[fmt].parse(text, TOOLS) == (text, [])
-    broken = dict(CALLS)[fmt].replace('"Rome"', '"Rome').replace("</function>", "</func>")
+    broken = dict(CALLS)[fmt].replace('"Rome"', '"Rome').replace("</function>", "</func>").replace("</invoke>", "</in")
     if fmt != "glm45":  # (GLM's values are text: a broken one is just odd text, and its call still parses)
         assert FORMATS[fmt].parse(broken, TOOLS) == (broken, [])
     assert FORMATS[fmt].parse("no calls here", TOOLS) == ("no calls here", [])
@@ -123,6 +126,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") == "deepseek"
     assert detect("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
     assert detect("<|tool_calls_section_begin|>{% for tc in m.tool_calls %}<|tool_call_begin|>") == "kimi_k2"
+    assert detect('<minimax:tool_call>\n<invoke name="{{ tc.name }}">') == "minimax_m2"
     assert detect("<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>") == "qwen3_coder"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 

@@ -72,8 +72,8 @@ int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const floa
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
-                   const coli_qw *gate_up, const coli_qw *down, int scheme, int g, int64_t *idx, float *w,
-                   float *ys, void *h_out);
+                   const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme, int g,
+                   int64_t *idx, float *w, float *ys, void *h_out);
 
 /* Stage timers inside a decode step, for benchmarks/profile_decode.py --stages: compiled in only with
  * -DCOLI_PROF (COLIBRI_NATIVE_CFLAGS); PROF(stage, statement) is the statement alone otherwise. The

@@ -223,6 +223,8 @@ typedef struct {
     const void *x;
     int bf16, T, H, E, k, norm;
     const float *W;
+    const float *bias;  /* NULL: softmax routing; else sigmoid routing with this selection bias [E] */
+    float scale;        /* (sigmoid routing) the weights' factor */
     int64_t *idx;
     float *w;
     int rc;
@@ -267,19 +269,54 @@ static int route_select(float *p, int E, int k, int norm, int64_t *ix, float *wt
     return 0;
 }
 
+/* Sigmoid routing with a selection-only correction bias (GLM-4.5, MiniMax-M2, Kimi-K2: one expert group):
+ * s = sigmoid(logit), the k largest s + bias[e] in descending order (ties: the lower expert first), their
+ * weights the unbiased s, renormalised (over sum + 1e-20) when norm, times scale -- glm4_moe.py's
+ * GroupLimitedRouter with n_group 1. p (E logits) is overwritten, s is E floats of scratch. Returns 0, or
+ * -5 for NaN logits. */
+static int route_select_sigmoid(float *p, float *s, int E, int k, int norm, const float *bias, float scale,
+                                int64_t *ix, float *wt) {
+    for (int e = 0; e < E; e++) {
+        if (p[e] != p[e]) return -5;
+        s[e] = 1.f / (1.f + expf(-p[e]));
+        p[e] = s[e] + bias[e];
+    }
+    float sum = 0.f;
+    for (int jj = 0; jj < k; jj++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
+        if (best < 0) return -5;
+        ix[jj] = best;
+        wt[jj] = s[best];
+        sum += s[best];
+        p[best] = -INFINITY;  /* taken */
+    }
+    for (int jj = 0; jj < k; jj++) wt[jj] = (norm ? wt[jj] / (sum + 1e-20f) : wt[jj]) * scale;
+    return 0;
+}
+
+/* Row t's routes from its logits p (overwritten; s: E floats of scratch) by the job's rule. */
+static int route_row(const route_job *j, float *p, float *s, long t) {
+    if (j->bias)
+        return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, j->idx + t * j->k,
+                                    j->w + t * j->k);
+    return route_select(p, j->E, j->k, j->norm, j->idx + t * j->k, j->w + t * j->k);
+}
+
 static void route_part(void *p, int id, int n) {
     route_job *j = (route_job *)p;
     int H = j->H, E = j->E;
     long t0, t1;
     split(j->T, id, n, &t0, &t1);
-    float *buf = (float *)malloc(sizeof(float) * ((size_t)H + (size_t)E));
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)H + 2 * (size_t)E));
     if (!buf) { __atomic_store_n(&j->rc, -2, __ATOMIC_RELAXED); return; }
-    float *xf = buf, *p_ = buf + H;
+    float *xf = buf, *p_ = buf + H, *s = p_ + E;
     for (long t = t0; t < t1; t++) {
         if (j->bf16) load_x((const uint16_t *)j->x + t * H, 1, 1, H, xf);
         else memcpy(xf, (const float *)j->x + t * H, sizeof(float) * H);
         for (int e = 0; e < E; e++) p_[e] = route_logit(xf, j->W, e, H);
-        if (route_select(p_, E, j->k, j->norm, j->idx + t * j->k, j->w + t * j->k))
+        if (route_row(j, p_, s, t))
             __atomic_store_n(&j->rc, -5, __ATOMIC_RELAXED);
     }
     free(buf);
@@ -298,28 +335,29 @@ static void logits_part(void *p, int id, int n) {
 /* Router bytes from which a few rows' logits are split between the threads. */
 #define ROUTE_SPLIT_BYTES (64 * 1024)
 
-/* Softmax top-k routing (Mixtral, OLMoE, Qwen-MoE): for each of T rows of x, logits = x W^T in f32
- * (W f32 [E, H]), probabilities by softmax over all E, the k largest in descending order (ties: the
- * lower expert first), optionally renormalised to sum to one. idx int64 [T, k], w f32 [T, k]. Many
- * rows are split between the threads; a few rows' logits are (the same values either way). Returns 0,
- * -2 (memory), -3 (bad k), -5 (a NaN logit). */
-int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int64_t *idx,
-               float *w) {
+/* Top-k routing: for each of T rows of x, logits = x W^T in f32 (W f32 [E, H]); with bias NULL, softmax
+ * over all E (Mixtral, OLMoE, Qwen-MoE), the k largest probabilities in descending order (ties: the lower
+ * expert first), optionally renormalised to sum to one; with a bias [E], route_select_sigmoid's rule.
+ * idx int64 [T, k], w f32 [T, k]. Many rows are split between the threads; a few rows' logits are (the
+ * same values either way). Returns 0, -2 (memory), -3 (bad k), -5 (a NaN logit). */
+int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, const float *bias,
+               float scale, int64_t *idx, float *w) {
     if (k < 1 || k > E) return -3;
-    route_job j = {x, bf16, T, H, E, k, norm, W, idx, w, 0, NULL, NULL};
+    route_job j = {x, bf16, T, H, E, k, norm, W, bias, scale, idx, w, 0, NULL, NULL};
     if (T >= ROUTE_PAR_MIN || coli_get_threads() < 2 || (long)E * H * 4 < ROUTE_SPLIT_BYTES) {
         coli_parallel(route_part, &j, T >= ROUTE_PAR_MIN ? coli_get_threads() : 1);
         return j.rc;
     }
-    float *buf = (float *)malloc(sizeof(float) * ((size_t)T * H + (size_t)T * E));
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)T * H + (size_t)T * E + (size_t)E));
     if (!buf) return -2;
     j.xf = buf;
     j.logits = buf + (size_t)T * H;
+    float *s = j.logits + (size_t)T * E;
     if (bf16) load_x(x, 1, T, H, j.xf);
     else memcpy(j.xf, x, sizeof(float) * (size_t)T * H);
     coli_parallel(logits_part, &j, coli_get_threads());
     for (int t = 0; t < T && !j.rc; t++)
-        j.rc = route_select(j.logits + (long)t * E, E, k, norm, idx + (long)t * k, w + (long)t * k);
+        j.rc = route_row(&j, j.logits + (long)t * E, s, t);
     free(buf);
     return j.rc;
 }
@@ -328,10 +366,10 @@ int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int
  * route x (the post-attention norm of h, bf16 [T, H]) as coli_route does, run the experts as coli_moe
  * does, and h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
-                   const coli_qw *gate_up, const coli_qw *down, int scheme, int g, int64_t *idx, float *w,
-                   float *ys, void *h_out) {
+                   const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme, int g,
+                   int64_t *idx, float *w, float *ys, void *h_out) {
     int rc;
-    PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, idx, w));
+    PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, bias, scale, idx, w));
     if (rc) return rc;
     uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * H);
     if (!y) return -2;

@@ -117,7 +117,8 @@ class MoeLayer(ctypes.Structure):
 
     _fields_ = [("inter", ctypes.c_int), ("n_experts", ctypes.c_int), ("k", ctypes.c_int), ("norm", ctypes.c_int),
                 ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("router", ctypes.c_void_p),
-                ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+                ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("scale", ctypes.c_float)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -128,9 +129,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_decode_step.argtypes = [p, p, i, p, p, i, p, p, p, ctypes.c_long, ctypes.c_long, p, p, ctypes.c_long, p, p,
                                      p, p, i, p]
     lib.coli_decode_step.restype = i
-    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, p]
+    f = ctypes.c_float
+    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, f, p, p]
     lib.coli_route.restype = i
-    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, p, i, i, p, p, p, p]
+    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, f, p, p, i, i, p, p, p, p]
     lib.coli_moe_block.restype = i
     lib.coli_attn_block.argtypes = [p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p]
     lib.coli_attn_block.restype = i
@@ -316,21 +318,24 @@ def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Te
     return y
 
 
-def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """coli_route: softmax top-k routing of x [T, H] (bf16/f32 contiguous) by w f32 [E, H] contiguous
-    -> (idx int64 [T, k], weights f32 [T, k]), largest first, renormalised when `norm`."""
+def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | None = None,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """coli_route: top-k routing of x [T, H] (bf16/f32 contiguous) by w f32 [E, H] contiguous -> (idx int64
+    [T, k], weights f32 [T, k]), largest first: softmax, renormalised when `norm`; or, given `bias` (f32 [E]
+    contiguous), sigmoid scores chosen by score + bias, weighted by the scores (renormalised when `norm`)
+    times `scale`."""
     T, H = x.shape
     idx = torch.empty(T, k, dtype=torch.int64)
     wts = torch.empty(T, k, dtype=torch.float32)
     rc = _lib.coli_route(x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, w.data_ptr(), w.shape[0], k, int(norm),
-                         idx.data_ptr(), wts.data_ptr())
+                         None if bias is None else bias.data_ptr(), scale, idx.data_ptr(), wts.data_ptr())
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_route failed ({rc})")
     return idx, wts
 
 
 def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch.Tensor, k: int, norm: bool,
-              intermediate: int, scheme: str, group_size: int
+              intermediate: int, scheme: str, group_size: int, bias: torch.Tensor | None = None, scale: float = 1.0
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_moe_block: route x [T, H] bf16 (the normed rows) as `route` does, run a resident layer's
     experts (every entry of `tables` set) as `moe` does, add to h [T, H] bf16 -> (h_out, idx, weights)."""
@@ -340,7 +345,8 @@ def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch
     ys = torch.empty(T * k, H, dtype=torch.float32)
     h_out = torch.empty_like(h)
     rc = _lib.coli_moe_block(x.data_ptr(), h.data_ptr(), T, H, intermediate, router.data_ptr(), router.shape[0], k,
-                             int(norm), tables.gu, tables.dn, 8 if scheme == "int8" else 4, group_size,
+                             int(norm), None if bias is None else bias.data_ptr(), scale, tables.gu, tables.dn,
+                             8 if scheme == "int8" else 4, group_size,
                              idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr())
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_moe_block failed ({rc})")

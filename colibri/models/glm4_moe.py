@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
+from ..kernels import native
 from .base import BaseArgs, CausalLM
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
+from .moe import SparseMoE, SwitchGLU, native_router_ok
 
 _ROPE_TYPES = ("linear", "llama3", "yarn")  # besides plain RoPE; what layers.rope_inv_freq implements
 
@@ -91,7 +92,18 @@ class GroupLimitedRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
 
+    def native_routing(self) -> tuple[torch.Tensor, float] | None:
+        """One group (GLM-4.5, MiniMax-M2, Kimi-K2): the native router's sigmoid rule (kernels/moe.c
+        route_select_sigmoid), as (selection bias, weight scale); more groups route in torch."""
+        b = self.e_score_correction_bias
+        if self.n_group != 1 or b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+            return None
+        return b, self.scale
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rule = self.native_routing()
+        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
+            return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob, *rule)
         T, E = x.shape[0], self.weight.shape[0]
         scores = torch.sigmoid(x.float() @ self.weight.float().T)  # [T, E]
         choice = scores + self.e_score_correction_bias.float()  # [T, E], selection only

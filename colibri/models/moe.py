@@ -184,7 +184,7 @@ class TopKRouter(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.native_ok(x):  # one native call instead of five ops (bf16 only: f32 stays torch's, the oracle)
+        if native_router_ok(self.weight, x):  # one native call instead of five ops (bf16: f32 stays the oracle's)
             return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]
         weights, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
@@ -192,10 +192,22 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return idx, weights
 
-    def native_ok(self, x: torch.Tensor) -> bool:
-        w = self.weight
-        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.device.type == "cpu" \
-            and w.dtype == torch.float32 and w.is_contiguous() and native.available()
+    def native_routing(self) -> tuple[torch.Tensor | None, float] | None:
+        """The native router's rule for this one (kernels/moe.c coli_route): (selection bias, weight scale);
+        None bias = softmax. A router without this method, or answering None, routes in torch."""
+        return None, 1.0
+
+
+def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Router weight w and rows x the native router takes: bf16 rows on the CPU, an f32 contiguous weight."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.device.type == "cpu" \
+        and w.dtype == torch.float32 and w.is_contiguous() and native.available()
+
+
+def native_routing(gate: nn.Module) -> tuple[torch.Tensor | None, float] | None:
+    """`gate.native_routing()` where the router has one (TopKRouter, one-group GroupLimitedRouter), else None."""
+    rule = getattr(gate, "native_routing", None)
+    return rule() if rule is not None else None
 
 
 class SparseMoE(nn.Module):
@@ -213,11 +225,12 @@ class SparseMoE(nn.Module):
 
     def fused(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
         """h + self(x, h) in one native call (router, experts, residual: kernels/moe.c coli_moe_block)
-        for a few bf16 rows of a resident layer with a softmax top-k router and no shared expert --
+        for a few bf16 rows of a resident layer with a router the kernel knows and no shared expert --
         the bits of the unfused native path; None where it does not apply."""
         ex = self.experts
-        if type(self.gate) is not TopKRouter or getattr(self, self.shared_name, None) is not None \
-                or x.shape[0] > native.MOE_MAX_ROWS or not self.gate.native_ok(x) or h.dtype != torch.bfloat16:
+        rule = native_routing(self.gate)
+        if rule is None or getattr(self, self.shared_name, None) is not None or x.shape[0] > native.MOE_MAX_ROWS \
+                or not native_router_ok(self.gate.weight, x) or h.dtype != torch.bfloat16:
             return None
         tables = ex.full_tables()
         if tables is None:
@@ -225,7 +238,7 @@ class SparseMoE(nn.Module):
         ex._look_ahead(h)  # the next layer's reads start first, as on the unfused path
         h_out, idx, weights = native.moe_block(tables, x.contiguous(), h.contiguous(), self.gate.weight,
                                                self.gate.top_k, self.gate.norm_topk_prob, ex.intermediate,
-                                               tables.scheme, tables.group_size)
+                                               tables.scheme, tables.group_size, *rule)
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx, weights)
         return h_out

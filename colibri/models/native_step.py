@@ -19,7 +19,7 @@ from ..kernels import native
 from ..quant import QLinear
 from .batch import StepBatch
 from .layers import Attention, DecoderBlock, KVCache
-from .moe import SparseMoE, TopKRouter
+from .moe import SparseMoE, native_routing
 
 ENABLED = True  # False: always the per-layer calls (tests compare the two; benchmarks/profile_decode.py)
 TAIL = True  # False: the embedding, final norm and head from Python around coli_decode_layers (tests)
@@ -36,11 +36,13 @@ class _Plan:
         self.k = blocks[0].mlp.gate.top_k
         self.tables = tables  # the MoeLayer structs point into them: keep them alive
         self.attn = (native.AttnLayer * len(attn))(*attn)
+        rules = [native_routing(b.mlp.gate) for b in blocks]  # (selection bias or None, weight scale)
         self.moe = (native.MoeLayer * len(blocks))(*[
             native.MoeLayer(b.mlp.experts.intermediate, t.n, b.mlp.gate.top_k, int(b.mlp.gate.norm_topk_prob),
                             8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
-                            ctypes.addressof(t.gu), ctypes.addressof(t.dn))
-            for b, t in zip(blocks, tables)])
+                            ctypes.addressof(t.gu), ctypes.addressof(t.dn),
+                            None if bias is None else bias.data_ptr(), scale)
+            for b, t, (bias, scale) in zip(blocks, tables, rules)])
         self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
         self.ptrs: dict[tuple, tuple] = {}  # a step's row layout -> (its _Slots, K and V pointer arrays)
         self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
@@ -74,7 +76,7 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
             return None
         rope0 = b.self_attn.rope if rope0 is None else rope0
         moe, ex = b.mlp, b.mlp.experts
-        if type(moe.gate) is not TopKRouter or getattr(moe, moe.shared_name, None) is not None \
+        if native_routing(moe.gate) is None or getattr(moe, moe.shared_name, None) is not None \
                 or moe.gate.top_k != blocks[0].mlp.gate.top_k or ex.lookahead is not None:
             return None
         w = moe.gate.weight

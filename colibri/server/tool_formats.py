@@ -13,6 +13,8 @@ Each format is detected from the chat template that teaches it (`detect`), or na
 - `deepseek` (DeepSeek-V3 / R1 / V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
   then the arguments in a ```json block (V3), or `...begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each call closed
   by `<｜tool▁call▁end｜>`;
+- `minimax_m2` (MiniMax-M2): `<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>...
+  </invoke></minimax:tool_call>`, a value raw text for a string parameter and JSON otherwise (as glm45);
 - `kimi_k2` (Kimi-K2, a DeepSeek-V3): `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX`
   `<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`, the call's id being
   `functions.NAME:IDX` (its template writes the id back that way).
@@ -126,7 +128,11 @@ def _tagged(call_re: re.Pattern, arg_re: re.Pattern, clean: Callable[[str], str]
 
 _QC = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.DOTALL)
 _QC_ARG = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_MM = re.compile(r'(?:<minimax:tool_call>\s*)?<invoke name="([^"\n]+)">(.*?)</invoke>(?:\s*</minimax:tool_call>)?',
+                 re.DOTALL)
+_MM_ARG = re.compile(r'<parameter name="([^"\n]+)">(.*?)</parameter>', re.DOTALL)
 _glm45 = _tagged(_GLM, _GLM_ARG, str.strip)
+_minimax = _tagged(_MM, _MM_ARG, str.strip)
 _qwen3_coder = _tagged(_QC, _QC_ARG, _unwrap_lines)  # (a value's inner lines and indentation are kept)
 
 
@@ -242,6 +248,8 @@ FORMATS = {f.name: f for f in (
     ToolFormat("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"), _deepseek,
                ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                 "<｜tool▁calls▁end｜>"), _DS_WRAP),
+    ToolFormat("minimax_m2", ("<minimax:tool_call>", "<invoke name="), _minimax,
+               ("<minimax:tool_call>", "</minimax:tool_call>")),
     ToolFormat("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>"), _kimi,
                ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
@@ -263,6 +271,8 @@ def detect(template: str) -> str:
         return "deepseek"
     if "tool_calls_section_begin" in template:
         return "kimi_k2"
+    if "<minimax:tool_call>" in template:
+        return "minimax_m2"
     if _MISTRAL in template:
         return "mistral"
     return "hermes"

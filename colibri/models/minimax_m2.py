@@ -1,0 +1,93 @@
+"""MiniMax-M2 (230B, 10B active): Mixtral's layout (`block_sparse_moe`, experts w1/w2/w3, no shared expert,
+no dense layer) with OLMoE's q/k RMSNorm over the whole projection, RoPE on the first `rotary_dim` channels
+of each head, and a sigmoid router whose `e_score_correction_bias` only picks the experts (GLM's router with
+one group; the mixing weights are the unbiased scores, renormalised)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ColibriError
+from .base import BaseArgs, CausalLM
+from .glm4_moe import GroupLimitedRouter
+from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from .moe import SparseMoE, SwitchGLU
+
+_ROPE_TYPES = ("linear", "llama3", "yarn")  # besides plain RoPE; what layers.rope_inv_freq implements
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 196608
+    use_qk_norm: bool = True
+    raw: dict | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The released configs' `rotary_dim`, else transformers' `partial_rotary_factor` (default: all)."""
+        raw = self.raw or {}
+        if raw.get("rotary_dim"):
+            return int(raw["rotary_dim"])
+        factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        return int(self.head_dim * float(factor))
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse MiniMax configs this file does not implement (MiniMax-Text-01's lightning attention, a
+    shared expert, a softmax router)."""
+    def refuse(field: str, value, want: str):
+        raise ColibriError(f"minimax_m2: {field}={value!r} is not supported ({want})")
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", cfg["hidden_act"], "only silu")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        refuse("scoring_func", cfg["scoring_func"], "only sigmoid")
+    if cfg.get("shared_intermediate_size"):
+        refuse("shared_intermediate_size", cfg["shared_intermediate_size"], "no shared expert")
+    kinds = cfg.get("attn_type_list")
+    if isinstance(kinds, list) and any(k != 1 for k in kinds):
+        refuse("attn_type_list", kinds, "full attention in every layer (1); linear attention is MiniMax-Text-01's")
+    a = ModelArgs.from_dict(cfg)
+    if not 0 < a.rotary_dim <= a.head_dim or a.rotary_dim % 2:  # type: ignore[operator]
+        refuse("rotary_dim", a.rotary_dim, f"an even number of channels in 2..head_dim={a.head_dim}")
+    scaling = rope_scaling(cfg)
+    if scaling is not None and scaling["rope_type"] not in _ROPE_TYPES:
+        refuse("rope_scaling.rope_type", scaling["rope_type"], "supported: default, linear, llama3, yarn")
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        raw = a.raw or {}
+        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings,
+                             qk_norm="full" if a.use_qk_norm else None, norm_eps=a.rms_norm_eps,
+                             rotary_dim=a.rotary_dim)
+        def moe(i: int) -> SparseMoE:  # (one group: the plain biased top-k, weights renormalised, unscaled)
+            gate = GroupLimitedRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, 1, 1, True, 1.0)
+            return SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts))
+
+        blocks = [DecoderBlock(Attention(attn), moe(i), a.hidden_size, a.rms_norm_eps)
+                  for i in range(a.num_hidden_layers)]
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
+        self.args = a
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name: the released checkpoints' `block_sparse_moe` is `mlp`, and the router's
+    correction bias sits on the MoE block there (and in transformers), on the router here."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
