@@ -25,6 +25,8 @@ def _cfg(**over) -> dict:
     ("attn_type_list", [0, 1, 1], "attn_type_list"),  # MiniMax-Text-01's lightning attention layers
     ("rotary_dim", 7, "rotary_dim"),
     ("hidden_act", "gelu", "hidden_act"),
+    ("qk_norm_type", "per_head", "qk_norm_type"),
+    ("use_routing_bias", False, "use_routing_bias"),
 ])
 def test_check_config_refuses_naming_the_field(field, value, named):
     check_config(_cfg())

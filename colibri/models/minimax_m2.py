@@ -56,6 +56,10 @@ def check_config(cfg: dict) -> None:
         refuse("hidden_act", cfg["hidden_act"], "only silu")
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":
         refuse("scoring_func", cfg["scoring_func"], "only sigmoid")
+    if cfg.get("qk_norm_type", "per_layer") != "per_layer":
+        refuse("qk_norm_type", cfg["qk_norm_type"], "per_layer: one RMSNorm over the whole q / k projection")
+    if cfg.get("use_routing_bias", True) is False:
+        refuse("use_routing_bias", False, "the released models route with a correction bias")
     if cfg.get("shared_intermediate_size"):
         refuse("shared_intermediate_size", cfg["shared_intermediate_size"], "no shared expert")
     kinds = cfg.get("attn_type_list")
