@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kernels import native
+from .quant_grid import on_grid
 
 SCHEMES = ("f32", "f16", "bf16", "int8", "int4", "int2", "int3")
 FLOAT_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -177,25 +178,8 @@ def _quantize_group(w: Tensor, scheme: str, group_size: int, grid: bool = False)
     q = torch.round((wg - mn.float()[..., None]) / safe[..., None]).clamp_(0, qmax)
     q = torch.where(s32[..., None] > 0, q, 0.0)
     if grid:
-        q, scale = _on_grid(wg, mn, q, scale, qmax)
+        q, scale = on_grid(wg, mn, q, scale, qmax)
     return _pack(q.to(torch.uint8).view(out, n_in), scheme), scale, mn
-
-
-def _on_grid(wg: Tensor, mn: Tensor, q: Tensor, scale: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
-    """Groups whose values already lie on a grid min + k * d (k <= qmax; d their smallest gap), e.g. a
-    symmetric int4 checkpoint's q * s (Kimi-K2-Thinking) that does not span all 16 levels, take that grid:
-    stored exactly instead of rounded a second time. Any other group keeps (q, scale). wg [out, G, g] f32,
-    mn / scale f16 [out, G], q [out, G, g]."""
-    gaps = wg.sort(dim=-1).values.diff(dim=-1)  # [out, G, g - 1]
-    d = torch.where(gaps > 0, gaps, torch.inf).amin(dim=-1).to(torch.float16)  # [out, G]
-    d32 = d.float()
-    ok = torch.isfinite(d32) & (d32 > 0)
-    safe = torch.where(ok, d32, 1.0)[..., None]
-    qd = torch.round((wg - mn.float()[..., None]) / safe)
-    exact = ok & (qd <= qmax).all(-1) & (qd * safe + mn.float()[..., None] == wg).all(-1)  # [out, G]
-    if not exact.any():
-        return q, scale
-    return torch.where(exact[..., None], qd, q), torch.where(exact, d, scale)
 
 
 def quantize(w: Tensor, scheme: str, group_size: int = 64, grid: bool = False) -> dict[str, Tensor]:
@@ -204,7 +188,7 @@ def quantize(w: Tensor, scheme: str, group_size: int = 64, grid: bool = False) -
     Float schemes return {"": w cast} (w itself when the dtype already matches). int2/int3
     are EXPERIMENTAL. Raises ValueError if the shape does not fit the scheme (see can_quantize).
     `grid`: the weight comes from a quantized checkpoint: a group already on a grid of the scheme's
-    levels is stored exactly (`_on_grid`; it costs a sort per group, ~4x the time).
+    levels is stored exactly (quant_grid.py; it costs a sort per group, ~4x the time).
     """
     _check_scheme(scheme)
     if not w.is_floating_point():
