@@ -14,7 +14,10 @@ what `colibri run --mem-budget` would hold. The speed estimate per decode token:
     RAM bytes  = resident dense bytes + top_k * expert record bytes per non-GPU MoE layer
     ops        = torch operations of one forward (OPS_* below: counted on the demo model)
     tok/s     ~= 1 / (disk bytes / disk speed + RAM bytes / matvec speed + ops * op cost * PY_PER_OP)
-hit = slots / E under uniform routing, or from recorded routing counts (--usage-file).
+hit = slots / E under uniform routing, or from recorded routing counts (--usage-file). A model whose
+decode step is one native call (int8/int4, every layer in RAM, a family shape the call runs:
+models/native_step.py `one_call_shape`) has no per-op cost; its step costs
+    RAM bytes / (ONE_CALL_BW_SHARE[scheme] * matvec speed) + ONE_CALL_LAYER_S per layer.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ OPS_GLOBAL, OPS_LAYER, OPS_MOE, OPS_EXPERT, OPS_MLP = 25, 75, 22, 8, 6
 # of the engine around it): 3.2x to 8.8x on the demo model (1 thread, a shared VM at load 6-8);
 # the geometric middle keeps the estimate within 2x of `colibri bench` over that whole range.
 PY_PER_OP = 5.5
+# The one-call step (measured 2026-12-03, 2 threads, the demo model and OLMoE shapes, each against these
+# estimates): its weight stream runs at ~0.75 (int4) / ~0.55 (int8) of the probe's matvec speed, and the
+# rest of a step (the engine's Python between steps; each layer's norms, rotary, attention, router) costs
+# ~0.15 ms per layer: demo int4 0.49 ms a token (estimate 0.6), 0.44b int4 3.8 (3.9), 0.44b int8 7.3
+# (7.4), 7b int4 32-46 depending on the VM's stretch (37.6).
+ONE_CALL_BW_SHARE = {"int4": 0.75, "int8": 0.55}
+ONE_CALL_LAYER_S = 0.15e-3
 
 @dataclass
 class PlanSizes(ModelSizes):
@@ -55,20 +65,24 @@ class PlanSizes(ModelSizes):
     kv_per_token: int = 0  # KV cache bytes per context position (all layers)
     scheme: str = "?"
     model_type: str = "?"
+    one_call: bool = False  # int8/int4 and a layer shape the one-call decode step runs (when all in RAM)
 
     @classmethod
     def from_container(cls, c, kv_per_token: int | None = None) -> PlanSizes:
         """From a Container, or anything with its `header`, `config` and `quant` (tests use stubs)."""
         base = model_sizes(c)
         embed = next((e for n, e in c.header["tensors"].items() if n.endswith("embed_tokens.weight")), None)
+        model = _skeleton(c)
         kv = kv_per_token
         if kv is None:
-            kv = _kv_measured(c) or _kv_formula(c.config, base.n_layers)
+            kv = _kv_measured(model) or _kv_formula(c.config, base.n_layers)
+        scheme = c.quant.get("scheme", "?")
         return cls(**{f.name: getattr(base, f.name) for f in fields(ModelSizes)},
                    embed_bytes=embed["nbytes"] if embed else 0,
                    embed_row=embed["nbytes"] // max(embed["shape"][0], 1) if embed else 0,
-                   kv_per_token=kv, scheme=c.quant.get("scheme", "?"),
-                   model_type=(c.header.get("meta") or {}).get("model_type", "?"))
+                   kv_per_token=kv, scheme=scheme,
+                   model_type=(c.header.get("meta") or {}).get("model_type", "?"),
+                   one_call=scheme in ("int8", "int4") and model is not None and _one_call_shape(model))
 
     def layer_bytes(self, i: int) -> int:
         return self.layer_dense_bytes[i] + self.layer_experts_bytes(i)
@@ -89,18 +103,30 @@ def _kv_formula(cfg: dict, n_layers: int) -> int:
     return 2 * n_layers * kv * hd * 2  # K and V, bf16
 
 
-def _kv_measured(c) -> int | None:
-    """KV bytes per position from the family's own cache (MLA, sliding windows...); None if unknown."""
+def _skeleton(c):
+    """The family's model skeleton (placeholders, no weights), or None for an unknown family or a test stub."""
     try:
-        import torch
-
         from .models.base import build
 
-        model, _ = build(c.model_type, c.config)
-        caches = model.make_cache(64, torch.bfloat16)
-        return sum(x.nbytes for x in caches) // 64
-    except Exception:  # an unknown family (or a test stub) still gets a plan, from the formula
+        return build(c.model_type, c.config)[0]
+    except Exception:  # an unknown family (or a test stub) still gets a plan, from the formulas
         return None
+
+
+def _kv_measured(model) -> int | None:
+    """KV bytes per position from the family's own cache (MLA, sliding windows...); None if unknown."""
+    if model is None:
+        return None
+    import torch
+
+    caches = model.make_cache(64, torch.bfloat16)
+    return sum(x.nbytes for x in caches) // 64
+
+
+def _one_call_shape(model) -> bool:
+    from .models.native_step import one_call_shape
+
+    return one_call_shape(model.model.layers)
 
 
 @dataclass
@@ -128,12 +154,15 @@ class PlanResult:
     ops_per_token: int = 0  # torch ops of one decode forward
     op_s: float = 0.0  # one bare torch op on this machine (0: not measured)
     kv_bytes: int = 0  # all KV slots: slots x ctx x bytes per position
+    one_call: float = 0.0  # the decode step is one native call: its weight stream's share of the matvec speed
 
     @property
     def seconds_per_token(self) -> tuple[float, float, float]:
-        """(disk, RAM, per-op overhead) seconds of one decode token."""
-        return (self.disk_per_token / max(self.disk_bps, 1.0), self.ram_per_token / self.ram_bps,
-                self.ops_per_token * self.op_s * PY_PER_OP)
+        """(disk, RAM, overhead: per-op cost, or the one-call step's per-layer cost) seconds of one token."""
+        disk = self.disk_per_token / max(self.disk_bps, 1.0)
+        if self.one_call:
+            return disk, self.ram_per_token / (self.one_call * self.ram_bps), ONE_CALL_LAYER_S * len(self.layers)
+        return disk, self.ram_per_token / self.ram_bps, self.ops_per_token * self.op_s * PY_PER_OP
 
     @property
     def tok_s(self) -> float:
@@ -221,8 +250,11 @@ def plan(sizes: PlanSizes, m: Machine, mem_budget: int | None = None, gpu_budget
             disk_tok += min(sizes.top_k, sizes.n_experts[i]) * (1 - layers[i].hit) * sizes.record_bytes[i]
     ram_tok += sizes.global_active
     budgeted = mem_budget is not None or cache > 0
+    one_call = ONE_CALL_BW_SHARE.get(sizes.scheme, 0.0) if sizes.one_call and all(lp.tier == "ram" for lp in layers) \
+        else 0.0  # (disk or GPU layers: the per-layer path)
     return PlanResult(layers, budget, gpu_budget, dense, gpu_bytes, cache, disk_tok, ram_tok, m.disk_bps,
-                      m.ram_bps, notes, budgeted, ops_per_token(sizes), m.op_s, sizes.kv_per_token * ctx * slots)
+                      m.ram_bps, notes, budgeted, ops_per_token(sizes), m.op_s, sizes.kv_per_token * ctx * slots,
+                      one_call)
 
 
 def _fill_slots(sizes: PlanSizes, layers: list[LayerPlan], moe: list[int], n_slots: int, usage) -> None:
@@ -313,10 +345,12 @@ def describe(r: PlanResult, sizes: PlanSizes) -> list[str]:
                    f"(of {max(sizes.n_experts)} experts); expected hit rate {hit:.1%}")
     elif disk:
         out.append("  expert cache: none (disk layers read their top_k experts every token)")
+    runs = "as one native call a step" if r.one_call else f"~{r.ops_per_token} torch operations"
     out.append(f"  each token reads {_gb(r.disk_per_token)} from disk and {_gb(r.ram_per_token)} of weights in "
-               f"RAM, and runs ~{r.ops_per_token} torch operations")
+               f"RAM, and runs {runs}")
     d, ram, ops = r.seconds_per_token
-    parts = f"disk {d * 1e3:.1f} ms + RAM {ram * 1e3:.1f} ms" + (f" + per-op cost {ops * 1e3:.1f} ms" if ops else "")
+    cost = "step overhead" if r.one_call else "per-op cost"
+    parts = f"disk {d * 1e3:.1f} ms + RAM {ram * 1e3:.1f} ms" + (f" + {cost} {ops * 1e3:.1f} ms" if ops else "")
     out.append(f"  expected decode speed: about {r.tok_s:,.1f} tok/s for one sequence ({parts} per token)")
     out += [f"  note: {n}" for n in r.notes]
     return out

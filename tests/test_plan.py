@@ -15,6 +15,7 @@ from colibri.plan import (
     DEFAULT_CTX,
     OUR_RAM_HEADROOM,
     PIN_SHARE,
+    PY_PER_OP,
     RUNTIME_BYTES,
     PlanSizes,
     auto_placement,
@@ -128,6 +129,37 @@ def test_speed_estimate_counts_bytes_and_per_op_cost(sizes):
     assert r.ops_per_token == ops_per_token(sizes) > L * K  # every layer runs top_k experts' ops at least
     assert ops > 0 and r.tok_s == pytest.approx(1 / (d + ram + ops))
     assert plan(sizes, machine(), mem_budget=3 * GiB).tok_s > r.tok_s  # op cost unmeasured: left out
+
+
+def test_a_one_call_model_costs_its_bytes_and_a_per_layer_step(sizes):
+    """int8/int4 models whose layers the one-call decode step runs: no per-op cost, the weight stream at
+    that scheme's share of the matvec speed, a fixed cost per layer; with disk layers, the per-op model."""
+    import dataclasses
+
+    from colibri.plan import ONE_CALL_BW_SHARE, ONE_CALL_LAYER_S
+
+    m = machine()
+    m.op_s = 5e-6
+    one = dataclasses.replace(sizes, one_call=True, scheme="int4")
+    r = plan(one, m)
+    d, ram, over = r.seconds_per_token
+    assert r.one_call == ONE_CALL_BW_SHARE["int4"] and d == 0
+    assert ram == pytest.approx(r.ram_per_token / (ONE_CALL_BW_SHARE["int4"] * m.ram_bps))
+    assert over == pytest.approx(ONE_CALL_LAYER_S * L) and r.tok_s == pytest.approx(1 / (ram + over))
+    streamed = plan(one, m, mem_budget=3 * GiB)  # experts from disk: the per-layer path, per-op cost
+    assert not streamed.one_call and streamed.seconds_per_token[2] == pytest.approx(
+        streamed.ops_per_token * m.op_s * PY_PER_OP)
+    assert not plan(dataclasses.replace(one, scheme="bf16"), m).one_call  # (no native kernels for bf16)
+
+
+def test_one_call_shape_read_from_real_containers(ckpt):
+    """olmoe and minimax_m2 at int4 have the one-call shape; qwen2_moe (a shared expert) and f32 do not."""
+    def one_call(model_type: str, scheme: str) -> bool:
+        with Container(ckpt.coli(model_type, scheme)) as c:
+            return PlanSizes.from_container(c).one_call
+
+    assert one_call("olmoe", "int4") and one_call("minimax_m2", "int4")
+    assert not one_call("qwen2_moe", "int4") and not one_call("olmoe", "f32")
 
 
 def test_gpu_layers_fit_vram_minus_headroom(sizes):

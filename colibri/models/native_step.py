@@ -66,20 +66,31 @@ class _Plan:
         return self.rope_ptrs
 
 
+def one_call_shape(blocks) -> bool:
+    """Whether the model's layers have the shape the one-call step runs (whatever their weights): attention
+    + routed experts in every layer, a router the kernels run, no shared expert, one top_k. The planner
+    asks this of a model skeleton; `_build` also needs the weights resident, quantized and on the CPU."""
+    for b in blocks:
+        if type(b) is not DecoderBlock or type(b.self_attn) is not Attention or type(b.mlp) is not SparseMoE:
+            return False
+        moe = b.mlp
+        if native_routing(moe.gate) is None or getattr(moe, moe.shared_name, None) is not None \
+                or moe.gate.top_k != blocks[0].mlp.gate.top_k:
+            return False
+    return len(blocks) > 0
+
+
 def _build(blocks: nn.ModuleList) -> _Plan | None:
-    if not native.available() or len(blocks) == 0:
+    if not native.available() or not one_call_shape(blocks):
         return None
     attn, tables = [], []
     rope0 = None
     for b in blocks:
-        if type(b) is not DecoderBlock or type(b.self_attn) is not Attention or type(b.mlp) is not SparseMoE:
-            return None
         rope0 = b.self_attn.rope if rope0 is None else rope0
-        moe, ex = b.mlp, b.mlp.experts
-        if native_routing(moe.gate) is None or getattr(moe, moe.shared_name, None) is not None \
-                or moe.gate.top_k != blocks[0].mlp.gate.top_k or ex.lookahead is not None:
+        ex = b.mlp.experts
+        if ex.lookahead is not None:
             return None
-        w = moe.gate.weight
+        w = b.mlp.gate.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
             return None
         rope = b.self_attn.rope
