@@ -269,7 +269,7 @@ static int route_select(float *p, int E, int k, int norm, int64_t *ix, float *wt
     return 0;
 }
 
-/* Sigmoid routing with a selection-only correction bias (GLM-4.5, MiniMax-M2, Kimi-K2: one expert group):
+/* Sigmoid routing with a selection-only correction bias (GLM-4.5, MiniMax-M2: one expert group):
  * s = sigmoid(logit), the k largest s + bias[e] in descending order (ties: the lower expert first), their
  * weights the unbiased s, renormalised (over sum + 1e-20) when norm, times scale -- glm4_moe.py's
  * GroupLimitedRouter with n_group 1. p (E logits) is overwritten, s is E floats of scratch. Returns 0, or

@@ -93,7 +93,7 @@ class GroupLimitedRouter(nn.Module):
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
 
     def native_routing(self) -> tuple[torch.Tensor, float] | None:
-        """One group (GLM-4.5, MiniMax-M2, Kimi-K2): the native router's sigmoid rule (kernels/moe.c
+        """One group (GLM-4.5, MiniMax-M2): the native router's sigmoid rule (kernels/moe.c
         route_select_sigmoid), as (selection bias, weight scale); more groups route in torch."""
         b = self.e_score_correction_bias
         if self.n_group != 1 or b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
