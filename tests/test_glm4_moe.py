@@ -73,3 +73,25 @@ def test_mtp_layers_past_the_stack_are_dropped(ckpt, tmp_path):
     (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
     with pytest.raises(ColibriError, match="does not use"):
         convert(src, tmp_path / "glm_nomtp.coli", "f32", progress=False)
+
+
+def test_one_group_routing_runs_in_the_kernels_and_gives_torchs_tokens(ckpt, monkeypatch):
+    """GLM-4.5's released configs have one expert group: its router then runs in the native kernels at
+    bf16 (the sigmoid rule, kernels/moe.c), and decodes the tokens the torch router gives; the logits at
+    f32 stay transformers' (the oracle path)."""
+    from colibri.models import glm4_moe
+
+    path = ckpt.coli("glm4_moe", "int4", n_group=1, topk_group=1)
+    ids = [1, 17, 42, 99, 7, 150, 23, 64]
+    native_calls = []
+    route = glm4_moe.native.route
+    monkeypatch.setattr(glm4_moe.native, "route", lambda *a, **k: native_calls.append(1) or route(*a, **k))
+    with colibri.load(path) as llm:
+        got = list(llm.generate_ids(ids, max_tokens=12, ignore_eos=True))
+    assert native_calls  # the per-layer path (shared experts, a dense layer) routed natively
+    monkeypatch.setattr(glm4_moe, "native_router_ok", lambda w, x: False)
+    with colibri.load(path) as llm:
+        assert list(llm.generate_ids(ids, max_tokens=12, ignore_eos=True)) == got
+    src = ckpt.hf("glm4_moe", n_group=1, topk_group=1)
+    with colibri.load(ckpt.coli("glm4_moe", "f32", n_group=1, topk_group=1)) as llm:
+        torch.testing.assert_close(llm.logits(ids), hf_logits(load_hf(src), ids), rtol=1e-4, atol=1e-4)
