@@ -94,10 +94,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
 
 class CompressedTensors(_Wrapped):
     """quant_method "compressed-tensors": `X.weight_packed` (+ `_scale`, `_shape`, `_g_idx`) reads back as
-    `X.weight` f32; float8 `X.weight` times `X.weight_scale`. Scales, shapes, g_idx and activation scales
-    are hidden."""
+    `X.weight` f32; float8 `X.weight` times `X.weight_scale`. Scales, shapes, g_idx, activation scales and
+    an FP8 KV cache's `k_scale` / `v_scale` (colibri keeps its KV cache in bf16) are hidden."""
 
-    HIDDEN = ("weight_scale", "weight_shape", "weight_g_idx", "input_scale", "weight_global_scale")
+    HIDDEN = ("weight_scale", "weight_shape", "weight_g_idx", "input_scale", "weight_global_scale", "k_scale",
+              "v_scale")
     integer_grid = True  # (its ints' groups can be stored exactly by a group scheme: quant.quantize(grid=True))
 
     def __init__(self, st):

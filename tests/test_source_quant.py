@@ -59,6 +59,9 @@ def _compressed_folder(src, dst):
             q = (w.float() / s).to(torch.float8_e4m3fn)
             packed |= {k: q, base + ".weight_scale": s}
             deq[k] = q.float() * s
+            if k.endswith("o_proj.weight"):  # an FP8 KV cache's scales, which colibri does not use
+                attn = k.removesuffix("o_proj.weight")
+                packed |= {attn + "k_scale": torch.tensor(0.5), attn + "v_scale": torch.tensor(0.25)}
         else:
             packed[k] = deq[k] = w
     qc = {"quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
