@@ -243,3 +243,27 @@ def test_kimi_call_ids_are_the_functions_name_index_its_template_writes_back():
     named = ForcedCallStream("get_weather", "kimi_k2")
     named.push("{}")
     assert named.take()[0]["id"] == named.finish()[2][0]["id"] == "functions.get_weather:0"
+
+
+def test_a_kimi_call_opened_inside_the_reasoning_ends_it():
+    """Kimi-K2-Thinking may open its calls section before any </think>: the reasoning ends there and the
+    call is parsed, whole or streamed; formats whose models close </think> first keep such text reasoning."""
+    call = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>')
+    text = "<think>The user wants the weather. " + call
+    reasoning, content, calls = whole(splitter("kimi_k2", TOOLS, True, False, True), text)
+    assert (reasoning, content) == ("The user wants the weather.", None)
+    assert [(c["id"], json.loads(c["function"]["arguments"])) for c in calls] == [("functions.get_weather:0",
+                                                                                  {"city": "Rome"})]
+    for size in (1, 3, 7):
+        s = splitter("kimi_k2", TOOLS, True, False, True)
+        parts = [s.push(text[i:i + size]) for i in range(0, len(text), size)]
+        r, c, streamed = s.finish()
+        assert "".join(p[0] for p in parts) + r == reasoning and not ("".join(p[1] for p in parts) + c).strip()
+        assert [x["function"] for x in streamed] == [x["function"] for x in calls], size
+    closed = "<think>Weather. </think>It is sunny."  # (and without tools nothing ends the reasoning early)
+    assert whole(splitter("kimi_k2", TOOLS, True, False, True), closed) == ("Weather.", "It is sunny.", [])
+    assert whole(splitter("kimi_k2", None, True, False, True), text)[0].startswith("The user wants the weather. <|")
+    hermes = '<think>I could write <tool_call>{"name": "get_weather"}</tool_call> here</think>Done.'
+    assert whole(splitter("hermes", TOOLS, True, False, True), hermes)[:2] == (
+        'I could write <tool_call>{"name": "get_weather"}</tool_call> here', "Done.")

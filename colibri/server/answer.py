@@ -42,8 +42,10 @@ def splitter(fmt: str, tools: dict[str, dict] | None, think: bool, opened: bool,
     (`opened`: the prompt opened it); reasoning: the server's --reasoning-format is not none."""
     if fmt == HARMONY:
         return HarmonySplit(tools, reasoning)
-    return AnswerSplit(ThinkSplit(opened) if think else None,
-                       CallStream(FORMATS[fmt], tools) if tools is not None else None)
+    f = FORMATS[fmt]
+    ends = f.opens if tools is not None and f.in_reasoning else ()  # (a call opened in the reasoning ends it)
+    return AnswerSplit(ThinkSplit(opened, ends) if think else None,
+                       CallStream(f, tools) if tools is not None else None)
 
 
 def whole(split: AnswerSplit | HarmonySplit, text: str) -> tuple[str, str | None, list[dict]]:

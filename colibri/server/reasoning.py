@@ -19,12 +19,15 @@ def held_tail(text: str, tag: str) -> int:
 
 class ThinkSplit:
     """push(piece) -> (reasoning, content) that are certain so far; finish() -> the rest. `opened`: the
-    prompt itself ends inside a `<think>` (the template opened it)."""
+    prompt itself ends inside a `<think>` (the template opened it). `ends`: text that ends the reasoning
+    without a `</think>` and starts the content itself (Kimi-K2-Thinking opens its tool calls inside its
+    reasoning)."""
 
-    def __init__(self, opened: bool = False):
+    def __init__(self, opened: bool = False, ends: tuple[str, ...] = ()):
         self.state = "think" if opened else "start"
         self.buf = ""
         self.strip = opened  # the reasoning's and the answer's leading whitespace is dropped
+        self.ends = ends
 
     def push(self, piece: str) -> tuple[str, str]:
         self.buf += piece
@@ -40,13 +43,14 @@ class ThinkSplit:
             if self.strip:
                 self.buf = self.buf.lstrip()
                 self.strip = not self.buf
-            at = self.buf.find(CLOSE)
-            if at < 0:  # hold a tail that may open the tag, and trailing whitespace (dropped before it)
-                cut = len(self.buf) - held_tail(self.buf, CLOSE)
+            at, tag = min(((i, t) for t in (CLOSE, *self.ends) if (i := self.buf.find(t)) >= 0), default=(-1, ""))
+            if at < 0:  # hold a tail that may open a tag, and trailing whitespace (dropped before it)
+                cut = len(self.buf) - max(held_tail(self.buf, t) for t in (CLOSE, *self.ends))
                 cut = len(self.buf[:cut].rstrip())
                 out, self.buf = self.buf[:cut], self.buf[cut:]
                 return out, ""
-            reasoning, self.buf = self.buf[:at].rstrip(), self.buf[at + len(CLOSE):]
+            # </think> is dropped; an `ends` marker begins the content
+            reasoning, self.buf = self.buf[:at].rstrip(), self.buf[at + (len(CLOSE) if tag == CLOSE else 0):]
             self.state, self.strip = "content", True
             return reasoning, self._content()
         return "", self._content()

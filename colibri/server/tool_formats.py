@@ -17,7 +17,8 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   </invoke></minimax:tool_call>`, a value raw text for a string parameter and JSON otherwise (as glm45);
 - `kimi_k2` (Kimi-K2, a DeepSeek-V3): `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX`
   `<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`, the call's id being
-  `functions.NAME:IDX` (its template writes the id back that way).
+  `functions.NAME:IDX` (its template writes the id back that way); Kimi-K2-Thinking may open the section
+  inside its unclosed reasoning, which then ends there (`in_reasoning`, server/answer.py).
 (gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
 arguments do not parse, stays in the text, as does everything around the calls.
 """
@@ -221,6 +222,7 @@ class ToolFormat:
     parser: Callable[[str, dict[str, dict]], Found]
     markers: tuple[str, ...]  # tokens the format writes, kept in the decoded text even if special
     strip: re.Pattern | None = None  # wrappers left around the calls once they are cut out
+    in_reasoning: bool = False  # the model may open its calls inside an unclosed <think> (Kimi-K2-Thinking)
 
     def parse(self, text: str, tools: dict[str, dict]) -> tuple[str | None, list[dict]]:
         """(content, calls) of an answer: the calls naming known tools cut out of the text; the content
@@ -253,7 +255,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>"), _kimi,
                ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
-                "<|tool_call_section_end|>"), _KIMI_WRAP),
+                "<|tool_call_section_end|>"), _KIMI_WRAP, in_reasoning=True),
 )}
 HARMONY = "harmony"  # gpt-oss: server/harmony.py
 NAMES = (*FORMATS, HARMONY)
