@@ -14,6 +14,7 @@ asymmetric ints (`weight_zero_point`) are refused. (gpt-oss's mxfp4 is its famil
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -35,7 +36,7 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     return q.float() * s
 
 
-class _Wrapped:
+class _Wrapped(ABC):
     """A safetensors folder some of whose tensors read back dequantized; the rest pass through."""
 
     def __init__(self, st):
@@ -47,8 +48,9 @@ class _Wrapped:
     def dtype(self, name: str) -> str:
         return "F32" if self._is_quantized(name) else self.st.dtype(name)
 
+    @abstractmethod
     def _is_quantized(self, name: str) -> bool:
-        raise NotImplementedError
+        """Whether `name` reads back dequantized (its dtype is then F32)."""
 
 
 class Fp8Blocks(_Wrapped):

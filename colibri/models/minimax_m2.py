@@ -8,33 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ColibriError
-from .base import BaseArgs, CausalLM
-from .glm4_moe import GroupLimitedRouter
+from . import mixtral
+from .base import CausalLM
+from .glm4_moe import _ROPE_TYPES, GroupLimitedRouter
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 
-_ROPE_TYPES = ("linear", "llama3", "yarn")  # besides plain RoPE; what layers.rope_inv_freq implements
-
 
 @dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_local_experts: int
-    num_experts_per_tok: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+class ModelArgs(mixtral.ModelArgs):
+    """Mixtral's fields (its head_dim and GQA defaults included), MiniMax-M2's defaults, and its q/k norm."""
+
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 196608
     use_qk_norm: bool = True
-    raw: dict | None = None
-
-    def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -93,5 +80,4 @@ class Model(CausalLM):
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released checkpoints' `block_sparse_moe` is `mlp`, and the router's
     correction bias sits on the MoE block there (and in transformers), on the router here."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+    return mixtral.sanitize(name).replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
