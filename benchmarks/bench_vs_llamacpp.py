@@ -183,9 +183,9 @@ def worker(a: argparse.Namespace) -> dict:
     rng = random.Random(0)
     prompt = [1] + [rng.randrange(3, 384) for _ in range(a.prompt_len - 1)]  # ids the test tokenizer has
     # Warm-up (llama-bench warms up too): the timed prompt's path (up to 192 tokens: native 64-row
-    # steps), and 16 decode steps: the engine times 1 and 2 decode threads over its first ~10
-    # (engine/threads.py), a start-up cost.
-    list(llm.generate_ids(prompt[:8], 16, ignore_eos=True))
+    # steps), and 64 decode steps: the engine times 1 and 2 decode threads over its first ~10 steps
+    # or native runs of a few tokens each (engine/threads.py, engine/runner.py), a start-up cost.
+    list(llm.generate_ids(prompt[:8], 64, ignore_eos=True))
     list(llm.generate_ids(prompt, 1, ignore_eos=True))
     dec, pre = [], []
     for _ in range(a.repeats):

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ColibriError
 from ..kernels import native
+from ..models import native_step
 from ..models.batch import Seq, StepBatch
 from .request import EngineClosedError, TokenEvent
 from .sampling import prompt_logprobs
@@ -25,6 +26,8 @@ from .stats import EngineCounters, RouteCapture, StepInfo, batching_counts
 from .threads import DecodeThreads
 
 log = logging.getLogger("colibri")
+
+RUN_S = 0.02  # a lone greedy request decodes this long per native call (`Runner._run`); 0 turns it off
 
 
 def _ids(ids: list[int]) -> torch.Tensor:
@@ -43,6 +46,7 @@ class Runner:
         self.counters = EngineCounters()
         self.decode_threads = DecodeThreads(threads)
         self._threads_now = (threads, threads)  # (torch, native pool)
+        self._token_s = 1.0  # the last one-sequence decode step's seconds a token (sizes `_run`)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="colibri-engine", daemon=True)
         self.thread.start()
@@ -76,6 +80,8 @@ class Runner:
         decode_only = all(len(c.tokens) == 1 for c in chunks)
         n_threads = self.decode_threads.pick(len(chunks)) if decode_only else self.threads
         self._set_threads(n_threads, sum(len(c.tokens) for c in chunks) <= native.MOE_MAX_ROWS)
+        if decode_only and len(chunks) == 1 and self._run(chunks[0], n_threads):
+            return
         t0 = time.perf_counter()
         seqs, tokens, out_rows, r = [], [], [], 0
         for c in chunks:
@@ -92,15 +98,7 @@ class Runner:
             batch = StepBatch(seqs)
             logits = self.model(_ids(tokens), batch, _ids(out_rows))  # [len(out_rows), V]
         except BaseException as e:  # noqa: BLE001 - handed to the requests of the step, the engine goes on
-            self.capture.take()
-            for c in chunks:  # what the step wrote is unknown
-                self.sched.slots.forget(c.a.slot, c.start)
-            if not isinstance(e, ColibriError | MemoryError):
-                log.exception("colibri: engine step failed")
-            for c in chunks:
-                self.sched.finish(c.a, "error", e)
-            if isinstance(e, KeyboardInterrupt | SystemExit):
-                raise
+            self._failed(chunks, e)
             return
         routes = self.capture.take()
         now = time.perf_counter()
@@ -108,6 +106,8 @@ class Runner:
             self.sched.slots.wrote(c.a.slot, c.start, c.tokens)
         if decode_only:
             self.decode_threads.record(len(chunks), n_threads, now - t0)
+            if len(chunks) == 1:
+                self._token_s = now - t0
         # Counters and listeners first: a request's stats and routing are complete when it ends.
         self._account(chunks, seqs, routes, bytes0, now - t0)
         o = 0
@@ -115,6 +115,51 @@ class Runner:
             n_out = len(c.tokens) if c.all_rows else int(c.sample)
             self._after(c, logits[o : o + n_out], now)
             o += n_out
+
+    def _run(self, c: Chunk, n_threads: int) -> bool:
+        """Decode a lone plain-greedy request several tokens in one native call (coli_decode_run) when
+        nothing else waits and no listener watches each step: the Python of a step (scheduling, counters,
+        the token's hand-off) is then paid once per RUN_S of decoding instead of per token. Same kernels,
+        same argmax, same tokens and stops; the tokens reach the caller a run at a time. Whether it ran."""
+        a, h = c.a, c.a.h
+        if self.listeners or self.sched.queue or c.start < a.prompt_len or not c.sample or c.all_rows \
+                or not a.picker.plain_greedy:
+            return False
+        n = min(max(int(RUN_S / self._token_s), 1), h.max_tokens - h.stats.generated, self.sched.slots.ctx - a.fed)
+        if n < 2:
+            return False
+        stop = _ids(sorted(h.stop_ids | (set() if h.ignore_eos else self.eos_ids())))
+        t0, bytes0 = time.perf_counter(), self._bytes_read()
+        try:
+            got = native_step.run_greedy(self.model, c.tokens[0], self.sched.slots.caches[a.slot], c.start, n, stop)
+        except BaseException as e:  # noqa: BLE001 - as in _step
+            self._failed([c], e)
+            return True
+        if got is None:
+            return False
+        toks, idx = got
+        now = time.perf_counter()
+        self.sched.slots.wrote(a.slot, c.start, [c.tokens[0], *toks[:-1]])
+        self._token_s = (now - t0) / len(toks)
+        self.decode_threads.record(1, n_threads, self._token_s)
+        self._account_run(a, idx, bytes0, now - t0)
+        for tok in toks:
+            a.fed += 1
+            a.picker.took(tok)
+            if not self._took(a, tok, None, None, now):
+                break
+        return True
+
+    def _failed(self, chunks: list[Chunk], e: BaseException) -> None:
+        self.capture.take()
+        for c in chunks:  # what the step wrote is unknown
+            self.sched.slots.forget(c.a.slot, c.start)
+        if not isinstance(e, ColibriError | MemoryError):
+            log.exception("colibri: engine step failed")
+        for c in chunks:
+            self.sched.finish(c.a, "error", e)
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise e
 
     def _after(self, c: Chunk, logits: torch.Tensor, now: float) -> None:
         """Feed the chunk's results back to its request: prompt scores, then the next token."""
@@ -137,7 +182,12 @@ class Runner:
             if h.max_tokens == 0:
                 self.sched.finish(a, "length")
                 return
-        tok, lp, top = a.picker.pick(logits[-1])
+        self._took(a, *a.picker.pick(logits[-1]), now)
+
+    def _took(self, a: Active, tok: int, lp: float | None, top: list | None, now: float) -> bool:
+        """A token picked for `a` after its cache took `a.fed` tokens: emit it, or end the request;
+        whether it goes on."""
+        h = a.h
         st = h.stats
         if st.generated == 0:
             st.ttft_s = now - h.submitted_at
@@ -145,7 +195,7 @@ class Runner:
         if tok in h.stop_ids or (not h.ignore_eos and tok in self.eos_ids()):
             st.decode_s = now - a.first_at
             self.sched.finish(a, "stop")
-            return
+            return False
         st.generated += 1
         st.decode_s = now - a.first_at
         self.counters.generated_tokens += 1
@@ -155,10 +205,13 @@ class Runner:
                 a.next_token, a.final = tok, True
             else:
                 self.sched.finish(a, "length")
+                return False
         elif a.fed >= self.sched.slots.ctx:  # no position left to feed the token just made
             self.sched.finish(a, "ctx")
+            return False
         else:
             a.next_token = tok
+        return True
 
     def _score_prompt(self, a: Active, c: Chunk, logits: torch.Tensor) -> None:
         """Row t of the chunk predicts prompt token c.start + t + 1 (the last row may predict the first
@@ -211,6 +264,25 @@ class Runner:
                 except Exception:  # noqa: BLE001 - a listener must not take the engine down
                     log.exception("colibri: step listener failed; removing it")
                     self.listeners.remove(fn)
+
+    def _account_run(self, a: Active, idx: torch.Tensor, bytes0: int, seconds: float) -> None:
+        """`_account` for a `_run` of n steps of one sequence (idx [n, L, 1, k]): its experts are the union."""
+        n, L = idx.shape[:2]
+        read = self._bytes_read() - bytes0
+        k = self.counters
+        k.steps += n
+        k.rows += n
+        k.decode_rows += n
+        k.busy_s += seconds
+        self.store.count_step(0, n, read)
+        s = idx.reshape(n * L, -1).sort(-1).values  # distinct experts per (step, layer), as batching_counts
+        experts = n * L + int((s[:, 1:] != s[:, :-1]).sum())
+        k.experts_unique += experts
+        k.experts_summed += experts
+        st = a.h.stats
+        st.experts_own += experts
+        st.experts_fetched_share += experts
+        st.bytes_read_share += read
 
     # ------------------------------------------------------------------ shutdown
 

@@ -100,12 +100,24 @@ class TokenPicker:
         lp = top = None
         if self.sp.logprobs is not None:
             lp, top = token_logprobs(logits, tok, self.sp.logprobs)
+        self.took(tok)
+        return tok, lp, top
+
+    def took(self, tok: int) -> None:
+        """Record a token picked (by `pick`, or by the native greedy loop where `plain_greedy`)."""
         if self.seen is not None:
             self.seen = torch.cat([self.seen, torch.tensor([tok])])
         self.counts[tok] = self.counts.get(tok, 0) + 1
         if self.constraint is not None:
             self.constraint.accept(tok)
-        return tok, lp, top
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The token is the raw logits' argmax and nothing else is asked of them (no processor, no
+        logprobs): what coli_decode_run computes itself."""
+        sp = self.sp
+        return self.sample is greedy and self.bias_ids is None and self.seen is None and self.constraint is None \
+            and not sp.presence_penalty and not sp.frequency_penalty and sp.logprobs is None
 
 
 def token_logprobs(logits: torch.Tensor, tok: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..kernels import native
 from ..quant import QLinear
-from .batch import StepBatch
+from .batch import Seq, StepBatch
 from .layers import Attention, DecoderBlock, KVCache
 from .moe import SparseMoE, native_routing
 
@@ -261,6 +261,27 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
     logits, idx, wts = native.decode_step(plan.tail.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows)
     _hooks(plan, idx, wts)
     return logits
+
+
+def run_greedy(model: nn.Module, token: int, caches: list, start: int, n_steps: int, stop: torch.Tensor
+               ) -> tuple[list[int], torch.Tensor] | None:
+    """Up to n_steps greedy decode steps of one sequence in one native call (coli_decode_run): `token`
+    fed at position `start`, each step's argmax fed to the next, ending after a token in `stop` (int64
+    [S]) -> (the tokens picked, the steps' expert ids [n, L, 1, k]); None where the one-call step does
+    not apply. The routes go to the caller, not to the experts' hooks: it applies only where those are
+    a RouteCapture's alone (the engine's), whose caller counts them."""
+    plan = _plan_for(model, model.model.embed_tokens.out_dtype, torch.device("cpu"), 1)  # (_args checks the caches)
+    if plan is None or plan.tail is None or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules) \
+            or any(ex.on_route is not None and getattr(ex.on_route, "capture", None) is None for ex in plan.experts):
+        return None
+    args = _args(plan, StepBatch([Seq(0, 1, start, caches)]), 1)
+    slot = plan.slots.get(id(caches))
+    if args is None or slot is None or start + n_steps > slot.ctx:
+        return None
+    _, kc, vc, ks, vs, _ = args
+    toks, idx, _ = native.decode_run(plan.tail.struct, token, plan.attn, plan.moe, start, kc, vc, ks, vs,
+                                     plan.rope_tables(start + n_steps), plan.k, n_steps, stop)
+    return toks, idx
 
 
 def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:

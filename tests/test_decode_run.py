@@ -1,0 +1,96 @@
+"""A lone greedy request decodes several tokens per native call (engine/runner.py `_run`, kernels/step.c
+coli_decode_run): the same tokens, stops, finish reasons and counters as one step per token."""
+
+from __future__ import annotations
+
+import pytest
+
+from colibri.engine import runner
+from colibri.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+
+PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3, 88, 120, 31, 9]
+
+
+def _spy_runs(monkeypatch) -> list[int]:
+    """Steps per coli_decode_run call, recorded."""
+    real, runs = native.decode_run, []
+
+    def spy(*a):
+        out = real(*a)
+        runs.append(len(out[0]))
+        return out
+    monkeypatch.setattr(native, "decode_run", spy)
+    return runs
+
+
+def _go(llm, monkeypatch, run_s: float, **kw) -> tuple[list[int], str, dict, list[int]]:
+    """(tokens, finish reason, the request's expert counts, steps per native run) with runs of run_s."""
+    with monkeypatch.context() as mp:
+        mp.setattr(runner, "RUN_S", run_s)
+        runs = _spy_runs(mp)
+        h = llm.submit(kw.pop("prompt", PROMPT), temperature=0, **kw)
+        toks = h.wait()
+    st = h.stats
+    return toks, h.finish_reason, {"own": st.experts_own, "fetched": st.experts_fetched_share,
+                                   "generated": st.generated}, runs
+
+
+@pytest.mark.parametrize("model_type,scheme", [("olmoe", "int4"), ("minimax_m2", "int8")])
+def test_native_runs_give_the_tokens_of_single_steps(ckpt, monkeypatch, model_type, scheme) -> None:
+    """Runs of up to 40 steps (RUN_S far above a step's time) against one step per token: the same
+    tokens and counters; a stop id met inside a run ends the request there with "stop"; max_tokens and a
+    full context end it as they do step by step."""
+    import colibri
+
+    llm = colibri.load(ckpt.coli(model_type, scheme), ctx_size=64, threads=2, cache_prompt=False)  # (same prefills)
+    try:
+        before = llm.metrics()
+        ref, why, stats, runs = _go(llm, monkeypatch, 0.0, max_tokens=40, ignore_eos=True)
+        assert runs == [] and why == "length" and len(ref) == 40
+        mid = llm.metrics()
+        got, why, stats_run, runs = _go(llm, monkeypatch, 10.0, max_tokens=40, ignore_eos=True)
+        after = llm.metrics()
+        assert got == ref and why == "length" and stats_run == stats
+        assert runs and sum(runs) == 39 and max(runs) > 1  # every token after the prefill's in native runs
+        for key in ("generated_tokens", "experts_unique", "experts_summed", "decode_rows"):
+            assert after[key] - mid[key] == mid[key] - before[key], key
+
+        stop = ref[12]
+        first = ref.index(stop)
+        for run_s in (0.0, 10.0):
+            toks, why, _, runs = _go(llm, monkeypatch, run_s, max_tokens=40, stop_ids=(stop,), ignore_eos=True)
+            assert toks == ref[:first] and why == "stop", run_s
+            assert bool(runs) == (run_s > 0 and first > 1)
+
+        for run_s in (0.0, 10.0):  # 16 prompt positions of 64: the context fills after 48 generated tokens
+            toks, why, _, _ = _go(llm, monkeypatch, run_s, max_tokens=100, ignore_eos=True)
+            assert why == "ctx" and len(toks) == 49 and toks[:40] == ref, run_s
+    finally:
+        llm.close()
+
+
+def test_requests_that_need_each_steps_logits_take_single_steps(ckpt, monkeypatch) -> None:
+    """Sampling, log-probs, penalties and logit biases need the logits of every step in Python: such a
+    request never takes a native run; nor does one with another request beside it."""
+    import colibri
+
+    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, slots=2, threads=2)
+    try:
+        for kw in ({"temperature": 0.8, "seed": 1}, {"logprobs": 2}, {"repeat_penalty": 1.3},
+                   {"logit_bias": {5: 2.0}}, {"frequency_penalty": 0.5}):
+            with monkeypatch.context() as mp:
+                mp.setattr(runner, "RUN_S", 10.0)
+                runs = _spy_runs(mp)
+                assert len(llm.submit(PROMPT, max_tokens=8, ignore_eos=True, **kw).wait()) == 8
+            assert runs == [], kw
+        ref, _, _, _ = _go(llm, monkeypatch, 0.0, max_tokens=12, ignore_eos=True)
+        with monkeypatch.context() as mp:
+            mp.setattr(runner, "RUN_S", 10.0)
+            runs = _spy_runs(mp)
+            hs = [llm.submit(PROMPT, max_tokens=12, ignore_eos=True, temperature=0) for _ in range(2)]
+            outs = [h.wait() for h in hs]
+        assert outs == [ref, ref]
+    finally:
+        llm.close()
