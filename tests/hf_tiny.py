@@ -67,6 +67,8 @@ Other family-specific tensors (same in both layouts):
   ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``; both
   ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` / ``o_proj``.
 - gpt_oss: ``self_attn.sinks`` [n_heads]; biases on q/k/v/o; router bias.
+- dots1: glm4_moe's layout without attention biases, its q/k norm always on, RoPE over the whole
+  head; layer 2 slides over 8 positions (max_window_layers=2).
 - minimax_m2: mixtral's layout plus ``mlp.e_score_correction_bias`` [E] (on the MoE block) and
   olmoe's whole-projection ``self_attn.q_norm/k_norm``; RoPE on 16 of the 32 channels of a head.
 
@@ -96,6 +98,7 @@ FAMILIES: tuple[str, ...] = (
     "deepseek_v3",
     "gpt_oss",
     "minimax_m2",
+    "dots1",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -312,6 +315,20 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "v_head_dim": 16,
             "num_key_value_heads": 4,
             "rope_interleave": True,
+        },
+        "dots1": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.5,
+            "norm_topk_prob": True,
+            "head_dim": 16,
+            # The last layer slides over 8 positions: a 32+ token run crosses it.
+            "sliding_window": 8,
+            "max_window_layers": 2,
         },
         "minimax_m2": {
             "num_local_experts": 8,

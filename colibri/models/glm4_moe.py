@@ -3,6 +3,7 @@ shared experts, and a sigmoid router with a selection-only correction bias and g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,12 +122,15 @@ class GroupLimitedRouter(nn.Module):
 
 
 class Model(CausalLM):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, window: Callable[[int], int | None] = lambda i: None):
+        """`window(i)`: layer i's sliding window, None for full attention (dots.llm1's late layers)."""
         raw = a.raw or {}
-        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw), rope_scaling(raw), a.max_position_embeddings,
-                             bias=a.attention_bias, qk_norm="head" if a.use_qk_norm else None,
-                             norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
+
+        def attn(i: int) -> AttentionArgs:
+            return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                                 rope_theta(raw), rope_scaling(raw), a.max_position_embeddings,
+                                 bias=a.attention_bias, qk_norm="head" if a.use_qk_norm else None,
+                                 norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim, sliding_window=window(i))
 
         def mlp(i: int) -> nn.Module:
             if i < a.first_k_dense_replace:
@@ -137,7 +141,7 @@ class Model(CausalLM):
             return SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.n_routed_experts),
                              shared, shared_name="shared_experts")
 
-        blocks = [DecoderBlock(Attention(attn), mlp(i), a.hidden_size, a.rms_norm_eps)
+        blocks = [DecoderBlock(Attention(attn(i)), mlp(i), a.hidden_size, a.rms_norm_eps)
                   for i in range(a.num_hidden_layers)]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
