@@ -123,7 +123,7 @@ class Runner:
         same argmax, same tokens and stops; the tokens reach the caller a run at a time. Whether it ran."""
         a, h = c.a, c.a.h
         if self.listeners or self.sched.queue or c.start < a.prompt_len or not c.sample or c.all_rows \
-                or not a.picker.plain_greedy:
+                or not a.picker.plain_greedy or self.decode_threads.exploring(1):
             return False
         n = min(max(int(RUN_S / self._token_s), 1), h.max_tokens - h.stats.generated, self.sched.slots.ctx - a.fed)
         if n < 2:

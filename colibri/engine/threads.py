@@ -39,6 +39,12 @@ class DecodeThreads:
         ts = sorted(self.times[key])
         return ts[len(ts) // 2]
 
+    def exploring(self, rows: int) -> bool:
+        """Whether steps of `rows` rows are still timing both candidates (the runner then keeps them
+        single steps: a native run of several at the slower count would cost that many steps)."""
+        b = self._bucket(rows)
+        return len(self.candidates) > 1 and min(self.count.get((b, t), 0) for t in self.candidates) <= EXPLORE
+
     def pick(self, rows: int) -> int:
         if len(self.candidates) == 1:
             return 1
