@@ -96,3 +96,17 @@ def test_requests_that_need_each_steps_logits_take_single_steps(ckpt, monkeypatc
         assert outs == [ref, ref]
     finally:
         llm.close()
+
+
+def test_runs_wait_until_the_thread_count_is_chosen(ckpt, monkeypatch) -> None:
+    """A fresh engine times 1 and 2 decode threads over its first steps (engine/threads.py: EXPLORE + 1
+    timings each); those stay single steps, and the runs start after them."""
+    import colibri
+    from colibri.engine import threads
+
+    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, threads=2)
+    try:
+        got, _, _, runs = _go(llm, monkeypatch, 10.0, max_tokens=40, ignore_eos=True)
+    finally:
+        llm.close()
+    assert len(got) == 40 and sum(runs) == 39 - 2 * (threads.EXPLORE + 1)
