@@ -34,8 +34,8 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
     """Run the prompts on a loaded Engine; returns the figures (see `colibri bench --help`)."""
     from .api import peak_rss_mib
 
-    if warmup:
-        for _ in llm.generate_ids(llm.tokenizer.encode("Hello"), 4, temperature=0.0, ignore_eos=True):
+    if warmup:  # (16 tokens: the engine times 1 and all decode threads over its first ~10 steps)
+        for _ in llm.generate_ids(llm.tokenizer.encode("Hello"), 16, temperature=0.0, ignore_eos=True):
             pass
     runs = []
     before = llm.store_stats()
