@@ -224,6 +224,12 @@ def test_ollama_api_chat_generate_tags(server, client):
     status, g = server.request("POST", "/api/generate", {"prompt": "Once upon a time", "system": "You tell stories.",
                                                           "stream": False, "options": opts}, AUTH)
     assert status == 200 and g["response"] == r["message"]["content"]
+    # Ollama's `think` (true / false / a level) is accepted; this template reads none of its switches
+    for think in (True, False, "low"):
+        body = {"prompt": "Once upon a time", "system": "You tell stories.", "stream": False, "options": opts,
+                "think": think}
+        status, t = server.request("POST", "/api/generate", body, AUTH)
+        assert status == 200 and t["response"] == g["response"] and "thinking" not in t, think
     raw = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
     lines = _ndjson(server.port, "/api/generate", {"prompt": "Once upon a time", "raw": True, "options": opts})
     assert "".join(ln["response"] for ln in lines) == raw.choices[0].text

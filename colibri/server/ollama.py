@@ -14,7 +14,7 @@ import json
 import os
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -44,6 +44,8 @@ class _Base(_Strict):
     stream: bool = True
     format: str | dict[str, Any] | None = None
     options: Options | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
+    keep_alive: str | int | float | None = None  # (accepted: the one model stays loaded)
 
 
 class ChatBody(_Base):
@@ -76,6 +78,18 @@ def _sampling(o: Options | None, fmt) -> dict:
     elif fmt not in (None, ""):
         raise bad_request("format must be \"json\" or a JSON schema", "format")
     return out
+
+
+def _think(think: bool | str | None) -> dict:
+    """Ollama's `think` as chat-template variables: on / off under the names the templates of thinking
+    models read (Qwen3 and GLM `enable_thinking`, DeepSeek-V3.1 `thinking`), a level as gpt-oss's
+    `reasoning_effort`; unset leaves the template's default. The thinking the model writes comes back
+    apart from the answer either way (`thinking`)."""
+    if think is None:
+        return {}
+    if isinstance(think, str):
+        return {"chat_template_kwargs": {"reasoning_effort": think}}
+    return {"chat_template_kwargs": {"enable_thinking": think, "thinking": think}}
 
 
 def _message(m: dict, n: int) -> dict:
@@ -158,7 +172,7 @@ async def api_chat(request: Request):
     state, t0 = request.app.state.colibri, time.perf_counter()
     body: ChatBody = parse(ChatBody, await request.body())
     oai = {"model": None, "messages": [_message(m, n) for n, m in enumerate(body.messages)], "stream": body.stream,
-           **_sampling(body.options, body.format)}
+           **_sampling(body.options, body.format), **_think(body.think)}
     if body.tools:
         oai["tools"] = body.tools
     if body.stream:
@@ -193,7 +207,7 @@ async def api_generate(request: Request):
     if not body.raw:  # the chat template, as Ollama applies it (system + prompt as one user turn)
         msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
             [{"role": "user", "content": body.prompt}]
-        oai = {"messages": msgs, "stream": body.stream, **sampling}
+        oai = {"messages": msgs, "stream": body.stream, **sampling, **_think(body.think)}
         if body.stream:
             oai["stream_options"] = {"include_usage": True}
         out = await request.app.state.chat(state, parse(ChatCompletionRequest, json.dumps(oai).encode()), request)
@@ -201,6 +215,7 @@ async def api_generate(request: Request):
             return StreamingResponse(_generate_lines(_ndjson(state, out, t0, True)), media_type="application/x-ndjson")
         c = out["choices"][0]
         text = c["message"]["content"] or ""
+        thinking = c["message"].get("reasoning_content")
     else:
         if "response_format" in sampling:
             raise bad_request("format needs the chat template: not with raw", "format")
@@ -212,17 +227,22 @@ async def api_generate(request: Request):
         if not isinstance(out, dict):
             return StreamingResponse(_ndjson(state, out, t0, False), media_type="application/x-ndjson")
         c = out["choices"][0]
-        text = c["text"]
-    return {"model": state.model_id, "created_at": _now(), "response": text, "done": True,
+        text, thinking = c["text"], None
+    return {"model": state.model_id, "created_at": _now(), "response": text,
+            **({"thinking": thinking} if thinking else {}), "done": True,
             "done_reason": _done_reason(c["finish_reason"]), **_stats(out.get("timings"), out["usage"], t0)}
 
 
 async def _generate_lines(chat_lines):
-    """/api/generate's lines from /api/chat's: the message's content becomes `response`."""
+    """/api/generate's lines from /api/chat's: the message's content becomes `response`, its thinking
+    `thinking`."""
     async for line in chat_lines:
         obj = json.loads(line)
         if "message" in obj:
-            obj["response"] = obj.pop("message").get("content", "")
+            msg = obj.pop("message")
+            obj["response"] = msg.get("content", "")
+            if msg.get("thinking"):
+                obj["thinking"] = msg["thinking"]
         yield json.dumps(obj, ensure_ascii=False) + "\n"
 
 
@@ -255,7 +275,13 @@ async def api_show(request: Request) -> dict:
             "details": _card(state)["details"],
             "model_info": {"general.architecture": e.container.model_type, "colibri.context_length": e.ctx_size,
                            "colibri.n_layers": e.n_layers, "colibri.scheme": e.scheme},
-            "capabilities": ["completion", "tools"]}
+            "capabilities": ["completion", "tools", *(["thinking"] if _thinks(e.tokenizer.chat_template) else [])]}
+
+
+def _thinks(template) -> bool:
+    """Whether the chat template shows a thinking model (a think tag, or a variable that switches it)."""
+    text = template if isinstance(template, str) else json.dumps(template or "")
+    return any(m in text for m in ("<think>", "enable_thinking", "reasoning_content", "reasoning_effort"))
 
 
 @router.get("/api/version")
