@@ -300,6 +300,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
         stats = stats_for_convert(calibration, src, group_size)
         meta["quant"]["calibration"] = stats.source or "uniform weights (no statistics)"
     record_fn = getattr(fam, "expert_record", expert_record)
+    prepare = getattr(fam, "prepare", None)
     grid = getattr(st, "integer_grid", False)  # (packed ints: keep groups that are on a grid exactly)
     with Progress(plan.total_bytes(), f"converting {src.name} -> {dst.name} ({scheme})", enabled=progress) as bar, \
             Writer(dst, meta) as w:
@@ -326,6 +327,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                 continue
             t = st.read(plan.sources[name])
             check_finite(plan.sources[name], t)
+            if prepare is not None:  # (a family's value remapping, e.g. ERNIE's interleaved RoPE rows)
+                t = prepare(name, t, cfg)
             bar.update(t.nbytes)
             for sname, (data, attrs) in stored_tensors(name, t, plan.storage(name, kind, shape), group_size,
                                                        stats, grid=grid).items():

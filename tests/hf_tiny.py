@@ -69,6 +69,8 @@ Other family-specific tensors (same in both layouts):
 - gpt_oss: ``self_attn.sinks`` [n_heads]; biases on q/k/v/o; router bias.
 - dots1: glm4_moe's layout without attention biases, its q/k norm always on, RoPE over the whole
   head; layer 2 slides over 8 positions (max_window_layers=2).
+- ernie4_5_moe: ``mlp.moe_statics.e_score_correction_bias`` [1, E]; layer 0 dense; shared experts as
+  glm4_moe's; RoPE on interleaved channel pairs.
 - minimax_m2: mixtral's layout plus ``mlp.e_score_correction_bias`` [E] (on the MoE block) and
   olmoe's whole-projection ``self_attn.q_norm/k_norm``; RoPE on 16 of the 32 channels of a head.
 
@@ -99,6 +101,7 @@ FAMILIES: tuple[str, ...] = (
     "gpt_oss",
     "minimax_m2",
     "dots1",
+    "ernie4_5_moe",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -329,6 +332,15 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             # The last layer slides over 8 positions: a 32+ token run crosses it.
             "sliding_window": 8,
             "max_window_layers": 2,
+        },
+        "ernie4_5_moe": {
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_intermediate_size": moe_i,
+            "moe_num_shared_experts": 1,
+            "moe_layer_start_index": 1,  # layer 0 dense
+            "head_dim": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
         },
         "minimax_m2": {
             "num_local_experts": 8,

@@ -127,7 +127,7 @@ def test_routers_and_norms_are_nontrivial(model_type: str) -> None:
     for name, t in state.items():
         if t.is_floating_point() and t.numel() > 1:
             assert t.std() > 0, f"{name} is constant"
-    if model_type in ("glm4_moe", "deepseek_v3", "minimax_m2", "dots1"):
+    if model_type in ("glm4_moe", "deepseek_v3", "minimax_m2", "dots1", "ernie4_5_moe"):
         bias = [t for k, t in state.items() if k.endswith("e_score_correction_bias")]
         assert bias and all(b.abs().min() > 0 for b in bias)
 
