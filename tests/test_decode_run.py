@@ -110,3 +110,45 @@ def test_runs_wait_until_the_thread_count_is_chosen(ckpt, monkeypatch) -> None:
     finally:
         llm.close()
     assert len(got) == 40 and sum(runs) == 39 - 2 * (threads.EXPLORE + 1)
+
+
+def test_concurrent_greedy_requests_run_together(ckpt, monkeypatch) -> None:
+    """Several plain-greedy requests decode in one native run (a row each): every request gets the tokens,
+    finish reason and expert counts it gets with one step at a time, the engine the same batching counts;
+    a stop id one of them meets ends the run, that request alone finishes, and the others go on."""
+    import colibri
+
+    prompts = [PROMPT, PROMPT[:9], [1, 250, 251, 33, 34, 35, 90, 91, 92, 17]]
+    llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=64, slots=3, threads=2, cache_prompt=False)
+    shapes: list[int] = []
+    real = native.decode_run
+
+    def spy(*a):
+        out = real(*a)
+        shapes.append(out[1].shape[2])  # rows of the run
+        return out
+
+    def batch(run_s: float, stop: tuple[int, ...] = ()) -> tuple[list, dict]:
+        with monkeypatch.context() as mp:
+            mp.setattr(runner, "RUN_S", run_s)
+            mp.setattr(native, "decode_run", spy)
+            before = llm.metrics()
+            # submitted together: the first admit takes all three, their prompts share the first step
+            hs = [llm.submit(p, max_tokens=30, temperature=0, ignore_eos=True, stop_ids=stop) for p in prompts]
+            out = [(h.wait(), h.finish_reason, h.stats.experts_own, h.stats.generated) for h in hs]
+            after = llm.metrics()
+        return out, {k: after[k] - before[k] for k in ("experts_unique", "experts_summed", "generated_tokens")}
+
+    try:
+        batch(0.0)  # times the thread counts for 3 rows (their exploring steps stay single)
+        ref, ref_counts = batch(0.0)
+        got, counts = batch(10.0)
+        assert got == ref and counts == ref_counts and max(shapes) == 3
+        stop = ref[1][0][5]  # the second request's sixth token
+        shapes.clear()
+        ref_stop, _ = batch(0.0, (stop,))
+        got_stop, _ = batch(10.0, (stop,))
+    finally:
+        llm.close()
+    assert got_stop == ref_stop and ref_stop[1][1] == "stop" and len(ref_stop[1][0]) <= 5
+    assert any(n == 3 for n in shapes)

@@ -46,7 +46,7 @@ class Runner:
         self.counters = EngineCounters()
         self.decode_threads = DecodeThreads(threads)
         self._threads_now = (threads, threads)  # (torch, native pool)
-        self._token_s = 1.0  # the last one-sequence decode step's seconds a token (sizes `_run`)
+        self._step_s: dict[int, float] = {}  # decode rows -> the last such step's seconds (sizes `_run`)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="colibri-engine", daemon=True)
         self.thread.start()
@@ -80,7 +80,7 @@ class Runner:
         decode_only = all(len(c.tokens) == 1 for c in chunks)
         n_threads = self.decode_threads.pick(len(chunks)) if decode_only else self.threads
         self._set_threads(n_threads, sum(len(c.tokens) for c in chunks) <= native.MOE_MAX_ROWS)
-        if decode_only and len(chunks) == 1 and self._run(chunks[0], n_threads):
+        if decode_only and self._run(chunks, n_threads):
             return
         t0 = time.perf_counter()
         seqs, tokens, out_rows, r = [], [], [], 0
@@ -106,8 +106,7 @@ class Runner:
             self.sched.slots.wrote(c.a.slot, c.start, c.tokens)
         if decode_only:
             self.decode_threads.record(len(chunks), n_threads, now - t0)
-            if len(chunks) == 1:
-                self._token_s = now - t0
+            self._step_s[len(chunks)] = now - t0
         # Counters and listeners first: a request's stats and routing are complete when it ends.
         self._account(chunks, seqs, routes, bytes0, now - t0)
         o = 0
@@ -116,38 +115,47 @@ class Runner:
             self._after(c, logits[o : o + n_out], now)
             o += n_out
 
-    def _run(self, c: Chunk, n_threads: int) -> bool:
-        """Decode a lone plain-greedy request several tokens in one native call (coli_decode_run) when
-        nothing else waits and no listener watches each step: the Python of a step (scheduling, counters,
-        the token's hand-off) is then paid once per RUN_S of decoding instead of per token. Same kernels,
-        same argmax, same tokens and stops; the tokens reach the caller a run at a time. Whether it ran."""
-        a, h = c.a, c.a.h
-        if self.listeners or self.sched.queue or c.start < a.prompt_len or not c.sample or c.all_rows \
-                or not a.picker.plain_greedy or self.decode_threads.exploring(1):
+    def _run(self, chunks: list[Chunk], n_threads: int) -> bool:
+        """Decode plain-greedy requests several steps in one native call (coli_decode_run) when nothing else
+        waits and no listener watches each step: the Python of a step (scheduling, counters, the tokens'
+        hand-off) is then paid once per RUN_S of decoding instead of per step. Same kernels, same argmax,
+        same tokens and stops; the tokens reach the callers a run at a time. Whether it ran."""
+        T = len(chunks)
+        if self.listeners or self.sched.queue or self.decode_threads.exploring(T):
             return False
-        n = min(max(int(RUN_S / self._token_s), 1), h.max_tokens - h.stats.generated, self.sched.slots.ctx - a.fed)
+        n = max(int(RUN_S / self._step_s.get(T, 1.0)), 1)
+        stops: set[int] = set()
+        for c in chunks:
+            a, h = c.a, c.a.h
+            if c.start < a.prompt_len or not c.sample or c.all_rows or not a.picker.plain_greedy:
+                return False
+            n = min(n, h.max_tokens - h.stats.generated, self.sched.slots.ctx - a.fed)
+            stops |= h.stop_ids if h.ignore_eos else h.stop_ids | self.eos_ids()
         if n < 2:
             return False
-        stop = _ids(sorted(h.stop_ids | (set() if h.ignore_eos else self.eos_ids())))
+        seqs = [Seq(r, r + 1, c.start, self.sched.slots.caches[c.a.slot]) for r, c in enumerate(chunks)]
         t0, bytes0 = time.perf_counter(), self._bytes_read()
         try:
-            got = native_step.run_greedy(self.model, c.tokens[0], self.sched.slots.caches[a.slot], c.start, n, stop)
+            got = native_step.run_greedy(self.model, [c.tokens[0] for c in chunks], StepBatch(seqs), n,
+                                         _ids(sorted(stops)))
         except BaseException as e:  # noqa: BLE001 - as in _step
-            self._failed([c], e)
+            self._failed(chunks, e)
             return True
         if got is None:
             return False
-        toks, idx = got
+        steps, idx = got
         now = time.perf_counter()
-        self.sched.slots.wrote(a.slot, c.start, [c.tokens[0], *toks[:-1]])
-        self._token_s = (now - t0) / len(toks)
-        self.decode_threads.record(1, n_threads, self._token_s)
-        self._account_run(a, idx, bytes0, now - t0)
-        for tok in toks:
-            a.fed += 1
-            a.picker.took(tok)
-            if not self._took(a, tok, None, None, now):
-                break
+        self._step_s[T] = (now - t0) / len(steps)
+        self.decode_threads.record(T, n_threads, self._step_s[T])
+        self._account_run(chunks, idx, bytes0, now - t0)
+        for t, c in enumerate(chunks):  # a row's tokens up to its own stop (the run ends at anyone's)
+            toks = [row[t] for row in steps]
+            self.sched.slots.wrote(c.a.slot, c.start, [c.tokens[0], *toks[:-1]])
+            for tok in toks:
+                c.a.fed += 1
+                c.a.picker.took(tok)
+                if not self._took(c.a, tok, None, None, now):
+                    break
         return True
 
     def _failed(self, chunks: list[Chunk], e: BaseException) -> None:
@@ -265,24 +273,28 @@ class Runner:
                     log.exception("colibri: step listener failed; removing it")
                     self.listeners.remove(fn)
 
-    def _account_run(self, a: Active, idx: torch.Tensor, bytes0: int, seconds: float) -> None:
-        """`_account` for a `_run` of n steps of one sequence (idx [n, L, 1, k]): its experts are the union."""
-        n, L = idx.shape[:2]
+    def _account_run(self, chunks: list[Chunk], idx: torch.Tensor, bytes0: int, seconds: float) -> None:
+        """`_account` for a `_run` of n steps of T one-row sequences (idx [n, L, T, k])."""
+        n, L, T = idx.shape[:3]
         read = self._bytes_read() - bytes0
         k = self.counters
         k.steps += n
-        k.rows += n
-        k.decode_rows += n
+        k.rows += n * T
+        k.decode_rows += n * T
         k.busy_s += seconds
-        self.store.count_step(0, n, read)
-        s = idx.reshape(n * L, -1).sort(-1).values  # distinct experts per (step, layer), as batching_counts
-        experts = n * L + int((s[:, 1:] != s[:, :-1]).sum())
-        k.experts_unique += experts
-        k.experts_summed += experts
-        st = a.h.stats
-        st.experts_own += experts
-        st.experts_fetched_share += experts
-        st.bytes_read_share += read
+        self.store.count_step(0, n * T, read)
+        # Distinct experts per (step, layer): over all rows (the union fetched) and per row (batching_counts).
+        union = idx.reshape(n * L, -1).sort(-1).values
+        unique = n * L + int((union[:, 1:] != union[:, :-1]).sum())
+        rows = idx.reshape(n * L * T, -1).sort(-1).values
+        own = (1 + (rows[:, 1:] != rows[:, :-1]).sum(-1)).view(n * L, T).sum(0)  # [T]
+        k.experts_unique += unique
+        k.experts_summed += int(own.sum())
+        for c, mine in zip(chunks, own.tolist()):
+            st = c.a.h.stats
+            st.experts_own += mine
+            st.experts_fetched_share += unique / T
+            st.bytes_read_share += read / T
 
     # ------------------------------------------------------------------ shutdown
 

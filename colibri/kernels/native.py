@@ -129,7 +129,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_decode_step.argtypes = [p, p, i, p, p, i, p, p, p, ctypes.c_long, ctypes.c_long, p, p, ctypes.c_long, p, p,
                                      p, p, i, p]
     lib.coli_decode_step.restype = i
-    lib.coli_decode_run.argtypes = [p, ctypes.c_int64, i, p, p, i, p, p, ctypes.c_long, ctypes.c_long, p, p,
+    lib.coli_decode_run.argtypes = [p, p, i, i, p, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p,
                                     ctypes.c_long, i, p, i, p, p, p, p]
     lib.coli_decode_run.restype = i
     f = ctypes.c_float
@@ -453,22 +453,24 @@ def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs:
     return logits, idx, wts
 
 
-def decode_run(tail, token: int, attn, moe, pos0: int, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
-               k: int, n_steps: int, stop: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """coli_decode_run: up to n_steps greedy steps of one sequence from `token` at position pos0, ending
-    after a token in `stop` (int64 [S], contiguous) -> (the tokens picked, idx, weights [n, L, 1, k])."""
-    idx, wts = _routes(n_steps * len(attn), 1, k)
-    out = torch.empty(n_steps, dtype=torch.int64)
+def decode_run(tail, tokens: list[int], attn, moe, pos0: list[int], kc, vc, ks: int, vs: int,
+               rope: tuple[int, int, int], k: int, n_steps: int, stop: torch.Tensor
+               ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """coli_decode_run: up to n_steps greedy steps of T sequences (one row each) from `tokens` at positions
+    `pos0`, ending after a step in which a row picked a token of `stop` (int64 [S], contiguous) -> (per step
+    the T tokens picked, idx, weights [n, L, T, k])."""
+    T, L = len(tokens), len(attn)
+    idx, wts = _routes(n_steps * L, T, k)
+    out = torch.empty(n_steps, T, dtype=torch.int64)
     failed = ctypes.c_int(-1)
-    n = _lib.coli_decode_run(ctypes.byref(tail), token, len(attn), attn, moe, pos0, kc, vc, ks, vs, *rope, n_steps,
-                             stop.data_ptr(), stop.shape[0], out.data_ptr(), idx.data_ptr(), wts.data_ptr(),
-                             ctypes.byref(failed))
+    n = _lib.coli_decode_run(ctypes.byref(tail), (ctypes.c_int64 * T)(*tokens), T, L, attn, moe,
+                             (ctypes.c_int * T)(*pos0), kc, vc, ks, vs, *rope, n_steps, stop.data_ptr(),
+                             stop.shape[0], out.data_ptr(), idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
     if n == -6:
         raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")
     if n < 1:
         raise _step_failed("coli_decode_run", n, failed)
-    L = len(attn)
-    return out[:n].tolist(), idx[: n * L].view(n, L, 1, k), wts[: n * L].view(n, L, 1, k)
+    return out[:n].tolist(), idx[: n * L].view(n, L, T, k), wts[: n * L].view(n, L, T, k)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -188,35 +188,43 @@ static long argmax_f32(const float *x, long n) {
     return best;
 }
 
-/* Up to n_steps greedy decode steps of one sequence in one call: step s feeds its token at position
- * pos0 + s (the first is `tok`) through coli_decode_step and picks the next as the logits' argmax into
- * out[s], ending after a token in stop[0..n_stop). kc/vc: the sequence's K/V cache pointer per layer;
- * the rotary tables must hold positions < pos0 + n_steps. idx/w: each step's routes, [n_steps, L, 1, k].
- * Why: between one-token steps the engine's Python ran ~0.6-0.7 ms a token on a small model (15-20% of
- * its decode), while a plain greedy request needs none of it until the tokens are handed out. The bits
- * are those of one coli_decode_step per token. Returns the steps run (>= 1), or the first step's error
- * code (a later step's failure ends the run early: the caller's next step meets it again). */
-int coli_decode_run(const coli_tail *tl, int64_t tok, int n_layers, const coli_attn_layer *attn,
-                    const coli_moe_layer *moe, int pos0, void *const *kc, void *const *vc, long ks, long vs,
+/* Up to n_steps greedy decode steps of T sequences (one row each) in one call: step s feeds row t's token at
+ * position pos0[t] + s (the first ones are tok[0..T)) through coli_decode_step and picks the next as the
+ * argmax of that row's logits into out[s * T + t]; the run ends after a step in which any row picked a token
+ * of stop[0..n_stop). kc/vc: per (layer, row) the row's K/V cache pointer, as coli_decode_step; the rotary
+ * tables must hold every position < pos0[t] + n_steps. idx/w: each step's routes, [n_steps, L, T, k].
+ * Why: between one-token steps the engine's Python ran ~0.6-0.7 ms a step on a small model (15-20% of a
+ * lone request's decode, more with several rows), while plain greedy requests need none of it until the
+ * tokens are handed out. The bits are those of one coli_decode_step per step. Returns the steps run (>= 1),
+ * or the first step's error code (a later step's failure ends the run early: the caller's next step meets it
+ * again). */
+int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layers, const coli_attn_layer *attn,
+                    const coli_moe_layer *moe, const int *pos0, void *const *kc, void *const *vc, long ks, long vs,
                     const float *ctab, const float *stab, long tab_rows, int n_steps, const int64_t *stop,
                     int n_stop, int64_t *out, int64_t *idx, float *w, int *failed) {
-    if (n_steps < 1 || pos0 + n_steps > tab_rows) return -1;
-    float *logits = (float *)malloc(sizeof(float) * (size_t)tl->vocab);
+    if (n_steps < 1 || T < 1 || T > MAX_T) return -1;
+    for (int t = 0; t < T; t++)
+        if (pos0[t] + n_steps > tab_rows) return -1;
+    float *logits = (float *)malloc(sizeof(float) * (size_t)tl->vocab * T);
     if (!logits) return -2;
+    int64_t tok[MAX_T], rows[MAX_T];
+    int pos[MAX_T];
+    for (int t = 0; t < T; t++) tok[t] = tok0[t], rows[t] = t;
     int k = moe[0].k, s = 0;
-    const int64_t row = 0;
     for (; s < n_steps; s++) {
-        int pos = pos0 + s;
-        size_t r = (size_t)s * n_layers * k;
-        int rc = coli_decode_step(tl, &tok, n_layers, attn, moe, 1, &pos, kc, vc, ks, vs, ctab, stab, tab_rows,
-                                  idx + r, w + r, failed, &row, 1, logits);
+        for (int t = 0; t < T; t++) pos[t] = pos0[t] + s;
+        size_t r = (size_t)s * n_layers * T * k;
+        int rc = coli_decode_step(tl, tok, n_layers, attn, moe, T, pos, kc, vc, ks, vs, ctab, stab, tab_rows,
+                                  idx + r, w + r, failed, rows, T, logits);
         if (rc) {
             free(logits);
             return s ? s : rc;
         }
-        tok = out[s] = argmax_f32(logits, tl->vocab);
         int end = 0;
-        for (int j = 0; j < n_stop && !end; j++) end = stop[j] == tok;
+        for (int t = 0; t < T; t++) {
+            tok[t] = out[(size_t)s * T + t] = argmax_f32(logits + (size_t)t * tl->vocab, tl->vocab);
+            for (int j = 0; j < n_stop && !end; j++) end = stop[j] == tok[t];
+        }
         if (end) {
             s++;
             break;

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..kernels import native
 from ..quant import QLinear
-from .batch import Seq, StepBatch
+from .batch import StepBatch
 from .layers import Attention, DecoderBlock, KVCache
 from .moe import SparseMoE, native_routing
 
@@ -191,7 +191,7 @@ def _args(plan: _Plan, batch: StepBatch, T: int) -> tuple | None:
     """The step's per-row positions and KV cache pointers, its head strides and rotary rows; None where a
     sequence's caches do not fit the one-call path. The pointer arrays depend only on which slots sit at
     which rows: kept while that layout repeats (every decode step of the same requests)."""
-    key = tuple((id(s.caches), s.r1 - s.r0) for s in batch.seqs)
+    key = _layout(batch)
     slots = [_slot(plan, s.caches) for s in batch.seqs]
     pos: list[int] = []
     for s, slot in zip(batch.seqs, slots):
@@ -205,6 +205,11 @@ def _args(plan: _Plan, batch: StepBatch, T: int) -> tuple | None:
             plan.ptrs.clear()
             plan.ptrs[key] = ptrs
     return ((ctypes.c_int * T)(*pos), ptrs[1], ptrs[2], slots[0].ks, slots[0].vs, plan.rope_tables(max(pos) + 1))
+
+
+def _layout(batch: StepBatch) -> tuple:
+    """Which slots sit at which rows of a step: the key of its cached K/V pointer arrays."""
+    return tuple((id(s.caches), s.r1 - s.r0) for s in batch.seqs)
 
 
 def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
@@ -263,25 +268,28 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
     return logits
 
 
-def run_greedy(model: nn.Module, token: int, caches: list, start: int, n_steps: int, stop: torch.Tensor
-               ) -> tuple[list[int], torch.Tensor] | None:
-    """Up to n_steps greedy decode steps of one sequence in one native call (coli_decode_run): `token`
-    fed at position `start`, each step's argmax fed to the next, ending after a token in `stop` (int64
-    [S]) -> (the tokens picked, the steps' expert ids [n, L, 1, k]); None where the one-call step does
-    not apply. The routes go to the caller, not to the experts' hooks: it applies only where those are
-    a RouteCapture's alone (the engine's), whose caller counts them."""
-    plan = _plan_for(model, model.model.embed_tokens.out_dtype, torch.device("cpu"), 1)  # (_args checks the caches)
-    if plan is None or plan.tail is None or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules) \
+def run_greedy(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: int, stop: torch.Tensor
+               ) -> tuple[list[list[int]], torch.Tensor] | None:
+    """Up to n_steps greedy decode steps of the batch's sequences (one row each) in one native call
+    (coli_decode_run): `tokens` fed at their sequences' positions, each row's argmax fed to it at the next,
+    ending after a step in which a row picked a token of `stop` (int64 [S]) -> (per step the rows' tokens,
+    the steps' expert ids [n, L, T, k]); None where the one-call step does not apply. The routes go to the
+    caller, not to the experts' hooks: it applies only where those are a RouteCapture's alone (the
+    engine's), whose caller counts them."""
+    T = len(tokens)
+    plan = _plan_for(model, model.model.embed_tokens.out_dtype, torch.device("cpu"), T)  # (_args checks caches)
+    if plan is None or plan.tail is None or T > plan.tail.max_rows \
+            or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules) \
             or any(ex.on_route is not None and getattr(ex.on_route, "capture", None) is None for ex in plan.experts):
         return None
-    args = _args(plan, StepBatch([Seq(0, 1, start, caches)]), 1)
-    slot = plan.slots.get(id(caches))
-    if args is None or slot is None or start + n_steps > slot.ctx:
+    args = _args(plan, batch, T)
+    if args is None or any(s.r1 - s.r0 != 1 or s.start + n_steps > slot.ctx
+                           for s, slot in zip(batch.seqs, plan.ptrs[_layout(batch)][0])):
         return None
-    _, kc, vc, ks, vs, _ = args
-    toks, idx, _ = native.decode_run(plan.tail.struct, token, plan.attn, plan.moe, start, kc, vc, ks, vs,
-                                     plan.rope_tables(start + n_steps), plan.k, n_steps, stop)
-    return toks, idx
+    pos, kc, vc, ks, vs, _ = args
+    steps, idx, _ = native.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks, vs,
+                                      plan.rope_tables(max(pos) + n_steps), plan.k, n_steps, stop)
+    return steps, idx
 
 
 def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
