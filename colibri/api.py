@@ -76,6 +76,9 @@ class Engine:
       of its prompt (a chat's earlier turns) and computes only the rest. Off while a route trace
       or the debug routing log runs (they need every token's routing).
     - `route_trace`: path of a routing trace to append to (docs/ROUTING.md).
+    - `decode_run_ms`: plain-greedy requests (no sampling, penalties or log-probs) decode up to this
+      long per native call, their tokens handed out a run at a time (docs/DESIGN.md "Native runs");
+      0 hands out every token as it is made. Default (None) 20.
 
     Memory tiers (docs/TIERS.md), all keyword-only:
     - `placement`: a `store.Placement` (per-layer "gpu" / "ram" / "disk", pinned hot experts),
@@ -99,11 +102,14 @@ class Engine:
                  prefill_chunk: int = 512, cache_prompt: bool = True, route_trace: str | os.PathLike | None = None,
                  placement: Placement | PlacementFn | None = None, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
-                 gpu_device: str | None = None, cache_policy: str = "reuse"):
+                 gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ColibriError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if decode_run_ms is not None and (isinstance(decode_run_ms, bool) or not isinstance(decode_run_ms, int | float)
+                                          or not 0 <= decode_run_ms <= 10_000):
+            raise ColibriError(f"decode_run_ms must be a number of milliseconds in 0..10000, got {decode_run_ms!r}")
         self._closed = True  # until fully built: close() and __del__ then have nothing to undo
         self.threads = threads or physical_cores()
         # Loading runs on one torch thread: a parallel op here would give this (the caller's) thread an
@@ -142,6 +148,7 @@ class Engine:
         self._sched = Scheduler(self.slots, max_queue, prefill_chunk, mixed, cache_prompt and route_trace is None)
         self._cache_prompt = cache_prompt
         self._runner = Runner(self.model, self._sched, self.store, self.threads, lambda: self.tokenizer.eos_ids)
+        self._runner.run_s = None if decode_run_ms is None else decode_run_ms / 1000
         self._grammars = GrammarCompiler(self.tokenizer.tk, self.vocab_rows)
         self._local = threading.local()
         self._closed = False

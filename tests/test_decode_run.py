@@ -152,3 +152,22 @@ def test_concurrent_greedy_requests_run_together(ckpt, monkeypatch) -> None:
         llm.close()
     assert got_stop == ref_stop and ref_stop[1][1] == "stop" and len(ref_stop[1][0]) <= 5
     assert any(n == 3 for n in shapes)
+
+
+def test_decode_run_ms_sets_the_run_length(ckpt, monkeypatch) -> None:
+    """`decode_run_ms=0` hands out every token as it is made (no native run); a bad value is refused by name."""
+    import colibri
+    from colibri.errors import ColibriError
+
+    for bad in (-1, float("nan"), "20", True):
+        with pytest.raises(ColibriError, match="decode_run_ms"):
+            colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, decode_run_ms=bad)
+    for ms, runs_expected in ((0, False), (50, True)):
+        llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, threads=2, decode_run_ms=ms)
+        try:
+            with monkeypatch.context() as mp:
+                runs = _spy_runs(mp)
+                assert len(llm.submit(PROMPT, max_tokens=30, ignore_eos=True, temperature=0).wait()) == 30
+        finally:
+            llm.close()
+        assert bool(runs) == runs_expected, ms

@@ -115,6 +115,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False,
                    help="requests waiting for a slot beyond which new ones are refused")
     g.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=512,
                    help="prompt tokens prefilled per engine step (long prompts do not stall running requests)")
+    g.add_argument("--decode-run-ms", type=number("--decode-run-ms", 0, 10_000), default=None,
+                   help="plain-greedy requests decode up to this long per native call, their tokens streamed a run "
+                        "at a time (default 20; 0: every token as it is made)")
     g.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the K/V a free slot holds for the start of a new prompt (a chat's earlier turns); "
                         "off while routes are traced or logged")
@@ -263,7 +266,7 @@ def engine_from_args(a: argparse.Namespace):
                      mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
                      direct_io=a.direct_io, slots=a.slots, max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
                      route_trace=getattr(a, "route_trace", None), cache_policy=a.cache_policy,
-                     cache_prompt=a.cache_prompt)
+                     cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms)
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
         if isinstance(e, RuntimeError) and "alloc" not in str(e) and "memory" not in str(e):

@@ -27,7 +27,7 @@ from .threads import DecodeThreads
 
 log = logging.getLogger("colibri")
 
-RUN_S = 0.02  # a lone greedy request decodes this long per native call (`Runner._run`); 0 turns it off
+RUN_S = 0.02  # plain-greedy requests decode this long per native call (`Runner._run`); 0 turns it off
 
 
 def _ids(ids: list[int]) -> torch.Tensor:
@@ -47,6 +47,7 @@ class Runner:
         self.decode_threads = DecodeThreads(threads)
         self._threads_now = (threads, threads)  # (torch, native pool)
         self._step_s: dict[int, float] = {}  # decode rows -> the last such step's seconds (sizes `_run`)
+        self.run_s: float | None = None  # seconds per native run (Engine's decode_run_ms); None: RUN_S
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="colibri-engine", daemon=True)
         self.thread.start()
@@ -123,7 +124,7 @@ class Runner:
         T = len(chunks)
         if self.listeners or self.sched.queue or self.decode_threads.exploring(T):
             return False
-        n = max(int(RUN_S / self._step_s.get(T, 1.0)), 1)
+        n = max(int((RUN_S if self.run_s is None else self.run_s) / self._step_s.get(T, 1.0)), 1)
         stops: set[int] = set()
         for c in chunks:
             a, h = c.a, c.a.h
