@@ -249,6 +249,10 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         "num_experts_per_tok": 2,
     }
     moe_i = 32  # routed (and shared) expert width, smaller than the dense MLP
+    # GLM-4.5's MoE layers (dense layer 0, a shared expert, group-limited sigmoid routing), which dots1 shares
+    glm_moe = {"n_routed_experts": 8, "moe_intermediate_size": moe_i, "n_shared_experts": 1,
+               "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5,
+               "norm_topk_prob": True, "head_dim": 16}
     family: dict[str, dict[str, Any]] = {
         "mixtral": {"num_local_experts": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         "olmoe": {"num_experts": 8, "norm_topk_prob": False, "clip_qkv": None},
@@ -271,20 +275,7 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "mlp_only_layers": [1],
             "qkv_bias": True,
         },
-        "glm4_moe": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
-            "routed_scaling_factor": 1.5,
-            "norm_topk_prob": True,
-            "use_qk_norm": True,
-            "partial_rotary_factor": 0.5,
-            "head_dim": 16,
-            "attention_bias": True,
-        },
+        "glm4_moe": {**glm_moe, "use_qk_norm": True, "partial_rotary_factor": 0.5, "attention_bias": True},
         "deepseek_v2": {
             "n_routed_experts": 8,
             "moe_intermediate_size": moe_i,
@@ -319,20 +310,8 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "num_key_value_heads": 4,
             "rope_interleave": True,
         },
-        "dots1": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
-            "routed_scaling_factor": 1.5,
-            "norm_topk_prob": True,
-            "head_dim": 16,
-            # The last layer slides over 8 positions: a 32+ token run crosses it.
-            "sliding_window": 8,
-            "max_window_layers": 2,
-        },
+        # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
+        "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},
         "ernie4_5_moe": {
             "moe_num_experts": 8,
             "moe_k": 2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import ColibriError
 from . import native_step
 from .batch import StepBatch
-from .layers import Embedding, Linear, RMSNorm
+from .layers import ROPE_TYPES, Embedding, Linear, RMSNorm, rope_scaling
 from .moe import SwitchGLU
 
 SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
@@ -35,6 +35,20 @@ class BaseArgs:
         if "raw" in names:  # families that need derived fields read the full config
             kw["raw"] = d
         return cls(**kw)
+
+
+def refuse(family: str, field: str, value, want: str) -> NoReturn:
+    """A config value a family's `check_config` does not implement, named with the family and the field."""
+    raise ColibriError(f"{family}: {field}={value!r} is not supported ({want})")
+
+
+def check_act_and_rope(family: str, cfg: dict, act: bool = True) -> None:
+    """The refusals most families share: an activation other than silu (`act`), an unimplemented RoPE scaling."""
+    if act and cfg.get("hidden_act", "silu") != "silu":
+        refuse(family, "hidden_act", cfg["hidden_act"], "only silu")
+    scaling = rope_scaling(cfg)
+    if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
+        refuse(family, "rope_scaling.rope_type", scaling["rope_type"], f"supported: default, {', '.join(ROPE_TYPES)}")
 
 
 def family(model_type: str):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ColibriError
 from . import glm4_moe
+from .base import refuse
 
 
 @dataclass
@@ -39,14 +39,13 @@ class ModelArgs(glm4_moe.ModelArgs):
 
 def check_config(cfg: dict) -> None:
     """GLM's refusals (activation, scoring, top-k method, groups, rope types), plus dots1's own."""
-    glm4_moe.check_config(cfg)
+    glm4_moe.check_config(cfg, "dots1")
     if cfg.get("attention_bias"):
-        raise ColibriError("dots1: attention_bias=True is not supported (the released models have none)")
+        refuse("dots1", "attention_bias", True, "the released models have none")
     kinds = cfg.get("layer_types")
     if kinds is not None and (len(kinds) != cfg.get("num_hidden_layers")
                               or any(k not in ("full_attention", "sliding_attention") for k in kinds)):
-        raise ColibriError(f"dots1: layer_types={kinds!r} is not supported (full_attention / sliding_attention, "
-                           "one per layer)")
+        refuse("dots1", "layer_types", kinds, "full_attention / sliding_attention, one per layer")
 
 
 class Model(glm4_moe.Model):

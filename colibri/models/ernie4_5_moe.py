@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import ColibriError
-from .base import BaseArgs, CausalLM
-from .glm4_moe import _ROPE_TYPES
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 
@@ -55,18 +53,11 @@ class ModelArgs(BaseArgs):
 
 
 def check_config(cfg: dict) -> None:
-    def refuse(field: str, value, want: str):
-        raise ColibriError(f"ernie4_5_moe: {field}={value!r} is not supported ({want})")
-
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", cfg["hidden_act"], "only silu")
+    check_act_and_rope("ernie4_5_moe", cfg)
     if cfg.get("use_bias"):
-        refuse("use_bias", cfg["use_bias"], "the released models have no linear biases")
+        refuse("ernie4_5_moe", "use_bias", cfg["use_bias"], "the released models have no linear biases")
     if int(cfg.get("moe_layer_interval") or 1) < 1:
-        refuse("moe_layer_interval", cfg.get("moe_layer_interval"), ">= 1")
-    scaling = rope_scaling(cfg)
-    if scaling is not None and scaling["rope_type"] not in _ROPE_TYPES:
-        refuse("rope_scaling.rope_type", scaling["rope_type"], "supported: default, linear, llama3, yarn")
+        refuse("ernie4_5_moe", "moe_layer_interval", cfg.get("moe_layer_interval"), ">= 1")
 
 
 class Router(nn.Module):

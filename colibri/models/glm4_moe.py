@@ -9,13 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import ColibriError
 from ..kernels import native
-from .base import BaseArgs, CausalLM
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU, native_router_ok
-
-_ROPE_TYPES = ("linear", "llama3", "yarn")  # besides plain RoPE; what layers.rope_inv_freq implements
 
 
 @dataclass
@@ -59,25 +56,19 @@ def partial_rotary_factor(cfg: dict) -> float:
     return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
 
 
-def check_config(cfg: dict) -> None:
-    """Refuse GLM configs whose routing, activation, rope or weight format this file does not implement."""
-    def refuse(field: str, value, want: str):
-        raise ColibriError(f"glm4_moe: {field}={value!r} is not supported ({want})")
-
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", cfg["hidden_act"], "only silu")
+def check_config(cfg: dict, family: str = "glm4_moe") -> None:
+    """Refuse GLM configs whose routing, activation, rope or weight format this file does not implement
+    (`family`: the name the errors give, for the families built on this one)."""
+    check_act_and_rope(family, cfg)
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":
-        refuse("scoring_func", cfg["scoring_func"], "only sigmoid")
+        refuse(family, "scoring_func", cfg["scoring_func"], "only sigmoid")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-        refuse("topk_method", cfg["topk_method"], "only noaux_tc")
+        refuse(family, "topk_method", cfg["topk_method"], "only noaux_tc")
     experts, groups = int(cfg.get("n_routed_experts", 128)), int(cfg.get("n_group") or 1)
     if experts % groups or experts // groups < 2:
-        refuse("n_group", groups, f"must split n_routed_experts={experts} into groups of >= 2")
+        refuse(family, "n_group", groups, f"must split n_routed_experts={experts} into groups of >= 2")
     if not 1 <= int(cfg.get("topk_group") or 1) <= groups:
-        refuse("topk_group", cfg.get("topk_group"), f"must be in 1..n_group={groups}")
-    scaling = rope_scaling(cfg)
-    if scaling is not None and scaling["rope_type"] not in _ROPE_TYPES:
-        refuse("rope_scaling.rope_type", scaling["rope_type"], "supported: default, linear, llama3, yarn")
+        refuse(family, "topk_group", cfg.get("topk_group"), f"must be in 1..n_group={groups}")
 
 
 class GroupLimitedRouter(nn.Module):

@@ -15,12 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ColibriError
-from .base import BaseArgs, CausalLM
+from .base import BaseArgs, CausalLM, check_act_and_rope
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
-_ROPE_TYPES = ("linear", "llama3", "yarn")  # besides plain RoPE; what layers.rope_inv_freq implements
 
 
 @dataclass
@@ -67,10 +66,7 @@ def check_config(cfg: dict) -> None:
         if bad := sorted(set(types) - set(_LAYER_TYPES)):
             raise ColibriError(f"gpt_oss: layer_types entry {bad[0]!r} is not supported "
                                f"({', '.join(_LAYER_TYPES)})")
-    scaling = rope_scaling(cfg)
-    if scaling is not None and scaling["rope_type"] not in _ROPE_TYPES:
-        raise ColibriError(f"gpt_oss: rope_scaling.rope_type={scaling['rope_type']!r} is not supported "
-                           f"(supported: default, {', '.join(_ROPE_TYPES)})")
+    check_act_and_rope("gpt_oss", cfg, act=False)  # (its activation is its own clamped SwiGLU)
 
 
 def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

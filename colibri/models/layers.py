@@ -69,6 +69,9 @@ def rope_theta(cfg: dict, default: float = 10000.0) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", default)))
 
 
+ROPE_TYPES = ("linear", "llama3", "yarn")  # scaled RoPE types `rope_inv_freq` implements, besides plain RoPE
+
+
 def rope_scaling(cfg: dict) -> dict | None:
     """The rope scaling dict, or None for plain RoPE (v4 `rope_scaling` or v5 `rope_parameters`)."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})

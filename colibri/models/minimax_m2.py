@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ColibriError
 from . import mixtral
-from .base import CausalLM
-from .glm4_moe import _ROPE_TYPES, GroupLimitedRouter
+from .base import CausalLM, check_act_and_rope
+from .base import refuse as _refuse
+from .glm4_moe import GroupLimitedRouter
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 
@@ -37,10 +37,9 @@ def check_config(cfg: dict) -> None:
     """Refuse MiniMax configs this file does not implement (MiniMax-Text-01's lightning attention, a
     shared expert, a softmax router)."""
     def refuse(field: str, value, want: str):
-        raise ColibriError(f"minimax_m2: {field}={value!r} is not supported ({want})")
+        _refuse("minimax_m2", field, value, want)
 
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", cfg["hidden_act"], "only silu")
+    check_act_and_rope("minimax_m2", cfg)
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":
         refuse("scoring_func", cfg["scoring_func"], "only sigmoid")
     if cfg.get("qk_norm_type", "per_layer") != "per_layer":
@@ -55,9 +54,6 @@ def check_config(cfg: dict) -> None:
     a = ModelArgs.from_dict(cfg)
     if not 0 < a.rotary_dim <= a.head_dim or a.rotary_dim % 2:  # type: ignore[operator]
         refuse("rotary_dim", a.rotary_dim, f"an even number of channels in 2..head_dim={a.head_dim}")
-    scaling = rope_scaling(cfg)
-    if scaling is not None and scaling["rope_type"] not in _ROPE_TYPES:
-        refuse("rope_scaling.rope_type", scaling["rope_type"], "supported: default, linear, llama3, yarn")
 
 
 class Model(CausalLM):

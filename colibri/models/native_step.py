@@ -187,15 +187,17 @@ def _slot(plan: _Plan, caches: list) -> _Slot | None:
     return hit
 
 
-def _args(plan: _Plan, batch: StepBatch, T: int) -> tuple | None:
-    """The step's per-row positions and KV cache pointers, its head strides and rotary rows; None where a
-    sequence's caches do not fit the one-call path. The pointer arrays depend only on which slots sit at
-    which rows: kept while that layout repeats (every decode step of the same requests)."""
-    key = _layout(batch)
+def _args(plan: _Plan, batch: StepBatch, T: int, steps: int = 1) -> tuple | None:
+    """The step's per-row positions and KV cache pointers, its head strides and rotary rows, for `steps`
+    steps from there (a native run: each row one position further a step); None where a sequence's caches
+    do not fit the one-call path. The pointer arrays depend only on which slots sit at which rows: kept
+    while that layout repeats (every decode step of the same requests)."""
+    key = tuple((id(s.caches), s.r1 - s.r0) for s in batch.seqs)
     slots = [_slot(plan, s.caches) for s in batch.seqs]
     pos: list[int] = []
     for s, slot in zip(batch.seqs, slots):
-        if slot is None or s.start + s.r1 - s.r0 > slot.ctx or (slot.ks, slot.vs) != (slots[0].ks, slots[0].vs):
+        if slot is None or s.start + s.r1 - s.r0 + steps - 1 > slot.ctx \
+                or (slot.ks, slot.vs) != (slots[0].ks, slots[0].vs):
             return None  # (a full context: the per-layer path raises the error)
         pos.extend(range(s.start, s.start + s.r1 - s.r0))
     ptrs = plan.ptrs.get(key)
@@ -204,12 +206,8 @@ def _args(plan: _Plan, batch: StepBatch, T: int) -> tuple | None:
         if len(plan.ptrs) > 64:
             plan.ptrs.clear()
             plan.ptrs[key] = ptrs
-    return ((ctypes.c_int * T)(*pos), ptrs[1], ptrs[2], slots[0].ks, slots[0].vs, plan.rope_tables(max(pos) + 1))
-
-
-def _layout(batch: StepBatch) -> tuple:
-    """Which slots sit at which rows of a step: the key of its cached K/V pointer arrays."""
-    return tuple((id(s.caches), s.r1 - s.r0) for s in batch.seqs)
+    return ((ctypes.c_int * T)(*pos), ptrs[1], ptrs[2], slots[0].ks, slots[0].vs,
+            plan.rope_tables(max(pos) + steps))
 
 
 def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
@@ -282,13 +280,12 @@ def run_greedy(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: i
             or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules) \
             or any(ex.on_route is not None and getattr(ex.on_route, "capture", None) is None for ex in plan.experts):
         return None
-    args = _args(plan, batch, T)
-    if args is None or any(s.r1 - s.r0 != 1 or s.start + n_steps > slot.ctx
-                           for s, slot in zip(batch.seqs, plan.ptrs[_layout(batch)][0])):
+    args = None if any(s.r1 - s.r0 != 1 for s in batch.seqs) else _args(plan, batch, T, n_steps)
+    if args is None:
         return None
-    pos, kc, vc, ks, vs, _ = args
+    pos, kc, vc, ks, vs, rope = args
     steps, idx, _ = native.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks, vs,
-                                      plan.rope_tables(max(pos) + n_steps), plan.k, n_steps, stop)
+                                      rope, plan.k, n_steps, stop)
     return steps, idx
 
 
