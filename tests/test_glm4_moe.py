@@ -84,12 +84,14 @@ def test_one_group_routing_runs_in_the_kernels_and_gives_torchs_tokens(ckpt, mon
     path = ckpt.coli("glm4_moe", "int4", n_group=1, topk_group=1)
     ids = [1, 17, 42, 99, 7, 150, 23, 64]
     native_calls = []
-    route = glm4_moe.native.route
-    monkeypatch.setattr(glm4_moe.native, "route", lambda *a, **k: native_calls.append(1) or route(*a, **k))
+    for name in ("route", "decode_step", "decode_run"):  # per layer, or inside the one-call step
+        real = getattr(glm4_moe.native, name)
+        monkeypatch.setattr(glm4_moe.native, name,
+                            lambda *a, _r=real, _n=name, **k: native_calls.append(_n) or _r(*a, **k))
     with colibri.load(path) as llm:
         got = list(llm.generate_ids(ids, max_tokens=12, ignore_eos=True))
-    assert native_calls  # the per-layer path (shared experts, a dense layer) routed natively
-    monkeypatch.setattr(glm4_moe, "native_router_ok", lambda w, x: False)
+    assert "decode_step" in native_calls  # the whole step (dense layer, shared experts) in the kernels
+    monkeypatch.setattr(glm4_moe.GroupLimitedRouter, "native_routing", lambda self: None)  # the torch router
     with colibri.load(path) as llm:
         assert list(llm.generate_ids(ids, max_tokens=12, ignore_eos=True)) == got
     src = ckpt.hf("glm4_moe", n_group=1, topk_group=1)

@@ -21,6 +21,12 @@ static void clamp_bf16(uint16_t *x, long n, float c) {
  * cos/sin f32 [T, rot] the rows' rotary tables. Writes each row's key and value at its position,
  * then (all rows' keys written: a prompt chunk's rows see their predecessors) h_out = h + attn(h)
  * and x_out = post_norm(h_out), both bf16 [T, hidden]. Returns 0, -1 (T out of range), -2 (memory). */
+/* Each of T rows of x [T, n] bf16 += b [n] bf16 (none when b is NULL), in place. */
+static void add_rows(uint16_t *x, const uint16_t *b, int T, long n) {
+    if (b)
+        for (int t = 0; t < T; t++) add_bf16(x + t * n, b, n, x + t * n);
+}
+
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {
     if (T < 1 || T > MAX_T) return -1;
@@ -48,6 +54,9 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         void *y[3] = {q, k, v};
         PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 3, w, N, y));
         if (rc) goto done;
+        add_rows(q, L->bq, T, nq);  /* as the projection's own bias add: bf16 + bf16, one rounding */
+        add_rows(k, L->bk, T, nk);
+        add_rows(v, L->bv, T, nk);
     }
     if (L->qk_norm == 1) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
@@ -91,6 +100,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         void *y = o;
         PROF(P_O, rc = coli_multi_gemm(ao, 1, T, (int)nq, L->scheme, L->group, 1, &L->wo, &Hd, &y));
         if (rc) goto done;
+        add_rows(o, L->bo, T, Hd);
     }
     uint16_t *hn = (uint16_t *)h_out;
     add_bf16(hb, o, (long)T * Hd, hn);

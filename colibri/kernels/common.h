@@ -60,7 +60,15 @@ typedef struct {
     int rot, window;              /* rotary channels per head; sliding window (0: none) */
     float scale;
     const float *sinks;           /* [heads] f32 or NULL */
+    const uint16_t *bq, *bk, *bv, *bo; /* bf16 projection biases or NULL (Qwen2-MoE, GLM: q/k/v; gpt-oss all) */
 } coli_attn_layer;
+
+/* A dense SwiGLU MLP with separate projections: a dense layer, or a MoE layer's shared expert, optionally
+ * behind Qwen2-MoE's sigmoid gate (moe.c coli_mlp_rows). */
+typedef struct {
+    int inter, scheme, group, gated;
+    coli_qw gate, up, down, sgate; /* [I, H], [I, H], [H, I]; sgate [1, H] when gated */
+} coli_mlp;
 
 /* Entry points the kernel files call in one another (gemv.c, attn.c, block.c, moe.c). */
 int coli_multi_gemm(const void *x, int bf16, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
@@ -73,7 +81,8 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme, int g,
-                   int64_t *idx, float *w, float *ys, void *h_out);
+                   int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared);
+int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y);
 
 /* Stage timers inside a decode step, for benchmarks/profile_decode.py --stages: compiled in only with
  * -DCOLI_PROF (COLIBRI_NATIVE_CFLAGS); PROF(stage, statement) is the statement alone otherwise. The

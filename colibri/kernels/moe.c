@@ -362,22 +362,67 @@ int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int
     return j.rc;
 }
 
-/* The routed half of a decoder block whose experts are all in `gate_up`/`down` (a resident layer):
- * route x (the post-attention norm of h, bf16 [T, H]) as coli_route does, run the experts as coli_moe
- * does, and h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
+/* y [T, H] bf16 = m's MLP of x [T, H] bf16: gate and up (one pass over x), act = bf16(silu(gate) * up)
+ * (f32 math, one rounding), down; when gated, y = bf16(sigmoid(sgate . x) * y). The dense layers and shared
+ * experts of colibri/models (layers.py MLP, moe.py SparseMoE) run exactly this at bf16 on the CPU, so the
+ * per-layer and one-call paths agree bit for bit. Returns 0 or coli_multi_gemm's code. */
+int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y) {
+    if (T < 1 || T > MAX_T) return -1;
+    int I = m->inter;
+    size_t n = (size_t)T * I;
+    uint16_t *g = (uint16_t *)malloc(sizeof(uint16_t) * (3 * n + T));
+    float *hg = (float *)malloc(sizeof(float) * 3 * (size_t)I);  /* one row's [gate | up], then its act */
+    int rc = g && hg ? 0 : -2;
+    uint16_t *u = g + n, *a = u + n, *sg = a + n;
+    if (!rc) {
+        coli_qw w[3] = {m->gate, m->up, m->sgate};
+        int N[3] = {I, I, 1};
+        void *o[3] = {g, u, sg};
+        PROF(P_GATE_UP, rc = coli_multi_gemm(x, 1, T, H, m->scheme, m->group, m->gated ? 3 : 2, w, N, o));
+    }
+    for (int t = 0; t < T && !rc; t++) {
+        for (int i = 0; i < I; i++) {
+            hg[i] = bf16_to_f32(g[(size_t)t * I + i]);
+            hg[I + i] = bf16_to_f32(u[(size_t)t * I + i]);
+        }
+        silu_glu(hg, I, hg + 2 * (size_t)I);
+        for (int i = 0; i < I; i++) a[(size_t)t * I + i] = f32_to_bf16(hg[2 * (size_t)I + i]);
+    }
+    if (!rc) {
+        void *yy = y;
+        PROF(P_DOWN, rc = coli_multi_gemm(a, 1, T, I, m->scheme, m->group, 1, &m->down, &H, &yy));
+    }
+    uint16_t *yb = (uint16_t *)y;
+    for (int t = 0; t < T && !rc && m->gated; t++) {
+        float s = 1.f / (1.f + expf(-bf16_to_f32(sg[t])));
+        for (int c = 0; c < H; c++) yb[(size_t)t * H + c] = f32_to_bf16(s * bf16_to_f32(yb[(size_t)t * H + c]));
+    }
+    free(g);
+    free(hg);
+    return rc;
+}
+
+/* The feed-forward half of a decoder block: route x (the post-attention norm of h, bf16 [T, H]) as
+ * coli_route does and run the experts, all in `gate_up`/`down` (a resident layer), as coli_moe does; add
+ * the shared MLP's output when `shared` (bf16 + bf16, as the Python sum), or take it alone where E == 0 (a
+ * dense layer); h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme, int g,
-                   int64_t *idx, float *w, float *ys, void *h_out) {
-    int rc;
-    PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, bias, scale, idx, w));
-    if (rc) return rc;
-    uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * H);
+                   int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared) {
+    if (E < 1 && !shared) return -3;
+    uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
     if (!y) return -2;
-    rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y);
-    const uint16_t *hb = (const uint16_t *)h;
-    uint16_t *ho = (uint16_t *)h_out;
-    if (!rc)
-        add_bf16(hb, y, (long)T * H, ho);
+    uint16_t *s = y + (size_t)T * H;
+    int rc = 0;
+    if (E > 0) {
+        PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, bias, scale, idx, w));
+        if (!rc) rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y);
+    }
+    if (!rc && shared) {
+        rc = coli_mlp_rows(shared, x, T, H, E > 0 ? s : y);
+        if (!rc && E > 0) add_bf16(y, s, (long)T * H, y);
+    }
+    if (!rc) add_bf16((const uint16_t *)h, y, (long)T * H, (uint16_t *)h_out);
     free(y);
     return rc;
 }

@@ -101,7 +101,8 @@ class AttnLayer(ctypes.Structure):
                 ("in_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
                 ("qk_norm", ctypes.c_int), ("qn_w", ctypes.c_void_p), ("kn_w", ctypes.c_void_p),
                 ("qk_eps", ctypes.c_float), ("clip", ctypes.c_float), ("rot", ctypes.c_int),
-                ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p)]
+                ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p),
+                ("bq", ctypes.c_void_p), ("bk", ctypes.c_void_p), ("bv", ctypes.c_void_p), ("bo", ctypes.c_void_p)]
 
 
 class Tail(ctypes.Structure):
@@ -118,7 +119,14 @@ class MoeLayer(ctypes.Structure):
     _fields_ = [("inter", ctypes.c_int), ("n_experts", ctypes.c_int), ("k", ctypes.c_int), ("norm", ctypes.c_int),
                 ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("router", ctypes.c_void_p),
                 ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("shared", ctypes.c_void_p)]
+
+
+class Mlp(ctypes.Structure):
+    """coli_mlp (moe.c): a dense SwiGLU MLP's projections (a dense layer, a shared expert), optionally gated."""
+
+    _fields_ = [("inter", ctypes.c_int), ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("gated", ctypes.c_int),
+                ("gate", QW), ("up", QW), ("down", QW), ("sgate", QW)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -135,8 +143,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     f = ctypes.c_float
     lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, f, p, p]
     lib.coli_route.restype = i
-    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, f, p, p, i, i, p, p, p, p]
+    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, f, p, p, i, i, p, p, p, p, p]
     lib.coli_moe_block.restype = i
+    lib.coli_mlp_rows.argtypes = [p, p, i, i, p]
+    lib.coli_mlp_rows.restype = i
     lib.coli_attn_block.argtypes = [p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p]
     lib.coli_attn_block.restype = i
     lib.coli_moe.argtypes = [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p]
@@ -337,11 +347,22 @@ def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tens
     return idx, wts
 
 
+def mlp(m: Mlp, x: torch.Tensor) -> torch.Tensor:
+    """coli_mlp_rows: the MLP `m` of x [T, H] bf16 contiguous -> [T, H] bf16."""
+    T, H = x.shape
+    y = torch.empty(T, H, dtype=torch.bfloat16)
+    rc = _lib.coli_mlp_rows(ctypes.byref(m), x.data_ptr(), T, H, y.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mlp_rows failed ({rc})")
+    return y
+
+
 def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch.Tensor, k: int, norm: bool,
-              intermediate: int, scheme: str, group_size: int, bias: torch.Tensor | None = None, scale: float = 1.0
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              intermediate: int, scheme: str, group_size: int, bias: torch.Tensor | None = None, scale: float = 1.0,
+              shared: Mlp | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_moe_block: route x [T, H] bf16 (the normed rows) as `route` does, run a resident layer's
-    experts (every entry of `tables` set) as `moe` does, add to h [T, H] bf16 -> (h_out, idx, weights)."""
+    experts (every entry of `tables` set) as `moe` does, plus the `shared` MLP as `mlp` does, add to h
+    [T, H] bf16 -> (h_out, idx, weights)."""
     T, H = x.shape
     idx = torch.empty(T, k, dtype=torch.int64)
     wts = torch.empty(T, k, dtype=torch.float32)
@@ -350,7 +371,8 @@ def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch
     rc = _lib.coli_moe_block(x.data_ptr(), h.data_ptr(), T, H, intermediate, router.data_ptr(), router.shape[0], k,
                              int(norm), None if bias is None else bias.data_ptr(), scale, tables.gu, tables.dn,
                              8 if scheme == "int8" else 4, group_size,
-                             idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr())
+                             idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr(),
+                             None if shared is None else ctypes.byref(shared))
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_moe_block failed ({rc})")
     return h_out, idx, wts

@@ -76,6 +76,7 @@ typedef struct {
     const coli_qw *gate_up, *down; /* [n_experts] each: every expert present */
     const float *bias;             /* NULL: softmax routing; else sigmoid routing's selection bias [n_experts] */
     float scale;                   /* (sigmoid routing) the weights' factor */
+    const coli_mlp *shared;        /* a shared expert, or NULL; with n_experts 0 the layer's dense MLP */
 } coli_moe_layer;
 
 /* Post the read-ahead of the layers' first weights (see pf_job) for the time until the next step. */
@@ -124,7 +125,7 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
         if (!rc)
             rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->bias, m->scale,
                                 m->gate_up, m->down, m->scheme, m->group, idx + (long)l * T * kmax,
-                                w + (long)l * T * kmax, ys, h);
+                                w + (long)l * T * kmax, ys, h, m->shared);
         if (rc) *failed = l;
     }
     free(mid);

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
+from . import native_mlp
 from .batch import LayerKV
 from .moe import SparseMoE
 
@@ -423,8 +424,9 @@ class Attention(nn.Module):
         a = self.a
         projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         first = projs[0]
-        if not all(getattr(p, "native_plain", False) and p.scheme == first.scheme and p.group_size == first.group_size
-                   and p.compute_dtype == torch.bfloat16 for p in projs):
+        if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
+                   and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and _native_bias(p)
+                   for p in projs):
             return None
         norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
         if self.rope.interleaved or a.qk_norm not in (None, "full", "head") \
@@ -439,11 +441,18 @@ class Attention(nn.Module):
             *(native.QW(*native.qw(p)) for p in projs),
             in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), in_norm.eps, post_norm.eps,
             {None: 0, "full": 1, "head": 2}[a.qk_norm], *qn, a.clip_qkv or 0.0, self.rope.dim,
-            a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None)
+            a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
+            *(None if p.bias is None else p.bias.data_ptr() for p in projs))
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)
         return super()._apply(fn, recurse)
+
+
+def _native_bias(p) -> bool:
+    """No bias, or one the native block adds as the projection does (bf16 + bf16 on the CPU)."""
+    b = p.bias
+    return b is None or (b.dtype == torch.bfloat16 and b.device.type == "cpu" and b.is_contiguous() and b.dim() == 1)
 
 
 class MLP(nn.Module):
@@ -456,7 +465,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = native_mlp.run(self, x)  # (bf16 decode rows of native weights: one call)
+        return y if y is not None else self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: rebuild the kernel's constants
+        native_mlp.forget(self)
+        return super()._apply(fn, recurse)
 
 
 class DecoderBlock(nn.Module):

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..kernels import native
 from ..quant import QLinear
+from . import native_mlp
 
 
 @dataclass
@@ -223,14 +224,21 @@ class SparseMoE(nn.Module):
         if shared_gate is not None:
             self.shared_expert_gate = shared_gate
 
+    def shared_table(self) -> native.Mlp | None | bool:
+        """The shared expert's native constants (with its gate), None where the kernel does not run it,
+        False where the layer has none."""
+        shared = getattr(self, self.shared_name, None)
+        return False if shared is None else native_mlp.table(shared, getattr(self, "shared_expert_gate", None))
+
     def fused(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
-        """h + self(x, h) in one native call (router, experts, residual: kernels/moe.c coli_moe_block)
-        for a few bf16 rows of a resident layer with a router the kernel knows and no shared expert --
-        the bits of the unfused native path; None where it does not apply."""
+        """h + self(x, h) in one native call (router, experts, shared expert, residual: kernels/moe.c
+        coli_moe_block) for a few bf16 rows of a resident layer with a router the kernel knows -- the
+        bits of the unfused native path; None where it does not apply."""
         ex = self.experts
         rule = native_routing(self.gate)
-        if rule is None or getattr(self, self.shared_name, None) is not None or x.shape[0] > native.MOE_MAX_ROWS \
-                or not native_router_ok(self.gate.weight, x) or h.dtype != torch.bfloat16:
+        shared = self.shared_table()
+        if rule is None or x.shape[0] > native.MOE_MAX_ROWS or not native_router_ok(self.gate.weight, x) \
+                or h.dtype != torch.bfloat16 or (shared is not False and not native_mlp.applies(shared, x)):
             return None
         tables = ex.full_tables()
         if tables is None:
@@ -238,7 +246,7 @@ class SparseMoE(nn.Module):
         ex._look_ahead(h)  # the next layer's reads start first, as on the unfused path
         h_out, idx, weights = native.moe_block(tables, x.contiguous(), h.contiguous(), self.gate.weight,
                                                self.gate.top_k, self.gate.norm_topk_prob, ex.intermediate,
-                                               tables.scheme, tables.group_size, *rule)
+                                               tables.scheme, tables.group_size, *rule, shared or None)
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx, weights)
         return h_out
@@ -249,8 +257,17 @@ class SparseMoE(nn.Module):
         out = self.experts(x, idx, weights, resid)
         shared = getattr(self, self.shared_name, None)
         if shared is not None:
-            s = shared(x)
-            if hasattr(self, "shared_expert_gate"):
-                s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            gate = getattr(self, "shared_expert_gate", None)
+            s = native_mlp.run(shared, x, gate)  # (the kernel the fused block runs: the same bits)
+            if s is None:
+                s = shared(x)
+                if gate is not None:
+                    s = torch.sigmoid(gate(x)) * s
             out = out + s
         return out
+
+    def _apply(self, fn, recurse: bool = True):  # the gate moved too: the shared expert's constants go
+        shared = getattr(self, self.shared_name, None)
+        if shared is not None:
+            native_mlp.forget(shared)
+        return super()._apply(fn, recurse)

@@ -1,10 +1,11 @@
 """All decoder blocks of a step in one native call (colibri/kernels/step.c), where every layer would take
-the fused native blocks anyway: bf16 attention (`Attention.fused`) then a resident routed-expert layer
-(`SparseMoE.fused`); and, where the model's ends take native calls too (bf16 embedding, f32 final norm,
+the fused native blocks anyway: bf16 attention (`Attention.fused`, q/k/v/o biases included) then a resident
+routed-expert layer (`SparseMoE.fused`, with its shared expert) or a dense MLP (`native_mlp`); and, where
+the model's ends take native calls too (bf16 embedding, f32 final norm,
 a native quantized head), the whole step from token ids to logits (`run_step`). Same kernels, same order,
 same bits; what goes is the Python between the calls (~15% of a small model's decode step, and each
-call from Python after the blocks runs cache-cold). Anything else -- a cached or GPU layer, a shared
-expert, another router, hooks on a block, a step too large -- takes the per-layer path.
+call from Python after the blocks runs cache-cold). Anything else -- a cached or GPU layer, another
+router, MLA, hooks on a block, a step too large -- takes the per-layer path.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from torch import nn
 
 from ..kernels import native
 from ..quant import QLinear
+from . import native_mlp
 from .batch import StepBatch
-from .layers import Attention, DecoderBlock, KVCache
+from .layers import MLP, Attention, DecoderBlock, KVCache
 from .moe import SparseMoE, native_routing
 
 ENABLED = True  # False: always the per-layer calls (tests compare the two; benchmarks/profile_decode.py)
@@ -28,26 +30,37 @@ TAIL = True  # False: the embedding, final norm and head from Python around coli
 class _Plan:
     """A model's per-layer constants for coli_decode_layers, built once."""
 
-    def __init__(self, blocks: list[DecoderBlock], attn: list[native.AttnLayer], tables: list[native.MoeTables]):
+    def __init__(self, blocks: list[DecoderBlock], attn: list[native.AttnLayer],
+                 tables: list[native.MoeTables | None], mlps: list[native.Mlp | None]):
         self.blocks = blocks
-        self.experts = [b.mlp.experts for b in blocks]
+        self.sparse = [i for i, t in enumerate(tables) if t is not None]  # the routed layers' indices
+        self.all_sparse = len(self.sparse) == len(blocks)
+        self.experts = [blocks[i].mlp.experts for i in self.sparse]
         self.layers = [ex.layer for ex in self.experts]
         self.rope = blocks[0].self_attn.rope
-        self.k = blocks[0].mlp.gate.top_k
-        self.tables = tables  # the MoeLayer structs point into them: keep them alive
+        self.k = blocks[self.sparse[0]].mlp.gate.top_k
+        self.tables, self.mlps = tables, mlps  # the MoeLayer structs point into them: keep them alive
         self.attn = (native.AttnLayer * len(attn))(*attn)
-        rules = [native_routing(b.mlp.gate) for b in blocks]  # (selection bias or None, weight scale)
-        self.moe = (native.MoeLayer * len(blocks))(*[
-            native.MoeLayer(b.mlp.experts.intermediate, t.n, b.mlp.gate.top_k, int(b.mlp.gate.norm_topk_prob),
-                            8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
-                            ctypes.addressof(t.gu), ctypes.addressof(t.dn),
-                            None if bias is None else bias.data_ptr(), scale)
-            for b, t, (bias, scale) in zip(blocks, tables, rules)])
+        self.moe = (native.MoeLayer * len(blocks))(*[self._layer(b, t, m) for b, t, m in zip(blocks, tables, mlps)])
         self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
         self.ptrs: dict[tuple, tuple] = {}  # a step's row layout -> (its _Slots, K and V pointer arrays)
         self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
         self.rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # the f32 rotary tables the call reads ...
         self.rope_ptrs = (0, 0, 0)  # ... as (cos pointer, sin pointer, rows)
+
+    def _layer(self, b: DecoderBlock, t: native.MoeTables | None, mlp: native.Mlp | None) -> native.MoeLayer:
+        shared = None if mlp is None else ctypes.addressof(mlp)
+        if t is None:  # a dense layer: its MLP alone
+            return native.MoeLayer(0, 0, self.k, 0, mlp.scheme, mlp.group, None, None, None, None, 1.0, shared)
+        bias, scale = native_routing(b.mlp.gate)  # (selection bias or None, weight scale)
+        return native.MoeLayer(b.mlp.experts.intermediate, t.n, b.mlp.gate.top_k, int(b.mlp.gate.norm_topk_prob),
+                               8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
+                               ctypes.addressof(t.gu), ctypes.addressof(t.dn),
+                               None if bias is None else bias.data_ptr(), scale, shared)
+
+    def routed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The routed layers' rows of routes [..., L, T, k] (a dense layer's rows are not written)."""
+        return idx if self.all_sparse else idx[..., self.sparse, :, :]
 
     def __del__(self) -> None:
         # Before the weights it points into can go: the kernels' read-ahead may be reading them. (At
@@ -67,42 +80,53 @@ class _Plan:
 
 
 def one_call_shape(blocks) -> bool:
-    """Whether the model's layers have the shape the one-call step runs (whatever their weights): attention
-    + routed experts in every layer, a router the kernels run, no shared expert, one top_k. The planner
-    asks this of a model skeleton; `_build` also needs the weights resident, quantized and on the CPU."""
+    """Whether the model's layers have the shape the one-call step runs (whatever their weights): attention,
+    then routed experts with a router the kernels run and one top_k (plus, optionally, a shared expert as a
+    dense SwiGLU MLP behind at most a sigmoid gate), or a dense SwiGLU MLP; at least one routed layer. The
+    planner asks this of a model skeleton; `_build` also needs the weights resident, quantized and on the CPU."""
+    ks = set()
     for b in blocks:
-        if type(b) is not DecoderBlock or type(b.self_attn) is not Attention or type(b.mlp) is not SparseMoE:
+        if type(b) is not DecoderBlock or type(b.self_attn) is not Attention or type(b.mlp) not in (SparseMoE, MLP):
             return False
         moe = b.mlp
-        if native_routing(moe.gate) is None or getattr(moe, moe.shared_name, None) is not None \
-                or moe.gate.top_k != blocks[0].mlp.gate.top_k:
+        if type(moe) is MLP:
+            continue
+        shared = getattr(moe, moe.shared_name, None)
+        if native_routing(moe.gate) is None or (shared is not None and type(shared) is not MLP):
             return False
-    return len(blocks) > 0
+        ks.add(moe.gate.top_k)
+    return len(ks) == 1
 
 
 def _build(blocks: nn.ModuleList) -> _Plan | None:
     if not native.available() or not one_call_shape(blocks):
         return None
-    attn, tables = [], []
+    attn, tables, mlps = [], [], []
     rope0 = None
     for b in blocks:
         rope0 = b.self_attn.rope if rope0 is None else rope0
-        ex = b.mlp.experts
-        if ex.lookahead is not None:
-            return None
-        w = b.mlp.gate.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
-            return None
         rope = b.self_attn.rope
         if rope.dim != rope0.dim or rope.mscale != rope0.mscale or not torch.equal(rope.inv_freq, rope0.inv_freq):
             return None  # one rotary table serves every layer
         layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
-        t = ex.full_tables()
-        if layer is None or t is None:
+        if layer is None:
             return None
         attn.append(layer)
+        if type(b.mlp) is MLP:
+            mlp, t = native_mlp.table(b.mlp), None
+        else:
+            ex = b.mlp.experts
+            w = b.mlp.gate.weight
+            if ex.lookahead is not None or w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
+                return None
+            mlp, t = b.mlp.shared_table(), ex.full_tables()
+            if t is None:
+                return None
+        if mlp is None:
+            return None  # an MLP the kernel does not run
         tables.append(t)
-    return _Plan(list(blocks), attn, tables)
+        mlps.append(mlp or None)
+    return _Plan(list(blocks), attn, tables, mlps)
 
 
 @dataclass
@@ -226,6 +250,7 @@ def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
 def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor) -> None:
     """Hand the step's routes (idx / wts [L, T, k]) to the experts' `on_route` hooks: all at once where
     every layer's hook is the same capture's alone (engine/stats.py RouteCapture), else layer by layer."""
+    idx, wts = plan.routed(idx), plan.routed(wts)
     hooks = [ex.on_route for ex in plan.experts]
     cap = getattr(hooks[0], "capture", None)
     if cap is not None and all(getattr(h, "capture", None) is cap for h in hooks):
@@ -286,7 +311,7 @@ def run_greedy(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: i
     pos, kc, vc, ks, vs, rope = args
     steps, idx, _ = native.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks, vs,
                                       rope, plan.k, n_steps, stop)
-    return steps, idx
+    return steps, plan.routed(idx)
 
 
 def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:

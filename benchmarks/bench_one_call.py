@@ -1,0 +1,104 @@
+"""Decode speed of the families with shared experts, dense layers and attention biases, by path, in one process.
+
+    .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe glm4_moe dots1] [--scheme int8]
+        [--tokens 64] [--rounds 3] [--workdir /tmp/colibri-one-call]
+
+Each family gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts
+top-4 of width 512; its shared expert / dense layer 2048 wide; transformers' own initialisation), converted
+once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
+  one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
+  per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
+  torch-mlp  per layer, with the dense / shared MLPs in torch ops and biased attention unfused: the path
+             these families took before the one-call step ran them
+Printed: tok/s per mode (median of the rounds), the ratio to one-call, and the load average. Nothing
+else should run meanwhile (2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from hf_tiny import make_tiny_checkpoint  # noqa: E402
+
+import colibri  # noqa: E402
+from colibri.convert import convert  # noqa: E402
+from colibri.models import layers, native_mlp, native_step  # noqa: E402
+
+BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 64, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_experts_per_tok": 4,
+        "max_position_embeddings": 1024}
+SHAPES = {
+    "qwen2_moe": {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 2048, "mlp_only_layers": []},
+    "glm4_moe": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
+    "dots1": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
+}
+MODES = ("one-call", "per-layer", "torch-mlp")
+PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
+
+
+def _set_mode(llm, mode: str) -> None:
+    native_step.ENABLED = mode == "one-call"
+    torch_mlp = mode == "torch-mlp"
+    native_mlp.applies = (lambda t, x: False) if torch_mlp else _APPLIES
+    layers._native_bias = (lambda p: p.bias is None) if torch_mlp else _NATIVE_BIAS
+    for m in llm.model.modules():  # the cached kernel constants follow the mode
+        m.__dict__.pop("_fused_layer", None)
+    native_step.forget(llm.model)
+
+
+_APPLIES, _NATIVE_BIAS = native_mlp.applies, layers._native_bias
+
+
+def _decode(llm, tokens: int) -> float:
+    """Tokens per second after the first token (prefill excluded)."""
+    t1 = None
+    n = 0
+    for _ in llm.generate_ids(PROMPT, max_tokens=tokens + 1, ignore_eos=True):
+        n += 1
+        if t1 is None:
+            t1 = time.perf_counter()
+    return (n - 1) / (time.perf_counter() - t1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--families", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--scheme", default="int8", choices=["int8", "int4"])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workdir", default="/tmp/colibri-one-call")
+    a = p.parse_args()
+    root = Path(a.workdir)
+    print(f"load average before: {os.getloadavg()[0]:.2f}; {a.scheme}, {a.tokens} tokens, {a.rounds} rounds")
+    print(f"{'family':10s} " + " ".join(f"{m + ' tok/s':>16s}" for m in MODES) + "  ratios to one-call")
+    for fam in a.families:
+        coli = root / f"{fam}.{a.scheme}.coli"
+        if not coli.exists():
+            src = root / f"{fam}-hf"
+            if not (src / "config.json").exists():
+                make_tiny_checkpoint(fam, src, **SHAPES[fam])
+            convert(src, coli, a.scheme, progress=False)
+        with colibri.load(coli, threads=a.threads, ctx_size=256) as llm:
+            _decode(llm, 16)  # warm-up: the thread-count timing, the kernels' first builds
+            got: dict[str, list[float]] = {m: [] for m in MODES}
+            for _ in range(a.rounds):
+                for m in MODES:
+                    _set_mode(llm, m)
+                    got[m].append(_decode(llm, a.tokens))
+            _set_mode(llm, "one-call")
+        med = {m: statistics.median(v) for m, v in got.items()}
+        ratios = " ".join(f"{med[m] / med['one-call']:.2f}" for m in MODES[1:])
+        print(f"{fam:10s} " + " ".join(f"{med[m]:16.1f}" for m in MODES) + f"  {ratios}", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Dense SwiGLU MLPs (dense layers, shared experts, Qwen2-MoE's gated shared expert) through one native
+call (kernels/moe.c coli_mlp_rows) where their three projections are native int8/int4 QLinears of one
+scheme: gate and up in one pass over the rows, the activation in f32 rounded once, down, and the gate.
+
+Both the per-layer path (layers.py MLP, moe.py SparseMoE) and the one-call step (native_step.py) take
+this same kernel, so their bits agree; torch's ops remain the path for f32 (the oracle), GPUs, other
+schemes and large prompt chunks. Measured on tiny models, the five torch ops per MLP cost ~40 us each
+in Python per layer and token; one call is what lets the one-call step take these layers at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import native
+from ..quant import QLinear
+
+
+def table(mlp: nn.Module, gate: nn.Module | None = None) -> native.Mlp | None:
+    """The kernel's constants for `mlp` (gate_proj / up_proj / down_proj) behind `gate` ([1, H] sigmoid gate,
+    or None), built once per gate; None where the kernel does not run them (a projection not native, with a
+    bias, not bf16 compute, on another device, or of another scheme / group size)."""
+    cached = mlp.__dict__.get("_native_mlp")
+    if cached is not None and cached[0] == id(gate):
+        return cached[1]
+    t = _build(mlp, gate) if native.available() else None
+    mlp.__dict__["_native_mlp"] = (id(gate), t)
+    return t
+
+
+def _build(mlp: nn.Module, gate: nn.Module | None) -> native.Mlp | None:
+    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")] + ([gate] if gate else [])
+    first = projs[0]
+    if not all(isinstance(p, QLinear) and p.native_plain and p.compute_dtype == torch.bfloat16
+               and p.qweight.device.type == "cpu" and p.scheme == first.scheme and p.group_size == first.group_size
+               for p in projs):
+        return None
+    if gate is not None and gate.out_features != 1:
+        return None
+    qws = [native.QW(*native.qw(p)) for p in projs] + ([] if gate else [native.QW()])
+    return native.Mlp(first.out_features, 8 if first.scheme == "int8" else 4, first.group_size, int(gate is not None),
+                      *qws)
+
+
+def forget(mlp: nn.Module) -> None:
+    """Drop the constants (the weights moved)."""
+    mlp.__dict__.pop("_native_mlp", None)
+
+
+def applies(t: native.Mlp | None, x: torch.Tensor) -> bool:
+    """Whether the kernel takes rows x: bf16 on the CPU, at most the kernels' row limit, and not a prefill
+    chunk while torch owns the threads (then its GEMMs win, as for QLinear)."""
+    return t is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 \
+        and 0 < x.shape[0] <= native.MOE_MAX_ROWS \
+        and not (x.shape[0] > 1 and native.get_threads() == 1 and torch.get_num_threads() > 1)
+
+
+def run(mlp: nn.Module, x: torch.Tensor, gate: nn.Module | None = None) -> torch.Tensor | None:
+    """sigmoid(gate(x)) * mlp(x) (without the factor when gate is None) in one native call, or None."""
+    t = table(mlp, gate)
+    return native.mlp(t, x.contiguous()) if applies(t, x) else None
