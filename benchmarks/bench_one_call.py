@@ -1,17 +1,20 @@
 """Decode speed of the families with shared experts, dense layers and attention biases, by path, in one process.
 
-    .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe glm4_moe dots1] [--scheme int8]
+    .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe ...] [--scheme int8]
         [--tokens 64] [--rounds 3] [--workdir /tmp/colibri-one-call]
 
-Each family gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts
-top-4 of width 512; its shared expert / dense layer 2048 wide; transformers' own initialisation), converted
+Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe) gets a random checkpoint of the 0.44b benchmark shape
+(hidden 1024, 8 layers, 32 experts top-4 of width 512; its shared expert / dense layer 2048 wide;
+transformers' own initialisation), converted
 once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
   torch-mlp  per layer, with the dense / shared MLPs in torch ops and biased attention unfused: the path
-             these families took before the one-call step ran them
-Printed: tok/s per mode (median of the rounds), the ratio to one-call, and the load average. Nothing
-else should run meanwhile (2 cores).
+             these families took before the one-call step ran them (and ERNIE's router in torch)
+With `--llamacpp`, llama.cpp (built from the llama-cpp-python sdist: benchmarks/llamacpp.py) decodes the
+same checkpoint as GGUF (Q8_0 for int8, Q4_0 for int4) with llama-bench after colibri's rounds, same
+threads and token count. Printed: tok/s per mode (median of the rounds), the ratios to one-call, llama.cpp's
+tok/s and one-call's ratio to it, and the load average. Nothing else should run meanwhile (2 cores).
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_tiny import make_tiny_checkpoint  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.models import layers, native_mlp, native_step  # noqa: E402
+from colibri.models import ernie4_5_moe, layers, native_mlp, native_step  # noqa: E402
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
         "head_dim": 64, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_experts_per_tok": 4,
@@ -38,6 +43,8 @@ SHAPES = {
     "qwen2_moe": {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 2048, "mlp_only_layers": []},
     "glm4_moe": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
     "dots1": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
+    "ernie4_5_moe": {**BASE, "moe_num_experts": 32, "moe_k": 4, "moe_num_shared_experts": 4,
+                     "moe_layer_start_index": 1},
 }
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
@@ -48,12 +55,13 @@ def _set_mode(llm, mode: str) -> None:
     torch_mlp = mode == "torch-mlp"
     native_mlp.applies = (lambda t, x: False) if torch_mlp else _APPLIES
     layers._native_bias = (lambda p: p.bias is None) if torch_mlp else _NATIVE_BIAS
+    ernie4_5_moe.Router.native_routing = (lambda self: None) if torch_mlp else _ERNIE_RULE
     for m in llm.model.modules():  # the cached kernel constants follow the mode
         m.__dict__.pop("_fused_layer", None)
     native_step.forget(llm.model)
 
 
-_APPLIES, _NATIVE_BIAS = native_mlp.applies, layers._native_bias
+_APPLIES, _NATIVE_BIAS, _ERNIE_RULE = native_mlp.applies, layers._native_bias, ernie4_5_moe.Router.native_routing
 
 
 def _decode(llm, tokens: int) -> float:
@@ -67,6 +75,21 @@ def _decode(llm, tokens: int) -> float:
     return (n - 1) / (time.perf_counter() - t1)
 
 
+def _llamacpp(src: Path, scheme: str, threads: int, tokens: int, cache: Path) -> str:
+    """llama.cpp's decode tok/s of `src` as GGUF (llama-bench, 3 repeats), or why there is none."""
+    import llamacpp
+
+    qtype = {"int8": "q8_0", "int4": "q4_0"}[scheme]
+    try:
+        gguf = llamacpp.to_gguf(src, src.with_name(f"{src.name}.{qtype}.gguf"), qtype, cache)
+        r = subprocess.run(llamacpp.bench_cmd(llamacpp.build(cache), gguf, threads, 8, tokens, 3),
+                           capture_output=True, text=True, check=True)
+    except subprocess.CalledProcessError as e:
+        last = (e.stderr or "").strip().splitlines()
+        return f"n/a: {last[-1][:60] if last else f'{Path(str(e.cmd[0])).name} exit {e.returncode}'}"
+    return f"{llamacpp.parse_bench(r.stdout)['decode_tok_s']:.1f}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -75,10 +98,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default="/tmp/colibri-one-call")
+    p.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the same checkpoint (GGUF)")
+    p.add_argument("--llamacpp-cache", default="/tmp/colibri-bench/llamacpp", help="its build and sdist")
     a = p.parse_args()
     root = Path(a.workdir)
     print(f"load average before: {os.getloadavg()[0]:.2f}; {a.scheme}, {a.tokens} tokens, {a.rounds} rounds")
-    print(f"{'family':10s} " + " ".join(f"{m + ' tok/s':>16s}" for m in MODES) + "  ratios to one-call")
+    print(f"{'family':12s} " + " ".join(f"{m + ' tok/s':>16s}" for m in MODES) + "  ratios to one-call"
+          + ("   llama.cpp tok/s  one-call / llama.cpp" if a.llamacpp else ""))
     for fam in a.families:
         coli = root / f"{fam}.{a.scheme}.coli"
         if not coli.exists():
@@ -96,7 +122,11 @@ def main() -> None:
             _set_mode(llm, "one-call")
         med = {m: statistics.median(v) for m, v in got.items()}
         ratios = " ".join(f"{med[m] / med['one-call']:.2f}" for m in MODES[1:])
-        print(f"{fam:10s} " + " ".join(f"{med[m]:16.1f}" for m in MODES) + f"  {ratios}", flush=True)
+        peer = ""
+        if a.llamacpp:
+            ll = _llamacpp(root / f"{fam}-hf", a.scheme, a.threads, a.tokens, Path(a.llamacpp_cache))
+            peer = f"   {ll:>15s}  " + (f"{med['one-call'] / float(ll):.2f}x" if ll[0].isdigit() else "")
+        print(f"{fam:12s} " + " ".join(f"{med[m]:16.1f}" for m in MODES) + f"  {ratios:18s}{peer}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -221,10 +221,10 @@ done:
 
 typedef struct {
     const void *x;
-    int bf16, T, H, E, k, norm;
+    int bf16, T, H, E, k, norm, kind;  /* kind: ROUTE_SOFTMAX, ROUTE_SIGMOID or ROUTE_SOFTMAX_BIAS */
     const float *W;
-    const float *bias;  /* NULL: softmax routing; else sigmoid routing with this selection bias [E] */
-    float scale;        /* (sigmoid routing) the weights' factor */
+    const float *bias;  /* the selection-only bias [E] of the two biased kinds */
+    float scale;        /* ROUTE_SIGMOID: the weights' factor; ROUTE_SOFTMAX_BIAS: the renormalisation floor */
     int64_t *idx;
     float *w;
     int rc;
@@ -296,12 +296,43 @@ static int route_select_sigmoid(float *p, float *s, int E, int k, int norm, cons
     return 0;
 }
 
+/* Softmax probabilities chosen by probability + a selection-only bias (ERNIE-4.5's moe_statics): the k
+ * largest s + bias[e] in descending order (ties: the lower expert first), weighted by their unbiased
+ * probabilities over max(their sum, norm_min) -- ernie4_5_moe.py's Router. p (E logits) is overwritten, s
+ * is E floats of scratch. Returns 0, or -5 for NaN logits. */
+static int route_select_softmax_bias(float *p, float *s, int E, int k, const float *bias, float norm_min,
+                                     int64_t *ix, float *wt) {
+    float mx = -INFINITY;
+    for (int e = 0; e < E; e++) {
+        if (p[e] != p[e]) return -5;
+        if (p[e] > mx) mx = p[e];
+    }
+    float den = 0.f;
+    for (int e = 0; e < E; e++) { s[e] = expf(p[e] - mx); den += s[e]; }
+    for (int e = 0; e < E; e++) { s[e] /= den; p[e] = s[e] + bias[e]; }
+    float sum = 0.f;
+    for (int jj = 0; jj < k; jj++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
+        if (best < 0) return -5;
+        ix[jj] = best;
+        wt[jj] = s[best];
+        sum += s[best];
+        p[best] = -INFINITY;  /* taken */
+    }
+    float d = sum > norm_min ? sum : norm_min;
+    for (int jj = 0; jj < k; jj++) wt[jj] /= d;
+    return 0;
+}
+
 /* Row t's routes from its logits p (overwritten; s: E floats of scratch) by the job's rule. */
 static int route_row(const route_job *j, float *p, float *s, long t) {
-    if (j->bias)
-        return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, j->idx + t * j->k,
-                                    j->w + t * j->k);
-    return route_select(p, j->E, j->k, j->norm, j->idx + t * j->k, j->w + t * j->k);
+    int64_t *ix = j->idx + t * j->k;
+    float *wt = j->w + t * j->k;
+    if (j->kind == ROUTE_SIGMOID) return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
+    if (j->kind == ROUTE_SOFTMAX_BIAS) return route_select_softmax_bias(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
+    return route_select(p, j->E, j->k, j->norm, ix, wt);
 }
 
 static void route_part(void *p, int id, int n) {
@@ -335,15 +366,17 @@ static void logits_part(void *p, int id, int n) {
 /* Router bytes from which a few rows' logits are split between the threads. */
 #define ROUTE_SPLIT_BYTES (64 * 1024)
 
-/* Top-k routing: for each of T rows of x, logits = x W^T in f32 (W f32 [E, H]); with bias NULL, softmax
- * over all E (Mixtral, OLMoE, Qwen-MoE), the k largest probabilities in descending order (ties: the lower
- * expert first), optionally renormalised to sum to one; with a bias [E], route_select_sigmoid's rule.
- * idx int64 [T, k], w f32 [T, k]. Many rows are split between the threads; a few rows' logits are (the
- * same values either way). Returns 0, -2 (memory), -3 (bad k), -5 (a NaN logit). */
-int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, const float *bias,
-               float scale, int64_t *idx, float *w) {
-    if (k < 1 || k > E) return -3;
-    route_job j = {x, bf16, T, H, E, k, norm, W, bias, scale, idx, w, 0, NULL, NULL};
+/* Top-k routing: for each of T rows of x, logits = x W^T in f32 (W f32 [E, H]); by `kind`: ROUTE_SOFTMAX,
+ * softmax over all E (Mixtral, OLMoE, Qwen-MoE), the k largest probabilities in descending order (ties: the
+ * lower expert first), optionally renormalised to sum to one; ROUTE_SIGMOID, route_select_sigmoid's rule;
+ * ROUTE_SOFTMAX_BIAS, route_select_softmax_bias's (the two with a bias [E]). idx int64 [T, k], w f32 [T, k].
+ * Many rows are split between the threads; a few rows' logits are (the same values either way). Returns 0,
+ * -2 (memory), -3 (bad k or kind), -5 (a NaN logit). */
+int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int kind,
+               const float *bias, float scale, int64_t *idx, float *w) {
+    if (k < 1 || k > E || kind < ROUTE_SOFTMAX || kind > ROUTE_SOFTMAX_BIAS || (kind != ROUTE_SOFTMAX && !bias))
+        return -3;
+    route_job j = {x, bf16, T, H, E, k, norm, kind, W, bias, scale, idx, w, 0, NULL, NULL};
     if (T >= ROUTE_PAR_MIN || coli_get_threads() < 2 || (long)E * H * 4 < ROUTE_SPLIT_BYTES) {
         coli_parallel(route_part, &j, T >= ROUTE_PAR_MIN ? coli_get_threads() : 1);
         return j.rc;
@@ -407,15 +440,15 @@ int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y) {
  * the shared MLP's output when `shared` (bf16 + bf16, as the Python sum), or take it alone where E == 0 (a
  * dense layer); h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
-                   const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme, int g,
-                   int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared) {
+                   int kind, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
+                   int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared) {
     if (E < 1 && !shared) return -3;
     uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
     if (!y) return -2;
     uint16_t *s = y + (size_t)T * H;
     int rc = 0;
     if (E > 0) {
-        PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, bias, scale, idx, w));
+        PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, bias, scale, idx, w));
         if (!rc) rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y);
     }
     if (!rc && shared) {

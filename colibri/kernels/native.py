@@ -119,7 +119,12 @@ class MoeLayer(ctypes.Structure):
     _fields_ = [("inter", ctypes.c_int), ("n_experts", ctypes.c_int), ("k", ctypes.c_int), ("norm", ctypes.c_int),
                 ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("router", ctypes.c_void_p),
                 ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("scale", ctypes.c_float), ("shared", ctypes.c_void_p)]
+                ("scale", ctypes.c_float), ("shared", ctypes.c_void_p), ("kind", ctypes.c_int)]
+
+
+# coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
+# softmax probabilities chosen with a bias, renormalised over max(sum, floor) (ERNIE-4.5)
+ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS = 0, 1, 2
 
 
 class Mlp(ctypes.Structure):
@@ -141,9 +146,9 @@ def _declare(lib: ctypes.CDLL) -> None:
                                     ctypes.c_long, i, p, i, p, p, p, p]
     lib.coli_decode_run.restype = i
     f = ctypes.c_float
-    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, p, f, p, p]
+    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, i, p, f, p, p]
     lib.coli_route.restype = i
-    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, p, f, p, p, i, i, p, p, p, p, p]
+    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p]
     lib.coli_moe_block.restype = i
     lib.coli_mlp_rows.argtypes = [p, p, i, i, p]
     lib.coli_mlp_rows.restype = i
@@ -332,16 +337,18 @@ def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Te
 
 
 def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | None = None,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, kind: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_route: top-k routing of x [T, H] (bf16/f32 contiguous) by w f32 [E, H] contiguous -> (idx int64
-    [T, k], weights f32 [T, k]), largest first: softmax, renormalised when `norm`; or, given `bias` (f32 [E]
-    contiguous), sigmoid scores chosen by score + bias, weighted by the scores (renormalised when `norm`)
-    times `scale`."""
+    [T, k], weights f32 [T, k]), largest first. ROUTE_SOFTMAX (the kind without `bias`): softmax, renormalised
+    when `norm`; ROUTE_SIGMOID (the kind with `bias`, f32 [E] contiguous): sigmoid scores chosen by score +
+    bias, weighted by the scores (renormalised when `norm`) times `scale`; ROUTE_SOFTMAX_BIAS: softmax
+    probabilities chosen by probability + bias, weighted by the probabilities over max(their sum, `scale`)."""
     T, H = x.shape
+    kind = (ROUTE_SOFTMAX if bias is None else ROUTE_SIGMOID) if kind is None else kind
     idx = torch.empty(T, k, dtype=torch.int64)
     wts = torch.empty(T, k, dtype=torch.float32)
     rc = _lib.coli_route(x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, w.data_ptr(), w.shape[0], k, int(norm),
-                         None if bias is None else bias.data_ptr(), scale, idx.data_ptr(), wts.data_ptr())
+                         kind, None if bias is None else bias.data_ptr(), scale, idx.data_ptr(), wts.data_ptr())
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_route failed ({rc})")
     return idx, wts
@@ -359,17 +366,18 @@ def mlp(m: Mlp, x: torch.Tensor) -> torch.Tensor:
 
 def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch.Tensor, k: int, norm: bool,
               intermediate: int, scheme: str, group_size: int, bias: torch.Tensor | None = None, scale: float = 1.0,
-              shared: Mlp | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              kind: int | None = None, shared: Mlp | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_moe_block: route x [T, H] bf16 (the normed rows) as `route` does, run a resident layer's
     experts (every entry of `tables` set) as `moe` does, plus the `shared` MLP as `mlp` does, add to h
     [T, H] bf16 -> (h_out, idx, weights)."""
     T, H = x.shape
+    kind = (ROUTE_SOFTMAX if bias is None else ROUTE_SIGMOID) if kind is None else kind
     idx = torch.empty(T, k, dtype=torch.int64)
     wts = torch.empty(T, k, dtype=torch.float32)
     ys = torch.empty(T * k, H, dtype=torch.float32)
     h_out = torch.empty_like(h)
     rc = _lib.coli_moe_block(x.data_ptr(), h.data_ptr(), T, H, intermediate, router.data_ptr(), router.shape[0], k,
-                             int(norm), None if bias is None else bias.data_ptr(), scale, tables.gu, tables.dn,
+                             int(norm), kind, None if bias is None else bias.data_ptr(), scale, tables.gu, tables.dn,
                              8 if scheme == "int8" else 4, group_size,
                              idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr(),
                              None if shared is None else ctypes.byref(shared))

@@ -74,9 +74,10 @@ typedef struct {
     int inter, n_experts, k, norm, scheme, group;
     const float *router;           /* f32 [n_experts, hidden] */
     const coli_qw *gate_up, *down; /* [n_experts] each: every expert present */
-    const float *bias;             /* NULL: softmax routing; else sigmoid routing's selection bias [n_experts] */
-    float scale;                   /* (sigmoid routing) the weights' factor */
+    const float *bias;             /* the biased routing kinds' selection bias [n_experts] */
+    float scale;                   /* coli_route's scale (sigmoid: the weights' factor; softmax-bias: a floor) */
     const coli_mlp *shared;        /* a shared expert, or NULL; with n_experts 0 the layer's dense MLP */
+    int kind;                      /* coli_route's rule: ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS */
 } coli_moe_layer;
 
 /* Post the read-ahead of the layers' first weights (see pf_job) for the time until the next step. */
@@ -123,8 +124,8 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
         uint16_t *hm = mid, *x = mid + (size_t)T * H;
         rc = coli_attn_block(attn + l, T, h, pos, kc + (long)l * T, vc + (long)l * T, ks, vs, cs, sn, hm, x);
         if (!rc)
-            rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->bias, m->scale,
-                                m->gate_up, m->down, m->scheme, m->group, idx + (long)l * T * kmax,
+            rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind, m->bias,
+                                m->scale, m->gate_up, m->down, m->scheme, m->group, idx + (long)l * T * kmax,
                                 w + (long)l * T * kmax, ys, h, m->shared);
         if (rc) *failed = l;
     }

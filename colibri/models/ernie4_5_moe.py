@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
+from .moe import SparseMoE, SwitchGLU, native_router_ok
 
 
 @dataclass
@@ -69,8 +70,20 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H], f32
         self.e_score_correction_bias = nn.Parameter(torch.zeros(1, num_experts), requires_grad=False)  # [1, E]
         self.top_k, self.norm_min = top_k, norm_min
+        self.norm_topk_prob = True  # (always renormalised, over max(sum, norm_min))
+
+    def native_routing(self) -> tuple[torch.Tensor, float, int] | None:
+        """The native router's softmax-with-bias rule (kernels/moe.c route_select_softmax_bias): (bias, floor,
+        kind); None where the bias is not an f32 CPU tensor."""
+        b = self.e_score_correction_bias
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+            return None
+        return b.view(-1), float(self.norm_min), native.ROUTE_SOFTMAX_BIAS
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rule = self.native_routing()
+        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
+            return native.route(x.contiguous(), self.weight, self.top_k, True, *rule)
         probs = torch.softmax(x.float() @ self.weight.float().T, dim=-1)  # [T, E]
         idx = torch.topk(probs + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices  # [T, k]
         weights = probs.gather(1, idx)  # [T, k]

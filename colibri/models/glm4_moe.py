@@ -84,13 +84,13 @@ class GroupLimitedRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
 
-    def native_routing(self) -> tuple[torch.Tensor, float] | None:
+    def native_routing(self) -> tuple[torch.Tensor, float, int] | None:
         """One group (GLM-4.5, MiniMax-M2): the native router's sigmoid rule (kernels/moe.c
         route_select_sigmoid), as (selection bias, weight scale); more groups route in torch."""
         b = self.e_score_correction_bias
         if self.n_group != 1 or b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
             return None
-        return b, self.scale
+        return b, self.scale, native.ROUTE_SIGMOID
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rule = self.native_routing()

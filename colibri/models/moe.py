@@ -193,10 +193,10 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return idx, weights
 
-    def native_routing(self) -> tuple[torch.Tensor | None, float] | None:
-        """The native router's rule for this one (kernels/moe.c coli_route): (selection bias, weight scale);
-        None bias = softmax. A router without this method, or answering None, routes in torch."""
-        return None, 1.0
+    def native_routing(self) -> tuple[torch.Tensor | None, float, int] | None:
+        """The native router's rule for this one (kernels/moe.c coli_route): (selection bias, scale, kind).
+        A router without this method, or answering None, routes in torch."""
+        return None, 1.0, native.ROUTE_SOFTMAX
 
 
 def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
@@ -205,8 +205,9 @@ def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
         and w.dtype == torch.float32 and w.is_contiguous() and native.available()
 
 
-def native_routing(gate: nn.Module) -> tuple[torch.Tensor | None, float] | None:
-    """`gate.native_routing()` where the router has one (TopKRouter, one-group GroupLimitedRouter), else None."""
+def native_routing(gate: nn.Module) -> tuple[torch.Tensor | None, float, int] | None:
+    """`gate.native_routing()` where the router has one (TopKRouter, one-group GroupLimitedRouter, ERNIE's),
+    else None."""
     rule = getattr(gate, "native_routing", None)
     return rule() if rule is not None else None
 
@@ -246,7 +247,7 @@ class SparseMoE(nn.Module):
         ex._look_ahead(h)  # the next layer's reads start first, as on the unfused path
         h_out, idx, weights = native.moe_block(tables, x.contiguous(), h.contiguous(), self.gate.weight,
                                                self.gate.top_k, self.gate.norm_topk_prob, ex.intermediate,
-                                               tables.scheme, tables.group_size, *rule, shared or None)
+                                               tables.scheme, tables.group_size, *rule, shared=shared or None)
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx, weights)
         return h_out
