@@ -7,8 +7,10 @@
   `float-quantized` float8 (`weight` + `weight_scale` per tensor, channel or block). Activation
   quantization (W8A8) is a runtime choice of those engines: only the weights are read, and activations
   stay colibri's.
-The bits, group size and strategy of a tensor come from its own shapes (one checkpoint may mix them);
-asymmetric ints (`weight_zero_point`) are refused. (gpt-oss's mxfp4 is its family's: models/gpt_oss.py.)
+- `gptq`, `awq`: zero-point ints packed in int32 words (source_packed.py).
+The bits, group size and strategy of a compressed-tensors tensor come from its own shapes (one checkpoint
+may mix them); its asymmetric ints (`weight_zero_point`) are refused. (gpt-oss's mxfp4 is its family's:
+models/gpt_oss.py.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .errors import ColibriError
+from .source_packed import PackedInts
 
 FAMILY_OWNED = ("mxfp4",)  # read by a family's own code
 CT_FORMATS = ("pack-quantized", "float-quantized")
@@ -210,6 +213,8 @@ def dequantizing(st, cfg: dict):
     if method == "compressed-tensors":
         _check_compressed(qc)
         return CompressedTensors(st)
+    if method in ("gptq", "awq"):
+        return PackedInts(st, qc)
     raise ColibriError(f"quantization_config.quant_method {method!r} is not supported (colibri reads fp8, "
-                       "compressed-tensors pack-quantized / float-quantized, and gpt-oss's mxfp4); convert from "
-                       "the bf16 checkpoint")
+                       "compressed-tensors pack-quantized / float-quantized, gptq, awq, and gpt-oss's mxfp4); "
+                       "convert from the bf16 checkpoint")
