@@ -3,14 +3,14 @@
     .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe ...] [--scheme int8]
         [--tokens 64] [--rounds 3] [--workdir /tmp/colibri-one-call]
 
-Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe) gets a random checkpoint of the 0.44b benchmark shape
+Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss) gets a random checkpoint of the 0.44b benchmark shape
 (hidden 1024, 8 layers, 32 experts top-4 of width 512; its shared expert / dense layer 2048 wide;
 transformers' own initialisation), converted
 once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
-  torch-mlp  per layer, with the dense / shared MLPs in torch ops and biased attention unfused: the path
-             these families took before the one-call step ran them (and ERNIE's router in torch)
+  torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's and
+             gpt-oss's routers and gpt-oss's experts in torch: the path these families took before
 With `--llamacpp`, llama.cpp (built from the llama-cpp-python sdist: benchmarks/llamacpp.py) decodes the
 same checkpoint as GGUF (Q8_0 for int8, Q4_0 for int4) with llama-bench after colibri's rounds, same
 threads and token count. Printed: tok/s per mode (median of the rounds), the ratios to one-call, llama.cpp's
@@ -34,7 +34,8 @@ from hf_tiny import make_tiny_checkpoint  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.models import ernie4_5_moe, layers, native_mlp, native_step  # noqa: E402
+from colibri.models import ernie4_5_moe, gpt_oss, layers, native_mlp, native_step  # noqa: E402
+from colibri.models.moe import SwitchGLU, silu_glu  # noqa: E402
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
         "head_dim": 64, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_experts_per_tok": 4,
@@ -45,6 +46,7 @@ SHAPES = {
     "dots1": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
     "ernie4_5_moe": {**BASE, "moe_num_experts": 32, "moe_k": 4, "moe_num_shared_experts": 4,
                      "moe_layer_start_index": 1},
+    "gpt_oss": {**BASE, "intermediate_size": 512, "num_local_experts": 32, "sliding_window": 128},
 }
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
@@ -56,12 +58,19 @@ def _set_mode(llm, mode: str) -> None:
     native_mlp.applies = (lambda t, x: False) if torch_mlp else _APPLIES
     layers._native_bias = (lambda p: p.bias is None) if torch_mlp else _NATIVE_BIAS
     ernie4_5_moe.Router.native_routing = (lambda self: None) if torch_mlp else _ERNIE_RULE
+    gpt_oss.SoftmaxTopKRouter.native_routing = (lambda self: None) if torch_mlp else _GPT_OSS_RULE
     for m in llm.model.modules():  # the cached kernel constants follow the mode
         m.__dict__.pop("_fused_layer", None)
+        if isinstance(m, SwitchGLU) and m.act is not silu_glu:  # gpt-oss's experts: kernels or torch
+            m.__dict__.setdefault("_kernel_act", m.native_act)
+            m.native_act = None if torch_mlp else m.__dict__["_kernel_act"]
+            m.__dict__.pop("_full", None)
+            m._tables = None
     native_step.forget(llm.model)
 
 
 _APPLIES, _NATIVE_BIAS, _ERNIE_RULE = native_mlp.applies, layers._native_bias, ernie4_5_moe.Router.native_routing
+_GPT_OSS_RULE = gpt_oss.SoftmaxTopKRouter.native_routing
 
 
 def _decode(llm, tokens: int) -> float:

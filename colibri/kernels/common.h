@@ -79,10 +79,21 @@ int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float e
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
-enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS };  /* coli_route's rules (moe.c) */
+enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX };  /* coli_route's rules (moe.c) */
+
+/* The routed experts' activation and biases (NULL: SiLU-GLU without biases). kind ACT_CLAMPED: gpt-oss's
+ * (up + 1) * gate * sigmoid(alpha * gate), gate clamped from above at limit, up to [-limit, limit]. The
+ * bias tables hold per expert a bf16 [2I] (gate_up) / [H] (down) pointer, or NULL. */
+enum { ACT_SILU, ACT_CLAMPED };
+typedef struct {
+    int kind;
+    float alpha, limit;
+    const uint16_t *const *gu_bias, *const *dn_bias;
+} coli_expert_act;
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    int kind, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
-                   int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared);
+                   int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
+                   const coli_expert_act *act);
 int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y);
 
 /* Stage timers inside a decode step, for benchmarks/profile_decode.py --stages: compiled in only with

@@ -88,12 +88,32 @@ static void silu_glu(const float *hg, int I, float *act) {
  *   stage 2: row t of y = sum_j weights[t, j] * ys[t*k + j] (ys first filled from the sorted results). */
 typedef struct {
     int stage, scheme, g, bfm, bf16, k, H, I, nu, Q, T;
-    const int *order, *uoff, *inv;
+    const int *order, *uoff, *inv, *uexp;
     const void *x;
-    const float *weights, *hgu, *ysrt;
+    const float *weights;
+    float *hgu;
+    const float *ysrt;
     float *xsrt, *xp, *xsum, *act, *ap, *asum, *ys;
     void *y;
+    const coli_expert_act *ea;  /* NULL: SiLU-GLU, no biases */
+    const int64_t *idx;
 } rows_job;
+
+/* v[i] += b[i] (bf16) over n, when b is not NULL. */
+static void add_bias(float *v, const uint16_t *b, int n) {
+    if (b)
+        for (int i = 0; i < n; i++) v[i] += bf16_to_f32(b[i]);
+}
+
+/* gpt-oss's activation of one row: act[i] = (up + 1) * gate * sigmoid(alpha * gate), gate = min(hg[i], limit),
+ * up = hg[I + i] clamped to [-limit, limit] (models/gpt_oss.py clamped_swiglu, in f32). */
+static void clamped_glu(const float *hg, int I, float alpha, float limit, float *act) {
+    for (int i = 0; i < I; i++) {
+        float g = hg[i] < limit ? hg[i] : limit, u = hg[I + i];
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+        act[i] = (u + 1.f) * (g / (1.f + expf(-alpha * g)));
+    }
+}
 
 static void rows_part(void *p, int id, int n) {
     rows_job *j = (rows_job *)p;
@@ -104,7 +124,9 @@ static void rows_part(void *p, int id, int n) {
         for (long t = r0; t < r1; t++) {
             for (int jj = 0; jj < k; jj++) {
                 int r = j->inv[t * k + jj];
-                if (r >= 0) memcpy(j->ys + (t * k + jj) * H, j->ysrt + (long)r * H, sizeof(float) * H);
+                if (r < 0) continue;
+                memcpy(j->ys + (t * k + jj) * H, j->ysrt + (long)r * H, sizeof(float) * H);
+                if (j->ea && j->ea->dn_bias) add_bias(j->ys + (t * k + jj) * H, j->ea->dn_bias[j->idx[t * k + jj]], H);
             }
             if (!j->y) continue;
             int c = 0;
@@ -139,8 +161,14 @@ static void rows_part(void *p, int id, int n) {
                    j->bf16, 1, H, j->xsrt + r * H);
             prep_row(j->scheme, j->bfm, j->xsrt, a, b, (int)r, H, j->g, j->xp, j->xsum);
         } else {
-            const float *hg = j->hgu + r * 2 * I;
-            silu_glu(hg, I, j->act + r * I);
+            float *hg = j->hgu + r * 2 * I;
+            if (!j->ea) {
+                silu_glu(hg, I, j->act + r * I);
+            } else {
+                if (j->ea->gu_bias) add_bias(hg, j->ea->gu_bias[j->uexp[u]], 2 * I);
+                if (j->ea->kind == ACT_CLAMPED) clamped_glu(hg, I, j->ea->alpha, j->ea->limit, j->act + r * I);
+                else silu_glu(hg, I, j->act + r * I);
+            }
             prep_row(j->scheme, j->bfm, j->act, a, b, (int)r, I, j->g, j->ap, j->asum);
         }
     }
@@ -152,7 +180,8 @@ static void rows_part(void *p, int id, int n) {
 #define ROWS_PAR_MIN 16
 #define ROUTE_PAR_MIN 8
 
-/* The routed experts of one layer, SiLU-GLU: for every slot p = t*k + j whose expert e = idx[p] has
+/* The routed experts of one layer, SiLU-GLU (or `ea`'s activation and biases, added in f32): for every
+ * slot p = t*k + j whose expert e = idx[p] has
  * weights in the tables (gate_up[e]: [2I, H], gate rows first; down[e]: [H, I]; `scheme` 8 or 4,
  * group g), ys[p] (f32 [H]) = down_e(silu(gate_e(x_t)) * up_e(x_t)); other slots are left alone, so a
  * caller may pass the experts of a layer in several calls as they arrive. Then, if y is not NULL,
@@ -161,7 +190,8 @@ static void rows_part(void *p, int id, int n) {
  * slots; output rows of all experts are split across threads in one parallel region.
  * Returns 0, -2 (out of memory), -3 (bad shape), -4 (bad expert id). */
 int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t *idx, const float *weights,
-             int n_experts, const coli_qw *gate_up, const coli_qw *down, int scheme, int g, float *ys, void *y) {
+             int n_experts, const coli_qw *gate_up, const coli_qw *down, int scheme, int g, float *ys, void *y,
+             const coli_expert_act *ea) {
     if (scheme == 4 && (H % 32 || I % 32 || g % 32 || H % g || I % g)) return -3;
     int P = T * k, nu = 0, Q = 0;
     int *count = (int *)calloc((size_t)n_experts + 1, sizeof(int));
@@ -200,8 +230,8 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
 
     long bytes = (long)nu * 3 * H * I * (scheme == 4 ? 1 : 2) / 2;
     int nt = n_threads_for(bytes), nr = Q >= ROWS_PAR_MIN ? nt : 1;
-    rows_job rj = {0, scheme, g, bfm, bf16, k, H, I, nu, Q, T, order, uoff, inv, x, weights, hgu, ysrt,
-                   xsrt, xp, xsum, act, ap, asum, ys, y};
+    rows_job rj = {0, scheme, g, bfm, bf16, k, H, I, nu, Q, T, order, uoff, inv, uexp, x, weights, hgu, ysrt,
+                   xsrt, xp, xsum, act, ap, asum, ys, y, ea, idx};
     PROF(P_GATHER, coli_parallel(rows_part, &rj, nr));
     /* gate+up: rows (u, o) for o < 2I, flattened so the threads split all experts' rows evenly */
     moe_job j1 = {scheme, g, H, 2 * I, nu, uexp, uoff, gate_up, xsrt, xp, xsum, hgu, bfm};
@@ -221,9 +251,9 @@ done:
 
 typedef struct {
     const void *x;
-    int bf16, T, H, E, k, norm, kind;  /* kind: ROUTE_SOFTMAX, ROUTE_SIGMOID or ROUTE_SOFTMAX_BIAS */
+    int bf16, T, H, E, k, norm, kind;  /* kind: common.h's ROUTE_* */
     const float *W;
-    const float *bias;  /* the selection-only bias [E] of the two biased kinds */
+    const float *bias;  /* the bias [E] of the biased kinds (selection-only, or gpt-oss's logit bias) */
     float scale;        /* ROUTE_SIGMOID: the weights' factor; ROUTE_SOFTMAX_BIAS: the renormalisation floor */
     int64_t *idx;
     float *w;
@@ -326,10 +356,33 @@ static int route_select_softmax_bias(float *p, float *s, int E, int k, const flo
     return 0;
 }
 
+/* gpt-oss's rule: the k largest of logit + bias[e] in descending order (ties: the lower expert first),
+ * weighted by the softmax over those k only. p (E logits) is overwritten. Returns 0, or -5 for NaN logits. */
+static int route_select_topk_softmax(float *p, int E, int k, const float *bias, int64_t *ix, float *wt) {
+    for (int e = 0; e < E; e++) {
+        p[e] += bias[e];
+        if (p[e] != p[e]) return -5;
+    }
+    for (int jj = 0; jj < k; jj++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
+        if (best < 0) return -5;
+        ix[jj] = best;
+        wt[jj] = p[best];
+        p[best] = -INFINITY;  /* taken */
+    }
+    float den = 0.f;  /* wt[0] is the largest */
+    for (int jj = 0; jj < k; jj++) { wt[jj] = expf(wt[jj] - wt[0]); den += wt[jj]; }
+    for (int jj = 0; jj < k; jj++) wt[jj] /= den;
+    return 0;
+}
+
 /* Row t's routes from its logits p (overwritten; s: E floats of scratch) by the job's rule. */
 static int route_row(const route_job *j, float *p, float *s, long t) {
     int64_t *ix = j->idx + t * j->k;
     float *wt = j->w + t * j->k;
+    if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, j->E, j->k, j->bias, ix, wt);
     if (j->kind == ROUTE_SIGMOID) return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
     if (j->kind == ROUTE_SOFTMAX_BIAS) return route_select_softmax_bias(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
     return route_select(p, j->E, j->k, j->norm, ix, wt);
@@ -369,12 +422,13 @@ static void logits_part(void *p, int id, int n) {
 /* Top-k routing: for each of T rows of x, logits = x W^T in f32 (W f32 [E, H]); by `kind`: ROUTE_SOFTMAX,
  * softmax over all E (Mixtral, OLMoE, Qwen-MoE), the k largest probabilities in descending order (ties: the
  * lower expert first), optionally renormalised to sum to one; ROUTE_SIGMOID, route_select_sigmoid's rule;
- * ROUTE_SOFTMAX_BIAS, route_select_softmax_bias's (the two with a bias [E]). idx int64 [T, k], w f32 [T, k].
+ * ROUTE_SOFTMAX_BIAS, route_select_softmax_bias's; ROUTE_TOPK_SOFTMAX, route_select_topk_softmax's (the
+ * three with a bias [E]). idx int64 [T, k], w f32 [T, k].
  * Many rows are split between the threads; a few rows' logits are (the same values either way). Returns 0,
  * -2 (memory), -3 (bad k or kind), -5 (a NaN logit). */
 int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int kind,
                const float *bias, float scale, int64_t *idx, float *w) {
-    if (k < 1 || k > E || kind < ROUTE_SOFTMAX || kind > ROUTE_SOFTMAX_BIAS || (kind != ROUTE_SOFTMAX && !bias))
+    if (k < 1 || k > E || kind < ROUTE_SOFTMAX || kind > ROUTE_TOPK_SOFTMAX || (kind != ROUTE_SOFTMAX && !bias))
         return -3;
     route_job j = {x, bf16, T, H, E, k, norm, kind, W, bias, scale, idx, w, 0, NULL, NULL};
     if (T >= ROUTE_PAR_MIN || coli_get_threads() < 2 || (long)E * H * 4 < ROUTE_SPLIT_BYTES) {
@@ -441,7 +495,8 @@ int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y) {
  * dense layer); h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    int kind, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
-                   int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared) {
+                   int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
+                   const coli_expert_act *act) {
     if (E < 1 && !shared) return -3;
     uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
     if (!y) return -2;
@@ -449,7 +504,7 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
     int rc = 0;
     if (E > 0) {
         PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, bias, scale, idx, w));
-        if (!rc) rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y);
+        if (!rc) rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y, act);
     }
     if (!rc && shared) {
         rc = coli_mlp_rows(shared, x, T, H, E > 0 ? s : y);

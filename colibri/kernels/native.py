@@ -119,12 +119,22 @@ class MoeLayer(ctypes.Structure):
     _fields_ = [("inter", ctypes.c_int), ("n_experts", ctypes.c_int), ("k", ctypes.c_int), ("norm", ctypes.c_int),
                 ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("router", ctypes.c_void_p),
                 ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("scale", ctypes.c_float), ("shared", ctypes.c_void_p), ("kind", ctypes.c_int)]
+                ("scale", ctypes.c_float), ("shared", ctypes.c_void_p), ("kind", ctypes.c_int),
+                ("act", ctypes.c_void_p)]
 
 
 # coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
 # softmax probabilities chosen with a bias, renormalised over max(sum, floor) (ERNIE-4.5)
-ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS = 0, 1, 2
+# gpt-oss's: logits + a bias, the top k, softmax over those k
+ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX = 0, 1, 2, 3
+ACT_SILU, ACT_CLAMPED = 0, 1  # the routed experts' activation (common.h coli_expert_act)
+
+
+class ExpertAct(ctypes.Structure):
+    """coli_expert_act (common.h): the experts' activation (kind, alpha, limit) and per-expert bias tables."""
+
+    _fields_ = [("kind", ctypes.c_int), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p)]
 
 
 class Mlp(ctypes.Structure):
@@ -148,13 +158,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     f = ctypes.c_float
     lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, i, p, f, p, p]
     lib.coli_route.restype = i
-    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p]
+    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p]
     lib.coli_moe_block.restype = i
     lib.coli_mlp_rows.argtypes = [p, p, i, i, p]
     lib.coli_mlp_rows.restype = i
     lib.coli_attn_block.argtypes = [p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p]
     lib.coli_attn_block.restype = i
-    lib.coli_moe.argtypes = [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p]
+    lib.coli_moe.argtypes = [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p, p]
     lib.coli_moe.restype = i
     lib.coli_q8_gemm.argtypes = [p, i, i, i, p, p, i, p]
     lib.coli_q8_gemm.restype = i
@@ -304,21 +314,32 @@ class MoeTables:
     steps: a resident layer fills each entry once; a cached layer sets one entry per delivered expert
     and clears it after its call (a cache slot's memory is only valid until the next expert)."""
 
-    def __init__(self, n_experts: int):
+    def __init__(self, n_experts: int, act: tuple[int, float, float] = (ACT_SILU, 0.0, 0.0)):
         self.n = n_experts
         self.gu, self.dn = (QW * n_experts)(), (QW * n_experts)()
+        self.gub, self.dnb = (ctypes.c_void_p * n_experts)(), (ctypes.c_void_p * n_experts)()  # bf16 biases
+        self.act = ExpertAct(*act, ctypes.addressof(self.gub), ctypes.addressof(self.dnb))
         self.owner: list[tuple[int, int] | None] = [None] * n_experts  # (id(gate_up), id(down)) per entry
         self.scheme, self.group_size = "", 0  # of a table holding a whole layer (SwitchGLU.full_tables)
+        self.biased = False  # some entry has a bias (then the kernel gets `act`, as for another activation)
 
     def set(self, e: int, gate_up, down) -> None:
         key = (id(gate_up), id(down))
         if self.owner[e] != key:
             self.gu[e], self.dn[e] = QW(*qw(gate_up)), QW(*qw(down))
+            bu, bd = getattr(gate_up, "bias", None), getattr(down, "bias", None)
+            self.gub[e], self.dnb[e] = (None if b is None else b.data_ptr() for b in (bu, bd))
+            self.biased = self.biased or bu is not None or bd is not None
             self.owner[e] = key
 
     def clear(self, e: int) -> None:
         self.gu[e], self.dn[e] = QW(), QW()
+        self.gub[e] = self.dnb[e] = None
         self.owner[e] = None
+
+    def act_ptr(self):
+        """What the kernels get for `act`: None for plain SiLU-GLU without biases (the common case)."""
+        return ctypes.byref(self.act) if self.biased or self.act.kind != ACT_SILU else None
 
 
 def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, intermediate: int,
@@ -330,7 +351,8 @@ def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Te
     y = torch.empty(T, H, dtype=x.dtype) if combine else None
     rc = _lib.coli_moe(x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, intermediate, idx.shape[1],
                        idx.data_ptr(), weights.data_ptr(), tables.n, tables.gu, tables.dn,
-                       8 if scheme == "int8" else 4, group_size, ys.data_ptr(), None if y is None else y.data_ptr())
+                       8 if scheme == "int8" else 4, group_size, ys.data_ptr(), None if y is None else y.data_ptr(),
+                       tables.act_ptr())
     if rc != 0:
         raise RuntimeError(f"coli_moe failed ({rc})")
     return y
@@ -380,7 +402,7 @@ def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch
                              int(norm), kind, None if bias is None else bias.data_ptr(), scale, tables.gu, tables.dn,
                              8 if scheme == "int8" else 4, group_size,
                              idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr(),
-                             None if shared is None else ctypes.byref(shared))
+                             None if shared is None else ctypes.byref(shared), tables.act_ptr())
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_moe_block failed ({rc})")
     return h_out, idx, wts

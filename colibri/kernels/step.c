@@ -77,7 +77,8 @@ typedef struct {
     const float *bias;             /* the biased routing kinds' selection bias [n_experts] */
     float scale;                   /* coli_route's scale (sigmoid: the weights' factor; softmax-bias: a floor) */
     const coli_mlp *shared;        /* a shared expert, or NULL; with n_experts 0 the layer's dense MLP */
-    int kind;                      /* coli_route's rule: ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS */
+    int kind;                      /* coli_route's rule (common.h ROUTE_*) */
+    const coli_expert_act *act;    /* the experts' activation and biases, or NULL (SiLU-GLU) */
 } coli_moe_layer;
 
 /* Post the read-ahead of the layers' first weights (see pf_job) for the time until the next step. */
@@ -126,7 +127,7 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
         if (!rc)
             rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind, m->bias,
                                 m->scale, m->gate_up, m->down, m->scheme, m->group, idx + (long)l * T * kmax,
-                                w + (long)l * T * kmax, ys, h, m->shared);
+                                w + (long)l * T * kmax, ys, h, m->shared, m->act);
         if (rc) *failed = l;
     }
     free(mid);

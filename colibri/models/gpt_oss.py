@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ColibriError
+from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
+from .moe import SparseMoE, SwitchGLU, native_router_ok
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -85,8 +86,20 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
         self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
         self.top_k = top_k
+        self.norm_topk_prob = False  # (its softmax over the k is its own rule)
+
+    def native_routing(self) -> tuple[torch.Tensor, float, int] | None:
+        """The native router's rule (kernels/moe.c route_select_topk_softmax); None where the bias is not an
+        f32 CPU tensor."""
+        b = self.bias
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+            return None
+        return b, 1.0, native.ROUTE_TOPK_SOFTMAX
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rule = self.native_routing()
+        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
+            return native.route(x.contiguous(), self.weight, self.top_k, False, *rule)
         logits = F.linear(x.float(), self.weight.float(), self.bias.float())  # [T, E]
         top, idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
         return idx, torch.softmax(top, dim=-1)
@@ -105,7 +118,8 @@ class Model(CausalLM):
             window = a.sliding_window if a.layer_types[i] == "sliding_attention" else None
             attn = Attention(dataclasses.replace(base, sliding_window=window))
             moe = SparseMoE(SoftmaxTopKRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok),
-                            SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts, act))
+                            SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts, act,
+                                      (native.ACT_CLAMPED, a.swiglu_alpha, a.swiglu_limit)))
             return DecoderBlock(attn, moe, a.hidden_size, a.rms_norm_eps)
 
         blocks = [block(i) for i in range(a.num_hidden_layers)]

@@ -54,10 +54,13 @@ class SwitchGLU(nn.Module):
     """The routed experts of one layer: `forward(x [T, H], idx [T, k], weights [T, k]) -> [T, H]`."""
 
     def __init__(self, layer: int, hidden: int, intermediate: int, num_experts: int,
-                 act: Callable[[torch.Tensor], torch.Tensor] = silu_glu):
+                 act: Callable[[torch.Tensor], torch.Tensor] = silu_glu,
+                 native_act: tuple[int, float, float] | None = None):
         super().__init__()
         self.layer, self.hidden, self.intermediate, self.num_experts = layer, hidden, intermediate, num_experts
         self.act = act
+        # The native kernels' form of `act` (kernels/native.py ACT_*: kind, alpha, limit); None: torch's only
+        self.native_act = (native.ACT_SILU, 0.0, 0.0) if act is silu_glu else native_act
         self.source: ExpertSource | None = None  # bound by the store
         # (layer, residual [T, H]) -> None: starts reading the next layer's predicted experts
         # (store/lookahead.py); bound by the store when that layer's experts are cached.
@@ -72,7 +75,7 @@ class SwitchGLU(nn.Module):
         T, k = idx.shape
         if self.on_route is not None:
             self.on_route(self.layer, idx, weights)
-        if self.act is silu_glu and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
+        if self.native_act is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
                 and T <= native.MOE_MAX_ROWS and native.available():
             ids = idx[0].tolist() if T == 1 else torch.unique(idx).tolist()
             fetched = self.source.fetch(self.layer, ids)
@@ -91,7 +94,7 @@ class SwitchGLU(nn.Module):
             return self._experts(x, idx, weights, itertools.chain([first] if first else [], fetched))
         m = first[1].gate_up
         if self._tables is None:
-            self._tables = native.MoeTables(self.num_experts)
+            self._tables = native.MoeTables(self.num_experts, self.native_act)
         tables, resident = self._tables, self.source.holds_all(self.layer)
         x, idx, weights = x.contiguous(), idx.contiguous(), weights.float().contiguous()
         ys = torch.empty(idx.numel(), self.hidden, dtype=torch.float32)  # [T*k, H] each slot's expert output
@@ -141,14 +144,14 @@ class SwitchGLU(nn.Module):
     def full_tables(self) -> native.MoeTables | None:
         """Native tables holding every expert of a resident layer of native experts of one scheme (filled
         once), or None (a cached layer, another activation, or experts the kernel does not run)."""
-        if self.act is not silu_glu or self.source is None or not self.source.holds_all(self.layer):
+        if self.native_act is None or self.source is None or not self.source.holds_all(self.layer):
             return None
         full = self.__dict__.get("_full")
         if full is None:
             full = False
             ws = list(self.source.fetch(self.layer, list(range(self.num_experts))))
             if ws and all(_native_expert(w, ws[0][1].gate_up) for _, w in ws):
-                full = native.MoeTables(self.num_experts)
+                full = native.MoeTables(self.num_experts, self.native_act)
                 full.scheme, full.group_size = ws[0][1].gate_up.scheme, ws[0][1].gate_up.group_size
                 for e, w in ws:
                     full.set(e, w.gate_up, w.down)
@@ -167,13 +170,19 @@ class SwitchGLU(nn.Module):
 
 
 def _native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:
-    """Both projections run the native kernel in one scheme and group size (and like `like`'s)."""
+    """Both projections run the native kernel in one scheme and group size (and like `like`'s), without a
+    bias or with a bf16 one on the CPU (gpt-oss's: the kernel adds it)."""
     a, b = w.gate_up, w.down
     if not (isinstance(a, QLinear) and isinstance(b, QLinear)):
         return False
     like = like or a
-    return (a.native_plain and b.native_plain and a.scheme == b.scheme == like.scheme
+    return (a.path == b.path == "native" and _bias_ok(a) and _bias_ok(b) and a.scheme == b.scheme == like.scheme
             and a.group_size == b.group_size == like.group_size)
+
+
+def _bias_ok(m: QLinear) -> bool:
+    b = m.bias
+    return b is None or (b.dtype == torch.bfloat16 and b.device.type == "cpu" and b.is_contiguous())
 
 
 class TopKRouter(nn.Module):
