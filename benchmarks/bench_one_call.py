@@ -43,10 +43,13 @@ BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, 
 SHAPES = {
     "qwen2_moe": {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 2048, "mlp_only_layers": []},
     "glm4_moe": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
-    "dots1": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
+    # (multi-head attention, as the released dots.llm1: llama.cpp's loader wants as many k/v heads as q heads)
+    "dots1": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1,
+              "num_key_value_heads": 16, "scoring_func": "sigmoid"},  # (llama.cpp reads the router rule from it)
     "ernie4_5_moe": {**BASE, "moe_num_experts": 32, "moe_k": 4, "moe_num_shared_experts": 4,
                      "moe_layer_start_index": 1},
-    "gpt_oss": {**BASE, "intermediate_size": 512, "num_local_experts": 32, "sliding_window": 128},
+    "gpt_oss": {**BASE, "intermediate_size": 512, "num_local_experts": 32, "sliding_window": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 4},
 }
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
