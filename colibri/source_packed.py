@@ -121,8 +121,8 @@ class PackedInts:
             zeros = unpack_words(z, 4, 1, _AWQ_SLOT)
         n_in, out = w.shape
         groups = g_idx.long() if g_idx is not None else torch.arange(n_in) // (self.group if self.group > 0 else n_in)
-        if groups.shape != (n_in,) or s.shape[-1] != out or zeros.shape[1] < out or int(groups.max()) >= s.shape[0] \
-                or s.shape[0] > zeros.shape[0]:
+        if groups.shape != (n_in,) or s.shape[-1] != out or zeros.shape[1] < out or s.shape[0] > zeros.shape[0] \
+                or int(groups.min()) < 0 or int(groups.max()) >= s.shape[0]:
             raise ColibriError(f"{name}: qweight {tuple(q.shape)}, qzeros {tuple(z.shape)}, scales {tuple(s.shape)} "
                                f"do not fit {self.bits}-bit groups of {self.group} (quantization_config)")
         return ((w - zeros[groups, :out]).float() * s.float()[groups]).t().contiguous()  # [out, in]

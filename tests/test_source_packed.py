@@ -128,6 +128,19 @@ def test_packed_checkpoint_converts_to_the_weights_it_stands_for(ckpt, tmp_path,
     torch.testing.assert_close(got, hf_logits(load_hf(deq), IDS), rtol=1e-4, atol=1e-4)
 
 
+def test_a_group_index_out_of_range_is_an_error_not_a_wrapped_index(ckpt, tmp_path):
+    pq, _ = _packed_folder(ckpt.hf("qwen3_moe"), tmp_path, "gptq")
+    tensors = load_file(pq / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("self_attn.q_proj.g_idx"))
+    for bad in (-1, 99):
+        tensors[name] = tensors[name].clone()
+        tensors[name][3] = bad
+        save_file(tensors, str(pq / "model.safetensors"))
+        r = dequantizing(SafetensorsFolder(pq), json.loads((pq / "config.json").read_text()))
+        with pytest.raises(ColibriError, match="do not fit 4-bit groups of 32"):
+            r.read(name.removesuffix("g_idx") + "weight")
+
+
 def test_unsupported_packings_are_refused_by_name(ckpt):
     st = SafetensorsFolder(ckpt.hf("qwen3_moe"))
     for qc, match in (({"quant_method": "gptq", "bits": 3}, "bits 3 of GPTQ"),
