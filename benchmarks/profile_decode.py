@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/profile_decode.py --model M.coli [--threads 2] [--steps 64] [--per-layer]
     .venv/bin/python benchmarks/profile_decode.py --model M.coli --stages   # inside the one-call step
+    .venv/bin/python benchmarks/profile_decode.py --model M.coli --stages --rows 8   # 8 sequences a step
 
 Calls the model's forward directly (no engine thread, no sampling), one row per step, and wraps the
 native kernel entry points (colibri/kernels/native.py) with timers: what is left of a step is Python
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 import colibri  # noqa: E402
 from colibri.kernels import native  # noqa: E402
 from colibri.models import native_step  # noqa: E402
-from colibri.models.batch import StepBatch  # noqa: E402
+from colibri.models.batch import Seq, StepBatch  # noqa: E402
 
 KERNELS = ("decode_step", "decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block",
            "attn_decode", "rmsnorm", "rope")
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--per-layer", action="store_true",
                     help="the per-layer native calls, not all blocks in one (models/native_step.py)")
     ap.add_argument("--stages", action="store_true", help="the one-call step's stages (kernel timers)")
+    ap.add_argument("--rows", type=int, default=1, help="sequences per step, one row each (a batch's decode)")
     a = ap.parse_args()
     if a.stages and a.per_layer:
         ap.error("--stages times the one-call step: drop --per-layer")
@@ -57,13 +59,15 @@ def main() -> None:
 
     for name in KERNELS:
         setattr(native, name, timed(name, getattr(native, name)))
-    llm = colibri.load(a.model, ctx_size=a.steps + 16, threads=a.threads)
+    llm = colibri.load(a.model, ctx_size=a.steps + 16, threads=a.threads, slots=a.rows)
     torch.set_num_threads(1)  # as the engine runs a decode step: the pool gets the threads
     native.set_threads(a.threads)
-    caches = llm.slots.caches[0]
+    slots = llm.slots.caches[: a.rows]
+    rows = torch.arange(a.rows)
     with torch.inference_mode():
-        def step(pos: int) -> None:
-            llm.model(torch.tensor([3 + pos % 200]), StepBatch.single(caches, pos, 1), torch.tensor([0]))
+        def step(pos: int) -> None:  # each sequence its own slot and token, all at position pos
+            batch = StepBatch([Seq(r, r + 1, pos, c) for r, c in enumerate(slots)])
+            llm.model(torch.tensor([3 + (pos + 7 * r) % 200 for r in range(a.rows)]), batch, rows)
 
         for pos in range(8):  # warm-up
             step(pos)
@@ -76,9 +80,9 @@ def main() -> None:
     llm.close()
     per = {k: v / a.steps * 1e3 for k, v in spent.items()}
     step_ms = total / a.steps * 1e3
-    print(f"{a.model}: {a.steps} one-row steps, {a.threads} threads, native kernels "
+    print(f"{a.model}: {a.steps} steps of {a.rows} row(s), {a.threads} threads, native kernels "
           f"{'on' if native.available() else 'off'}, load {os.getloadavg()[0]:.1f}")
-    print(f"  step {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s, forward only)")
+    print(f"  step {step_ms:.2f} ms ({a.rows * 1e3 / step_ms:.1f} tok/s, forward only)")
     for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
         print(f"  {k:<12} {v:6.3f} ms  {v / step_ms:5.1%}")
     rest = step_ms - sum(per.values())
