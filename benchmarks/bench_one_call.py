@@ -34,7 +34,8 @@ from hf_tiny import make_tiny_checkpoint  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.models import ernie4_5_moe, gpt_oss, layers, native_mlp, native_step  # noqa: E402
+from colibri.kernels import native  # noqa: E402
+from colibri.models import ernie4_5_moe, gpt_oss, native_mlp, native_step  # noqa: E402
 from colibri.models.moe import SwitchGLU, silu_glu  # noqa: E402
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -59,7 +60,7 @@ def _set_mode(llm, mode: str) -> None:
     native_step.ENABLED = mode == "one-call"
     torch_mlp = mode == "torch-mlp"
     native_mlp.applies = (lambda t, x: False) if torch_mlp else _APPLIES
-    layers._native_bias = (lambda p: p.bias is None) if torch_mlp else _NATIVE_BIAS
+    native.bias_ok = (lambda m: m.bias is None) if torch_mlp else _BIAS_OK
     ernie4_5_moe.Router.native_routing = (lambda self: None) if torch_mlp else _ERNIE_RULE
     gpt_oss.SoftmaxTopKRouter.native_routing = (lambda self: None) if torch_mlp else _GPT_OSS_RULE
     for m in llm.model.modules():  # the cached kernel constants follow the mode
@@ -72,7 +73,7 @@ def _set_mode(llm, mode: str) -> None:
     native_step.forget(llm.model)
 
 
-_APPLIES, _NATIVE_BIAS, _ERNIE_RULE = native_mlp.applies, layers._native_bias, ernie4_5_moe.Router.native_routing
+_APPLIES, _BIAS_OK, _ERNIE_RULE = native_mlp.applies, native.bias_ok, ernie4_5_moe.Router.native_routing
 _GPT_OSS_RULE = gpt_oss.SoftmaxTopKRouter.native_routing
 
 

@@ -124,8 +124,8 @@ class MoeLayer(ctypes.Structure):
 
 
 # coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
-# softmax probabilities chosen with a bias, renormalised over max(sum, floor) (ERNIE-4.5)
-# gpt-oss's: logits + a bias, the top k, softmax over those k
+# softmax probabilities chosen with a bias, renormalised over max(sum, floor) (ERNIE-4.5); the top k of
+# biased logits, softmax over those k (gpt-oss)
 ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX = 0, 1, 2, 3
 ACT_SILU, ACT_CLAMPED = 0, 1  # the routed experts' activation (common.h coli_expert_act)
 
@@ -374,6 +374,12 @@ def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tens
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_route failed ({rc})")
     return idx, wts
+
+
+def bias_ok(m) -> bool:
+    """A QLinear's bias is one the kernels add (as its own forward does, bf16 + bf16): none, or bf16 on the CPU."""
+    b = m.bias
+    return b is None or (b.dtype == torch.bfloat16 and b.device.type == "cpu" and b.is_contiguous() and b.dim() == 1)
 
 
 def mlp(m: Mlp, x: torch.Tensor) -> torch.Tensor:

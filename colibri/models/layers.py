@@ -425,7 +425,7 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         first = projs[0]
         if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
-                   and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and _native_bias(p)
+                   and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and native.bias_ok(p)
                    for p in projs):
             return None
         norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
@@ -447,12 +447,6 @@ class Attention(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)
         return super()._apply(fn, recurse)
-
-
-def _native_bias(p) -> bool:
-    """No bias, or one the native block adds as the projection does (bf16 + bf16 on the CPU)."""
-    b = p.bias
-    return b is None or (b.dtype == torch.bfloat16 and b.device.type == "cpu" and b.is_contiguous() and b.dim() == 1)
 
 
 class MLP(nn.Module):

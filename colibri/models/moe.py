@@ -176,13 +176,8 @@ def _native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:
     if not (isinstance(a, QLinear) and isinstance(b, QLinear)):
         return False
     like = like or a
-    return (a.path == b.path == "native" and _bias_ok(a) and _bias_ok(b) and a.scheme == b.scheme == like.scheme
-            and a.group_size == b.group_size == like.group_size)
-
-
-def _bias_ok(m: QLinear) -> bool:
-    b = m.bias
-    return b is None or (b.dtype == torch.bfloat16 and b.device.type == "cpu" and b.is_contiguous())
+    return (a.path == b.path == "native" and native.bias_ok(a) and native.bias_ok(b)
+            and a.scheme == b.scheme == like.scheme and a.group_size == b.group_size == like.group_size)
 
 
 class TopKRouter(nn.Module):
