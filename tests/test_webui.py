@@ -1,6 +1,6 @@
 """The chat page at `GET /` in a real headless chromium (skipped without chromium or playwright, as the
-dashboard's test): a two-turn conversation streams the answers the API gives for the same messages, and a
-missing API key shows the server's error instead of an answer."""
+dashboard's test): a two-turn conversation streams the answers the API gives for the same messages, a
+missing API key shows the server's error instead of an answer, and answers render as sanitized markdown."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_chat_page_in_headless_chromium(server, client, tmp_path):
             page.keyboard.press("Enter")
             page.wait_for_function(f"document.querySelectorAll('.assistant')[{n}]?.dataset.done === '1'",
                                    timeout=30_000)
-            return page.locator(".assistant .text").nth(n).text_content()
+            return page.locator(".assistant .text").nth(n).get_attribute("data-raw")  # (as streamed)
 
         shown = send("Hello")  # no key yet: the server's 401, shown in the answer's place
         assert "API key" in shown and page.locator(".assistant.error").count() == 1
@@ -54,9 +54,18 @@ def test_chat_page_in_headless_chromium(server, client, tmp_path):
         first = send("Hello")
         second = send("Tell me more")
         meta = page.locator(".assistant .meta").last.text_content()
+        # an answer is shown as markdown, sanitized: what the page's own render() makes of a hostile one
+        shown_md = page.evaluate("""() => { const el = document.createElement('div');
+            render(el, '# Title\\n\\n**bold** and `x<y`\\n\\n```py\\nprint(1)\\n```\\n\\n'
+                       + '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>');
+            return el.innerHTML; }""")
+        pwned = page.evaluate("() => window.pwned === undefined")
         page.screenshot(path=os.environ.get("COLIBRI_WEBUI_SHOT", str(tmp_path / "chat.png")), full_page=True)
         browser.close()
     assert errors == []
+    assert "<h1>Title</h1>" in shown_md and "<strong>bold</strong>" in shown_md and "<code>x&lt;y</code>" in shown_md
+    assert '<pre><code class="language-py">print(1)' in shown_md
+    assert "onerror" not in shown_md and "<script" not in shown_md and pwned
     assert first == api([{"role": "user", "content": "Hello"}])
     assert second == api([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first},
                           {"role": "user", "content": "Tell me more"}])

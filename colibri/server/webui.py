@@ -1,5 +1,6 @@
 """`GET /`: a chat page in the browser (as llama-server's), over the server's own streamed
-/v1/chat/completions: static files shipped in the package (server/webui/), no CDN and no build step.
+/v1/chat/completions: static files shipped in the package (server/webui/), no CDN and no build step; the
+answers are rendered as markdown (code blocks, lists, tables) and sanitized.
 Settings (system message, temperature, max tokens, the API key) live in the browser's localStorage."""
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from fastapi.responses import FileResponse, JSONResponse
 
 router = APIRouter()
 STATIC = Path(__file__).with_name("webui")
-_KINDS = {"chat.js": "text/javascript", "chat.css": "text/css"}
+# marked (MIT) and DOMPurify (Apache-2.0 / MPL-2.0) from npm, as published (their source-map comments
+# dropped; licenses next to them): the answers are rendered as markdown, sanitized before they reach the page
+_KINDS = {"chat.js": "text/javascript", "chat.css": "text/css", "marked.umd.js": "text/javascript",
+          "purify.min.js": "text/javascript"}
 
 
 @router.get("/")

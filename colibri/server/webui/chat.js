@@ -1,5 +1,6 @@
-// colibri's chat page: a conversation over POST /v1/chat/completions (streamed, SSE), no libraries.
-// Text is set with textContent only (a model's answer is never parsed as HTML).
+// colibri's chat page: a conversation over POST /v1/chat/completions (streamed, SSE). An answer is shown
+// as markdown (marked), its HTML sanitized (DOMPurify) before it reaches the page; everything else, and an
+// answer when those two did not load, is set with textContent only.
 "use strict";
 const $ = (id) => document.getElementById(id);
 const conv = [];  // {role, content} of the conversation so far
@@ -27,6 +28,17 @@ function bubble(role, text) {
   $("log").appendChild(div);
   div.scrollIntoView({block: "end"});
   return div;
+}
+
+// An answer's text into `el`: markdown made HTML and sanitized, or plain text. `data-raw` keeps the text.
+function render(el, text) {
+  el.dataset.raw = text;
+  if (window.marked && window.DOMPurify) {
+    el.innerHTML = DOMPurify.sanitize(marked.parse(text, {gfm: true, breaks: true}));
+    el.classList.add("md");
+  } else {
+    el.textContent = text;
+  }
 }
 
 async function loadModel() {
@@ -95,7 +107,7 @@ async function ask(text) {
       }
       if (delta && delta.content) {
         answer += delta.content;
-        body.textContent = answer;
+        render(body, answer);
         out.scrollIntoView({block: "end"});
       }
       if (ev.usage) {
@@ -114,7 +126,8 @@ async function ask(text) {
     } else {
       failed = true;
       out.classList.add("error");
-      body.textContent = answer + (answer ? "\n" : "") + "error: " + e.message;
+      body.classList.remove("md");
+      body.textContent = body.dataset.raw = answer + (answer ? "\n" : "") + "error: " + e.message;
       $("status").textContent = "";
     }
   } finally {
