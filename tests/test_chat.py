@@ -134,6 +134,27 @@ def test_repl_through_a_pipe_keeps_history(ckpt):
     assert r.stdout == f"{a1}\n{a2}\n{a3}\n{a4}\n"  # /exit stops before "ignored"
 
 
+def test_repl_prompt_cache_serves_the_next_session(ckpt, tmp_path):
+    """`--prompt-cache FILE`: the conversation's K/V is saved after each answer; the next session loads it,
+    and its first turn (the same system message and question) computes only what is new -- same answers."""
+    import re
+
+    model, cache = ckpt.coli("mixtral", "f32"), tmp_path / "chat.kv"
+    args = ("--system", "Be kind.", "--prompt-cache", str(cache), "--stats", "--log-level", "info")
+    first = chat(model, "Hello there\nOnce upon a time\n", *args)
+    assert first.returncode == 0, first.stderr
+    saved = [int(n) for n in re.findall(r"(\d+) positions saved", first.stderr)]
+    assert len(saved) == 2 and saved[1] > saved[0] > 0 and cache.exists()
+    second = chat(model, "Hello there\n", *args)
+    assert second.returncode == 0, second.stderr
+    assert f"{saved[1]} positions loaded" in second.stderr
+    assert second.stdout.splitlines()[0] == first.stdout.splitlines()[0]
+    prompt, cached = map(int, re.search(r"prompt (\d+) tok \((\d+) cached\)", second.stderr).groups())
+    assert 0 < cached < prompt  # the first turn's prompt came from the file, up to its new tokens
+    bad = chat(model, "Hi\n", "--prompt-cache", str(tmp_path), "--no-cache-prompt")
+    assert bad.returncode != 0 and "--prompt-cache needs prompt caching" in bad.stderr
+
+
 def test_repl_shows_reasoning_on_stderr_and_keeps_the_answer_only(ckpt):
     """A thinking model's <think> block (forced here by a grammar) goes to stderr; stdout and the next
     turn's history get the answer."""

@@ -1,6 +1,6 @@
 """`colibri chat`: a multi-turn chat over the model's chat template, streaming each answer.
 
-    colibri chat --model M.coli [--system "You are terse."]
+    colibri chat --model M.coli [--system "You are terse."] [--prompt-cache chat.kv]
 
 Commands: /reset (forget the conversation), /system TEXT (set the system message and reset),
 /exit. Ctrl-C stops the current answer (not the program); Ctrl-D exits. From a pipe, each input
@@ -19,7 +19,15 @@ import sys
 
 from ..errors import ColibriError
 from .common import HelpFormatter, add_engine_args, engine_from_args, positive, setup_logging
-from .run import add_sampling_args, grammar_from_args, stats_line, validate_sampling
+from .run import (
+    add_sampling_args,
+    check_prompt_cache,
+    grammar_from_args,
+    load_prompt_cache,
+    save_prompt_cache,
+    stats_line,
+    validate_sampling,
+)
 
 log = logging.getLogger("colibri")
 HELP = "commands: /reset  /system TEXT  /exit   (Ctrl-C stops an answer, Ctrl-D exits)"
@@ -33,6 +41,9 @@ def chat_parser() -> argparse.ArgumentParser:
     g.add_argument("-n", "--n-predict", type=positive("-n"), default=1024,
                    help="most tokens per answer (an answer also ends at the context's end)")
     g.add_argument("--stats", action="store_true", help="print a stats line to stderr after each answer")
+    g.add_argument("--prompt-cache", metavar="FILE", default=None,
+                   help="load the K/V of an earlier chat from FILE (a conversation that starts the same, e.g. its "
+                        "system message, is not computed again) and save the conversation's to it after each answer")
     add_sampling_args(p)
     add_engine_args(p)
     return p
@@ -125,9 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     a = chat_parser().parse_args(argv)
     setup_logging(a.log_level)
     validate_sampling(a)
+    check_prompt_cache(a)
     a.grammar_text = grammar_from_args(a)  # every answer follows it (checked before loading)
     llm = engine_from_args(a)
     try:
+        if a.prompt_cache:
+            load_prompt_cache(llm, a.prompt_cache)
         template = llm.tokenizer.template()
         interactive = sys.stdin.isatty()
         conv = Conversation(a.system)
@@ -164,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             reply = _answer(llm, template, _fit(llm, template, conv, text), a)
             conv.turns += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+            if a.prompt_cache:  # after each answer: a killed session keeps what it computed
+                save_prompt_cache(llm, a.prompt_cache)
     finally:
         llm.close()
     return 0

@@ -139,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = _read_prompt(a)
     if a.prompt is not None and a.file:
         raise ColibriError("give either --prompt or --file, not both")
-    if a.prompt_cache and not a.cache_prompt:
-        raise ColibriError("--prompt-cache needs prompt caching (drop --no-cache-prompt)")
-    if a.prompt_cache and Path(a.prompt_cache).is_dir():
-        raise ColibriError(f"--prompt-cache {a.prompt_cache} is a directory, not a file")
+    check_prompt_cache(a)
     grammar = grammar_from_args(a)  # (before loading: a bad schema is one line, not a wait)
     t0 = time.perf_counter()
     llm = engine_from_args(a)
@@ -151,17 +148,29 @@ def main(argv: list[str] | None = None) -> int:
              llm.kv_bytes() / 2**20, a.ctx_size)
     try:
         if a.prompt_cache:
-            _load_prompt_cache(llm, a.prompt_cache)
+            load_prompt_cache(llm, a.prompt_cache)
         _generate(a, llm, prompt, grammar)
         if a.prompt_cache:
-            n = llm.save_prompt_cache(a.prompt_cache)
-            log.info("prompt cache %s: %d positions saved", a.prompt_cache, n)
+            save_prompt_cache(llm, a.prompt_cache)
     finally:
         llm.close()  # in-process callers (tests, the fuzz worker) must not keep the engine thread
     return 0
 
 
-def _load_prompt_cache(llm, path: str) -> None:
+def check_prompt_cache(a: argparse.Namespace) -> None:
+    """--prompt-cache's conditions, before the model loads (`run` and `chat`)."""
+    if a.prompt_cache and not a.cache_prompt:
+        raise ColibriError("--prompt-cache needs prompt caching (drop --no-cache-prompt)")
+    if a.prompt_cache and Path(a.prompt_cache).is_dir():
+        raise ColibriError(f"--prompt-cache {a.prompt_cache} is a directory, not a file")
+
+
+def save_prompt_cache(llm, path: str) -> None:
+    n = llm.save_prompt_cache(path)
+    log.info("prompt cache %s: %d positions saved", path, n)
+
+
+def load_prompt_cache(llm, path: str) -> None:
     """A missing file is created at the end; one of another model (or damaged) is replaced, with a warning."""
     if not Path(path).exists():
         return
