@@ -143,15 +143,44 @@ def test_v3_router_matches_transformers():
     _compare(ref, ours)
 
 
-def _compare(ref, ours):
+@pytest.mark.parametrize("groups", [(1, 1), (4, 4)])
+def test_v3_router_with_every_group_kept_routes_natively_as_transformers(groups):
+    """One group (Kimi-K2, Moonlight), or all groups kept: bf16 rows take the native sigmoid rule, with
+    transformers' experts and weights (f32 rows route in torch, the oracle's path)."""
+    from colibri.kernels import native
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    n_group, topk_group = groups
+    cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4,
+                           n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5, norm_topk_prob=True)
+    ref = DeepseekV3TopkRouter(cfg)
+    ours = deepseek_v3.Router(deepseek_v3.ModelArgs.from_dict(cfg.to_dict()))
+    with torch.no_grad():
+        ref.e_score_correction_bias.copy_(torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.3)
+    ours.e_score_correction_bias.data = ref.e_score_correction_bias.clone()
+    assert ours.native_routing() is not None
+    calls = []
+    real = native.route
+    native.route = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        _compare(ref, ours, bf16=True)
+    finally:
+        native.route = real
+    assert calls  # (the bf16 rows went through the kernel)
+
+
+def _compare(ref, ours, bf16: bool = False):
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(ref.weight.shape, generator=gen))
     ours.weight.data = ref.weight.detach().clone()
     x = torch.randn(64, ref.weight.shape[1], generator=gen)
+    if bf16:  # the same values, as the bf16 rows a decode step hands the router
+        x = x.bfloat16().float()
     with torch.no_grad():
         _, ref_w, ref_idx = ref(x)
-    idx, w = ours(x)
+    idx, w = ours(x.bfloat16() if bf16 else x)
     # same experts and weights per token; slot order is free (the experts' sum does not depend on it)
     ref_idx, order = ref_idx.sort(-1)
     idx, mine = idx.sort(-1)
