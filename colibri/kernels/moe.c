@@ -254,7 +254,8 @@ typedef struct {
     int bf16, T, H, E, k, norm, kind;  /* kind: common.h's ROUTE_* */
     const float *W;
     const float *bias;  /* the bias [E] of the biased kinds (selection-only, or gpt-oss's logit bias) */
-    float scale;        /* ROUTE_SIGMOID: the weights' factor; ROUTE_SOFTMAX_BIAS: the renormalisation floor */
+    float scale;        /* ROUTE_SOFTMAX (not renormalised) and ROUTE_SIGMOID: the weights' factor;
+                         * ROUTE_SOFTMAX_BIAS: the renormalisation floor */
     int64_t *idx;
     float *w;
     int rc;
@@ -385,7 +386,10 @@ static int route_row(const route_job *j, float *p, float *s, long t) {
     if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, j->E, j->k, j->bias, ix, wt);
     if (j->kind == ROUTE_SIGMOID) return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
     if (j->kind == ROUTE_SOFTMAX_BIAS) return route_select_softmax_bias(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
-    return route_select(p, j->E, j->k, j->norm, ix, wt);
+    int rc = route_select(p, j->E, j->k, j->norm, ix, wt);
+    if (!rc && !j->norm && j->scale != 1.f)  /* DeepSeek-V2's routed_scaling_factor (not renormalised) */
+        for (int jj = 0; jj < j->k; jj++) wt[jj] *= j->scale;
+    return rc;
 }
 
 static void route_part(void *p, int id, int n) {
@@ -420,8 +424,9 @@ static void logits_part(void *p, int id, int n) {
 #define ROUTE_SPLIT_BYTES (64 * 1024)
 
 /* Top-k routing: for each of T rows of x, logits = x W^T in f32 (W f32 [E, H]); by `kind`: ROUTE_SOFTMAX,
- * softmax over all E (Mixtral, OLMoE, Qwen-MoE), the k largest probabilities in descending order (ties: the
- * lower expert first), optionally renormalised to sum to one; ROUTE_SIGMOID, route_select_sigmoid's rule;
+ * softmax over all E (Mixtral, OLMoE, Qwen-MoE, DeepSeek-V2), the k largest probabilities in descending order
+ * (ties: the lower expert first), renormalised to sum to one when `norm`, else times `scale`;
+ * ROUTE_SIGMOID, route_select_sigmoid's rule;
  * ROUTE_SOFTMAX_BIAS, route_select_softmax_bias's; ROUTE_TOPK_SOFTMAX, route_select_topk_softmax's (the
  * three with a bias [E]). idx int64 [T, k], w f32 [T, k].
  * Many rows are split between the threads; a few rows' logits are (the same values either way). Returns 0,

@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
+from ..kernels import native
 from .base import BaseArgs, CausalLM
 from .layers import MLP, DecoderBlock, rope_inv_freq, rope_scaling, rope_theta
 from .mla import MLAArgs, MLAttention
-from .moe import SparseMoE, SwitchGLU
+from .moe import SparseMoE, SwitchGLU, native_router_ok
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 SCORING = "softmax"
@@ -86,7 +87,19 @@ class Router(nn.Module):
         self.n_group, self.topk_group = a.n_group, a.topk_group
         self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
 
+    def native_routing(self) -> tuple[None, float, int] | None:
+        """Greedy top-k (V2-Lite), or every group kept: the native router's softmax rule (kernels/moe.c
+        coli_route, weights times routed_scaling_factor unless renormalised); else torch's."""
+        if self.method == "group_limited_greedy" and self.topk_group < self.n_group:
+            return None
+        if self.norm_topk_prob and self.top_k == 1:  # (neither renormalised nor scaled: torch's rule only)
+            return None
+        return None, float(self.scaling), native.ROUTE_SOFTMAX
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rule = self.native_routing()
+        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
+            return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob, *rule)
         scores = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]
         if self.method == "group_limited_greedy":
             T, E = scores.shape
