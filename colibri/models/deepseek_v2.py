@@ -27,7 +27,7 @@ from ..kernels import native
 from .base import BaseArgs, CausalLM
 from .layers import MLP, DecoderBlock, rope_inv_freq, rope_scaling, rope_theta
 from .mla import MLAArgs, MLAttention
-from .moe import SparseMoE, SwitchGLU, native_router_ok
+from .moe import SparseMoE, SwitchGLU, native_route
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 SCORING = "softmax"
@@ -97,9 +97,9 @@ class Router(nn.Module):
         return None, float(self.scaling), native.ROUTE_SOFTMAX
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rule = self.native_routing()
-        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
-            return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob, *rule)
+        routed = native_route(self, x, self.norm_topk_prob)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
         scores = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]
         if self.method == "group_limited_greedy":
             T, E = scores.shape

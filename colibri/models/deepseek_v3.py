@@ -27,7 +27,7 @@ from ..errors import ColibriError
 from ..kernels import native
 from . import deepseek_v2 as v2
 from .deepseek_v2 import check_common
-from .moe import native_router_ok
+from .moe import native_route
 
 TOPK_METHODS = ("noaux_tc",)
 SCORING = "sigmoid"
@@ -65,9 +65,9 @@ class Router(nn.Module):
         return b, self.scaling, native.ROUTE_SIGMOID
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rule = self.native_routing()
-        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
-            return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob, *rule)
+        routed = native_route(self, x, self.norm_topk_prob)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
         scores = torch.sigmoid(x.float() @ self.weight.T)  # [T, E]
         choice = scores + self.e_score_correction_bias  # [T, E]: only for choosing, never as a weight
         T, E = choice.shape

@@ -18,7 +18,7 @@ from torch import nn
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, native_router_ok
+from .moe import SparseMoE, SwitchGLU, native_route
 
 
 @dataclass
@@ -81,9 +81,9 @@ class Router(nn.Module):
         return b.view(-1), float(self.norm_min), native.ROUTE_SOFTMAX_BIAS
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rule = self.native_routing()
-        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
-            return native.route(x.contiguous(), self.weight, self.top_k, True, *rule)
+        routed = native_route(self, x, True)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
         probs = torch.softmax(x.float() @ self.weight.float().T, dim=-1)  # [T, E]
         idx = torch.topk(probs + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices  # [T, k]
         weights = probs.gather(1, idx)  # [T, k]

@@ -12,7 +12,7 @@ from torch import nn
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, native_router_ok
+from .moe import SparseMoE, SwitchGLU, native_route
 
 
 @dataclass
@@ -93,9 +93,9 @@ class GroupLimitedRouter(nn.Module):
         return b, self.scale, native.ROUTE_SIGMOID
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rule = self.native_routing()
-        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
-            return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob, *rule)
+        routed = native_route(self, x, self.norm_topk_prob)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
         T, E = x.shape[0], self.weight.shape[0]
         scores = torch.sigmoid(x.float() @ self.weight.float().T)  # [T, E]
         choice = scores + self.e_score_correction_bias.float()  # [T, E], selection only

@@ -18,7 +18,7 @@ from ..errors import ColibriError
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, native_router_ok
+from .moe import SparseMoE, SwitchGLU, native_route
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -97,9 +97,9 @@ class SoftmaxTopKRouter(nn.Module):
         return b, 1.0, native.ROUTE_TOPK_SOFTMAX
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rule = self.native_routing()
-        if rule is not None and native_router_ok(self.weight, x):  # (bf16 rows: f32 stays the oracle's)
-            return native.route(x.contiguous(), self.weight, self.top_k, False, *rule)
+        routed = native_route(self, x, False)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
         logits = F.linear(x.float(), self.weight.float(), self.bias.float())  # [T, E]
         top, idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
         return idx, torch.softmax(top, dim=-1)

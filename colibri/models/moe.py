@@ -189,8 +189,9 @@ class TopKRouter(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if native_router_ok(self.weight, x):  # one native call instead of five ops (bf16: f32 stays the oracle's)
-            return native.route(x.contiguous(), self.weight, self.top_k, self.norm_topk_prob)
+        routed = native_route(self, x, self.norm_topk_prob)  # one native call instead of five ops
+        if routed is not None:
+            return routed
         probs = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]
         weights, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
@@ -207,6 +208,15 @@ def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
     """Router weight w and rows x the native router takes: bf16 rows on the CPU, an f32 contiguous weight."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.device.type == "cpu" \
         and w.dtype == torch.float32 and w.is_contiguous() and native.available()
+
+
+def native_route(gate: nn.Module, x: torch.Tensor, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`gate`'s routes of bf16 rows x by its own rule in the kernels (`gate.native_routing()`), or None: f32
+    rows (the oracle's torch path), or a rule the kernels do not have."""
+    rule = gate.native_routing()
+    if rule is None or not native_router_ok(gate.weight, x):
+        return None
+    return native.route(x.contiguous(), gate.weight, gate.top_k, norm, *rule)
 
 
 def native_routing(gate: nn.Module) -> tuple[torch.Tensor | None, float, int] | None:
