@@ -3,14 +3,15 @@
     .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe ...] [--scheme int8]
         [--tokens 64] [--rounds 3] [--workdir /tmp/colibri-one-call]
 
-Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss) gets a random checkpoint of the 0.44b benchmark shape
+Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3, whose MLA attention runs
+layer by layer but whose MoE layers are one call each) gets a random checkpoint of the 0.44b benchmark shape
 (hidden 1024, 8 layers, 32 experts top-4 of width 512; its shared expert / dense layer 2048 wide;
 transformers' own initialisation), converted
 once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
-  torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's and
-             gpt-oss's routers and gpt-oss's experts in torch: the path these families took before
+  torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's,
+             gpt-oss's and DeepSeek's routers and gpt-oss's experts in torch: the path they took before
 With `--llamacpp`, llama.cpp (built from the llama-cpp-python sdist: benchmarks/llamacpp.py) decodes the
 same checkpoint as GGUF (Q8_0 for int8, Q4_0 for int4) with llama-bench after colibri's rounds, same
 threads and token count. Printed: tok/s per mode (median of the rounds), the ratios to one-call, llama.cpp's
@@ -35,7 +36,7 @@ from hf_tiny import make_tiny_checkpoint  # noqa: E402
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.kernels import native  # noqa: E402
-from colibri.models import ernie4_5_moe, gpt_oss, native_mlp, native_step  # noqa: E402
+from colibri.models import deepseek_v2, deepseek_v3, ernie4_5_moe, gpt_oss, native_mlp, native_step  # noqa: E402
 from colibri.models.moe import SwitchGLU, silu_glu  # noqa: E402
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -49,6 +50,15 @@ SHAPES = {
               "num_key_value_heads": 16, "scoring_func": "sigmoid"},  # (llama.cpp reads the router rule from it)
     "ernie4_5_moe": {**BASE, "moe_num_experts": 32, "moe_k": 4, "moe_num_shared_experts": 4,
                      "moe_layer_start_index": 1},
+    # MLA (attention layer by layer), V2-Lite's greedy router / Moonlight's one-group one: each MoE layer one call
+    "deepseek_v2": {**BASE, "n_routed_experts": 32, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                    "q_lora_rank": None, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                    "v_head_dim": 64, "num_key_value_heads": 16, "head_dim": 32},
+    "deepseek_v3": {**BASE, "n_routed_experts": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                    "q_lora_rank": 384, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                    "v_head_dim": 64, "num_key_value_heads": 16, "head_dim": 32},
     "gpt_oss": {**BASE, "intermediate_size": 512, "num_local_experts": 32, "sliding_window": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 4},
 }
@@ -63,6 +73,8 @@ def _set_mode(llm, mode: str) -> None:
     native.bias_ok = (lambda m: m.bias is None) if torch_mlp else _BIAS_OK
     ernie4_5_moe.Router.native_routing = (lambda self: None) if torch_mlp else _ERNIE_RULE
     gpt_oss.SoftmaxTopKRouter.native_routing = (lambda self: None) if torch_mlp else _GPT_OSS_RULE
+    deepseek_v2.Router.native_routing = (lambda self: None) if torch_mlp else _DS2_RULE
+    deepseek_v3.Router.native_routing = (lambda self: None) if torch_mlp else _DS3_RULE
     for m in llm.model.modules():  # the cached kernel constants follow the mode
         m.__dict__.pop("_fused_layer", None)
         if isinstance(m, SwitchGLU) and m.act is not silu_glu:  # gpt-oss's experts: kernels or torch
@@ -75,6 +87,7 @@ def _set_mode(llm, mode: str) -> None:
 
 _APPLIES, _BIAS_OK, _ERNIE_RULE = native_mlp.applies, native.bias_ok, ernie4_5_moe.Router.native_routing
 _GPT_OSS_RULE = gpt_oss.SoftmaxTopKRouter.native_routing
+_DS2_RULE, _DS3_RULE = deepseek_v2.Router.native_routing, deepseek_v3.Router.native_routing
 
 
 def _decode(llm, tokens: int) -> float:

@@ -114,7 +114,8 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(a.heads * a.v_head_dim, a.hidden, a.bias)
         self.rope = RoPE(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling, a.max_pos, a.rope_interleave)
         self.scale = softmax_scale(qk_dim, a.rope_scaling, a.max_pos)
-        self._absorbed_w: tuple[nn.Module, torch.Tensor] | None = None  # (kv_b_proj it came from, weight)
+        # (kv_b_proj it came from, its weight [H, Dn + Dv, R], W_uk [H, Dn, R] and W_uv^T [H, R, Dv] contiguous)
+        self._absorbed_w: tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """x [T, hidden]: the step's rows; projections run on all rows, attention per sequence."""
@@ -163,10 +164,11 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q_nope, q_pe, latent, start):
         a, T, S = self.a, q_nope.shape[0], latent.shape[0]
-        H, R, Dn = a.heads, a.kv_lora_rank, a.qk_nope_head_dim
-        w = self.absorbed_weight(latent)  # [H, Dn + Dv, R]
+        H, R = a.heads, a.kv_lora_rank
+        self.absorbed_weight(latent)
+        _, _, w_uk, w_uv_t = self._absorbed_w  # [H, Dn, R], [H, R, Dv]
         # q_nope . (W_uk c) = (q_nope W_uk) . c: a query in latent space, per head
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :Dn])  # [H, T, R]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, R]
         q = torch.cat((q_lat, q_pe.transpose(0, 1)), -1).reshape(H * T, -1)  # [H*T, R + Dr], rows (head, t)
         # Every head reads the same single latent "head", so all H*T query rows share one key matrix:
         # plain matmuls (SDPA would fall back to its slow path: the value width R differs from R + Dr).
@@ -179,7 +181,7 @@ class MLAttention(nn.Module):
                 future = torch.arange(S, device=q.device)[None] > (start + t)[:, None]  # [rows, S]
                 scores.masked_fill_(future, float("-inf"))
             ctx[r : r + rows] = torch.softmax(scores, -1).to(latent.dtype) @ latent[:, :R]
-        out = torch.bmm(ctx.view(H, T, R), w[:, Dn:].transpose(1, 2))  # [H, T, Dv]: then W_uv per head
+        out = torch.bmm(ctx.view(H, T, R), w_uv_t)  # [H, T, Dv]: then W_uv per head
         return out.transpose(0, 1).reshape(T, H * a.v_head_dim)
 
     def absorbed_weight(self, like: torch.Tensor) -> torch.Tensor:
@@ -190,7 +192,9 @@ class MLAttention(nn.Module):
             a = self.a
             w = w.to(device=like.device, dtype=like.dtype).view(a.heads, a.qk_nope_head_dim + a.v_head_dim,
                                                                  a.kv_lora_rank)
-            self._absorbed_w = (src, w)
+            # Both halves contiguous once: bmm copied each strided slice every call (~1 MiB a layer and token)
+            Dn = a.qk_nope_head_dim
+            self._absorbed_w = (src, w, w[:, :Dn].contiguous(), w[:, Dn:].transpose(1, 2).contiguous())
         return self._absorbed_w[1]
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> LatentCache:
