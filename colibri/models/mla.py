@@ -114,8 +114,8 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(a.heads * a.v_head_dim, a.hidden, a.bias)
         self.rope = RoPE(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling, a.max_pos, a.rope_interleave)
         self.scale = softmax_scale(qk_dim, a.rope_scaling, a.max_pos)
-        # (kv_b_proj it came from, its weight [H, Dn + Dv, R], W_uk [H, Dn, R] and W_uv^T [H, R, Dv] contiguous)
-        self._absorbed_w: tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # (kv_b_proj it came from, W_uk [H, Dn, R], W_uv^T [H, R, Dv]): its two halves, dense and contiguous
+        self._absorbed_w: tuple[nn.Module, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """x [T, hidden]: the step's rows; projections run on all rows, attention per sequence."""
@@ -165,8 +165,7 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, latent, start):
         a, T, S = self.a, q_nope.shape[0], latent.shape[0]
         H, R = a.heads, a.kv_lora_rank
-        self.absorbed_weight(latent)
-        _, _, w_uk, w_uv_t = self._absorbed_w  # [H, Dn, R], [H, R, Dv]
+        w_uk, w_uv_t = self.absorbed_weights(latent)  # [H, Dn, R], [H, R, Dv]
         # q_nope . (W_uk c) = (q_nope W_uk) . c: a query in latent space, per head
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, R]
         q = torch.cat((q_lat, q_pe.transpose(0, 1)), -1).reshape(H * T, -1)  # [H*T, R + Dr], rows (head, t)
@@ -184,18 +183,19 @@ class MLAttention(nn.Module):
         out = torch.bmm(ctx.view(H, T, R), w_uv_t)  # [H, T, Dv]: then W_uv per head
         return out.transpose(0, 1).reshape(T, H * a.v_head_dim)
 
-    def absorbed_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """kv_b_proj as a dense [H, Dn + Dv, R] in `like`'s dtype/device (dequantized once, then kept)."""
+    def absorbed_weights(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's halves as dense W_uk [H, Dn, R] and W_uv^T [H, R, Dv] in `like`'s dtype/device, each
+        contiguous (dequantized once, then kept: bmm copied a strided slice every call, ~1 MiB a layer and
+        token on the benchmark shape); the same bytes as one dense kv_b_proj."""
         src, kept = self.kv_b_proj, self._absorbed_w
         if kept is None or kept[0] is not src or kept[1].device != like.device or kept[1].dtype != like.dtype:
             w = src.dequantized_weight() if hasattr(src, "dequantized_weight") else src.weight
             a = self.a
             w = w.to(device=like.device, dtype=like.dtype).view(a.heads, a.qk_nope_head_dim + a.v_head_dim,
                                                                  a.kv_lora_rank)
-            # Both halves contiguous once: bmm copied each strided slice every call (~1 MiB a layer and token)
             Dn = a.qk_nope_head_dim
-            self._absorbed_w = (src, w, w[:, :Dn].contiguous(), w[:, Dn:].transpose(1, 2).contiguous())
-        return self._absorbed_w[1]
+            self._absorbed_w = (src, w[:, :Dn].contiguous(), w[:, Dn:].transpose(1, 2).contiguous())
+        return self._absorbed_w[1], self._absorbed_w[2]
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> LatentCache:
         return LatentCache(self.a.kv_lora_rank, self.a.qk_rope_head_dim, max_len, dtype)
