@@ -444,6 +444,25 @@ def make_tiny_checkpoint(
     return folder
 
 
+def quantized_pair(src: Path, dst: Path, name: str, packed: dict[str, torch.Tensor], deq: dict[str, torch.Tensor],
+                   quantization_config: dict) -> tuple[Path, Path]:
+    """Two copies of the checkpoint folder `src` under `dst`: `name` with the `packed` tensors and the
+    `quantization_config` in its config.json (a pre-quantized checkpoint), and "deq" with the float weights
+    they stand for; -> (dst / name, dst / "deq")."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    for folder, tensors, qc in ((dst / name, packed, quantization_config), (dst / "deq", deq, None)):
+        shutil.copytree(src, folder)
+        (folder / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        if qc is not None:
+            cfg = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
+    return dst / name, dst / "deq"
+
+
 def load_hf(folder: str | Path) -> PreTrainedModel:
     """The transformers model in eval mode, float32, eager attention (the oracle)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")

@@ -6,11 +6,10 @@ dequantized weights."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf
+from hf_tiny import hf_logits, load_hf, quantized_pair
 from safetensors.torch import load_file, save_file
 
 import colibri
@@ -100,14 +99,7 @@ def _packed_folder(src, dst, method: str):
     qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
           "checkpoint_format": "gptq"} if method == "gptq" else \
         {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
-    for folder, tensors, extra in ((dst / method, packed, True), (dst / "deq", deq, False)):
-        shutil.copytree(src, folder)
-        (folder / "model.safetensors").unlink()
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-        if extra:
-            cfg = json.loads((folder / "config.json").read_text())
-            (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
-    return dst / method, dst / "deq"
+    return quantized_pair(src, dst, method, packed, deq, qc)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

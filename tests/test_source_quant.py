@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf
-from safetensors.torch import load_file, save_file
+from hf_tiny import hf_logits, load_hf, quantized_pair
+from safetensors.torch import load_file
 
 import colibri
 from colibri.convert import convert
@@ -72,14 +72,7 @@ def _compressed_folder(src, dst):
               "group_1": {"targets": ["re:.*self_attn.*"], "format": "float-quantized",
                           "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}},
           "ignore": ["lm_head"]}
-    for folder, tensors, extra in ((dst / "ct", packed, True), (dst / "deq", deq, False)):
-        shutil.copytree(src, folder)
-        (folder / "model.safetensors").unlink()
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-        if extra:
-            cfg = json.loads((folder / "config.json").read_text())
-            (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
-    return dst / "ct", dst / "deq"
+    return quantized_pair(src, dst, "ct", packed, deq, qc)
 
 
 def test_compressed_tensors_checkpoint_converts_to_the_weights_it_stands_for(ckpt, tmp_path):

@@ -300,6 +300,20 @@ static int route_select(float *p, int E, int k, int norm, int64_t *ix, float *wt
     return 0;
 }
 
+/* The k largest of p[0..E) into ix in descending order (ties: the lower index first), each marked taken
+ * (-inf) in p: the selection of the biased rules below. Returns 0, or -5 when fewer than k are finite. */
+static int take_top(float *p, int E, int k, int64_t *ix) {
+    for (int jj = 0; jj < k; jj++) {  /* k passes of a max scan: k and E are small */
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
+        if (best < 0) return -5;
+        ix[jj] = best;
+        p[best] = -INFINITY;
+    }
+    return 0;
+}
+
 /* Sigmoid routing with a selection-only correction bias (GLM-4.5, MiniMax-M2: one expert group):
  * s = sigmoid(logit), the k largest s + bias[e] in descending order (ties: the lower expert first), their
  * weights the unbiased s, renormalised (over sum + 1e-20) when norm, times scale -- glm4_moe.py's
@@ -312,17 +326,9 @@ static int route_select_sigmoid(float *p, float *s, int E, int k, int norm, cons
         s[e] = 1.f / (1.f + expf(-p[e]));
         p[e] = s[e] + bias[e];
     }
+    if (take_top(p, E, k, ix)) return -5;
     float sum = 0.f;
-    for (int jj = 0; jj < k; jj++) {
-        int best = -1;
-        for (int e = 0; e < E; e++)
-            if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
-        if (best < 0) return -5;
-        ix[jj] = best;
-        wt[jj] = s[best];
-        sum += s[best];
-        p[best] = -INFINITY;  /* taken */
-    }
+    for (int jj = 0; jj < k; jj++) sum += wt[jj] = s[ix[jj]];
     for (int jj = 0; jj < k; jj++) wt[jj] = (norm ? wt[jj] / (sum + 1e-20f) : wt[jj]) * scale;
     return 0;
 }
@@ -341,38 +347,25 @@ static int route_select_softmax_bias(float *p, float *s, int E, int k, const flo
     float den = 0.f;
     for (int e = 0; e < E; e++) { s[e] = expf(p[e] - mx); den += s[e]; }
     for (int e = 0; e < E; e++) { s[e] /= den; p[e] = s[e] + bias[e]; }
+    if (take_top(p, E, k, ix)) return -5;
     float sum = 0.f;
-    for (int jj = 0; jj < k; jj++) {
-        int best = -1;
-        for (int e = 0; e < E; e++)
-            if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
-        if (best < 0) return -5;
-        ix[jj] = best;
-        wt[jj] = s[best];
-        sum += s[best];
-        p[best] = -INFINITY;  /* taken */
-    }
+    for (int jj = 0; jj < k; jj++) sum += wt[jj] = s[ix[jj]];
     float d = sum > norm_min ? sum : norm_min;
     for (int jj = 0; jj < k; jj++) wt[jj] /= d;
     return 0;
 }
 
 /* gpt-oss's rule: the k largest of logit + bias[e] in descending order (ties: the lower expert first),
- * weighted by the softmax over those k only. p (E logits) is overwritten. Returns 0, or -5 for NaN logits. */
-static int route_select_topk_softmax(float *p, int E, int k, const float *bias, int64_t *ix, float *wt) {
+ * weighted by the softmax over those k only. p (E logits) is overwritten, s is E floats of scratch. Returns 0,
+ * or -5 for NaN logits. */
+static int route_select_topk_softmax(float *p, float *s, int E, int k, const float *bias, int64_t *ix, float *wt) {
     for (int e = 0; e < E; e++) {
         p[e] += bias[e];
         if (p[e] != p[e]) return -5;
     }
-    for (int jj = 0; jj < k; jj++) {
-        int best = -1;
-        for (int e = 0; e < E; e++)
-            if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
-        if (best < 0) return -5;
-        ix[jj] = best;
-        wt[jj] = p[best];
-        p[best] = -INFINITY;  /* taken */
-    }
+    for (int e = 0; e < E; e++) s[e] = p[e];  /* (take_top marks the taken ones in p) */
+    if (take_top(p, E, k, ix)) return -5;
+    for (int jj = 0; jj < k; jj++) wt[jj] = s[ix[jj]];
     float den = 0.f;  /* wt[0] is the largest */
     for (int jj = 0; jj < k; jj++) { wt[jj] = expf(wt[jj] - wt[0]); den += wt[jj]; }
     for (int jj = 0; jj < k; jj++) wt[jj] /= den;
@@ -383,7 +376,7 @@ static int route_select_topk_softmax(float *p, int E, int k, const float *bias, 
 static int route_row(const route_job *j, float *p, float *s, long t) {
     int64_t *ix = j->idx + t * j->k;
     float *wt = j->w + t * j->k;
-    if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, j->E, j->k, j->bias, ix, wt);
+    if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, s, j->E, j->k, j->bias, ix, wt);
     if (j->kind == ROUTE_SIGMOID) return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
     if (j->kind == ROUTE_SOFTMAX_BIAS) return route_select_softmax_bias(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
     int rc = route_select(p, j->E, j->k, j->norm, ix, wt);

@@ -27,7 +27,7 @@ from ..kernels import native
 from .base import BaseArgs, CausalLM
 from .layers import MLP, DecoderBlock, rope_inv_freq, rope_scaling, rope_theta
 from .mla import MLAArgs, MLAttention
-from .moe import SparseMoE, SwitchGLU, native_route
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 SCORING = "softmax"
@@ -87,17 +87,16 @@ class Router(nn.Module):
         self.n_group, self.topk_group = a.n_group, a.topk_group
         self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
 
-    def native_routing(self) -> tuple[None, float, int] | None:
+    def native_routing(self) -> RouteRule | None:
         """Greedy top-k (V2-Lite), or every group kept: the native router's softmax rule (kernels/moe.c
-        coli_route, weights times routed_scaling_factor unless renormalised); else torch's."""
+        coli_route): renormalised when norm_topk_prob and k > 1, else times routed_scaling_factor (forward's
+        rule); else torch's."""
         if self.method == "group_limited_greedy" and self.topk_group < self.n_group:
             return None
-        if self.norm_topk_prob and self.top_k == 1:  # (neither renormalised nor scaled: torch's rule only)
-            return None
-        return None, float(self.scaling), native.ROUTE_SOFTMAX
+        return RouteRule(native.ROUTE_SOFTMAX, self.norm_topk_prob and self.top_k > 1, None, float(self.scaling))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x, self.norm_topk_prob)  # (bf16 rows: f32 stays the oracle's)
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
         if routed is not None:
             return routed
         scores = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]

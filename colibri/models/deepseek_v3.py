@@ -27,7 +27,7 @@ from ..errors import ColibriError
 from ..kernels import native
 from . import deepseek_v2 as v2
 from .deepseek_v2 import check_common
-from .moe import native_route
+from .moe import RouteRule, native_route
 
 TOPK_METHODS = ("noaux_tc",)
 SCORING = "sigmoid"
@@ -55,17 +55,17 @@ class Router(nn.Module):
         self.top_k, self.n_group, self.topk_group = a.num_experts_per_tok, a.n_group, a.topk_group
         self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
 
-    def native_routing(self) -> tuple[torch.Tensor, float, int] | None:
+    def native_routing(self) -> RouteRule | None:
         """Every group kept (one group: Kimi-K2, Moonlight): the native router's sigmoid rule (kernels/moe.c
         route_select_sigmoid, GLM-4.5's), as (selection bias, weight scale, kind); else torch's."""
         b = self.e_score_correction_bias
         if self.topk_group < self.n_group or b.dtype != torch.float32 or b.device.type != "cpu" \
                 or not b.is_contiguous():
             return None
-        return b, self.scaling, native.ROUTE_SIGMOID
+        return RouteRule(native.ROUTE_SIGMOID, self.norm_topk_prob, b, self.scaling)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x, self.norm_topk_prob)  # (bf16 rows: f32 stays the oracle's)
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
         if routed is not None:
             return routed
         scores = torch.sigmoid(x.float() @ self.weight.T)  # [T, E]

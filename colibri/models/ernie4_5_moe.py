@@ -18,7 +18,7 @@ from torch import nn
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, native_route
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 
 @dataclass
@@ -70,18 +70,17 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H], f32
         self.e_score_correction_bias = nn.Parameter(torch.zeros(1, num_experts), requires_grad=False)  # [1, E]
         self.top_k, self.norm_min = top_k, norm_min
-        self.norm_topk_prob = True  # (always renormalised, over max(sum, norm_min))
 
-    def native_routing(self) -> tuple[torch.Tensor, float, int] | None:
-        """The native router's softmax-with-bias rule (kernels/moe.c route_select_softmax_bias): (bias, floor,
-        kind); None where the bias is not an f32 CPU tensor."""
+    def native_routing(self) -> RouteRule | None:
+        """The native router's softmax-with-bias rule (kernels/moe.c route_select_softmax_bias), always
+        renormalised, over max(sum, norm_min); None where the bias is not an f32 CPU tensor."""
         b = self.e_score_correction_bias
         if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
             return None
-        return b.view(-1), float(self.norm_min), native.ROUTE_SOFTMAX_BIAS
+        return RouteRule(native.ROUTE_SOFTMAX_BIAS, True, b.view(-1), float(self.norm_min))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x, True)  # (bf16 rows: f32 stays the oracle's)
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
         if routed is not None:
             return routed
         probs = torch.softmax(x.float() @ self.weight.float().T, dim=-1)  # [T, E]

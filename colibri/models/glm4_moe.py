@@ -12,7 +12,7 @@ from torch import nn
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, native_route
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 
 @dataclass
@@ -84,16 +84,16 @@ class GroupLimitedRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
 
-    def native_routing(self) -> tuple[torch.Tensor, float, int] | None:
+    def native_routing(self) -> RouteRule | None:
         """One group (GLM-4.5, MiniMax-M2): the native router's sigmoid rule (kernels/moe.c
         route_select_sigmoid), as (selection bias, weight scale); more groups route in torch."""
         b = self.e_score_correction_bias
         if self.n_group != 1 or b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
             return None
-        return b, self.scale, native.ROUTE_SIGMOID
+        return RouteRule(native.ROUTE_SIGMOID, self.norm_topk_prob, b, self.scale)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x, self.norm_topk_prob)  # (bf16 rows: f32 stays the oracle's)
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
         if routed is not None:
             return routed
         T, E = x.shape[0], self.weight.shape[0]

@@ -18,7 +18,7 @@ from ..errors import ColibriError
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, native_route
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -86,18 +86,17 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
         self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
         self.top_k = top_k
-        self.norm_topk_prob = False  # (its softmax over the k is its own rule)
 
-    def native_routing(self) -> tuple[torch.Tensor, float, int] | None:
+    def native_routing(self) -> RouteRule | None:
         """The native router's rule (kernels/moe.c route_select_topk_softmax); None where the bias is not an
         f32 CPU tensor."""
         b = self.bias
         if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
             return None
-        return b, 1.0, native.ROUTE_TOPK_SOFTMAX
+        return RouteRule(native.ROUTE_TOPK_SOFTMAX, False, b)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x, False)  # (bf16 rows: f32 stays the oracle's)
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
         if routed is not None:
             return routed
         logits = F.linear(x.float(), self.weight.float(), self.bias.float())  # [T, E]

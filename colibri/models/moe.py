@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -189,7 +189,7 @@ class TopKRouter(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x, self.norm_topk_prob)  # one native call instead of five ops
+        routed = native_route(self, x)  # one native call instead of five ops
         if routed is not None:
             return routed
         probs = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E]
@@ -198,10 +198,10 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return idx, weights
 
-    def native_routing(self) -> tuple[torch.Tensor | None, float, int] | None:
-        """The native router's rule for this one (kernels/moe.c coli_route): (selection bias, scale, kind).
-        A router without this method, or answering None, routes in torch."""
-        return None, 1.0, native.ROUTE_SOFTMAX
+    def native_routing(self) -> RouteRule | None:
+        """The native router's rule for this one (kernels/moe.c coli_route). A router without this method, or
+        answering None, routes in torch."""
+        return RouteRule(native.ROUTE_SOFTMAX, self.norm_topk_prob)
 
 
 def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
@@ -210,16 +210,25 @@ def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
         and w.dtype == torch.float32 and w.is_contiguous() and native.available()
 
 
-def native_route(gate: nn.Module, x: torch.Tensor, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+class RouteRule(NamedTuple):
+    """A router's rule as the kernels run it (kernels/moe.c coli_route), from its `native_routing()`."""
+
+    kind: int  # native.ROUTE_*
+    norm: bool  # the k weights renormalised to sum to one (ERNIE: over max(sum, scale))
+    bias: torch.Tensor | None = None  # f32 [E] contiguous: a selection-only bias (gpt-oss: the logits' bias)
+    scale: float = 1.0  # the weights' factor when not renormalised (ERNIE: the renormalisation floor)
+
+
+def native_route(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`gate`'s routes of bf16 rows x by its own rule in the kernels (`gate.native_routing()`), or None: f32
     rows (the oracle's torch path), or a rule the kernels do not have."""
     rule = gate.native_routing()
     if rule is None or not native_router_ok(gate.weight, x):
         return None
-    return native.route(x.contiguous(), gate.weight, gate.top_k, norm, *rule)
+    return native.route(x.contiguous(), gate.weight, gate.top_k, rule.norm, rule.bias, rule.scale, rule.kind)
 
 
-def native_routing(gate: nn.Module) -> tuple[torch.Tensor | None, float, int] | None:
+def native_routing(gate: nn.Module) -> RouteRule | None:
     """`gate.native_routing()` where the router has one (TopKRouter, one-group GroupLimitedRouter, ERNIE's),
     else None."""
     rule = getattr(gate, "native_routing", None)
@@ -260,8 +269,9 @@ class SparseMoE(nn.Module):
             return None
         ex._look_ahead(h)  # the next layer's reads start first, as on the unfused path
         h_out, idx, weights = native.moe_block(tables, x.contiguous(), h.contiguous(), self.gate.weight,
-                                               self.gate.top_k, self.gate.norm_topk_prob, ex.intermediate,
-                                               tables.scheme, tables.group_size, *rule, shared=shared or None)
+                                               self.gate.top_k, rule.norm, ex.intermediate, tables.scheme,
+                                               tables.group_size, rule.bias, rule.scale, rule.kind,
+                                               shared=shared or None)
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx, weights)
         return h_out

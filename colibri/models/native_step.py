@@ -53,11 +53,11 @@ class _Plan:
         if t is None:  # a dense layer: its MLP alone
             return native.MoeLayer(0, 0, self.k, 0, mlp.scheme, mlp.group, None, None, None, None, 1.0, shared,
                                    native.ROUTE_SOFTMAX, None)
-        bias, scale, kind = native_routing(b.mlp.gate)  # (selection bias or None, scale, coli_route's rule)
-        return native.MoeLayer(b.mlp.experts.intermediate, t.n, b.mlp.gate.top_k, int(b.mlp.gate.norm_topk_prob),
+        r = native_routing(b.mlp.gate)
+        return native.MoeLayer(b.mlp.experts.intermediate, t.n, b.mlp.gate.top_k, int(r.norm),
                                8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
                                ctypes.addressof(t.gu), ctypes.addressof(t.dn),
-                               None if bias is None else bias.data_ptr(), scale, shared, kind,
+                               None if r.bias is None else r.bias.data_ptr(), r.scale, shared, r.kind,
                                None if t.act_ptr() is None else ctypes.addressof(t.act))
 
     def routed(self, idx: torch.Tensor) -> torch.Tensor:

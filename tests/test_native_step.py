@@ -1,0 +1,169 @@
+"""The one-call native step (models/native_step.py, kernels/step.c) and the fused blocks it strings together,
+against the same kernels called one by one from Python: every family whose layers it takes, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native import PROMPTS
+
+from colibri.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+
+
+def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
+    """Logits of one-row steps, a two-sequence decode step and a 6-row prompt chunk: the whole step in one
+    native call ("whole": embedding, blocks, norm, head), all blocks in one call ("one_call"), the fused
+    blocks one layer at a time ("fused"), or neither ("unfused")."""
+    from colibri.models import native_step
+    from colibri.models.batch import Seq, StepBatch
+    from colibri.models.layers import Attention
+    from colibri.models.moe import SparseMoE
+
+    out: dict[str, torch.Tensor] = {}
+    with monkeypatch.context() as mp:
+        mp.setattr(native_step, "ENABLED", mode in ("whole", "one_call"))
+        mp.setattr(native_step, "TAIL", mode == "whole")
+        if mode == "unfused":
+            mp.setattr(Attention, "fused", lambda self, *a: None)
+            mp.setattr(SparseMoE, "fused", lambda self, *a: None)
+        s0, s1 = llm.slots.caches[0], llm.slots.caches[1]
+        with torch.inference_mode():
+            rows = []
+            for caches, ids in ((s0, PROMPTS[0]), (s1, PROMPTS[1][:9])):
+                for pos, tok in enumerate(ids):
+                    rows.append(llm.model(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0])))
+            out["rows"] = torch.cat(rows)
+            # both sequences' next token in one step, at positions 16 and 9 (each on its own cache)
+            batch = StepBatch([Seq(0, 1, len(PROMPTS[0]), s0), Seq(1, 2, 9, s1)])
+            out["batch"] = llm.model(torch.tensor([5, 6]), batch, torch.tensor([0, 1]))
+            out["chunk"] = llm.model(torch.tensor(PROMPTS[1][:6]), StepBatch.single(s1, 0, 6), torch.arange(6))
+    return out
+
+
+def _spy(real, seen: list[bool]):
+    def spy(*a):
+        r = real(*a)
+        seen.append(r is not None)
+        return r
+    return spy
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("olmoe", {"clip_qkv": 0.5}), ("qwen3_moe", {}), ("mixtral", {"sliding_window": 5}), ("minimax_m2", {}),
+    # q/k/v biases, a gated shared expert, a dense layer (int4 needs a shared width of 32s)
+    ("qwen2_moe", {"shared_expert_intermediate_size": 64}),
+    # biases, partial RoPE, q/k norm, a dense first layer, shared experts (the kernels' one-group router)
+    ("glm4_moe", {"n_group": 1, "topk_group": 1}), ("dots1", {"n_group": 1, "topk_group": 1}),
+    ("ernie4_5_moe", {}),  # (its softmax router with a selection bias)
+    ("gpt_oss", {})])  # (q/k/v/o biases, sinks, its router, its experts' activation and biases)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
+    """coli_attn_block (norm, q/k/v and their biases, q/k norm, clip, rotary, cache write, attention,
+    o_proj, residual, post norm in one call) and coli_moe_block (router, experts, shared expert, residual;
+    or a dense layer's MLP) give exactly the bits of the
+    same kernels called one by one from Python, for one-row steps and a two-sequence step; so do
+    coli_decode_layers (all blocks of a step in one call) and coli_decode_step (embedding to logits in
+    one call); a prompt chunk through them (rows attend
+    over their own predecessors, written in the same call) matches the one-row steps."""
+    import colibri
+    from colibri.kernels import native
+    from colibri.models.layers import Attention
+    from colibri.models.moe import SparseMoE
+
+    llm = colibri.load(ckpt.coli(model_type, scheme, **overrides), ctx_size=64, slots=2, threads=2)
+    try:
+        taken: dict[type, list[bool]] = {Attention: [], SparseMoE: []}  # per call: did the native block run
+        with monkeypatch.context() as mp:
+            for cls, seen in taken.items():
+                mp.setattr(cls, "fused", _spy(cls.fused, seen))
+            got = _steps(llm, "fused", monkeypatch)
+        assert all(seen and all(seen) for seen in taken.values())  # every layer of every step was fused
+        one_call: list[bool] = []
+        with monkeypatch.context() as mp:
+            mp.setattr(native, "decode_layers", _spy(native.decode_layers, one_call))
+            blocks = _steps(llm, "one_call", monkeypatch)
+        assert len(one_call) == len(PROMPTS[0]) + 9 + 2 and all(one_call)  # every step's blocks in one call
+        whole_calls: list[bool] = []
+        with monkeypatch.context() as mp:
+            mp.setattr(native, "decode_step", _spy(native.decode_step, whole_calls))
+            whole = _steps(llm, "whole", monkeypatch)
+        assert len(whole_calls) == len(PROMPTS[0]) + 9 + 2  # every step whole: embedding to logits
+        ref = _steps(llm, "unfused", monkeypatch)
+    finally:
+        llm.close()
+    for key in ("rows", "batch", "chunk"):
+        assert torch.equal(whole[key], got[key])
+        assert torch.equal(blocks[key], got[key])
+    assert torch.equal(got["rows"], ref["rows"])
+    assert torch.equal(got["batch"], ref["batch"])
+    # the chunk's rows are positions 0..5 of PROMPTS[1], which the one-row steps also computed (rows 16..21)
+    one_row = got["rows"][len(PROMPTS[0]) : len(PROMPTS[0]) + 6]
+    assert (got["chunk"].float() - one_row.float()).abs().max() <= 0.05 * one_row.float().abs().max()
+    assert torch.equal(got["chunk"].argmax(-1), one_row.argmax(-1))
+
+
+def test_one_call_step_follows_replaced_caches(ckpt) -> None:
+    """The one-call step (coli_decode_step) caches a slot's KV pointers: a cache whose tensors are replaced
+    (moved, reallocated) must be written at its new memory (the last step, per layer, reads from there)."""
+    import colibri
+    from colibri.kernels import native as nat
+    from colibri.models import native_step
+    from colibri.models.batch import StepBatch
+
+    llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=32, slots=1, threads=2)
+    calls: list[bool] = []
+    real = nat.decode_step
+    try:
+        nat.decode_step = _spy(real, calls)
+        caches = llm.slots.caches[0]
+
+        def run(replace: bool) -> torch.Tensor:
+            with torch.inference_mode():
+                for c in caches:
+                    c.k.zero_()
+                    c.v.zero_()
+                for pos, tok in enumerate(PROMPTS[0][:6]):
+                    native_step.ENABLED = pos < 5
+                    out = llm.model(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0]))
+                    if replace and pos == 2:
+                        for c in caches:
+                            c.k, c.v = c.k.clone(), c.v.clone()
+            native_step.ENABLED = True
+            return out
+
+        ref = run(False)
+        got = run(True)
+    finally:
+        nat.decode_step = real
+        native_step.ENABLED = True
+        llm.close()
+    assert len(calls) == 10 and all(calls)  # positions 0-4 of both runs in one call
+    assert torch.equal(got, ref)
+
+
+def test_read_ahead_between_steps_changes_nothing(ckpt) -> None:
+    """After a one-call step, a pool worker reads the next step's first weights (kernels/step.c pf_job)
+    until the next step starts: greedy tokens and their logprobs are the same without it, with it, and
+    with it reading far past where a step stops it; `background_wait` returns once it is over."""
+    import ctypes
+
+    import colibri
+    from colibri.kernels import native as nat
+
+    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, threads=2)
+    size = ctypes.c_long.in_dll(nat._lib, "coli_pf_bytes")
+    default = size.value
+    runs = []
+    try:
+        for n in (0, default, 1 << 40):
+            size.value = n
+            h = llm.submit(PROMPTS[0], max_tokens=12, ignore_eos=True, temperature=0, logprobs=0)
+            runs.append([(e.token, e.logprob) for e in h])
+            nat.background_wait()
+    finally:
+        size.value = default
+        llm.close()
+    assert default > 0 and len(runs[0]) == 12
+    assert runs[1] == runs[0] and runs[2] == runs[0]
