@@ -3,15 +3,15 @@
     .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe ...] [--scheme int8]
         [--tokens 64] [--rounds 3] [--workdir /tmp/colibri-one-call]
 
-Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3, whose MLA attention runs
-layer by layer but whose MoE layers are one call each) gets a random checkpoint of the 0.44b benchmark shape
-(hidden 1024, 8 layers, 32 experts top-4 of width 512; its shared expert / dense layer 2048 wide;
-transformers' own initialisation), converted
-once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
+Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3, whose layers run one by
+one: each MLA attention one native call, each MoE layer another) gets a random checkpoint of the 0.44b
+benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512; its shared expert / dense layer 2048
+wide; transformers' own initialisation), converted once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
   torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's,
-             gpt-oss's and DeepSeek's routers and gpt-oss's experts in torch: the path they took before
+             gpt-oss's and DeepSeek's routers, gpt-oss's experts and DeepSeek's MLA attention in torch: the
+             path they took before
 With `--llamacpp`, llama.cpp (built from the llama-cpp-python sdist: benchmarks/llamacpp.py) decodes the
 same checkpoint as GGUF (Q8_0 for int8, Q4_0 for int4) with llama-bench after colibri's rounds, same
 threads and token count. Printed: tok/s per mode (median of the rounds), the ratios to one-call, llama.cpp's
@@ -36,7 +36,7 @@ from hf_tiny import make_tiny_checkpoint  # noqa: E402
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.kernels import native  # noqa: E402
-from colibri.models import deepseek_v2, deepseek_v3, ernie4_5_moe, gpt_oss, native_mlp, native_step  # noqa: E402
+from colibri.models import deepseek_v2, deepseek_v3, ernie4_5_moe, gpt_oss, mla, native_mlp, native_step  # noqa: E402
 from colibri.models.moe import SwitchGLU, silu_glu  # noqa: E402
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -75,6 +75,7 @@ def _set_mode(llm, mode: str) -> None:
     gpt_oss.SoftmaxTopKRouter.native_routing = (lambda self: None) if torch_mlp else _GPT_OSS_RULE
     deepseek_v2.Router.native_routing = (lambda self: None) if torch_mlp else _DS2_RULE
     deepseek_v3.Router.native_routing = (lambda self: None) if torch_mlp else _DS3_RULE
+    mla.MLAttention.fused = (lambda self, *a: None) if torch_mlp else _MLA_BLOCK
     for m in llm.model.modules():  # the cached kernel constants follow the mode
         m.__dict__.pop("_fused_layer", None)
         if isinstance(m, SwitchGLU) and m.act is not silu_glu:  # gpt-oss's experts: kernels or torch
@@ -88,6 +89,7 @@ def _set_mode(llm, mode: str) -> None:
 _APPLIES, _BIAS_OK, _ERNIE_RULE = native_mlp.applies, native.bias_ok, ernie4_5_moe.Router.native_routing
 _GPT_OSS_RULE = gpt_oss.SoftmaxTopKRouter.native_routing
 _DS2_RULE, _DS3_RULE = deepseek_v2.Router.native_routing, deepseek_v3.Router.native_routing
+_MLA_BLOCK = mla.MLAttention.fused
 
 
 def _decode(llm, tokens: int) -> float:

@@ -25,7 +25,7 @@ if "--stages" in sys.argv:  # before the kernels are built: the timers are compi
 import torch  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri.kernels import native  # noqa: E402
+from colibri.kernels import native, native_mla  # noqa: E402
 from colibri.models import native_step  # noqa: E402
 from colibri.models.batch import Seq, StepBatch  # noqa: E402
 
@@ -59,6 +59,7 @@ def main() -> None:
 
     for name in KERNELS:
         setattr(native, name, timed(name, getattr(native, name)))
+    native_mla.mla_block = timed("mla_block", native_mla.mla_block)  # (DeepSeek's attention: kernels/mla.c)
     llm = colibri.load(a.model, ctx_size=a.steps + 16, threads=a.threads, slots=a.rows)
     torch.set_num_threads(1)  # as the engine runs a decode step: the pool gets the threads
     native.set_threads(a.threads)

@@ -316,7 +316,10 @@ def _decode_logits(path, monkeypatch: pytest.MonkeyPatch, use_native: bool) -> t
     ("qwen3_moe", {"hidden_size": 128, "moe_intermediate_size": 128}),
     # the native dense / shared MLPs (coli_mlp_rows), q/k/v biases in the attention block
     ("qwen2_moe", {"shared_expert_intermediate_size": 64}), ("glm4_moe", {"n_group": 1, "topk_group": 1}),
-    ("gpt_oss", {})])  # its experts' clamped activation and biases, its router
+    ("gpt_oss", {}),  # its experts' clamped activation and biases, its router
+    # MLA in one call (kernels/mla.c): q_proj, interleaved RoPE / q LoRA (int4 needs ranks of 32s)
+    ("deepseek_v2", {"topk_method": "greedy", "kv_lora_rank": 32}),
+    ("deepseek_v3", {"n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 32})])
 @pytest.mark.parametrize("scheme,floor", [("int8", (0.95, 0.75)), ("int4", (0.7, 0.2))])
 def test_decode_kernels_are_as_accurate_as_torchs(ckpt, monkeypatch, model_type, overrides, scheme, floor) -> None:
     """The decode path (native GEMVs, int8 with Q8_0-style activations, the fused MoE layer, native

@@ -63,6 +63,19 @@ typedef struct {
     const uint16_t *bq, *bk, *bv, *bo; /* bf16 projection biases or NULL (Qwen2-MoE, GLM: q/k/v; gpt-oss all) */
 } coli_attn_layer;
 
+/* One MLA (DeepSeek) attention layer's constants for mla.c (colibri/kernels/native_mla.py's MlaLayer). */
+typedef struct {
+    int hidden, heads, q_lora, kv_lora, nope, rope, vdim; /* q_lora 0: one q_proj (DeepSeek-V2-Lite) */
+    int scheme, group;            /* of the projections: 8 (int8) or 4 (int4, group size g) */
+    coli_qw wq, wqb, wkva, wo;    /* wq: q_proj, or q_a_proj when q_lora; wqb: q_b_proj */
+    const float *in_w, *post_w, *qa_w, *kva_w; /* RMSNorm weights, f32 */
+    float in_eps, post_eps, lora_eps;
+    int interleaved;              /* rope pairs (2i, 2i + 1), DeepSeek's layout; else (i, i + Dr/2) */
+    float scale;
+    const uint16_t *w_uk, *w_uvt; /* kv_b_proj's halves, bf16: W_uk [H, Dn, R], W_uv^T [H, R, Dv] */
+    const uint16_t *bqa, *bkva, *bo; /* bf16 biases or NULL: wq's, wkva's, wo's (attention_bias) */
+} coli_mla_layer;
+
 /* A dense SwiGLU MLP with separate projections: a dense layer, or a MoE layer's shared expert, optionally
  * behind Qwen2-MoE's sigmoid gate (moe.c coli_mlp_rows). */
 typedef struct {
@@ -79,6 +92,8 @@ int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float e
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
+int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
+                   const float *cs, const float *sn, void *h_out, void *x_out);
 enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX };  /* coli_route's rules (moe.c) */
 
 /* The routed experts' activation and biases (NULL: SiLU-GLU without biases). kind ACT_CLAMPED: gpt-oss's

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import native, native_mla
 from .batch import LayerKV
 from .layers import Linear, RMSNorm, RoPE, attention_mask, kv_span, yarn_get_mscale
 
@@ -137,6 +138,72 @@ class MLAttention(nn.Module):
             else:
                 outs.append(self._expanded(qn, qp, latent[: start + r1 - r0], start))
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # [T, hidden]
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm: RMSNorm,
+              post_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + attn(in_norm(h)), post_norm of that) in one native call (kernels/mla.c: the absorbed form,
+        scores and softmax in f32), for bf16 CPU rows of native projections where the absorbed form is the
+        one to run; None where it does not apply (then the caller runs the layer as `forward`)."""
+        T = h.shape[0]
+        if h.dtype != torch.bfloat16 or h.device.type != "cpu" or T > native.MOE_MAX_ROWS:
+            return None
+        if any(not self._use_absorbed(r1 - r0, start + r1 - r0) for r0, r1, start, _ in kv.segs):
+            return None
+        layer = self._native_layer(in_norm, post_norm)
+        if layer is None:
+            return None
+        pos, ptrs = [], []
+        for r0, r1, start, cache in kv.segs:
+            c = getattr(cache, "kv", None)
+            if not isinstance(cache, LatentCache) or c.dtype != torch.bfloat16 or c.device.type != "cpu" \
+                    or not c.is_contiguous() or start + r1 - r0 > cache.max_len:
+                return None  # (a full context: the unfused path raises the error)
+            pos.extend(range(start, start + r1 - r0))
+            ptrs.extend([c.data_ptr()] * (r1 - r0))
+        cos, sin = self.rope.tables(kv.pos, T, torch.float32)
+        return native_mla.mla_block(layer, h.contiguous(), pos, ptrs, cos.contiguous(), sin.contiguous())
+
+    def _native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_mla.MlaLayer | None:
+        """The layer's constants for the native block, built once per norm pair (None: it does not apply)."""
+        key = (id(in_norm), id(post_norm))
+        kept = self.__dict__.get("_fused_layer")
+        if kept is None or kept[0] != key:
+            kept = (key, self._build_native_layer(in_norm, post_norm) if native.available() else None)
+            self.__dict__["_fused_layer"] = kept
+        return kept[1]
+
+    def _build_native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_mla.MlaLayer | None:
+        a = self.a
+        lora = a.q_lora_rank is not None
+        projs = [self.q_a_proj, self.q_b_proj] if lora else [self.q_proj]
+        projs += [self.kv_a_proj_with_mqa, self.o_proj]
+        first = projs[0]
+        if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
+                   and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and native.bias_ok(p)
+                   for p in projs) or (lora and self.q_b_proj.bias is not None) or self.kv_b_proj.bias is not None:
+            return None
+        norms = [in_norm, post_norm, self.kv_a_layernorm] + ([self.q_a_layernorm] if lora else [])
+        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+            return None
+        w_uk, w_uvt = self.absorbed_weights(torch.empty(0, dtype=torch.bfloat16))
+        qa = self.q_a_proj if lora else self.q_proj
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        layer = native_mla.MlaLayer(
+            a.hidden, a.heads, a.q_lora_rank or 0, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+            a.v_head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
+            native.QW(*native.qw(qa)), native.QW(*native.qw(self.q_b_proj)) if lora else native.QW(),
+            native.QW(*native.qw(self.kv_a_proj_with_mqa)), native.QW(*native.qw(self.o_proj)),
+            in_norm.weight.data_ptr(), post_norm.weight.data_ptr(),
+            self.q_a_layernorm.weight.data_ptr() if lora else None, self.kv_a_layernorm.weight.data_ptr(),
+            in_norm.eps, post_norm.eps, LORA_NORM_EPS, int(self.rope.interleaved), self.scale,
+            w_uk.data_ptr(), w_uvt.data_ptr(), ptr(qa.bias),
+            ptr(self.kv_a_proj_with_mqa.bias), ptr(self.o_proj.bias))
+        layer.keep = (w_uk, w_uvt)  # (alive while the layer is, whatever absorbed_weights keeps later)
+        return layer
+
+    def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
+        self.__dict__.pop("_fused_layer", None)
+        return super()._apply(fn, recurse)
 
     def _use_absorbed(self, T: int, S: int) -> bool:
         if self.mode != "auto":

@@ -1,0 +1,50 @@
+"""ctypes side of kernels/mla.c: one MLA (DeepSeek) attention layer's constants and its block call."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+
+
+class MlaLayer(ctypes.Structure):
+    """coli_mla_layer (common.h): built once per layer by colibri/models/mla.py's `MLAttention`."""
+
+    _fields_ = [(n, ctypes.c_int) for n in ("hidden", "heads", "q_lora", "kv_lora", "nope", "rope", "vdim",
+                                            "scheme", "group")] \
+        + [(n, native.QW) for n in ("wq", "wqb", "wkva", "wo")] \
+        + [(n, ctypes.c_void_p) for n in ("in_w", "post_w", "qa_w", "kva_w")] \
+        + [(n, ctypes.c_float) for n in ("in_eps", "post_eps", "lora_eps")] \
+        + [("interleaved", ctypes.c_int), ("scale", ctypes.c_float)] \
+        + [(n, ctypes.c_void_p) for n in ("w_uk", "w_uvt", "bqa", "bkva", "bo")]
+
+
+_declared = False
+
+
+def _lib() -> ctypes.CDLL:
+    global _declared
+    lib = native.lib()
+    if not _declared:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.coli_mla_block.argtypes = [p, i, p, p, p, p, p, p, p]
+        lib.coli_mla_block.restype = i
+        _declared = True
+    return lib
+
+
+def mla_block(layer: MlaLayer, h: torch.Tensor, pos: list[int], cache: list[int], cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """coli_mla_block: h [T, hidden] bf16 contiguous; per row its position and its sequence's latent cache
+    base pointer for this layer (bf16 [ctx, R + Dr] contiguous); cos/sin f32 [T, Dr] contiguous ->
+    (h + attention(h), the post-attention norm of that), both bf16 [T, hidden]."""
+    T = h.shape[0]
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    rc = _lib().coli_mla_block(ctypes.byref(layer), T, h.data_ptr(), (ctypes.c_int * T)(*pos),
+                               (ctypes.c_void_p * T)(*cache), cos.data_ptr(), sin.data_ptr(), h_out.data_ptr(),
+                               x_out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mla_block failed ({rc})")
+    return h_out, x_out
