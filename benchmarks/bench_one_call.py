@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe ...] [--scheme int8]
         [--tokens 64] [--rounds 3] [--workdir /tmp/colibri-one-call]
 
-Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3, whose layers run one by
-one: each MLA attention one native call, each MoE layer another) gets a random checkpoint of the 0.44b
-benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512; its shared expert / dense layer 2048
-wide; transformers' own initialisation), converted once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
+Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
+block is kernels/mla.c) gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32
+experts top-4 of width 512; its shared expert / dense layer 2048 wide; transformers' own initialisation),
+converted once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
   torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's,

@@ -104,27 +104,40 @@ def test_mla_block_rows_are_independent() -> None:
 @pytest.mark.parametrize("model_type,overrides", [
     ("deepseek_v2", {"topk_method": "greedy"}),
     ("deepseek_v3", {"n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 32})])
-def test_deepseek_decode_takes_the_block_and_batches_exactly(ckpt, monkeypatch, model_type, overrides) -> None:
-    """Every MLA layer of every bf16 decode step runs the native block, and two requests generated together
-    get the tokens each gets alone."""
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "per-layer"])
+def test_deepseek_decode_takes_the_block_and_batches_exactly(ckpt, monkeypatch, model_type, overrides,
+                                                             one_call) -> None:
+    """Every MLA layer of every bf16 decode step runs the native block -- inside the one-call step (its plan
+    holds an MLA block for every layer) or called layer by layer from Python -- and two requests generated
+    together get the tokens each gets alone."""
     import colibri
+    from colibri.models import native_step
 
+    monkeypatch.setattr(native_step, "ENABLED", one_call)
     seen: list[bool] = []
     real = MLAttention.fused
 
     def spy(self, h, *a):
         r = real(self, h, *a)
-        if h.shape[0] <= 2:  # decode steps (the prompts' prefill may take the expanded form)
+        if h.shape[0] <= 2:  # decode steps (a prompt's prefill may take the expanded form)
             seen.append(r is not None)
         return r
 
+    steps: list[int] = []
+    for name in ("decode_run", "decode_step"):
+        fn = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _fn=fn, **k: steps.append(1) or _fn(*a, **k))
     monkeypatch.setattr(MLAttention, "fused", spy)
     llm = colibri.load(ckpt.coli(model_type, "int8", **overrides), ctx_size=64, slots=2, threads=2)
     try:
         prompts = ["the cat sat", "a longer prompt about routers and experts"]
         alone = ["".join(llm.generate(p, max_tokens=12, temperature=0)) for p in prompts]
         both = llm.generate_batch(prompts, max_tokens=12, temperature=0)
+        plan = native_step._plan(llm.model) if one_call else None
     finally:
         llm.close()
-    assert seen and all(seen)
+    if one_call:
+        assert steps and plan is not None and all(layer.mla for layer in plan.attn)
+    else:
+        assert not steps and seen and all(seen)
     assert both == alone

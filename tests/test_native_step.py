@@ -57,11 +57,15 @@ def _spy(real, seen: list[bool]):
     # biases, partial RoPE, q/k norm, a dense first layer, shared experts (the kernels' one-group router)
     ("glm4_moe", {"n_group": 1, "topk_group": 1}), ("dots1", {"n_group": 1, "topk_group": 1}),
     ("ernie4_5_moe", {}),  # (its softmax router with a selection bias)
-    ("gpt_oss", {})])  # (q/k/v/o biases, sinks, its router, its experts' activation and biases)
+    ("gpt_oss", {}),  # (q/k/v/o biases, sinks, its router, its experts' activation and biases)
+    # MLA (kernels/mla.c) in the attention block's place: q_proj and interleaved RoPE; q LoRA
+    ("deepseek_v2", {"topk_method": "greedy", "kv_lora_rank": 32}),
+    ("deepseek_v3", {"n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 32})])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
     """coli_attn_block (norm, q/k/v and their biases, q/k norm, clip, rotary, cache write, attention,
-    o_proj, residual, post norm in one call) and coli_moe_block (router, experts, shared expert, residual;
+    o_proj, residual, post norm in one call; or DeepSeek's coli_mla_block) and
+    coli_moe_block (router, experts, shared expert, residual;
     or a dense layer's MLP) give exactly the bits of the
     same kernels called one by one from Python, for one-row steps and a two-sequence step; so do
     coli_decode_layers (all blocks of a step in one call) and coli_decode_step (embedding to logits in
@@ -69,12 +73,15 @@ def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overr
     over their own predecessors, written in the same call) matches the one-row steps."""
     import colibri
     from colibri.kernels import native
-    from colibri.models.layers import Attention
+    from colibri.models.mla import MLAttention
     from colibri.models.moe import SparseMoE
 
     llm = colibri.load(ckpt.coli(model_type, scheme, **overrides), ctx_size=64, slots=2, threads=2)
+    for b in llm.model.model.layers:  # MLA: the absorbed form (the block's) for every step, the first ones too
+        if isinstance(b.self_attn, MLAttention):
+            b.self_attn.mode = "absorbed"
     try:
-        taken: dict[type, list[bool]] = {Attention: [], SparseMoE: []}  # per call: did the native block run
+        taken: dict[type, list[bool]] = {type(b.self_attn): [], SparseMoE: []}  # per call: did the native block run
         with monkeypatch.context() as mp:
             for cls, seen in taken.items():
                 mp.setattr(cls, "fused", _spy(cls.fused, seen))

@@ -29,6 +29,7 @@ static void add_rows(uint16_t *x, const uint16_t *b, int T, long n) {
 
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {
+    if (L->mla) return coli_mla_block(L->mla, T, h, pos, kc, cs, sn, h_out, x_out);
     if (T < 1 || T > MAX_T) return -1;
     int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim;
     long nq = (long)nh * D, nk = (long)nkv * D;

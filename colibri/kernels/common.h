@@ -46,6 +46,19 @@ typedef struct {
     const void *q, *s, *m;
 } coli_qw;
 
+/* One MLA (DeepSeek) attention layer's constants for mla.c (colibri/kernels/native_mla.py's MlaLayer). */
+typedef struct {
+    int hidden, heads, q_lora, kv_lora, nope, rope, vdim; /* q_lora 0: one q_proj (DeepSeek-V2-Lite) */
+    int scheme, group;            /* of the projections: 8 (int8) or 4 (int4, group size g) */
+    coli_qw wq, wqb, wkva, wo;    /* wq: q_proj, or q_a_proj when q_lora; wqb: q_b_proj */
+    const float *in_w, *post_w, *qa_w, *kva_w; /* RMSNorm weights, f32 */
+    float in_eps, post_eps, lora_eps;
+    int interleaved;              /* rope pairs (2i, 2i + 1), DeepSeek's layout; else (i, i + Dr/2) */
+    float scale;
+    const uint16_t *w_uk, *w_uvt; /* kv_b_proj's halves, bf16: W_uk [H, Dn, R], W_uv^T [H, R, Dv] */
+    const uint16_t *bqa, *bkva, *bo; /* bf16 biases or NULL: wq's, wkva's, wo's (attention_bias) */
+} coli_mla_layer;
+
 /* One attention layer's constants for block.c (built once by colibri/kernels/native.py's AttnLayer). */
 typedef struct {
     int hidden, heads, kv_heads, head_dim;
@@ -61,20 +74,10 @@ typedef struct {
     float scale;
     const float *sinks;           /* [heads] f32 or NULL */
     const uint16_t *bq, *bk, *bv, *bo; /* bf16 projection biases or NULL (Qwen2-MoE, GLM: q/k/v; gpt-oss all) */
+    const coli_mla_layer *mla;    /* non-NULL: an MLA layer (mla.c), whose block runs instead; of the fields
+                                   * above only hidden and rot (the rope width) count, and a row's K cache
+                                   * pointer is its latent cache */
 } coli_attn_layer;
-
-/* One MLA (DeepSeek) attention layer's constants for mla.c (colibri/kernels/native_mla.py's MlaLayer). */
-typedef struct {
-    int hidden, heads, q_lora, kv_lora, nope, rope, vdim; /* q_lora 0: one q_proj (DeepSeek-V2-Lite) */
-    int scheme, group;            /* of the projections: 8 (int8) or 4 (int4, group size g) */
-    coli_qw wq, wqb, wkva, wo;    /* wq: q_proj, or q_a_proj when q_lora; wqb: q_b_proj */
-    const float *in_w, *post_w, *qa_w, *kva_w; /* RMSNorm weights, f32 */
-    float in_eps, post_eps, lora_eps;
-    int interleaved;              /* rope pairs (2i, 2i + 1), DeepSeek's layout; else (i, i + Dr/2) */
-    float scale;
-    const uint16_t *w_uk, *w_uvt; /* kv_b_proj's halves, bf16: W_uk [H, Dn, R], W_uv^T [H, R, Dv] */
-    const uint16_t *bqa, *bkva, *bo; /* bf16 biases or NULL: wq's, wkva's, wo's (attention_bias) */
-} coli_mla_layer;
 
 /* A dense SwiGLU MLP with separate projections: a dense layer, or a MoE layer's shared expert, optionally
  * behind Qwen2-MoE's sigmoid gate (moe.c coli_mlp_rows). */

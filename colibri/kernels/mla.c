@@ -97,12 +97,13 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
     uint16_t *kva = q + T * nq, *qf = kva + (long)T * W, *ctx = qf + (long)T * H * W, *av = ctx + (long)T * H * W;
     uint16_t *o = av + (long)T * H * Dv;
     int rc = 0;
-    coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn);
+    PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
     {   /* q_proj or q_a_proj, and kv_a_proj_with_mqa: both read the normed rows */
         coli_qw w[2] = {L->wq, L->wkva};
         int N[2] = {ql ? ql : (int)nq, W};
         void *y[2] = {ql ? qa : q, kva};
-        if ((rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 2, w, N, y))) goto done;
+        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 2, w, N, y));
+        if (rc) goto done;
         add_bias(ql ? qa : q, L->bqa, T, ql ? ql : nq, ql ? ql : nq);
         add_bias(kva, L->bkva, T, W, W);
     }
@@ -110,7 +111,8 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         coli_rmsnorm(qa, 1, T, ql, L->qa_w, L->lora_eps, qan);
         void *y = q;
         int N = (int)nq;
-        if ((rc = coli_multi_gemm(qan, 1, T, ql, L->scheme, L->group, 1, &L->wqb, &N, &y))) goto done;
+        PROF(P_QKV, rc = coli_multi_gemm(qan, 1, T, ql, L->scheme, L->group, 1, &L->wqb, &N, &y));
+        if (rc) goto done;
     }
     for (int t = 0; t < T; t++) {  /* the latent cache row: [norm(c), rope(k_pe)] */
         uint16_t *row = (uint16_t *)cache[t] + (long)pos[t] * W;
@@ -121,7 +123,7 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
                       qf + ((long)t * H + hh) * W + R);
     }
     head_mm fold = {q, L->w_uk, qf, T, Dn, R, H, nq, (long)H * W, Dq, W};
-    head_matmul(&fold);  /* qf[t][h][:R] = q_nope[t][h] W_uk[h] */
+    PROF(P_ROPE_KV, head_matmul(&fold));  /* qf[t][h][:R] = q_nope[t][h] W_uk[h] */
     {
         const void *kb[MAX_T];
         int S[MAX_T];
@@ -131,17 +133,19 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         }
         /* every head reads the one latent "head": keys are whole rows, values too (their rope tail is
          * weighted along and dropped by the unfold below) */
-        if ((rc = coli_attn_rows(T, qf, 1, H, 1, W, W, kb, 0, kb, 0, S, L->scale, NULL, ctx))) goto done;
+        PROF(P_ATTN, rc = coli_attn_rows(T, qf, 1, H, 1, W, W, kb, 0, kb, 0, S, L->scale, NULL, ctx));
+        if (rc) goto done;
     }
     head_mm unfold = {ctx, L->w_uvt, av, T, R, Dv, H, (long)H * W, (long)H * Dv, W, Dv};
-    head_matmul(&unfold);  /* av[t][h] = ctx[t][h][:R] W_uv^T[h] */
+    PROF(P_O, head_matmul(&unfold));  /* av[t][h] = ctx[t][h][:R] W_uv^T[h] */
     {
         void *y = o;
-        if ((rc = coli_multi_gemm(av, 1, T, H * Dv, L->scheme, L->group, 1, &L->wo, &Hd, &y))) goto done;
+        PROF(P_O, rc = coli_multi_gemm(av, 1, T, H * Dv, L->scheme, L->group, 1, &L->wo, &Hd, &y));
+        if (rc) goto done;
         add_bias(o, L->bo, T, Hd, Hd);
     }
     add_bf16((const uint16_t *)h, o, (long)T * Hd, (uint16_t *)h_out);
-    coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out);
+    PROF(P_RMS_POST, coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out));
 done:
     free(buf);
     return rc;

@@ -103,7 +103,8 @@ class AttnLayer(ctypes.Structure):
                 ("qk_norm", ctypes.c_int), ("qn_w", ctypes.c_void_p), ("kn_w", ctypes.c_void_p),
                 ("qk_eps", ctypes.c_float), ("clip", ctypes.c_float), ("rot", ctypes.c_int),
                 ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p),
-                ("bq", ctypes.c_void_p), ("bk", ctypes.c_void_p), ("bv", ctypes.c_void_p), ("bo", ctypes.c_void_p)]
+                ("bq", ctypes.c_void_p), ("bk", ctypes.c_void_p), ("bv", ctypes.c_void_p), ("bo", ctypes.c_void_p),
+                ("mla", ctypes.c_void_p)]  # a native_mla.MlaLayer's address: that block runs instead
 
 
 class Tail(ctypes.Structure):

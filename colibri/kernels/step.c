@@ -88,6 +88,14 @@ static void pf_post(int n_layers, const coli_attn_layer *attn, const coli_moe_la
     long left = coli_pf_bytes;
     for (int l = 0; l < n_layers && left > 0; l++) {
         const coli_attn_layer *a = attn + l;
+        const coli_mla_layer *m = a->mla;
+        if (m) {  /* the projections that read the block's input, in order */
+            long nq = (long)m->heads * (m->nope + m->rope);
+            pf_weight(&m->wq, m->scheme, m->group, m->q_lora ? m->q_lora : nq, m->hidden, &left);
+            pf_weight(&m->wkva, m->scheme, m->group, m->kv_lora + m->rope, m->hidden, &left);
+            pf_add(moe[l].router, (long)moe[l].n_experts * a->hidden * 4, &left);
+            continue;
+        }
         long nq = (long)a->heads * a->head_dim, nk = (long)a->kv_heads * a->head_dim;
         pf_weight(&a->wq, a->scheme, a->group, nq, a->hidden, &left);
         pf_weight(&a->wk, a->scheme, a->group, nk, a->hidden, &left);

@@ -83,6 +83,12 @@ class LatentCache:
         self.kv = self.kv.to(device)
         return self
 
+    def native_like(self, first: object) -> bool:
+        """The native MLA block can write and read this cache next to `first` (the step's first): bf16 on
+        the CPU, contiguous rows."""
+        return isinstance(first, LatentCache) and self.kv.dtype == torch.bfloat16 \
+            and self.kv.device.type == "cpu" and self.kv.is_contiguous()
+
     POS_DIM = 0  # the position axis of every tensor of `parts()`
 
     def parts(self) -> dict[str, torch.Tensor]:
@@ -154,12 +160,10 @@ class MLAttention(nn.Module):
             return None
         pos, ptrs = [], []
         for r0, r1, start, cache in kv.segs:
-            c = getattr(cache, "kv", None)
-            if not isinstance(cache, LatentCache) or c.dtype != torch.bfloat16 or c.device.type != "cpu" \
-                    or not c.is_contiguous() or start + r1 - r0 > cache.max_len:
+            if not isinstance(cache, LatentCache) or not cache.native_like(cache) or start + r1 - r0 > cache.max_len:
                 return None  # (a full context: the unfused path raises the error)
             pos.extend(range(start, start + r1 - r0))
-            ptrs.extend([c.data_ptr()] * (r1 - r0))
+            ptrs.extend([cache.kv.data_ptr()] * (r1 - r0))
         cos, sin = self.rope.tables(kv.pos, T, torch.float32)
         return native_mla.mla_block(layer, h.contiguous(), pos, ptrs, cos.contiguous(), sin.contiguous())
 

@@ -1,11 +1,12 @@
 """All decoder blocks of a step in one native call (colibri/kernels/step.c), where every layer would take
-the fused native blocks anyway: bf16 attention (`Attention.fused`, q/k/v/o biases included) then a resident
+the fused native blocks anyway: bf16 attention (`Attention.fused`, q/k/v/o biases included; or DeepSeek's
+MLA, `MLAttention.fused`, on the steps whose every sequence takes its absorbed form) then a resident
 routed-expert layer (`SparseMoE.fused`, with its shared expert) or a dense MLP (`native_mlp`); and, where
 the model's ends take native calls too (bf16 embedding, f32 final norm,
 a native quantized head), the whole step from token ids to logits (`run_step`). Same kernels, same order,
 same bits; what goes is the Python between the calls (~15% of a small model's decode step, and each
 call from Python after the blocks runs cache-cold). Anything else -- a cached or GPU layer, another
-router, MLA, hooks on a block, a step too large -- takes the per-layer path.
+router, hooks on a block, a step too large -- takes the per-layer path.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels import native
+from ..kernels import native, native_mla
 from ..quant import QLinear
 from . import native_mlp
 from .batch import StepBatch
 from .layers import MLP, Attention, DecoderBlock, KVCache
+from .mla import LatentCache, MLAttention
 from .moe import SparseMoE, native_routing
 
 ENABLED = True  # False: always the per-layer calls (tests compare the two; benchmarks/profile_decode.py)
@@ -31,8 +33,11 @@ class _Plan:
     """A model's per-layer constants for coli_decode_layers, built once."""
 
     def __init__(self, blocks: list[DecoderBlock], attn: list[native.AttnLayer],
-                 tables: list[native.MoeTables | None], mlps: list[native.Mlp | None]):
+                 tables: list[native.MoeTables | None], mlps: list[native.Mlp | None], keep: list):
         self.blocks = blocks
+        self.keep = keep  # the MLA layers' structs the AttnLayers point to
+        # an MLA model's first attention: whether a step takes the block depends on its rows (_args)
+        self.mla = blocks[0].self_attn if type(blocks[0].self_attn) is MLAttention else None
         self.sparse = [i for i, t in enumerate(tables) if t is not None]  # the routed layers' indices
         self.all_sparse = len(self.sparse) == len(blocks)
         self.experts = [blocks[i].mlp.experts for i in self.sparse]
@@ -88,7 +93,8 @@ def one_call_shape(blocks) -> bool:
     planner asks this of a model skeleton; `_build` also needs the weights resident, quantized and on the CPU."""
     ks = set()
     for b in blocks:
-        if type(b) is not DecoderBlock or type(b.self_attn) is not Attention or type(b.mlp) not in (SparseMoE, MLP):
+        if type(b) is not DecoderBlock or type(b.self_attn) is not type(blocks[0].self_attn) \
+                or type(b.self_attn) not in (Attention, MLAttention) or type(b.mlp) not in (SparseMoE, MLP):
             return False
         moe = b.mlp
         if type(moe) is MLP:
@@ -103,7 +109,7 @@ def one_call_shape(blocks) -> bool:
 def _build(blocks: nn.ModuleList) -> _Plan | None:
     if not native.available() or not one_call_shape(blocks):
         return None
-    attn, tables, mlps = [], [], []
+    attn, tables, mlps, keep = [], [], [], []
     rope0 = None
     for b in blocks:
         rope0 = b.self_attn.rope if rope0 is None else rope0
@@ -111,8 +117,11 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
         if rope.dim != rope0.dim or rope.mscale != rope0.mscale or not torch.equal(rope.inv_freq, rope0.inv_freq):
             return None  # one rotary table serves every layer
         layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
-        if layer is None:
+        if layer is None or getattr(b.self_attn, "mode", None) == "expanded":
             return None
+        if isinstance(layer, native_mla.MlaLayer):  # the MLA block in the attention block's place
+            keep.append(layer)
+            layer = native.AttnLayer(hidden=layer.hidden, rot=layer.rope, mla=ctypes.addressof(layer))
         attn.append(layer)
         if type(b.mlp) is MLP:
             mlp, t = native_mlp.table(b.mlp), None
@@ -128,7 +137,7 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
             return None  # an MLP the kernel does not run
         tables.append(t)
         mlps.append(mlp or None)
-    return _Plan(list(blocks), attn, tables, mlps)
+    return _Plan(list(blocks), attn, tables, mlps, keep)
 
 
 @dataclass
@@ -195,18 +204,27 @@ class _Slot:
     ctx: int
 
 
+def _kv(c) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer cache's K and V tensors as the kernels take them (an MLA latent cache: its one tensor as K)."""
+    return (c.kv, c.kv) if isinstance(c, LatentCache) else (c.k, c.v)
+
+
 def _slot(plan: _Plan, caches: list) -> _Slot | None:
     """A slot's per-layer cache pointers, cached by the identity of its list and of each cache's
     tensors (a cache moved or replaced gets new pointers, never stale ones)."""
     hit = plan.slots.get(id(caches))
-    if hit is not None and hit.caches is caches and all(c.k is k and c.v is v for c, k, v in zip(caches, hit.k, hit.v)):
+    if hit is not None and hit.caches is caches \
+            and all(a is k and b is v for (a, b), k, v in zip(map(_kv, caches), hit.k, hit.v)):
         return hit
     c0 = caches[0] if caches else None
-    if len(caches) != len(plan.blocks) or not all(isinstance(c, KVCache) and c.native_like(c0)
+    kind = LatentCache if plan.mla is not None else KVCache
+    if len(caches) != len(plan.blocks) or not all(isinstance(c, kind) and c.native_like(c0)
                                                   and c.max_len == c0.max_len for c in caches):
         return None
-    hit = _Slot(caches, [c.k for c in caches], [c.v for c in caches], [c.k.data_ptr() for c in caches],
-                [c.v.data_ptr() for c in caches], c0.k.stride(0), c0.v.stride(0), c0.max_len)
+    kv = [_kv(c) for c in caches]
+    ks, vs = (0, 0) if kind is LatentCache else (c0.k.stride(0), c0.v.stride(0))
+    hit = _Slot(caches, [k for k, _ in kv], [v for _, v in kv], [k.data_ptr() for k, _ in kv],
+                [v.data_ptr() for _, v in kv], ks, vs, c0.max_len)
     if len(plan.slots) > 64:
         plan.slots.clear()
     plan.slots[id(caches)] = hit
@@ -225,6 +243,8 @@ def _args(plan: _Plan, batch: StepBatch, T: int, steps: int = 1) -> tuple | None
         if slot is None or s.start + s.r1 - s.r0 + steps - 1 > slot.ctx \
                 or (slot.ks, slot.vs) != (slots[0].ks, slots[0].vs):
             return None  # (a full context: the per-layer path raises the error)
+        if plan.mla is not None and not plan.mla._use_absorbed(s.r1 - s.r0, s.start + s.r1 - s.r0):
+            return None  # (as MLAttention.fused: a long prompt chunk takes the expanded form)
         pos.extend(range(s.start, s.start + s.r1 - s.r0))
     ptrs = plan.ptrs.get(key)
     if ptrs is None or any(a is not b for a, b in zip(ptrs[0], slots)):
