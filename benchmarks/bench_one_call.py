@@ -1,7 +1,7 @@
 """Decode speed of the families with shared experts, dense layers and attention biases, by path, in one process.
 
     .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe ...] [--scheme int8]
-        [--tokens 64] [--rounds 3] [--workdir /tmp/colibri-one-call]
+        [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
 block is kernels/mla.c) gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32
@@ -14,7 +14,8 @@ converted once. The same loaded model then decodes `--tokens` greedy tokens of o
              path they took before
 With `--llamacpp`, llama.cpp (built from the llama-cpp-python sdist: benchmarks/llamacpp.py) decodes the
 same checkpoint as GGUF (Q8_0 for int8, Q4_0 for int4) with llama-bench after colibri's rounds, same
-threads and token count. Printed: tok/s per mode (median of the rounds), the ratios to one-call, llama.cpp's
+threads and token count. With `--prefill N`, the default path's prefill tok/s of an N-token prompt too (and
+llama.cpp's ppN). Printed: tok/s per mode (median of the rounds), the ratios to one-call, llama.cpp's
 tok/s and one-call's ratio to it, and the load average. Nothing else should run meanwhile (2 cores).
 """
 
@@ -103,19 +104,34 @@ def _decode(llm, tokens: int) -> float:
     return (n - 1) / (time.perf_counter() - t1)
 
 
-def _llamacpp(src: Path, scheme: str, threads: int, tokens: int, cache: Path) -> str:
-    """llama.cpp's decode tok/s of `src` as GGUF (llama-bench, 3 repeats), or why there is none."""
+def _prefill(llm, n: int) -> float:
+    """Prefill tok/s of an n-token prompt: its time to the first token minus a 1-token prompt's (start-up
+    cancels out), as benchmarks/bench_vs_llamacpp.py."""
+    def first(ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        next(iter(llm.generate_ids(ids, max_tokens=1, ignore_eos=True)))
+        return time.perf_counter() - t0
+
+    prompt = [3 + (7 * i) % 300 for i in range(n)]
+    return (n - 1) / (first(prompt) - first(prompt[:1]))
+
+
+def _llamacpp(src: Path, scheme: str, threads: int, tokens: int, prompt: int, cache: Path) -> tuple[str, str]:
+    """llama.cpp's decode and prefill tok/s of `src` as GGUF (llama-bench tg`tokens` and pp`prompt`, 3
+    repeats), or why there are none."""
     import llamacpp
 
     qtype = {"int8": "q8_0", "int4": "q4_0"}[scheme]
     try:
         gguf = llamacpp.to_gguf(src, src.with_name(f"{src.name}.{qtype}.gguf"), qtype, cache)
-        r = subprocess.run(llamacpp.bench_cmd(llamacpp.build(cache), gguf, threads, 8, tokens, 3),
+        r = subprocess.run(llamacpp.bench_cmd(llamacpp.build(cache), gguf, threads, prompt, tokens, 3),
                            capture_output=True, text=True, check=True)
     except subprocess.CalledProcessError as e:
         last = (e.stderr or "").strip().splitlines()
-        return f"n/a: {last[-1][:60] if last else f'{Path(str(e.cmd[0])).name} exit {e.returncode}'}"
-    return f"{llamacpp.parse_bench(r.stdout)['decode_tok_s']:.1f}"
+        why = f"n/a: {last[-1][:60] if last else f'{Path(str(e.cmd[0])).name} exit {e.returncode}'}"
+        return why, why
+    got = llamacpp.parse_bench(r.stdout)
+    return f"{got['decode_tok_s']:.1f}", f"{got['prefill_tok_s']:.1f}"
 
 
 def main() -> None:
@@ -127,6 +143,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default="/tmp/colibri-one-call")
     p.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the same checkpoint (GGUF)")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="also prefill tok/s of an N-token prompt (the default path; llama.cpp's ppN)")
     p.add_argument("--llamacpp-cache", default="/tmp/colibri-bench/llamacpp", help="its build and sdist")
     a = p.parse_args()
     root = Path(a.workdir)
@@ -143,18 +161,28 @@ def main() -> None:
         with colibri.load(coli, threads=a.threads, ctx_size=256) as llm:
             _decode(llm, 16)  # warm-up: the thread-count timing, the kernels' first builds
             got: dict[str, list[float]] = {m: [] for m in MODES}
+            pre: list[float] = []
             for _ in range(a.rounds):
                 for m in MODES:
                     _set_mode(llm, m)
                     got[m].append(_decode(llm, a.tokens))
+                    if a.prefill and m == "one-call":
+                        pre.append(_prefill(llm, a.prefill))
             _set_mode(llm, "one-call")
         med = {m: statistics.median(v) for m, v in got.items()}
         ratios = " ".join(f"{med[m] / med['one-call']:.2f}" for m in MODES[1:])
         peer = ""
         if a.llamacpp:
-            ll = _llamacpp(root / f"{fam}-hf", a.scheme, a.threads, a.tokens, Path(a.llamacpp_cache))
+            ll, ll_pre = _llamacpp(root / f"{fam}-hf", a.scheme, a.threads, a.tokens, a.prefill or 8,
+                                   Path(a.llamacpp_cache))
             peer = f"   {ll:>15s}  " + (f"{med['one-call'] / float(ll):.2f}x" if ll[0].isdigit() else "")
         print(f"{fam:12s} " + " ".join(f"{med[m]:16.1f}" for m in MODES) + f"  {ratios:18s}{peer}", flush=True)
+        if pre:
+            line = f"  prefill of {a.prefill} tokens: {statistics.median(pre):.1f} tok/s"
+            if a.llamacpp:
+                line += f", llama.cpp pp{a.prefill} {ll_pre}" + \
+                    (f": {statistics.median(pre) / float(ll_pre):.2f}x" if ll_pre[0].isdigit() else "")
+            print(line, flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
