@@ -80,6 +80,23 @@ def test_mla_block_is_as_accurate_as_torchs(q_lora, interleave, scheme, bias) ->
     assert rope_diff == 0 if not interleave else rope_diff <= 2**-6 * c_tor.kv[:, R:].float().abs().max().item()
 
 
+@pytest.mark.parametrize("H,W,R", [(20, 96, 64), (5, 80, 64), (16, 288, 256)])
+def test_mla_attention_matches_f32_softmax(H, W, R) -> None:
+    """coli_mla_attn (heads in groups sharing each pass over the cache; W a multiple of 32 takes the
+    vdpbf16ps scores) against softmax(scale q k^T) v in f32, for three rows of different lengths."""
+    from colibri.kernels import native_mla
+
+    g = torch.Generator().manual_seed(8)
+    S = [1, 37, 300]
+    q = torch.randn(3, H, W, generator=g).bfloat16()
+    caches = [torch.randn(s + 5, W, generator=g).bfloat16() for s in S]
+    got = native_mla.mla_attn(q, caches, S, R, 0.1)
+    for t, s in enumerate(S):
+        kv = caches[t][:s].float()
+        ref = torch.softmax(0.1 * q[t].float() @ kv.T, -1) @ kv[:, :R]  # [H, R]
+        assert (got[t].float() - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
 def test_mla_block_rows_are_independent() -> None:
     """Rows of three sequences in one call, and a prompt chunk's rows, give the bits each row gets alone."""
     in_norm, post_norm = _norms()

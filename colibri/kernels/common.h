@@ -91,6 +91,8 @@ int coli_multi_gemm(const void *x, int bf16, int T, int K, int scheme, int g, in
                     void *const *y);
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
                    const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out);
+int coli_mla_attn(int T, const void *q, int H, int W, int R, const void *const *kv, const int *S, float scale,
+                  void *out);
 int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,

@@ -90,11 +90,11 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
     int Hd = L->hidden, H = L->heads, Dn = L->nope, Dr = L->rope, Dv = L->vdim, R = L->kv_lora, ql = L->q_lora;
     int Dq = Dn + Dr, W = R + Dr;
     long nq = (long)H * Dq;
-    size_t n = (size_t)T * (Hd + ql + ql + nq + W + 2 * (long)H * W + (long)H * Dv + Hd);
+    size_t n = (size_t)T * (Hd + ql + ql + nq + W + (long)H * W + (long)H * R + (long)H * Dv + Hd);
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * n);
     if (!buf) return -2;
     uint16_t *xn = buf, *qa = xn + (long)T * Hd, *qan = qa + (long)T * ql, *q = qan + (long)T * ql;
-    uint16_t *kva = q + T * nq, *qf = kva + (long)T * W, *ctx = qf + (long)T * H * W, *av = ctx + (long)T * H * W;
+    uint16_t *kva = q + T * nq, *qf = kva + (long)T * W, *ctx = qf + (long)T * H * W, *av = ctx + (long)T * H * R;
     uint16_t *o = av + (long)T * H * Dv;
     int rc = 0;
     PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
@@ -131,12 +131,11 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
             kb[t] = cache[t];
             S[t] = pos[t] + 1;
         }
-        /* every head reads the one latent "head": keys are whole rows, values too (their rope tail is
-         * weighted along and dropped by the unfold below) */
-        PROF(P_ATTN, rc = coli_attn_rows(T, qf, 1, H, 1, W, W, kb, 0, kb, 0, S, L->scale, NULL, ctx));
+        /* every head reads the one latent "head": keys the whole rows, values their first R channels */
+        PROF(P_ATTN, rc = coli_mla_attn(T, qf, H, W, R, kb, S, L->scale, ctx));
         if (rc) goto done;
     }
-    head_mm unfold = {ctx, L->w_uvt, av, T, R, Dv, H, (long)H * W, (long)H * Dv, W, Dv};
+    head_mm unfold = {ctx, L->w_uvt, av, T, R, Dv, H, (long)H * R, (long)H * Dv, R, Dv};
     PROF(P_O, head_matmul(&unfold));  /* av[t][h] = ctx[t][h][:R] W_uv^T[h] */
     {
         void *y = o;

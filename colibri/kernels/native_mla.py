@@ -31,6 +31,8 @@ def _lib() -> ctypes.CDLL:
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.coli_mla_block.argtypes = [p, i, p, p, p, p, p, p, p]
         lib.coli_mla_block.restype = i
+        lib.coli_mla_attn.argtypes = [i, p, i, i, i, p, p, ctypes.c_float, p]
+        lib.coli_mla_attn.restype = i
         _declared = True
     return lib
 
@@ -48,3 +50,15 @@ def mla_block(layer: MlaLayer, h: torch.Tensor, pos: list[int], cache: list[int]
     if rc != 0:
         raise RuntimeError(f"coli_mla_block failed ({rc})")
     return h_out, x_out
+
+
+def mla_attn(q: torch.Tensor, caches: list[torch.Tensor], S: list[int], R: int, scale: float) -> torch.Tensor:
+    """coli_mla_attn (the block's attention, for tests): q bf16 [T, H, W]; row t's latent cache caches[t] bf16
+    [>= S[t], W] contiguous -> [T, H, R] bf16: softmax(scale q k^T) over the rows, times their first R channels."""
+    T, H, W = q.shape
+    q, out = q.contiguous(), torch.empty(T, H, R, dtype=torch.bfloat16)
+    rc = _lib().coli_mla_attn(T, q.data_ptr(), H, W, R, (ctypes.c_void_p * T)(*[c.data_ptr() for c in caches]),
+                              (ctypes.c_int * T)(*S), scale, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mla_attn failed ({rc})")
+    return out
