@@ -110,11 +110,13 @@ def test_every_tier_split_and_cache_size_is_bit_identical_f32(ckpt, model_type):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("model_type", ["olmoe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_quantized_bf16_paths_are_bit_identical(ckpt, model_type, scheme):
     """bf16 compute: the fused int8/int4 kernels (int4 repacks per loaded expert) must give
-    the same bits from a cache slot as from the mapped file."""
-    path = ckpt.coli(model_type, scheme)
+    the same bits from a cache slot as from the mapped file (DeepSeek: its MLA block next to cached experts;
+    ranks of 32s, which int4 groups need)."""
+    path = ckpt.coli(model_type, scheme, **({"q_lora_rank": 32, "kv_lora_rank": 32} if model_type == "deepseek_v3"
+                                           else {}))
     for name in ("disk-1-per-layer", "disk-1-slot", "ram-disk", "gpu-cache-1-slot"):
         assert_identical(path, name, configs(path)[name])
 
