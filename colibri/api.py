@@ -24,6 +24,7 @@ from .errors import ColibriError, SlotBusyError
 from .kernels import native
 from .models.base import bind, build
 from .store import Placement, TieredStore
+from .store.placement import parse_size
 from .store.tiered import PlacementFn, stats_delta
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -85,9 +86,10 @@ class Engine:
       or a function `(ModelSizes, mem_budget, gpu_budget) -> Placement | None` that plans one.
       None: the planner places the layers from the budgets and the machine's free memory.
     - `mem_budget`: bytes of RAM for weights (dense weights, RAM-layer experts and the expert
-      cache of disk layers). Weights are then read into memory the engine owns instead of
-      being mapped. None: no bound (weights are mapped; disk layers get a small default cache).
-    - `gpu_budget`: bytes of VRAM for the GPU layers' weights; their experts go to a VRAM
+      cache of disk layers): an int, or a size as the CLI takes it ("3G", "1500M"). Weights are then
+      read into memory the engine owns instead of being mapped. None: no bound (weights are mapped;
+      disk layers get a small default cache).
+    - `gpu_budget`: bytes (or a size string) of VRAM for the GPU layers' weights; their experts go to a VRAM
       cache when they do not all fit. None: no bound.
     - `prefetch`: predict the next layer's experts with its router (look-ahead) and read them
       while the current layer computes.
@@ -100,8 +102,8 @@ class Engine:
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
                  dtype: torch.dtype | None = None, verify: bool = False, *, slots: int = 1, max_queue: int = 64,
                  prefill_chunk: int = 512, cache_prompt: bool = True, route_trace: str | os.PathLike | None = None,
-                 placement: Placement | PlacementFn | None = None, mem_budget: int | None = None,
-                 gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
+                 placement: Placement | PlacementFn | None = None, mem_budget: int | str | None = None,
+                 gpu_budget: int | str | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
@@ -110,6 +112,7 @@ class Engine:
         if decode_run_ms is not None and (isinstance(decode_run_ms, bool) or not isinstance(decode_run_ms, int | float)
                                           or not 0 <= decode_run_ms <= 10_000):
             raise ColibriError(f"decode_run_ms must be a number of milliseconds in 0..10000, got {decode_run_ms!r}")
+        mem_budget, gpu_budget = _budget("mem_budget", mem_budget), _budget("gpu_budget", gpu_budget)
         self._closed = True  # until fully built: close() and __del__ then have nothing to undo
         self.threads = threads or physical_cores()
         # Loading runs on one torch thread: a parallel op here would give this (the caller's) thread an
@@ -501,3 +504,14 @@ def load(path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = No
     `llm.generate_batch(["a", "b"], max_tokens=16)`; `h = llm.submit(ids, 32)` for a cancellable handle.
     """
     return Engine(path, ctx_size=ctx_size, threads=threads, **kw)
+
+
+def _budget(name: str, v: int | str | None) -> int | None:
+    """A memory budget in bytes: None, an int, or a size string as the CLI's flags take ("3G", "1500M")."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return parse_size(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ColibriError(f"{name} must be a number of bytes (an int >= 0) or a size such as '3G', got {v!r}")
+    return v

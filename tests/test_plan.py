@@ -321,3 +321,16 @@ def test_run_usage_file_accumulates_across_runs(ckpt, tmp_path, capsys):
         assert two["counts"][layer] == [2 * c for c in one["counts"][layer]]
     assert main(["plan", "--model", str(path), "--usage-file", str(usage), "--disk-speed", "1G"]) == 0
     assert "learned hot set" in capsys.readouterr().out
+
+
+def test_load_takes_budgets_as_sizes_and_refuses_bad_ones(ckpt):
+    """`colibri.load(..., mem_budget="2M")` is the CLI's `--mem-budget 2M` (it was a TypeError deep in the
+    planner); a budget that is neither bytes nor a size is refused by name."""
+    path = ckpt.coli("olmoe", "int8")
+    with colibri.load(path, ctx_size=32, mem_budget="2M") as llm:
+        assert llm.store.mem_budget == 2 * MiB
+    for bad in ("lots", -1, 1.5, True):
+        with pytest.raises(ColibriError, match="mem_budget|bad size"):
+            colibri.load(path, ctx_size=32, mem_budget=bad)
+    with pytest.raises(ColibriError, match="gpu_budget"):
+        colibri.load(path, ctx_size=32, gpu_budget=[1])
