@@ -25,53 +25,98 @@ static void rope_head(const uint16_t *x, int rot, int interleaved, const float *
     memcpy(out, tmp, sizeof(uint16_t) * rot);
 }
 
-/* y[t][h] = bf16(sum_i x[t][h][i] * w[h][i][:]) for each head h: a per-head [n_in] x [n_in, n_out] product
- * (q_nope W_uk: n_in Dn, n_out R; ctx W_uv^T: n_in R, n_out Dv), f32 sums over i in order. */
+/* The two products with kv_b_proj's halves, read from its int8 rows (q int8 [H * (Dn + Dv), R], one f32 scale
+ * per row; head h's K rows at h * (Dn + Dv), its V rows Dn further): nothing dequantized is kept (a bf16
+ * copy of the halves is twice the int8 bytes: ~2 GB more RAM for DeepSeek-V3, read every token).
+ *   fold:   qf[t][h][:R] = sum_d (x[t][h][d] * s[K row d]) * q[K row d][:]   (q_nope W_uk, the scale in x)
+ *   unfold: av[t][h][v]  = s[V row v] * sum_r ctx[t][h][r] * q[V row v][r]    (ctx W_uv^T)
+ * f32 sums in order, one bf16 rounding each. */
 typedef struct {
-    const uint16_t *x, *w;
+    const uint16_t *x;
+    const int8_t *q;
+    const float *s;
     uint16_t *y;
-    int T, n_in, n_out, heads;
-    long xs, ys;  /* row strides of x and y (elements); head h's part starts at h * n_in / h * n_out */
-    long xh, yh;  /* head strides within a row */
-} head_mm;
+    int T, H, Dn, Dv, R;
+    long xs, xh, ys, yh;  /* row and head strides of x and y (elements) */
+    int failed;           /* a worker's scratch allocation failed (the block returns -2) */
+} kvb_job;
 
-#define HM_ROWS 8  /* rows that share each pass over a head's weights */
-static void head_mm_part(void *p, int id, int n) {
-    const head_mm *j = (const head_mm *)p;
+#define KVB_ROWS 8  /* rows (tokens) that share each pass over a head's weights */
+
+/* w[0..R) = (float)q[0..R): a weight row widened once for all the rows that use it */
+static inline void widen_row(const int8_t *q, int R, float *w) {
+    int r = 0;
+#ifdef COLI_AVX512
+    for (; r + 16 <= R; r += 16)
+        _mm512_storeu_ps(w + r, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + r)))));
+#endif
+    for (; r < R; r++) w[r] = (float)q[r];
+}
+
+static void fold_part(void *p, int id, int n) {
+    kvb_job *j = (kvb_job *)p;
     long h0, h1;
-    split(j->heads, id, n, &h0, &h1);
-    float *acc = (float *)malloc(sizeof(float) * HM_ROWS * (size_t)j->n_out);
-    if (!acc) return;
-    for (long h = h0; h < h1; h++) {
-        const uint16_t *wh = j->w + h * (long)j->n_in * j->n_out;
-        for (int t0 = 0; t0 < j->T; t0 += HM_ROWS) {
-            int nt = j->T - t0 < HM_ROWS ? j->T - t0 : HM_ROWS;
-            memset(acc, 0, sizeof(float) * (size_t)nt * j->n_out);
-            for (int i = 0; i < j->n_in; i++) {
-                const uint16_t *wr = wh + (long)i * j->n_out;
+    split(j->H, id, n, &h0, &h1);
+    int R = j->R;
+    float *acc = (float *)malloc(sizeof(float) * (KVB_ROWS + 1) * (size_t)R), *w = acc + (size_t)KVB_ROWS * R;
+    if (!acc) {
+        j->failed = 1;
+        return;
+    }
+    for (long h = h0; h < h1; h++)
+        for (int t0 = 0; t0 < j->T; t0 += KVB_ROWS) {
+            int nt = j->T - t0 < KVB_ROWS ? j->T - t0 : KVB_ROWS;
+            memset(acc, 0, sizeof(float) * (size_t)nt * R);
+            for (int d = 0; d < j->Dn; d++) {
+                long row = h * (j->Dn + j->Dv) + d;
+                widen_row(j->q + row * R, R, w);
                 for (int t = 0; t < nt; t++) {
-                    float a = bf16_to_f32(j->x[(t0 + t) * j->xs + h * j->xh + i]);
-                    float *ac = acc + (long)t * j->n_out;
+                    float a = bf16_to_f32(j->x[(t0 + t) * j->xs + h * j->xh + d]) * j->s[row];
+                    float *ac = acc + (long)t * R;
                     int o = 0;
 #ifdef COLI_AVX512
                     __m512 av = _mm512_set1_ps(a);  /* the scalar loop's product and sum, 16 at a time */
-                    for (; o + 16 <= j->n_out; o += 16)
-                        _mm512_storeu_ps(ac + o, _mm512_add_ps(_mm512_loadu_ps(ac + o),
-                                                               _mm512_mul_ps(av, bf16_16_to_f32(wr + o))));
+                    for (; o + 16 <= R; o += 16)
+                        _mm512_storeu_ps(ac + o,
+                                         _mm512_add_ps(_mm512_loadu_ps(ac + o), _mm512_mul_ps(av, _mm512_loadu_ps(w + o))));
 #endif
-                    for (; o < j->n_out; o++) ac[o] = ac[o] + a * bf16_to_f32(wr[o]);
+                    for (; o < R; o++) ac[o] = ac[o] + a * w[o];
                 }
             }
             for (int t = 0; t < nt; t++)
-                for (int o = 0; o < j->n_out; o++)
-                    j->y[(t0 + t) * j->ys + h * j->yh + o] = f32_to_bf16(acc[(long)t * j->n_out + o]);
+                for (int o = 0; o < R; o++) j->y[(t0 + t) * j->ys + h * j->yh + o] = f32_to_bf16(acc[(long)t * R + o]);
         }
-    }
     free(acc);
 }
 
-static void head_matmul(head_mm *j) {
-    coli_parallel(head_mm_part, j, n_threads_for((long)j->heads * j->n_in * j->n_out * 2));
+static void unfold_part(void *p, int id, int n) {
+    kvb_job *j = (kvb_job *)p;
+    long h0, h1;
+    split(j->H, id, n, &h0, &h1);
+    int R = j->R;
+    float *w = (float *)malloc(sizeof(float) * (size_t)R);
+    if (!w) {
+        j->failed = 1;
+        return;
+    }
+    for (long h = h0; h < h1; h++)
+        for (int v = 0; v < j->Dv; v++) {
+            long row = h * (j->Dn + j->Dv) + j->Dn + v;
+            widen_row(j->q + row * R, R, w);
+            for (int t = 0; t < j->T; t++) {
+                const uint16_t *x = j->x + t * j->xs + h * j->xh;
+                float a = 0.f;
+                int r = 0;
+#ifdef COLI_AVX512
+                __m512 acc = _mm512_setzero_ps();
+                for (; r + 16 <= R; r += 16) acc = _mm512_fmadd_ps(bf16_16_to_f32(x + r), _mm512_loadu_ps(w + r), acc);
+                a = hsum1(acc);
+#endif
+                for (; r < R; r++) a += bf16_to_f32(x[r]) * w[r];
+                j->y[t * j->ys + h * j->yh + v] = f32_to_bf16(a * j->s[row]);
+            }
+        }
+    free(w);
 }
 
 static void add_bias(uint16_t *x, const uint16_t *b, int T, long n, long stride) {
@@ -122,8 +167,12 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
             rope_head(q + t * nq + (long)hh * Dq + Dn, Dr, L->interleaved, cs + (long)t * Dr, sn + (long)t * Dr,
                       qf + ((long)t * H + hh) * W + R);
     }
-    head_mm fold = {q, L->w_uk, qf, T, Dn, R, H, nq, (long)H * W, Dq, W};
-    PROF(P_ROPE_KV, head_matmul(&fold));  /* qf[t][h][:R] = q_nope[t][h] W_uk[h] */
+    kvb_job fold = {q, L->kvb_q, L->kvb_s, qf, T, H, Dn, Dv, R, nq, Dq, (long)H * W, W, 0};
+    PROF(P_ROPE_KV, coli_parallel(fold_part, &fold, n_threads_for((long)H * Dn * R)));  /* qf[t][h][:R] */
+    if (fold.failed) {
+        rc = -2;
+        goto done;
+    }
     {
         const void *kb[MAX_T];
         int S[MAX_T];
@@ -135,8 +184,12 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         PROF(P_ATTN, rc = coli_mla_attn(T, qf, H, W, R, kb, S, L->scale, ctx));
         if (rc) goto done;
     }
-    head_mm unfold = {ctx, L->w_uvt, av, T, R, Dv, H, (long)H * R, (long)H * Dv, R, Dv};
-    PROF(P_O, head_matmul(&unfold));  /* av[t][h] = ctx[t][h][:R] W_uv^T[h] */
+    kvb_job unfold = {ctx, L->kvb_q, L->kvb_s, av, T, H, Dn, Dv, R, (long)H * R, R, (long)H * Dv, Dv, 0};
+    PROF(P_O, coli_parallel(unfold_part, &unfold, n_threads_for((long)H * Dv * R)));  /* av[t][h] */
+    if (unfold.failed) {
+        rc = -2;
+        goto done;
+    }
     {
         void *y = o;
         PROF(P_O, rc = coli_multi_gemm(av, 1, T, H * Dv, L->scheme, L->group, 1, &L->wo, &Hd, &y));

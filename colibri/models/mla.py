@@ -147,25 +147,52 @@ class MLAttention(nn.Module):
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm: RMSNorm,
               post_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(h + attn(in_norm(h)), post_norm of that) in one native call (kernels/mla.c: the absorbed form,
-        scores and softmax in f32), for bf16 CPU rows of native projections where the absorbed form is the
-        one to run; None where it does not apply (then the caller runs the layer as `forward`)."""
-        T = h.shape[0]
-        if h.dtype != torch.bfloat16 or h.device.type != "cpu" or T > native.MOE_MAX_ROWS:
+        """(h + attn(in_norm(h)), post_norm of that) natively (kernels/mla.c: the absorbed form, scores and
+        softmax in f32) for bf16 CPU rows of native projections, each sequence that takes it (`native_form`);
+        in a step that mixes them, the others' rows as `forward` runs them, each sequence alone -- so a row's
+        bits never depend on its neighbours'. None where no sequence takes it,
+        or the weights or caches do not allow it (the caller then runs the layer as `forward`)."""
+        if h.dtype != torch.bfloat16 or h.device.type != "cpu":
             return None
-        if any(not self._use_absorbed(r1 - r0, start + r1 - r0) for r0, r1, start, _ in kv.segs):
+        absorbed = [self.native_form(r1 - r0, start + r1 - r0) for r0, r1, start, _ in kv.segs]
+        if not any(absorbed):
             return None
         layer = self._native_layer(in_norm, post_norm)
         if layer is None:
             return None
-        pos, ptrs = [], []
-        for r0, r1, start, cache in kv.segs:
-            if not isinstance(cache, LatentCache) or not cache.native_like(cache) or start + r1 - r0 > cache.max_len:
+        for (r0, r1, start, cache), a in zip(kv.segs, absorbed):
+            if a and (not isinstance(cache, LatentCache) or not cache.native_like(cache)
+                      or start + r1 - r0 > cache.max_len):
                 return None  # (a full context: the unfused path raises the error)
-            pos.extend(range(start, start + r1 - r0))
+        h = h.contiguous()
+        if all(absorbed):
+            return self._native_rows(layer, h, kv.segs, kv.pos)
+        h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+        for (r0, r1, start, cache), a in zip(kv.segs, absorbed):
+            one = LayerKV([(0, r1 - r0, start, cache)], start)
+            if a:
+                h_out[r0:r1], x_out[r0:r1] = self._native_rows(layer, h[r0:r1], one.segs, start)
+            else:
+                h_out[r0:r1] = ho = h[r0:r1] + self(in_norm(h[r0:r1]), one)
+                x_out[r0:r1] = post_norm(ho)
+        return h_out, x_out
+
+    def _native_rows(self, layer: native_mla.MlaLayer, h: torch.Tensor, segs: list,
+                     pos: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """coli_mla_block over h [T, hidden] (contiguous) of `segs`, at most MOE_MAX_ROWS rows a call (a longer
+        prompt chunk in pieces: each piece's rows see the latents the pieces before it wrote)."""
+        rows, ptrs = [], []
+        for r0, r1, start, cache in segs:
+            rows.extend(range(start, start + r1 - r0))
             ptrs.extend([cache.kv.data_ptr()] * (r1 - r0))
-        cos, sin = self.rope.tables(kv.pos, T, torch.float32)
-        return native_mla.mla_block(layer, h.contiguous(), pos, ptrs, cos.contiguous(), sin.contiguous())
+        T, step = h.shape[0], native.MOE_MAX_ROWS
+        cos, sin = self.rope.tables(pos, T, torch.float32)
+        if T <= step:
+            return native_mla.mla_block(layer, h, rows, ptrs, cos.contiguous(), sin.contiguous())
+        outs = [native_mla.mla_block(layer, h[i : i + step].contiguous(), rows[i : i + step], ptrs[i : i + step],
+                                     cos[i : i + step].contiguous(), sin[i : i + step].contiguous())
+                for i in range(0, T, step)]
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
     def _native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_mla.MlaLayer | None:
         """The layer's constants for the native block, built once per norm pair (None: it does not apply)."""
@@ -189,7 +216,9 @@ class MLAttention(nn.Module):
         norms = [in_norm, post_norm, self.kv_a_layernorm] + ([self.q_a_layernorm] if lora else [])
         if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None
-        w_uk, w_uvt = self.absorbed_weights(torch.empty(0, dtype=torch.bfloat16))
+        kvb = self.kv_b_int8()
+        if kvb is None:
+            return None
         qa = self.q_a_proj if lora else self.q_proj
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         layer = native_mla.MlaLayer(
@@ -200,14 +229,38 @@ class MLAttention(nn.Module):
             in_norm.weight.data_ptr(), post_norm.weight.data_ptr(),
             self.q_a_layernorm.weight.data_ptr() if lora else None, self.kv_a_layernorm.weight.data_ptr(),
             in_norm.eps, post_norm.eps, LORA_NORM_EPS, int(self.rope.interleaved), self.scale,
-            w_uk.data_ptr(), w_uvt.data_ptr(), ptr(qa.bias),
+            kvb[0].data_ptr(), kvb[1].data_ptr(), ptr(qa.bias),
             ptr(self.kv_a_proj_with_mqa.bias), ptr(self.o_proj.bias))
-        layer.keep = (w_uk, w_uvt)  # (alive while the layer is, whatever absorbed_weights keeps later)
+        layer.keep = kvb  # (alive while the layer is)
         return layer
+
+    def kv_b_int8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """kv_b_proj as the native block reads it: int8 rows [H * (Dn + Dv), R] and their f32 scales [rows] --
+        an int8 container's own tensors; an int4 one's rows requantized once to int8 per row (one more rounding,
+        at most half a step of 1/127 of the row's largest weight: docs/QUANT.md); None for other weights."""
+        m = self.kv_b_proj
+        if getattr(m, "scheme", None) == "int8" and getattr(m, "path", None) == "native":
+            q, s = m.qweight, m.scale
+            ok = q.dtype == torch.int8 and s.dtype == torch.float32 and q.is_contiguous() and s.is_contiguous()
+            return (q, s) if ok and q.device.type == "cpu" else None
+        if getattr(m, "scheme", None) != "int4" or getattr(m, "path", None) != "native":
+            return None
+        w = m.dequantized_weight().float()  # [rows, R]
+        s = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        return torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), s.contiguous()
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)
         return super()._apply(fn, recurse)
+
+    def native_form(self, T: int, S: int) -> bool:
+        """Whether a sequence's T rows (S positions with them) take the native block: in "auto", every call of
+        up to MOE_MAX_ROWS rows -- a prompt's rows then get the bits they get one at a time, whether a cached
+        prefix or a batch cut them into other pieces (the absorbed form costs no more there, measured) --
+        and longer ones where the absorbed form has fewer multiply-adds; "absorbed" always, "expanded" never."""
+        if self.mode == "auto" and T <= native.MOE_MAX_ROWS:
+            return True
+        return self._use_absorbed(T, S)
 
     def _use_absorbed(self, T: int, S: int) -> bool:
         if self.mode != "auto":

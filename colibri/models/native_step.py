@@ -243,8 +243,8 @@ def _args(plan: _Plan, batch: StepBatch, T: int, steps: int = 1) -> tuple | None
         if slot is None or s.start + s.r1 - s.r0 + steps - 1 > slot.ctx \
                 or (slot.ks, slot.vs) != (slots[0].ks, slots[0].vs):
             return None  # (a full context: the per-layer path raises the error)
-        if plan.mla is not None and not plan.mla._use_absorbed(s.r1 - s.r0, s.start + s.r1 - s.r0):
-            return None  # (as MLAttention.fused: a long prompt chunk takes the expanded form)
+        if plan.mla is not None and not plan.mla.native_form(s.r1 - s.r0, s.start + s.r1 - s.r0):
+            return None  # (as MLAttention.fused: e.g. the expanded form in torch, "expanded" mode)
         pos.extend(range(s.start, s.start + s.r1 - s.r0))
     ptrs = plan.ptrs.get(key)
     if ptrs is None or any(a is not b for a, b in zip(ptrs[0], slots)):
