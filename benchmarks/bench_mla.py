@@ -1,11 +1,14 @@
-"""Time MLA absorbed vs expanded attention (one layer, DeepSeek-V2-Lite dims) and report KV bytes.
+"""Time MLA's forms (one layer, DeepSeek-V2-Lite or V3 dims) and report KV bytes.
 
-    .venv/bin/python benchmarks/bench_mla.py [--threads 2] [--ctx 512 2048] [--quant bf16|int8]
+    .venv/bin/python benchmarks/bench_mla.py [--shape v2-lite|v3] [--threads 2] [--ctx 512 2048]
+        [--prefill 128 512] [--quant int8|int4|bf16|f32]
 
 Decode: one new token over a cache already holding ctx-1 tokens (the whole attention
 module: projections, RoPE, cache write, attention, o_proj). Prefill: T tokens from an
-empty cache. "auto" is what the model runs by default. KV bytes per token per layer
-compare the latent cache with the K/V an ordinary attention cache would hold.
+empty cache. Columns: "native", the native block (kernels/mla.c: the absorbed form, with the input
+and post-attention norms and the residual; int8/int4 weights at bf16 only), and torch's "absorbed" and
+"expanded" forms. KV bytes per token per layer compare the latent cache with the K/V an ordinary
+attention cache would hold.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from colibri.models.layers import Linear
+from colibri.models.batch import LayerKV
+from colibri.models.layers import Linear, RMSNorm
 from colibri.models.mla import MLAArgs, MLAttention
 from colibri.quant import QLinear
 
@@ -40,9 +44,17 @@ def _best_ms(fn: Callable[[], object], iters: int, min_s: float) -> float:
 
 
 def _time_mode(attn: MLAttention, mode: str, x: torch.Tensor, cache, start: int, iters: int,
-               min_s: float) -> float:
+               min_s: float) -> float | None:
+    """Best ms of one layer call in `mode` ("native": the fused block; None where it does not apply)."""
+    kv = LayerKV([(0, x.shape[0], start, cache)], start)
+    if mode == "native":
+        attn.mode = "absorbed"
+        norm = RMSNorm(attn.a.hidden)
+        if attn.fused(x, kv, norm, norm) is None:
+            return None
+        return _best_ms(lambda: attn.fused(x, kv, norm, norm), iters, min_s)
     attn.mode = mode
-    return _best_ms(lambda: attn(x, cache, start), iters, min_s)
+    return _best_ms(lambda: attn(x, kv), iters, min_s)
 
 
 def build(shape: str, scheme: str, dtype: torch.dtype) -> MLAttention:
@@ -68,7 +80,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512])
-    ap.add_argument("--quant", choices=["bf16", "f32", "int8"], default="bf16", help="projection weights")
+    ap.add_argument("--quant", choices=["bf16", "f32", "int8", "int4"], default="int8", help="projection weights")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--min-s", type=float, default=0.5)
     args = ap.parse_args()
@@ -79,7 +91,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, shape {args.shape}, "
           f"weights {args.quant}, compute {dtype}; best-of ms per layer call")
 
-    print(f"{'case':>16} {'absorbed':>10} {'expanded':>10} {'auto':>10} {'exp/abs':>8}")
+    print(f"{'case':>16} {'native':>10} {'absorbed':>10} {'expanded':>10} {'best torch / native':>20}")
     gen = torch.Generator().manual_seed(1)
     cache = attn.make_cache(max(args.ctx + args.prefill) + 1, dtype)
     cases = []
@@ -89,11 +101,13 @@ def main() -> None:
     for T in args.prefill:
         x = torch.randn(T, hidden, generator=gen).to(dtype)
         cases.append((f"prefill T={T}", x, 0, max(3, args.iters // 4)))
-    for label, x, start, iters in cases:
-        ms = {mode: _time_mode(attn, mode, x, cache, start, iters, args.min_s)
-              for mode in ("absorbed", "expanded", "auto")}
-        print(f"{label:>16} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ms['auto']:10.3f} "
-              f"{ms['expanded'] / ms['absorbed']:8.2f}")
+    with torch.inference_mode():
+        for label, x, start, iters in cases:
+            ms = {mode: _time_mode(attn, mode, x, cache, start, iters, args.min_s)
+                  for mode in ("native", "absorbed", "expanded")}
+            nat = "n/a" if ms["native"] is None else f"{ms['native']:.3f}"
+            ratio = "" if ms["native"] is None else f"{min(ms['absorbed'], ms['expanded']) / ms['native']:.2f}"
+            print(f"{label:>16} {nat:>10} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ratio:>20}")
     attn.mode = "auto"
 
     item = torch.tensor([], dtype=dtype).element_size()

@@ -30,7 +30,7 @@ static void rope_head(const uint16_t *x, int rot, int interleaved, const float *
  * copy of the halves is twice the int8 bytes: ~2 GB more RAM for DeepSeek-V3, read every token).
  *   fold:   qf[t][h][:R] = sum_d (x[t][h][d] * s[K row d]) * q[K row d][:]   (q_nope W_uk, the scale in x)
  *   unfold: av[t][h][v]  = s[V row v] * sum_r ctx[t][h][r] * q[V row v][r]    (ctx W_uv^T)
- * f32 sums in order, one bf16 rounding each. */
+ * f32 sums (fused multiply-adds, in register tiles of 4 rows), one bf16 rounding each. */
 typedef struct {
     const uint16_t *x;
     const int8_t *q;
@@ -41,82 +41,124 @@ typedef struct {
     int failed;           /* a worker's scratch allocation failed (the block returns -2) */
 } kvb_job;
 
-#define KVB_ROWS 8  /* rows (tokens) that share each pass over a head's weights */
+#define KB 4  /* rows (tokens), and V rows, per register tile */
 
-/* w[0..R) = (float)q[0..R): a weight row widened once for all the rows that use it */
-static inline void widen_row(const int8_t *q, int R, float *w) {
-    int r = 0;
 #ifdef COLI_AVX512
-    for (; r + 16 <= R; r += 16)
-        _mm512_storeu_ps(w + r, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + r)))));
-#endif
-    for (; r < R; r++) w[r] = (float)q[r];
+static inline __m512 widen16(const int8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
 }
+
+/* KB rows' fold over KC chunks of 16 channels (KC a constant after inlining: the KB x KC sums stay in
+ * registers): y[t][16k..] = bf16(sum_d xa[t][d] * w[d][16k..]), w's rows ws apart. */
+static inline __attribute__((always_inline)) void fold_tile(const float *xa, int Dn, const int8_t *w, long ws, int KC,
+                                                            uint16_t *const *y) {
+    __m512 acc[KB][4];
+    for (int t = 0; t < KB; t++)
+        for (int k = 0; k < KC; k++) acc[t][k] = _mm512_setzero_ps();
+    for (int d = 0; d < Dn; d++) {
+        __m512 wv[4];
+        for (int k = 0; k < KC; k++) wv[k] = widen16(w + d * ws + 16 * k);
+        for (int t = 0; t < KB; t++) {
+            __m512 a = _mm512_set1_ps(xa[t * Dn + d]);
+            for (int k = 0; k < KC; k++) acc[t][k] = _mm512_fmadd_ps(a, wv[k], acc[t][k]);
+        }
+    }
+    for (int t = 0; t < KB; t++)
+        if (y[t])
+            for (int k = 0; k < KC; k++) _mm256_storeu_si256((__m256i *)(y[t] + 16 * k), f32_to_bf16_16(acc[t][k]));
+}
+
+/* KB rows x KB V rows of the unfold's dot products over R (a multiple of 16): out[t * KB + v]. */
+static inline void unfold_tile(const uint16_t *const *x, const int8_t *w, long ws, int R, float *out) {
+    __m512 acc[KB * KB];
+    for (int i = 0; i < KB * KB; i++) acc[i] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r += 16) {
+        __m512 xv[KB], wv[KB];
+        for (int t = 0; t < KB; t++) xv[t] = bf16_16_to_f32(x[t] + r);
+        for (int v = 0; v < KB; v++) wv[v] = widen16(w + v * ws + r);
+        for (int t = 0; t < KB; t++)
+            for (int v = 0; v < KB; v++) acc[t * KB + v] = _mm512_fmadd_ps(xv[t], wv[v], acc[t * KB + v]);
+    }
+    _mm512_storeu_ps(out, hsum16(acc));
+}
+#endif
 
 static void fold_part(void *p, int id, int n) {
     kvb_job *j = (kvb_job *)p;
     long h0, h1;
     split(j->H, id, n, &h0, &h1);
-    int R = j->R;
-    float *acc = (float *)malloc(sizeof(float) * (KVB_ROWS + 1) * (size_t)R), *w = acc + (size_t)KVB_ROWS * R;
-    if (!acc) {
+    int R = j->R, Dn = j->Dn;
+    float *xa = (float *)malloc(sizeof(float) * KB * (size_t)Dn);
+    if (!xa) {
         j->failed = 1;
         return;
     }
-    for (long h = h0; h < h1; h++)
-        for (int t0 = 0; t0 < j->T; t0 += KVB_ROWS) {
-            int nt = j->T - t0 < KVB_ROWS ? j->T - t0 : KVB_ROWS;
-            memset(acc, 0, sizeof(float) * (size_t)nt * R);
-            for (int d = 0; d < j->Dn; d++) {
-                long row = h * (j->Dn + j->Dv) + d;
-                widen_row(j->q + row * R, R, w);
-                for (int t = 0; t < nt; t++) {
-                    float a = bf16_to_f32(j->x[(t0 + t) * j->xs + h * j->xh + d]) * j->s[row];
-                    float *ac = acc + (long)t * R;
-                    int o = 0;
-#ifdef COLI_AVX512
-                    __m512 av = _mm512_set1_ps(a);  /* the scalar loop's product and sum, 16 at a time */
-                    for (; o + 16 <= R; o += 16)
-                        _mm512_storeu_ps(ac + o,
-                                         _mm512_add_ps(_mm512_loadu_ps(ac + o), _mm512_mul_ps(av, _mm512_loadu_ps(w + o))));
-#endif
-                    for (; o < R; o++) ac[o] = ac[o] + a * w[o];
-                }
+    for (long h = h0; h < h1; h++) {
+        const int8_t *w = j->q + h * (long)(Dn + j->Dv) * R;  /* the head's K rows */
+        const float *s = j->s + h * (long)(Dn + j->Dv);
+        for (int t0 = 0; t0 < j->T; t0 += KB) {
+            uint16_t *y[KB];
+            for (int t = 0; t < KB; t++) {  /* rows past T: zeros, not stored */
+                y[t] = t0 + t < j->T ? j->y + (t0 + t) * j->ys + h * j->yh : NULL;
+                for (int d = 0; d < Dn; d++)
+                    xa[t * Dn + d] = y[t] ? bf16_to_f32(j->x[(t0 + t) * j->xs + h * j->xh + d]) * s[d] : 0.f;
             }
-            for (int t = 0; t < nt; t++)
-                for (int o = 0; o < R; o++) j->y[(t0 + t) * j->ys + h * j->yh + o] = f32_to_bf16(acc[(long)t * R + o]);
+            int c = 0;
+#ifdef COLI_AVX512
+            for (; c + 64 <= R; c += 64) {
+                uint16_t *yc[KB];
+                for (int t = 0; t < KB; t++) yc[t] = y[t] ? y[t] + c : NULL;
+                fold_tile(xa, Dn, w + c, R, 4, yc);
+            }
+            for (; c + 16 <= R; c += 16) {
+                uint16_t *yc[KB];
+                for (int t = 0; t < KB; t++) yc[t] = y[t] ? y[t] + c : NULL;
+                fold_tile(xa, Dn, w + c, R, 1, yc);
+            }
+#endif
+            for (; c < R; c++)
+                for (int t = 0; t < KB && y[t]; t++) {
+                    float a = 0.f;
+                    for (int d = 0; d < Dn; d++) a = fmaf(xa[t * Dn + d], (float)w[(long)d * R + c], a);
+                    y[t][c] = f32_to_bf16(a);
+                }
         }
-    free(acc);
+    }
+    free(xa);
 }
 
 static void unfold_part(void *p, int id, int n) {
     kvb_job *j = (kvb_job *)p;
     long h0, h1;
     split(j->H, id, n, &h0, &h1);
-    int R = j->R;
-    float *w = (float *)malloc(sizeof(float) * (size_t)R);
-    if (!w) {
-        j->failed = 1;
-        return;
-    }
-    for (long h = h0; h < h1; h++)
-        for (int v = 0; v < j->Dv; v++) {
-            long row = h * (j->Dn + j->Dv) + j->Dn + v;
-            widen_row(j->q + row * R, R, w);
-            for (int t = 0; t < j->T; t++) {
-                const uint16_t *x = j->x + t * j->xs + h * j->xh;
-                float a = 0.f;
-                int r = 0;
+    int R = j->R, Dv = j->Dv;
+    for (long h = h0; h < h1; h++) {
+        long v_row = h * (j->Dn + Dv) + j->Dn;  /* the head's first V row */
+        for (int t0 = 0; t0 < j->T; t0 += KB)
+            for (int v0 = 0; v0 < Dv; v0 += KB) {
+                const uint16_t *x[KB];
+                const int8_t *w = j->q + (v_row + v0) * R;
+                int nt = j->T - t0 < KB ? j->T - t0 : KB, nv = Dv - v0 < KB ? Dv - v0 : KB;
+                for (int t = 0; t < KB; t++) x[t] = j->x + (t0 + (t < nt ? t : 0)) * j->xs + h * j->xh;
+                float out[KB * KB];
 #ifdef COLI_AVX512
-                __m512 acc = _mm512_setzero_ps();
-                for (; r + 16 <= R; r += 16) acc = _mm512_fmadd_ps(bf16_16_to_f32(x + r), _mm512_loadu_ps(w + r), acc);
-                a = hsum1(acc);
+                if (nv == KB && R % 16 == 0) {
+                    unfold_tile(x, w, R, R, out);
+                } else
 #endif
-                for (; r < R; r++) a += bf16_to_f32(x[r]) * w[r];
-                j->y[t * j->ys + h * j->yh + v] = f32_to_bf16(a * j->s[row]);
+                {
+                    for (int t = 0; t < KB; t++)
+                        for (int v = 0; v < KB; v++) {
+                            float a = 0.f;
+                            for (int r = 0; v < nv && r < R; r++) a = fmaf(bf16_to_f32(x[t][r]), (float)w[(long)v * R + r], a);
+                            out[t * KB + v] = a;
+                        }
+                }
+                for (int t = 0; t < nt; t++)
+                    for (int v = 0; v < nv; v++)
+                        j->y[(t0 + t) * j->ys + h * j->yh + v0 + v] = f32_to_bf16(out[t * KB + v] * j->s[v_row + v0 + v]);
             }
-        }
-    free(w);
+    }
 }
 
 static void add_bias(uint16_t *x, const uint16_t *b, int T, long n, long stride) {
