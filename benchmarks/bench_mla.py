@@ -14,6 +14,7 @@ attention cache would hold.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -89,7 +90,7 @@ def main() -> None:
     attn = build(args.shape, args.quant, dtype)
     hidden = attn.a.hidden
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, shape {args.shape}, "
-          f"weights {args.quant}, compute {dtype}; best-of ms per layer call")
+          f"weights {args.quant}, compute {dtype}; best-of ms per layer call; load {os.getloadavg()[0]:.2f}")
 
     print(f"{'case':>16} {'native':>10} {'absorbed':>10} {'expanded':>10} {'best torch / native':>20}")
     gen = torch.Generator().manual_seed(1)
@@ -109,6 +110,7 @@ def main() -> None:
             ratio = "" if ms["native"] is None else f"{min(ms['absorbed'], ms['expanded']) / ms['native']:.2f}"
             print(f"{label:>16} {nat:>10} {ms['absorbed']:10.3f} {ms['expanded']:10.3f} {ratio:>20}")
     attn.mode = "auto"
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
     item = torch.tensor([], dtype=dtype).element_size()
     for shape in SHAPES:
