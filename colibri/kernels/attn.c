@@ -1,5 +1,6 @@
 /* Per-row ops of a decode step: attention for one query over a KV cache, RMSNorm, RoPE. */
 #include "common.h"
+#include "attn.h"
 
 /* Decode attention for one query row: q [H, D], keys/values of kv head j at k + j * ks (rows of D,
  * row stride D) and v + j * vs (rows of Dv), S of them; query head h reads kv head h / (H / Hkv).
@@ -14,23 +15,6 @@ typedef struct {
     float *buf;
     void *out;
 } attn_job;
-
-/* Keys and values are read row after row from the cache, which the step's weight stream has evicted:
- * perf put most of the attention's time on those loads (a head's rows are only a few KiB, too short
- * for the hardware prefetcher to ramp up). So each head starts by fetching its first ATTN_PF rows,
- * and each row fetches the one ATTN_PF positions ahead (8 ahead and no start: attention 78 us a
- * token of the 0.44b model at 64 positions; 16 and the start: 60). A prefetch past the cache's end
- * does not fault. */
-#ifndef ATTN_PF
-#define ATTN_PF 16
-#endif
-static inline void attn_prefetch(const char *p, long bytes) {
-#ifdef COLI_AVX512
-    for (long b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-#else
-    (void)p; (void)bytes;
-#endif
-}
 
 #ifdef COLI_AVX512
 /* of[0..Dv) = sum_s p[s] * v[s] for bf16 value rows (vb: position 0's, rows Dv apart), Dv a multiple of
@@ -60,71 +44,6 @@ static inline __attribute__((always_inline)) void attn_values_bf(const uint16_t 
     }
 }
 #endif
-
-#if defined(COLI_AVX512) && defined(__AVX512BF16__)
-/* Scores of positions s1..s1+n (n <= 16) for one bf16 query head qb against the bf16 keys at kb
- * (position 0's, rows D apart): one vdpbf16ps multiplies 32 pairs exactly (bf16 products fit f32) and
- * adds them in f32; the 16 positions' sums reduce together (hsum16). Per position that is ~5 vector
- * ops where converting to f32, multiply-adds and a reduction took ~18: attention at 4096 positions
- * ran at ~36 GB/s of ~48, compute-bound. Scaled scores go to sc[s1..], their max into *mxv. */
-static inline __attribute__((always_inline)) void attn_scores16(const uint16_t *kb, const uint16_t *qb, int D,
-                                                                int s1, int n, float scale, float *sc, __m512 *mxv) {
-    __m512 r[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) {
-        __m512 acc = _mm512_setzero_ps();
-        if (i < n) {
-            long base = (long)(s1 + i) * D;
-            attn_prefetch((const char *)(kb + base + (long)ATTN_PF * D), D * 2);
-            for (int d = 0; d < D; d += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(kb + base + d)),
-                                       (__m512bh)_mm512_loadu_si512((const void *)(qb + d)));
-        }
-        r[i] = acc;
-    }
-    __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-    __m512 sv = _mm512_mul_ps(hsum16(r), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(sc + s1, m, sv);
-    *mxv = _mm512_mask_max_ps(*mxv, m, *mxv, sv);
-}
-#endif
-
-/* sc[s] = exp(sc[s] - mx) for s < S; returns the softmax denominator (plus the sink's share). */
-static inline float attn_exp(float *sc, int S, float mx, const float *sink) {
-    float den = sink ? expf(*sink - mx) : 0.f;
-    int s0 = 0;
-#ifdef COLI_AVX512
-    __m512 dv = _mm512_setzero_ps();  /* the denominator in 16 partial sums */
-    for (; s0 < S; s0 += 16) {
-        __mmask16 m = S - s0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - s0)) - 1);
-        __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s0), _mm512_set1_ps(mx)));
-        _mm512_mask_storeu_ps(sc + s0, m, e);
-        dv = _mm512_mask_add_ps(dv, m, dv, e);
-    }
-    den += _mm512_reduce_add_ps(dv);
-#endif
-    for (; s0 < S; s0++) {
-        sc[s0] = expf(sc[s0] - mx);
-        den += sc[s0];
-    }
-    return den;
-}
-
-/* out[h] = of / den, rounded once to the output's dtype. */
-static inline void attn_out(const float *of, float den, void *out, int bf16, long h, int Dv) {
-    int d0 = 0;
-#ifdef COLI_AVX512
-    if (bf16)  /* the same division and rounding as below, 16 at a time */
-        for (; d0 + 16 <= Dv; d0 += 16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + h * Dv + d0),
-                                f32_to_bf16_16(_mm512_div_ps(_mm512_loadu_ps(of + d0), _mm512_set1_ps(den))));
-#endif
-    for (int d = d0; d < Dv; d++) {
-        float o = of[d] / den;
-        if (bf16) ((uint16_t *)out)[h * Dv + d] = f32_to_bf16(o);
-        else ((float *)out)[h * Dv + d] = o;
-    }
-}
 
 /* Heads h0..h1 of one query row. */
 static void attn_heads(const attn_job *j, long h0, long h1) {
@@ -362,146 +281,6 @@ int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv
 int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
                      const void *v, long vs, int S, float scale, const float *sinks, void *out) {
     return coli_attn_rows(1, q, bf16, H, Hkv, D, Dv, &k, ks, &v, vs, &S, scale, sinks, out);
-}
-
-/* ------------------------------------------------------------------- MLA: many heads, one latent "head" */
-
-/* MLA's absorbed attention (mla.c): row t's H query heads q [T, H, W] (bf16) over its latent cache kv[t]
- * (bf16 [S[t], W], keys the whole rows, values their first R channels) -> out [T, H, R] bf16, scores and
- * softmax in f32. Why not coli_attn_rows with one kv head: each of its heads reads the whole cache, H times
- * a token (16-128 heads: at 2048 positions the DeepSeek-V3 layer's attention cost more than torch's one
- * matmul). Here a group of MLA_HB heads shares each pass over the cache: 16 positions' rows are scored
- * against every head of the group while they sit in L1, and summed into every head's values the same way. */
-#ifndef MLA_HB
-#define MLA_HB 16
-#endif
-typedef struct {
-    const uint16_t *q;
-    const void *const *kv;
-    const int *S;
-    int T, H, W, R, Smax, hb;  /* hb: heads per group (a job), at most MLA_HB */
-    float scale;
-    uint16_t *out;
-    int failed;
-} mla_job;
-
-static void mla_heads(const mla_job *j, int t, int h0, int nh, float *sc, float *of) {
-    const uint16_t *kb = (const uint16_t *)j->kv[t], *q = j->q + ((long)t * j->H + h0) * j->W;
-    int S = j->S[t], W = j->W, R = j->R;
-    float mx[MLA_HB], den[MLA_HB];  /* (nh <= hb <= MLA_HB) */
-    int s1 = 0;
-#if defined(COLI_AVX512) && defined(__AVX512BF16__)
-    if (W % 32 == 0) {
-        __m512 mxv[MLA_HB];
-        for (int h = 0; h < nh; h++) mxv[h] = _mm512_set1_ps(-INFINITY);
-        for (; s1 < S; s1 += 16)
-            for (int h = 0; h < nh; h++)
-                attn_scores16(kb, q + (long)h * W, W, s1, S - s1 < 16 ? S - s1 : 16, j->scale, sc + (long)h * S, mxv + h);
-        for (int h = 0; h < nh; h++) mx[h] = _mm512_reduce_max_ps(mxv[h]);
-    } else
-#endif
-    {
-        for (int h = 0; h < nh; h++) mx[h] = -INFINITY;
-        for (int s = 0; s < S; s++)
-            for (int h = 0; h < nh; h++) {
-                float a = 0.f;
-                for (int d = 0; d < W; d++) a += bf16_to_f32(q[(long)h * W + d]) * bf16_to_f32(kb[(long)s * W + d]);
-                float v = sc[(long)h * S + s] = a * j->scale;
-                if (v > mx[h]) mx[h] = v;
-            }
-    }
-    for (int h = 0; h < nh; h++) den[h] = attn_exp(sc + (long)h * S, S, mx[h], NULL);
-    memset(of, 0, sizeof(float) * (size_t)nh * R);
-    for (int b = 0; b < S; b += 16) {  /* 16 positions' rows, summed into every head while in L1 */
-        int nb = S - b < 16 ? S - b : 16, c = 0;
-        for (int h = 0; h < nh; h++) {
-            const float *p = sc + (long)h * S + b;
-            float *o = of + (long)h * R;
-            c = 0;
-#if defined(COLI_AVX512) && defined(__AVX512BF16__)
-            /* two positions per vdpbf16ps, their weights rounded to bf16 (as torch's bf16 product of the
-             * probabilities and the latents), sums in f32: half the instructions of widening each value
-             * (the values were 2/3 of the attention of a 128-head layer at 4096 positions) */
-            uint32_t pp[8];
-            for (int s = 0; s < 16; s += 2)
-                pp[s / 2] = (s < nb ? f32_to_bf16(p[s]) : 0u) | (uint32_t)(s + 1 < nb ? f32_to_bf16(p[s + 1]) : 0u) << 16;
-            /* unpacklo/hi put channels 8k..8k+3 / 8k+4..8k+7 in lanes 4k..4k+3: back in channel order */
-            const __m512i o0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-            const __m512i o1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-            for (; c + 32 <= R; c += 32) {
-                __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-                for (int s = 0; s < nb; s += 2) {
-                    __m512i r0 = _mm512_loadu_si512((const void *)(kb + (long)(b + s) * W + c));
-                    __m512i r1 = s + 1 < nb ? _mm512_loadu_si512((const void *)(kb + (long)(b + s + 1) * W + c))
-                                            : _mm512_setzero_si512();
-                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[s / 2]);
-                    lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(r0, r1), w);
-                    hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(r0, r1), w);
-                }
-                _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c), _mm512_permutex2var_ps(lo, o0, hi)));
-                _mm512_storeu_ps(o + c + 16,
-                                 _mm512_add_ps(_mm512_loadu_ps(o + c + 16), _mm512_permutex2var_ps(lo, o1, hi)));
-            }
-#elif defined(COLI_AVX512)
-            const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
-            const __m512i lo_i = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            const __m512i hi_i = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-            for (; c + 32 <= R; c += 32) {  /* even and odd channels apart, interleaved once (attn_values_bf) */
-                __m512 ev = _mm512_setzero_ps(), od = _mm512_setzero_ps();
-                for (int s = 0; s < nb; s++) {
-                    __m512i x = _mm512_loadu_si512((const void *)(kb + (long)(b + s) * W + c));
-                    __m512 ps = _mm512_set1_ps(p[s]);
-                    ev = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), ps, ev);
-                    od = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, hi)), ps, od);
-                }
-                _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c), _mm512_permutex2var_ps(ev, lo_i, od)));
-                _mm512_storeu_ps(o + c + 16,
-                                 _mm512_add_ps(_mm512_loadu_ps(o + c + 16), _mm512_permutex2var_ps(ev, hi_i, od)));
-            }
-#endif
-            for (; c < R; c++) {
-                float a = 0.f;
-                for (int s = 0; s < nb; s++) a += p[s] * bf16_to_f32(kb[(long)(b + s) * W + c]);
-                o[c] += a;
-            }
-        }
-    }
-    for (int h = 0; h < nh; h++) attn_out(of + (long)h * R, den[h], j->out + ((long)t * j->H + h0) * R, 1, h, R);
-}
-
-static void mla_part(void *p, int id, int n) {
-    mla_job *j = (mla_job *)p;
-    int groups = (j->H + j->hb - 1) / j->hb;
-    long a, b;
-    split((long)j->T * groups, id, n, &a, &b);
-    if (a >= b) return;
-    float *sc = (float *)malloc(sizeof(float) * (size_t)j->hb * ((size_t)j->Smax + j->R));
-    if (!sc) {
-        j->failed = 1;  /* (any worker's: the call returns -2) */
-        return;
-    }
-    for (long i = a; i < b; i++) {
-        int t = (int)(i / groups), h0 = (int)(i % groups) * j->hb;
-        mla_heads(j, t, h0, j->H - h0 < j->hb ? j->H - h0 : j->hb, sc, sc + (size_t)j->hb * j->Smax);
-    }
-    free(sc);
-}
-
-int coli_mla_attn(int T, const void *q, int H, int W, int R, const void *const *kv, const int *S, float scale,
-                  void *out) {
-    if (T < 1 || R > W) return -3;
-    int Smax = 0;
-    long tot = 0;
-    for (int t = 0; t < T; t++) {
-        if (S[t] < 1) return -3;
-        Smax = S[t] > Smax ? S[t] : Smax;
-        tot += S[t];
-    }
-    int nt = n_threads_for((long)H * tot * W * 2), hb = MLA_HB;
-    while (hb > 1 && (long)T * ((H + hb - 1) / hb) < nt) hb /= 2;  /* a group per thread at least */
-    mla_job j = {(const uint16_t *)q, kv, S, T, H, W, R, Smax, hb, scale, (uint16_t *)out, 0};
-    coli_parallel(mla_part, &j, nt);
-    return j.failed ? -2 : 0;
 }
 
 /* ------------------------------------------------------------------- norm and rotary, per row */

@@ -9,6 +9,7 @@
  * norms are the kernels the unfused path calls (same bits); the attention core rounds once where torch
  * rounded the scores and the probabilities to bf16 (scores and softmax in f32 here, as coli_attn_rows). */
 #include "common.h"
+#include "attn.h"
 
 /* Rotary embedding of one head's `rot` channels, x -> out (bf16, may alias): rotate-half pairs (i, i + rot/2)
  * or DeepSeek's interleaved pairs (2i, 2i + 1); cos/sin f32 [rot] (the rotate-half table: pair i's angle at
@@ -243,4 +244,142 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
 done:
     free(buf);
     return rc;
+}
+
+/* MLA's absorbed attention (mla.c): row t's H query heads q [T, H, W] (bf16) over its latent cache kv[t]
+ * (bf16 [S[t], W], keys the whole rows, values their first R channels) -> out [T, H, R] bf16, scores and
+ * softmax in f32. Why not coli_attn_rows with one kv head: each of its heads reads the whole cache, H times
+ * a token (16-128 heads: at 2048 positions the DeepSeek-V3 layer's attention cost more than torch's one
+ * matmul). Here a group of MLA_HB heads shares each pass over the cache: 16 positions' rows are scored
+ * against every head of the group while they sit in L1, and summed into every head's values the same way. */
+#ifndef MLA_HB
+#define MLA_HB 16
+#endif
+typedef struct {
+    const uint16_t *q;
+    const void *const *kv;
+    const int *S;
+    int T, H, W, R, Smax, hb;  /* hb: heads per group (a job), at most MLA_HB */
+    float scale;
+    uint16_t *out;
+    int failed;
+} mla_job;
+
+static void mla_heads(const mla_job *j, int t, int h0, int nh, float *sc, float *of) {
+    const uint16_t *kb = (const uint16_t *)j->kv[t], *q = j->q + ((long)t * j->H + h0) * j->W;
+    int S = j->S[t], W = j->W, R = j->R;
+    float mx[MLA_HB], den[MLA_HB];  /* (nh <= hb <= MLA_HB) */
+    int s1 = 0;
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+    if (W % 32 == 0) {
+        __m512 mxv[MLA_HB];
+        for (int h = 0; h < nh; h++) mxv[h] = _mm512_set1_ps(-INFINITY);
+        for (; s1 < S; s1 += 16)
+            for (int h = 0; h < nh; h++)
+                attn_scores16(kb, q + (long)h * W, W, s1, S - s1 < 16 ? S - s1 : 16, j->scale, sc + (long)h * S, mxv + h);
+        for (int h = 0; h < nh; h++) mx[h] = _mm512_reduce_max_ps(mxv[h]);
+    } else
+#endif
+    {
+        for (int h = 0; h < nh; h++) mx[h] = -INFINITY;
+        for (int s = 0; s < S; s++)
+            for (int h = 0; h < nh; h++) {
+                float a = 0.f;
+                for (int d = 0; d < W; d++) a += bf16_to_f32(q[(long)h * W + d]) * bf16_to_f32(kb[(long)s * W + d]);
+                float v = sc[(long)h * S + s] = a * j->scale;
+                if (v > mx[h]) mx[h] = v;
+            }
+    }
+    for (int h = 0; h < nh; h++) den[h] = attn_exp(sc + (long)h * S, S, mx[h], NULL);
+    memset(of, 0, sizeof(float) * (size_t)nh * R);
+    for (int b = 0; b < S; b += 16) {  /* 16 positions' rows, summed into every head while in L1 */
+        int nb = S - b < 16 ? S - b : 16, c = 0;
+        for (int h = 0; h < nh; h++) {
+            const float *p = sc + (long)h * S + b;
+            float *o = of + (long)h * R;
+            c = 0;
+#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+            /* two positions per vdpbf16ps, their weights rounded to bf16 (as torch's bf16 product of the
+             * probabilities and the latents), sums in f32: half the instructions of widening each value
+             * (the values were 2/3 of the attention of a 128-head layer at 4096 positions) */
+            uint32_t pp[8];
+            for (int s = 0; s < 16; s += 2)
+                pp[s / 2] = (s < nb ? f32_to_bf16(p[s]) : 0u) | (uint32_t)(s + 1 < nb ? f32_to_bf16(p[s + 1]) : 0u) << 16;
+            /* unpacklo/hi put channels 8k..8k+3 / 8k+4..8k+7 in lanes 4k..4k+3: back in channel order */
+            const __m512i o0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+            const __m512i o1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+            for (; c + 32 <= R; c += 32) {
+                __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+                for (int s = 0; s < nb; s += 2) {
+                    __m512i r0 = _mm512_loadu_si512((const void *)(kb + (long)(b + s) * W + c));
+                    __m512i r1 = s + 1 < nb ? _mm512_loadu_si512((const void *)(kb + (long)(b + s + 1) * W + c))
+                                            : _mm512_setzero_si512();
+                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[s / 2]);
+                    lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(r0, r1), w);
+                    hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(r0, r1), w);
+                }
+                _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c), _mm512_permutex2var_ps(lo, o0, hi)));
+                _mm512_storeu_ps(o + c + 16,
+                                 _mm512_add_ps(_mm512_loadu_ps(o + c + 16), _mm512_permutex2var_ps(lo, o1, hi)));
+            }
+#elif defined(COLI_AVX512)
+            const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+            const __m512i lo_i = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i hi_i = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            for (; c + 32 <= R; c += 32) {  /* even and odd channels apart, interleaved once (attn_values_bf) */
+                __m512 ev = _mm512_setzero_ps(), od = _mm512_setzero_ps();
+                for (int s = 0; s < nb; s++) {
+                    __m512i x = _mm512_loadu_si512((const void *)(kb + (long)(b + s) * W + c));
+                    __m512 ps = _mm512_set1_ps(p[s]);
+                    ev = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), ps, ev);
+                    od = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, hi)), ps, od);
+                }
+                _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c), _mm512_permutex2var_ps(ev, lo_i, od)));
+                _mm512_storeu_ps(o + c + 16,
+                                 _mm512_add_ps(_mm512_loadu_ps(o + c + 16), _mm512_permutex2var_ps(ev, hi_i, od)));
+            }
+#endif
+            for (; c < R; c++) {
+                float a = 0.f;
+                for (int s = 0; s < nb; s++) a += p[s] * bf16_to_f32(kb[(long)(b + s) * W + c]);
+                o[c] += a;
+            }
+        }
+    }
+    for (int h = 0; h < nh; h++) attn_out(of + (long)h * R, den[h], j->out + ((long)t * j->H + h0) * R, 1, h, R);
+}
+
+static void mla_part(void *p, int id, int n) {
+    mla_job *j = (mla_job *)p;
+    int groups = (j->H + j->hb - 1) / j->hb;
+    long a, b;
+    split((long)j->T * groups, id, n, &a, &b);
+    if (a >= b) return;
+    float *sc = (float *)malloc(sizeof(float) * (size_t)j->hb * ((size_t)j->Smax + j->R));
+    if (!sc) {
+        j->failed = 1;  /* (any worker's: the call returns -2) */
+        return;
+    }
+    for (long i = a; i < b; i++) {
+        int t = (int)(i / groups), h0 = (int)(i % groups) * j->hb;
+        mla_heads(j, t, h0, j->H - h0 < j->hb ? j->H - h0 : j->hb, sc, sc + (size_t)j->hb * j->Smax);
+    }
+    free(sc);
+}
+
+int coli_mla_attn(int T, const void *q, int H, int W, int R, const void *const *kv, const int *S, float scale,
+                  void *out) {
+    if (T < 1 || R > W) return -3;
+    int Smax = 0;
+    long tot = 0;
+    for (int t = 0; t < T; t++) {
+        if (S[t] < 1) return -3;
+        Smax = S[t] > Smax ? S[t] : Smax;
+        tot += S[t];
+    }
+    int nt = n_threads_for((long)H * tot * W * 2), hb = MLA_HB;
+    while (hb > 1 && (long)T * ((H + hb - 1) / hb) < nt) hb /= 2;  /* a group per thread at least */
+    mla_job j = {(const uint16_t *)q, kv, S, T, H, W, R, Smax, hb, scale, (uint16_t *)out, 0};
+    coli_parallel(mla_part, &j, nt);
+    return j.failed ? -2 : 0;
 }
