@@ -1,9 +1,8 @@
 """The native decode kernels (gemv.c, moe.c, attn.c and mla.c over rows.h and attn.h; block.c, step.c;
-pool.c): built once per machine
-with the system C compiler, loaded with ctypes, and optional -- without a compiler, on a CPU without
-AVX-512 (their portable loops are slower than torch's kernels; COLIBRI_NATIVE=force uses them anyway),
-or with COLIBRI_NATIVE=0, the model keeps torch's kernels, with the same results up to f32 summation
-order.
+pool.c): built once per machine with the system C compiler, loaded with ctypes, and optional -- without
+a compiler, on a CPU without AVX-512 (their portable loops are slower than torch's kernels;
+COLIBRI_NATIVE=force uses them anyway), or with COLIBRI_NATIVE=0, the model keeps torch's kernels, with
+the same results up to f32 summation order.
 
 Why a C file and not torch: torch's weight-only int8 kernel moves expert-sized matrices (0.5-2 MiB)
 from RAM at a third of the machine's bandwidth, and its int4 kernel needs a private repacking that a
