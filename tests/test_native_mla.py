@@ -56,9 +56,9 @@ def _history(attn: MLAttention, in_norm: RMSNorm, dtype: torch.dtype, seed: int 
 @pytest.mark.parametrize("scheme,bias", [("int8", False), ("int4", False), ("int8", True)])
 def test_mla_block_is_as_accurate_as_torchs(q_lora, interleave, scheme, bias) -> None:
     """Three new rows through the native block against the same quantized layer computed in f32: the block's
-    attention output is as close as torch's bf16 ops get (measured 0.90-1.08x torch's error at int8, 1.07-1.12x
-    at int4, whose kv_b_proj the block reads requantized to int8), and the latent it writes to the cache is
-    torch's (its rope key within one bf16 step where torch's interleaved RoPE rounds its intermediates)."""
+    attention output is as close as torch's bf16 ops get (measured 0.90-1.08x torch's error), and the latent it
+    writes to the cache is torch's (its rope key within one bf16 step where torch's interleaved RoPE rounds its
+    intermediates)."""
     in_norm, post_norm = _norms()
     nat, ref = _layer(q_lora, interleave, scheme, bias, torch.bfloat16), _layer(q_lora, interleave, scheme, bias,
                                                                               torch.float32)

@@ -55,8 +55,8 @@ typedef struct {
     float in_eps, post_eps, lora_eps;
     int interleaved;              /* rope pairs (2i, 2i + 1), DeepSeek's layout; else (i, i + Dr/2) */
     float scale;
-    const int8_t *kvb_q;          /* kv_b_proj as int8 rows [H * (Dn + Dv), R] (head h: Dn K rows, Dv V rows) */
-    const float *kvb_s;           /* ... and their f32 scales [H * (Dn + Dv)] */
+    coli_qw kvb;                  /* kv_b_proj [H * (Dn + Dv), R] (head h: Dn K rows, Dv V rows), ... */
+    int kvb_scheme, kvb_group;    /* ... int8 (8) or int4 (4, groups of kvb_group) */
     const uint16_t *bqa, *bkva, *bo; /* bf16 biases or NULL: wq's, wkva's, wo's (attention_bias) */
 } coli_mla_layer;
 

@@ -26,16 +26,18 @@ static void rope_head(const uint16_t *x, int rot, int interleaved, const float *
     memcpy(out, tmp, sizeof(uint16_t) * rot);
 }
 
-/* The two products with kv_b_proj's halves, read from its int8 rows (q int8 [H * (Dn + Dv), R], one f32 scale
- * per row; head h's K rows at h * (Dn + Dv), its V rows Dn further): nothing dequantized is kept (a bf16
- * copy of the halves is twice the int8 bytes: ~2 GB more RAM for DeepSeek-V3, read every token).
- *   fold:   qf[t][h][:R] = sum_d (x[t][h][d] * s[K row d]) * q[K row d][:]   (q_nope W_uk, the scale in x)
- *   unfold: av[t][h][v]  = s[V row v] * sum_r ctx[t][h][r] * q[V row v][r]    (ctx W_uv^T)
+/* The two products with kv_b_proj's halves, read from its quantized rows as the container holds them (int8:
+ * q [H * (Dn + Dv), R], one f32 scale a row; int4: nibbles [rows, R/2] with an f16 scale and min per group
+ * of g along R; head h's K rows at h * (Dn + Dv), its V rows Dn further), each weight dequantized in f32 as
+ * it is used: nothing dequantized is kept (a bf16 copy of the halves was twice the int8 bytes: ~2 GB more
+ * RAM for DeepSeek-V3, read every token).
+ *   fold:   qf[t][h][:R] = sum_d x[t][h][d] * w[K row d][:]     (q_nope W_uk)
+ *   unfold: av[t][h][v]  = sum_r ctx[t][h][r] * w[V row v][r]   (ctx W_uv^T)
  * f32 sums (fused multiply-adds, in register tiles of 4 rows), one bf16 rounding each. */
 typedef struct {
     const uint16_t *x;
-    const int8_t *q;
-    const float *s;
+    coli_qw w;
+    int scheme, group;    /* 8, or 4 with groups of `group` */
     uint16_t *y;
     int T, H, Dn, Dv, R;
     long xs, xh, ys, yh;  /* row and head strides of x and y (elements) */
@@ -44,23 +46,41 @@ typedef struct {
 
 #define KB 4  /* rows (tokens), and V rows, per register tile */
 
-#ifdef COLI_AVX512
-static inline __m512 widen16(const int8_t *q) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+/* Weight (row, c) of kv_b_proj in f32: int8 q * scale; int4 q * scale + min of its group. */
+static inline float kvb_w(const kvb_job *j, long row, int c) {
+    if (j->scheme == 8) return (float)((const int8_t *)j->w.q)[row * j->R + c] * ((const float *)j->w.s)[row];
+    uint8_t b = ((const uint8_t *)j->w.q)[row * (j->R / 2) + c / 2];
+    long gi = row * (j->R / j->group) + c / j->group;
+    return fmaf((float)(c & 1 ? b >> 4 : b & 15), f16_to_f32(((const uint16_t *)j->w.s)[gi]),
+                f16_to_f32(((const uint16_t *)j->w.m)[gi]));
 }
 
-/* KB rows' fold over KC chunks of 16 channels (KC a constant after inlining: the KB x KC sums stay in
- * registers): y[t][16k..] = bf16(sum_d xa[t][d] * w[d][16k..]), w's rows ws apart. */
-static inline __attribute__((always_inline)) void fold_tile(const float *xa, int Dn, const int8_t *w, long ws, int KC,
+#ifdef COLI_AVX512
+/* Weights (row, c..c+16) as kvb_w computes them (c a multiple of 16; int4: within one group). */
+static inline __m512 kvb_w16(const kvb_job *j, long row, int c) {
+    if (j->scheme == 8)
+        return _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)j->w.q + row * j->R + c)))),
+            _mm512_set1_ps(((const float *)j->w.s)[row]));
+    __m128i b8 = _mm_loadl_epi64((const __m128i *)((const uint8_t *)j->w.q + row * (j->R / 2) + c / 2)), f = _mm_set1_epi8(15);
+    __m128i e = _mm_unpacklo_epi8(_mm_and_si128(b8, f), _mm_and_si128(_mm_srli_epi16(b8, 4), f));  /* in column order */
+    long gi = row * (j->R / j->group) + c / j->group;
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e)), _mm512_set1_ps(f16_to_f32(((const uint16_t *)j->w.s)[gi])),
+                           _mm512_set1_ps(f16_to_f32(((const uint16_t *)j->w.m)[gi])));
+}
+
+/* KB rows' fold over KC chunks of 16 channels from c (KC a constant after inlining: the KB x KC sums stay in
+ * registers): y[t][16k..] = bf16(sum_d xa[t][d] * w[row0 + d][c + 16k..]). */
+static inline __attribute__((always_inline)) void fold_tile(const kvb_job *j, const float *xa, long row0, int c, int KC,
                                                             uint16_t *const *y) {
     __m512 acc[KB][4];
     for (int t = 0; t < KB; t++)
         for (int k = 0; k < KC; k++) acc[t][k] = _mm512_setzero_ps();
-    for (int d = 0; d < Dn; d++) {
+    for (int d = 0; d < j->Dn; d++) {
         __m512 wv[4];
-        for (int k = 0; k < KC; k++) wv[k] = widen16(w + d * ws + 16 * k);
+        for (int k = 0; k < KC; k++) wv[k] = kvb_w16(j, row0 + d, c + 16 * k);
         for (int t = 0; t < KB; t++) {
-            __m512 a = _mm512_set1_ps(xa[t * Dn + d]);
+            __m512 a = _mm512_set1_ps(xa[t * j->Dn + d]);
             for (int k = 0; k < KC; k++) acc[t][k] = _mm512_fmadd_ps(a, wv[k], acc[t][k]);
         }
     }
@@ -69,20 +89,23 @@ static inline __attribute__((always_inline)) void fold_tile(const float *xa, int
             for (int k = 0; k < KC; k++) _mm256_storeu_si256((__m256i *)(y[t] + 16 * k), f32_to_bf16_16(acc[t][k]));
 }
 
-/* KB rows x KB V rows of the unfold's dot products over R (a multiple of 16): out[t * KB + v]. */
-static inline void unfold_tile(const uint16_t *const *x, const int8_t *w, long ws, int R, float *out) {
+/* KB rows x the KB V rows from row0: the unfold's dot products over R (a multiple of 16), out[t * KB + v]. */
+static inline void unfold_tile(const kvb_job *j, const uint16_t *const *x, long row0, float *out) {
     __m512 acc[KB * KB];
     for (int i = 0; i < KB * KB; i++) acc[i] = _mm512_setzero_ps();
-    for (int r = 0; r < R; r += 16) {
+    for (int r = 0; r < j->R; r += 16) {
         __m512 xv[KB], wv[KB];
         for (int t = 0; t < KB; t++) xv[t] = bf16_16_to_f32(x[t] + r);
-        for (int v = 0; v < KB; v++) wv[v] = widen16(w + v * ws + r);
+        for (int v = 0; v < KB; v++) wv[v] = kvb_w16(j, row0 + v, r);
         for (int t = 0; t < KB; t++)
             for (int v = 0; v < KB; v++) acc[t * KB + v] = _mm512_fmadd_ps(xv[t], wv[v], acc[t * KB + v]);
     }
     _mm512_storeu_ps(out, hsum16(acc));
 }
 #endif
+
+/* Whether kvb_w16 applies from column 0 in steps of 16 (int4: groups of 16s). */
+static inline int kvb_vec(const kvb_job *j) { return j->scheme == 8 || j->group % 16 == 0; }
 
 static void fold_part(void *p, int id, int n) {
     kvb_job *j = (kvb_job *)p;
@@ -95,32 +118,31 @@ static void fold_part(void *p, int id, int n) {
         return;
     }
     for (long h = h0; h < h1; h++) {
-        const int8_t *w = j->q + h * (long)(Dn + j->Dv) * R;  /* the head's K rows */
-        const float *s = j->s + h * (long)(Dn + j->Dv);
+        long row0 = h * (long)(Dn + j->Dv);  /* the head's first K row */
         for (int t0 = 0; t0 < j->T; t0 += KB) {
             uint16_t *y[KB];
             for (int t = 0; t < KB; t++) {  /* rows past T: zeros, not stored */
                 y[t] = t0 + t < j->T ? j->y + (t0 + t) * j->ys + h * j->yh : NULL;
                 for (int d = 0; d < Dn; d++)
-                    xa[t * Dn + d] = y[t] ? bf16_to_f32(j->x[(t0 + t) * j->xs + h * j->xh + d]) * s[d] : 0.f;
+                    xa[t * Dn + d] = y[t] ? bf16_to_f32(j->x[(t0 + t) * j->xs + h * j->xh + d]) : 0.f;
             }
             int c = 0;
 #ifdef COLI_AVX512
-            for (; c + 64 <= R; c += 64) {
+            for (; kvb_vec(j) && c + 64 <= R; c += 64) {
                 uint16_t *yc[KB];
                 for (int t = 0; t < KB; t++) yc[t] = y[t] ? y[t] + c : NULL;
-                fold_tile(xa, Dn, w + c, R, 4, yc);
+                fold_tile(j, xa, row0, c, 4, yc);
             }
-            for (; c + 16 <= R; c += 16) {
+            for (; kvb_vec(j) && c + 16 <= R; c += 16) {
                 uint16_t *yc[KB];
                 for (int t = 0; t < KB; t++) yc[t] = y[t] ? y[t] + c : NULL;
-                fold_tile(xa, Dn, w + c, R, 1, yc);
+                fold_tile(j, xa, row0, c, 1, yc);
             }
 #endif
             for (; c < R; c++)
                 for (int t = 0; t < KB && y[t]; t++) {
                     float a = 0.f;
-                    for (int d = 0; d < Dn; d++) a = fmaf(xa[t * Dn + d], (float)w[(long)d * R + c], a);
+                    for (int d = 0; d < Dn; d++) a = fmaf(xa[t * Dn + d], kvb_w(j, row0 + d, c), a);
                     y[t][c] = f32_to_bf16(a);
                 }
         }
@@ -138,26 +160,24 @@ static void unfold_part(void *p, int id, int n) {
         for (int t0 = 0; t0 < j->T; t0 += KB)
             for (int v0 = 0; v0 < Dv; v0 += KB) {
                 const uint16_t *x[KB];
-                const int8_t *w = j->q + (v_row + v0) * R;
                 int nt = j->T - t0 < KB ? j->T - t0 : KB, nv = Dv - v0 < KB ? Dv - v0 : KB;
                 for (int t = 0; t < KB; t++) x[t] = j->x + (t0 + (t < nt ? t : 0)) * j->xs + h * j->xh;
                 float out[KB * KB];
 #ifdef COLI_AVX512
-                if (nv == KB && R % 16 == 0) {
-                    unfold_tile(x, w, R, R, out);
+                if (nv == KB && R % 16 == 0 && kvb_vec(j)) {
+                    unfold_tile(j, x, v_row + v0, out);
                 } else
 #endif
                 {
                     for (int t = 0; t < KB; t++)
-                        for (int v = 0; v < KB; v++) {
+                        for (int v = 0; v < nv; v++) {
                             float a = 0.f;
-                            for (int r = 0; v < nv && r < R; r++) a = fmaf(bf16_to_f32(x[t][r]), (float)w[(long)v * R + r], a);
+                            for (int r = 0; r < R; r++) a = fmaf(bf16_to_f32(x[t][r]), kvb_w(j, v_row + v0 + v, r), a);
                             out[t * KB + v] = a;
                         }
                 }
                 for (int t = 0; t < nt; t++)
-                    for (int v = 0; v < nv; v++)
-                        j->y[(t0 + t) * j->ys + h * j->yh + v0 + v] = f32_to_bf16(out[t * KB + v] * j->s[v_row + v0 + v]);
+                    for (int v = 0; v < nv; v++) j->y[(t0 + t) * j->ys + h * j->yh + v0 + v] = f32_to_bf16(out[t * KB + v]);
             }
     }
 }
@@ -210,7 +230,7 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
             rope_head(q + t * nq + (long)hh * Dq + Dn, Dr, L->interleaved, cs + (long)t * Dr, sn + (long)t * Dr,
                       qf + ((long)t * H + hh) * W + R);
     }
-    kvb_job fold = {q, L->kvb_q, L->kvb_s, qf, T, H, Dn, Dv, R, nq, Dq, (long)H * W, W, 0};
+    kvb_job fold = {q, L->kvb, L->kvb_scheme, L->kvb_group, qf, T, H, Dn, Dv, R, nq, Dq, (long)H * W, W, 0};
     PROF(P_ROPE_KV, coli_parallel(fold_part, &fold, n_threads_for((long)H * Dn * R)));  /* qf[t][h][:R] */
     if (fold.failed) {
         rc = -2;
@@ -227,7 +247,7 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         PROF(P_ATTN, rc = coli_mla_attn(T, qf, H, W, R, kb, S, L->scale, ctx));
         if (rc) goto done;
     }
-    kvb_job unfold = {ctx, L->kvb_q, L->kvb_s, av, T, H, Dn, Dv, R, (long)H * R, R, (long)H * Dv, Dv, 0};
+    kvb_job unfold = {ctx, L->kvb, L->kvb_scheme, L->kvb_group, av, T, H, Dn, Dv, R, (long)H * R, R, (long)H * Dv, Dv, 0};
     PROF(P_O, coli_parallel(unfold_part, &unfold, n_threads_for((long)H * Dv * R)));  /* av[t][h] */
     if (unfold.failed) {
         rc = -2;

@@ -18,7 +18,8 @@ class MlaLayer(ctypes.Structure):
         + [(n, ctypes.c_void_p) for n in ("in_w", "post_w", "qa_w", "kva_w")] \
         + [(n, ctypes.c_float) for n in ("in_eps", "post_eps", "lora_eps")] \
         + [("interleaved", ctypes.c_int), ("scale", ctypes.c_float)] \
-        + [(n, ctypes.c_void_p) for n in ("kvb_q", "kvb_s", "bqa", "bkva", "bo")]
+        + [("kvb", native.QW), ("kvb_scheme", ctypes.c_int), ("kvb_group", ctypes.c_int)] \
+        + [(n, ctypes.c_void_p) for n in ("bqa", "bkva", "bo")]
 
 
 _declared = False

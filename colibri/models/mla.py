@@ -216,12 +216,12 @@ class MLAttention(nn.Module):
         norms = [in_norm, post_norm, self.kv_a_layernorm] + ([self.q_a_layernorm] if lora else [])
         if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None
-        kvb = self.kv_b_int8()
-        if kvb is None:
+        kvb = self.kv_b_proj  # (read as stored, int8 or int4: kernels/mla.c)
+        if getattr(kvb, "path", None) != "native":
             return None
         qa = self.q_a_proj if lora else self.q_proj
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        layer = native_mla.MlaLayer(
+        return native_mla.MlaLayer(
             a.hidden, a.heads, a.q_lora_rank or 0, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
             a.v_head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
             native.QW(*native.qw(qa)), native.QW(*native.qw(self.q_b_proj)) if lora else native.QW(),
@@ -229,25 +229,8 @@ class MLAttention(nn.Module):
             in_norm.weight.data_ptr(), post_norm.weight.data_ptr(),
             self.q_a_layernorm.weight.data_ptr() if lora else None, self.kv_a_layernorm.weight.data_ptr(),
             in_norm.eps, post_norm.eps, LORA_NORM_EPS, int(self.rope.interleaved), self.scale,
-            kvb[0].data_ptr(), kvb[1].data_ptr(), ptr(qa.bias),
+            native.QW(*native.qw(kvb)), 8 if kvb.scheme == "int8" else 4, kvb.group_size, ptr(qa.bias),
             ptr(self.kv_a_proj_with_mqa.bias), ptr(self.o_proj.bias))
-        layer.keep = kvb  # (alive while the layer is)
-        return layer
-
-    def kv_b_int8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """kv_b_proj as the native block reads it: int8 rows [H * (Dn + Dv), R] and their f32 scales [rows] --
-        an int8 container's own tensors; an int4 one's rows requantized once to int8 per row (one more rounding,
-        at most half a step of 1/127 of the row's largest weight: docs/QUANT.md); None for other weights."""
-        m = self.kv_b_proj
-        if getattr(m, "scheme", None) == "int8" and getattr(m, "path", None) == "native":
-            q, s = m.qweight, m.scale
-            ok = q.dtype == torch.int8 and s.dtype == torch.float32 and q.is_contiguous() and s.is_contiguous()
-            return (q, s) if ok and q.device.type == "cpu" else None
-        if getattr(m, "scheme", None) != "int4" or getattr(m, "path", None) != "native":
-            return None
-        w = m.dequantized_weight().float()  # [rows, R]
-        s = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        return torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), s.contiguous()
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)
