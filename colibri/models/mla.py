@@ -213,6 +213,8 @@ class MLAttention(nn.Module):
                    and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and native.bias_ok(p)
                    for p in projs) or (lora and self.q_b_proj.bias is not None) or self.kv_b_proj.bias is not None:
             return None
+        if a.qk_rope_head_dim % 2 or a.qk_rope_head_dim > 512:  # (mla.c's rope: pairs, a 512-wide scratch)
+            return None
         norms = [in_norm, post_norm, self.kv_a_layernorm] + ([self.q_a_layernorm] if lora else [])
         if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None

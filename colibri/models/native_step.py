@@ -1,6 +1,6 @@
 """All decoder blocks of a step in one native call (colibri/kernels/step.c), where every layer would take
 the fused native blocks anyway: bf16 attention (`Attention.fused`, q/k/v/o biases included; or DeepSeek's
-MLA, `MLAttention.fused`, on the steps whose every sequence takes its absorbed form) then a resident
+MLA, `MLAttention.fused`, on the steps whose every sequence takes its native block) then a resident
 routed-expert layer (`SparseMoE.fused`, with its shared expert) or a dense MLP (`native_mlp`); and, where
 the model's ends take native calls too (bf16 embedding, f32 final norm,
 a native quantized head), the whole step from token ids to logits (`run_step`). Same kernels, same order,
