@@ -318,9 +318,10 @@ static void mla_heads(const mla_job *j, int t, int h0, int nh, float *sc, float 
             const float *p = sc + (long)h * S + b;
             float *o = of + (long)h * R;
             c = 0;
-#if defined(COLI_AVX512) && defined(__AVX512BF16__)
+#if defined(COLI_AVX512) && defined(__AVX512BF16__) && !defined(MLA_VALUES_F32)
             /* two positions per vdpbf16ps, their weights rounded to bf16 (as torch's bf16 product of the
              * probabilities and the latents), sums in f32: half the instructions of widening each value
+             * (-DMLA_VALUES_F32 via COLIBRI_NATIVE_CFLAGS: the widening path below, for A/B runs)
              * (the values were 2/3 of the attention of a 128-head layer at 4096 positions) */
             uint32_t pp[8];
             for (int s = 0; s < 16; s += 2)
