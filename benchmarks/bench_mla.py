@@ -2,13 +2,16 @@
 
     .venv/bin/python benchmarks/bench_mla.py [--shape v2-lite|v3] [--threads 2] [--ctx 512 2048]
         [--prefill 128 512] [--quant int8|int4|bf16|f32]
+    .venv/bin/python benchmarks/bench_mla.py --kernel [--shape v3] [--ctx 512 2048 4096]
 
 Decode: one new token over a cache already holding ctx-1 tokens (the whole attention
 module: projections, RoPE, cache write, attention, o_proj). Prefill: T tokens from an
 empty cache. Columns: "native", the native block (kernels/mla.c: the absorbed form, with the input
 and post-attention norms and the residual; int8/int4 weights at bf16 only), and torch's "absorbed" and
 "expanded" forms. KV bytes per token per layer compare the latent cache with the K/V an ordinary
-attention cache would hold.
+attention cache would hold. `--kernel`: the block's attention alone for one decode row, heads in groups
+sharing each pass over the latent cache (`coli_mla_attn`) against the ordinary attention kernel with one
+kv head (`coli_attn_rows`: each head its own pass, as the block first did), microseconds.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from colibri.kernels import native, native_mla
 from colibri.models.batch import LayerKV
 from colibri.models.layers import Linear, RMSNorm
 from colibri.models.mla import MLAArgs, MLAttention
@@ -69,6 +73,24 @@ def build(shape: str, scheme: str, dtype: torch.dtype) -> MLAttention:
     return attn
 
 
+def kernel(args: argparse.Namespace) -> None:
+    """--kernel: one decode row's attention over the latent cache, grouped heads vs one pass per head."""
+    H, _, R, _, Dr, _, _ = SHAPES[args.shape]
+    W, gen = R + Dr, torch.Generator().manual_seed(2)
+    print(f"{args.shape}: {H} heads over a latent cache of {W} channels (values {R}), best-of us per call, "
+          f"threads {args.threads}; load {os.getloadavg()[0]:.2f}")
+    print(f"{'positions':>10} {'grouped':>10} {'per head':>10} {'ratio':>7}")
+    for S in args.ctx:
+        q = torch.randn(1, H, W, generator=gen).bfloat16()
+        kv = torch.randn(S, W, generator=gen).bfloat16()
+        grouped = _best_ms(lambda q=q, kv=kv, S=S: native_mla.mla_attn(q, [kv], [S], R, 0.1), args.iters,
+                           args.min_s) * 1e3
+        per_head = _best_ms(lambda q=q, kv=kv, S=S: native.attn_rows(q, [kv[None]], [kv[None]], [S], 0.1),
+                            args.iters, args.min_s) * 1e3
+        print(f"{S:10d} {grouped:10.0f} {per_head:10.0f} {per_head / grouped:7.2f}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
 def kv_bytes_per_token(shape: str, itemsize: int) -> tuple[int, int]:
     H, _, R, Dn, Dr, Dv, _ = SHAPES[shape]
     return (R + Dr) * itemsize, H * (Dn + Dr + Dv) * itemsize
@@ -84,8 +106,12 @@ def main() -> None:
     ap.add_argument("--quant", choices=["bf16", "f32", "int8", "int4"], default="int8", help="projection weights")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--min-s", type=float, default=0.5)
+    ap.add_argument("--kernel", action="store_true", help="time the attention kernel alone (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kernel:
+        kernel(args)
+        return
     dtype = torch.float32 if args.quant == "f32" else torch.bfloat16
     attn = build(args.shape, args.quant, dtype)
     hidden = attn.a.hidden
