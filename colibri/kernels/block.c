@@ -21,11 +21,6 @@ static void clamp_bf16(uint16_t *x, long n, float c) {
  * cos/sin f32 [T, rot] the rows' rotary tables. Writes each row's key and value at its position,
  * then (all rows' keys written: a prompt chunk's rows see their predecessors) h_out = h + attn(h)
  * and x_out = post_norm(h_out), both bf16 [T, hidden]. Returns 0, -1 (T out of range), -2 (memory). */
-/* Each of T rows of x [T, n] bf16 += b [n] bf16 (none when b is NULL), in place. */
-static void add_rows(uint16_t *x, const uint16_t *b, int T, long n) {
-    if (b)
-        for (int t = 0; t < T; t++) add_bf16(x + t * n, b, n, x + t * n);
-}
 
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {

@@ -214,6 +214,13 @@ static inline void add_bf16(const uint16_t *a, const uint16_t *b, long n, uint16
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
 
+/* Each of T rows of x [T, n] bf16 += b [n] bf16 (none when b is NULL), in place: a projection's bias, added
+ * as QLinear's own `y + bias` (block.c, mla.c). */
+static inline void add_rows(uint16_t *x, const uint16_t *b, int T, long n) {
+    if (b)
+        for (int t = 0; t < T; t++) add_bf16(x + t * n, b, n, x + t * n);
+}
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);

@@ -182,11 +182,6 @@ static void unfold_part(void *p, int id, int n) {
     }
 }
 
-static void add_bias(uint16_t *x, const uint16_t *b, int T, long n, long stride) {
-    if (b)
-        for (int t = 0; t < T; t++) add_bf16(x + t * stride, b, n, x + t * stride);
-}
-
 /* T rows of bf16 hidden states h [T, hidden]; row t sits at position pos[t] of the sequence whose latent
  * cache for this layer is cache[t] (bf16 [ctx, R + Dr]: the normed latent, then the rotated rope key);
  * cos/sin f32 [T, Dr]. Writes each row's latent at its position, then (all rows written: a prompt chunk's
@@ -212,8 +207,8 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         void *y[2] = {ql ? qa : q, kva};
         PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 2, w, N, y));
         if (rc) goto done;
-        add_bias(ql ? qa : q, L->bqa, T, ql ? ql : nq, ql ? ql : nq);
-        add_bias(kva, L->bkva, T, W, W);
+        add_rows(ql ? qa : q, L->bqa, T, ql ? ql : nq);
+        add_rows(kva, L->bkva, T, W);
     }
     if (ql) {
         coli_rmsnorm(qa, 1, T, ql, L->qa_w, L->lora_eps, qan);
@@ -257,7 +252,7 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         void *y = o;
         PROF(P_O, rc = coli_multi_gemm(av, 1, T, H * Dv, L->scheme, L->group, 1, &L->wo, &Hd, &y));
         if (rc) goto done;
-        add_bias(o, L->bo, T, Hd, Hd);
+        add_rows(o, L->bo, T, Hd);
     }
     add_bf16((const uint16_t *)h, o, (long)T * Hd, (uint16_t *)h_out);
     PROF(P_RMS_POST, coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out));

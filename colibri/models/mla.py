@@ -241,8 +241,9 @@ class MLAttention(nn.Module):
     def native_form(self, T: int, S: int) -> bool:
         """Whether a sequence's T rows (S positions with them) take the native block: in "auto", every call of
         up to MOE_MAX_ROWS rows -- a prompt's rows then get the bits they get one at a time, whether a cached
-        prefix or a batch cut them into other pieces (the absorbed form costs no more there, measured) --
-        and longer ones where the absorbed form has fewer multiply-adds; "absorbed" always, "expanded" never."""
+        prefix or a batch cut them into other pieces (on chunks of 8-64 rows torch's faster form takes 0.88-1.59x
+        the block's time, benchmarks/bench_mla.py) -- and longer ones where the absorbed form has fewer
+        multiply-adds; "absorbed" always, "expanded" never."""
         if self.mode == "auto" and T <= native.MOE_MAX_ROWS:
             return True
         return self._use_absorbed(T, S)
