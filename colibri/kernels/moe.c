@@ -51,7 +51,7 @@ static void moe_part(void *p, int id, int n) {
 
 /* Row r of a layer's sorted rows (in the run [a, b) of one expert) prepared for the kernels: int4
  * rows are prepared within their expert's run (the VNNI layout interleaves the rows of each block of 8
- * the kernels take from the run's first row, rows.h q4v_prep), int8 rows alone. */
+ * the kernels take from the run's first row, rows_q4.h q4v_prep), int8 rows alone. */
 static void prep_row(int scheme, int bfm, const float *x, int a, int b, int r, int K, int g, float *xp, float *xs) {
     if (scheme == 4) {
 #ifdef COLI_Q4V
