@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import colibri
+from colibri.engine.sampling import kept
 from colibri.errors import ColibriError
 from colibri.generate import apply_repetition_penalty, make_sampler
 from colibri.tokenizer import StreamDecoder
@@ -45,6 +46,64 @@ def test_temperature_sampling_follows_the_distribution():
     s = make_sampler(1.0, generator=g)
     counts = torch.bincount(torch.tensor([s(logits) for _ in range(3000)]), minlength=3).float() / 3000
     assert torch.allclose(counts, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def _reference_kept(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> dict[int, float]:
+    """The cuts as a full sort computes them: {token: probability} of the tokens that may be picked."""
+    order = torch.argsort(z.double(), descending=True)
+    p = torch.softmax(z.double()[order], 0)
+    if top_k:
+        order, p = order[:top_k], p[:top_k] / p[:top_k].sum()
+    n = len(p)
+    if top_p < 1.0:
+        n = 1 + int((torch.cumsum(p, 0)[:-1] < top_p).sum())
+    if min_p > 0.0:
+        n = min(n, int((p >= min_p * p[0]).sum()))
+    q = p[:n] / p[:n].sum()
+    return dict(zip(order[:n].tolist(), q.tolist()))
+
+
+@pytest.mark.parametrize("V", [50, 5000, 40000])
+def test_kept_tokens_match_a_full_sort(V):
+    """The sampler's candidates (a top-64, grown as needed) keep exactly what sorting the whole vocabulary
+    keeps, with the same probabilities: peaked and flat rows, masked tokens, every cut and mix of cuts."""
+    g = torch.Generator().manual_seed(V)
+    for scale in (0.5, 3.0, 12.0):  # flat (the nucleus needs thousands of tokens) to peaked
+        z = torch.randn(V, generator=g) * scale
+        z[torch.randperm(V, generator=g)[: V // 10]] = float("-inf")  # a grammar's or a bias's bans
+        for top_k, top_p, min_p in [(0, 0.9, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.05), (40, 1.0, 0.0), (40, 0.95, 0.05),
+                                    (0, 0.95, 0.01), (7, 0.6, 0.0), (0, 0.999, 0.0)]:
+            want = _reference_kept(z, top_k, top_p, min_p)
+            ids, p = kept(z.clone(), top_k, top_p, min_p)
+            assert ids is not None
+            got = dict(zip(ids.tolist(), (p.double() / p.double().sum()).tolist()))
+            # the same set, but for rounding at the very edge of a cut (f32 vs the reference's f64 sums)
+            edge = set(got) ^ set(want)
+            assert len(edge) <= 3 and sum(want.get(i, got.get(i)) for i in edge) < 1e-4, (scale, top_k, top_p, min_p)
+            assert all(abs(got[i] - want[i]) < 1e-4 for i in set(got) & set(want))
+    ids, w = kept(torch.zeros(V))  # temperature alone: every token, in vocabulary order
+    assert ids is None and w.shape == (V,)
+
+
+def test_long_rows_are_drawn_by_blocks_with_the_right_frequencies():
+    """Rows past 4096 tokens are drawn through block sums (sampling._draw): the frequencies still follow
+    the distribution, across blocks and inside the last, partial one."""
+    V = 20_000
+    p = torch.full((V,), 0.3 / (V - 4))  # a flat tail holding 0.3
+    heavy = {17: 0.3, 5000: 0.2, 13_000: 0.1, V - 1: 0.1}  # in different blocks; the last in the partial one
+    for i, v in heavy.items():
+        p[i] = v
+    s = make_sampler(1.0, generator=torch.Generator().manual_seed(5))
+    picks = torch.tensor([s(p.log()) for _ in range(4000)])
+    for i, v in heavy.items():
+        assert abs(float((picks == i).float().mean()) - v) < 0.03, i
+    assert abs(float((~torch.isin(picks, torch.tensor(list(heavy)))).float().mean()) - 0.3) < 0.03
+
+
+def test_sampling_impossible_rows_raise():
+    s = make_sampler(1.0, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="cannot sample"):
+        s(torch.full((10,), float("nan")))
 
 
 def test_repetition_penalty_matches_transformers_rule():
