@@ -9,6 +9,7 @@ import colibri
 from colibri.engine.sampling import kept
 from colibri.errors import ColibriError
 from colibri.generate import apply_repetition_penalty, make_sampler
+from colibri.kernels import native, native_sample
 from colibri.tokenizer import StreamDecoder
 
 
@@ -83,6 +84,35 @@ def test_kept_tokens_match_a_full_sort(V):
             assert all(abs(got[i] - want[i]) < 1e-4 for i in set(got) & set(want))
     ids, w = kept(torch.zeros(V))  # temperature alone: every token, in vocabulary order
     assert ids is None and w.shape == (V,)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no compiler or no AVX-512)")
+@pytest.mark.parametrize("V", [50, 5000, 40000])
+def test_native_sampler_picks_what_the_rule_picks(V):
+    """kernels/sample.c (every sampled pick where the kernels load) against the rule in Python (`kept`, the
+    inverse CDF at the same uniform): the same token for every u but where u falls within rounding of the
+    boundary between two tokens' spans."""
+    g = torch.Generator().manual_seed(V + 1)
+    us = torch.rand(400, dtype=torch.float64, generator=g).tolist()
+    for scale in (0.5, 3.0, 12.0):
+        x = torch.randn(V, generator=g) * scale
+        x[torch.randperm(V, generator=g)[: V // 10]] = float("-inf")
+        for t, top_k, top_p, min_p in [(0.8, 0, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.3, 0, 0.5, 0.0), (0.7, 0, 1.0, 0.05),
+                                       (0.8, 40, 1.0, 0.0), (0.8, 40, 0.95, 0.05), (1.0, 0, 0.95, 0.01),
+                                       (0.5, 7, 0.6, 0.0)]:
+            ids, p = kept(x / t, top_k, top_p, min_p)
+            ids = torch.arange(V) if ids is None else ids
+            cum = torch.cumsum(p.double(), 0) / p.double().sum()
+            off = 0
+            for u in us:
+                want = int(ids[min(int(torch.searchsorted(cum, torch.tensor([u], dtype=torch.float64),
+                                                          right=True)), len(ids) - 1)])
+                if native_sample.sample(x, t, top_k, top_p, min_p, u) != want:
+                    assert float((cum - u).abs().min()) < 5e-5, (scale, t, top_k, top_p, min_p, u)
+                    off += 1
+            assert off <= len(us) // 50, (scale, t, top_k, top_p, min_p, off)
+    with pytest.raises(ValueError, match="cannot sample"):
+        native_sample.sample(torch.full((V,), float("-inf")), 1.0, 0, 0.9, 0.0, 0.5)
 
 
 def test_long_rows_are_drawn_by_blocks_with_the_right_frequencies():

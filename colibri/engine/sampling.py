@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels import native, native_sample
 from .request import SamplingParams
 
 Processor = Callable[[torch.Tensor], torch.Tensor]  # logits [V] -> logits [V]
@@ -57,32 +58,31 @@ def _nucleus(z: torch.Tensor, top_p: float, min_p: float) -> tuple[torch.Tensor,
         k = min(k * 8, m)
 
 
-def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Index i with probability p[i] / sum(p) (p [n] >= 0, unnormalized): one uniform of the request's
-    generator against the cumulative sum, in f64 (torch.multinomial cost 0.9 ms at 32k tokens). A long
-    p goes by blocks: block sums, then one block's cumulative sum (an f64 cumsum of 152k values took
-    1.2 ms)."""
+def _draw(p: torch.Tensor, u: float) -> int:
+    """Index i with probability p[i] / sum(p) (p [n] >= 0, unnormalized) for a uniform u in [0, 1): u
+    against the cumulative sum, in f64 (torch.multinomial cost 0.9 ms at 32k tokens). A long p goes by
+    blocks: block sums, then one block's cumulative sum (an f64 cumsum of 152k values took 1.2 ms)."""
     n = len(p)
     if n > _BLOCK * 4:
         full = n // _BLOCK * _BLOCK
         blocks = p[:full].view(-1, _BLOCK).sum(1)  # [n / 1024] (f32 sums of 1024 values each)
         if full < n:
             blocks = torch.cat([blocks, p[full:].sum().reshape(1)])
-        b, r = _pick(blocks, generator)  # block b, and how far into it the uniform fell
+        b, r = _pick(blocks, u)  # block b, and how far into it the uniform fell
         return b * _BLOCK + _locate(p[b * _BLOCK:(b + 1) * _BLOCK], r)
-    return _pick(p, generator)[0]
+    return _pick(p, u)[0]
 
 
 _BLOCK = 1024
 
 
-def _pick(p: torch.Tensor, generator: torch.Generator | None) -> tuple[int, float]:
-    """(i, how much of p[i] lies below the draw) for one uniform draw against p's cumulative sum."""
+def _pick(p: torch.Tensor, u: float) -> tuple[int, float]:
+    """(i, how much of p[i] lies below the draw) for the uniform u against p's cumulative sum."""
     cum = torch.cumsum(p, 0, dtype=torch.float64)  # [n]
     total = float(cum[-1])
     if not total > 0.0 or math.isinf(total):
         raise ValueError(f"cannot sample: the probabilities sum to {total} (NaN or infinite logits?)")
-    r = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
+    r = u * total
     i = int(torch.searchsorted(cum, torch.tensor([r], dtype=torch.float64), right=True))
     while i > 0 and (i >= len(p) or p[i] == 0):  # never a zero-probability entry (r at the very top)
         i -= 1
@@ -126,16 +126,29 @@ def kept(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  generator: torch.Generator | None = None, min_p: float = 0.0) -> Callable[[torch.Tensor], int]:
     """logits [V] (f32) -> token id. temperature 0 is greedy; else logits / temperature, the cuts of
-    `kept`, and one uniform of `generator` per token."""
+    `kept`, and one uniform of `generator` (`uniform`) per token, drawn by the native kernel where it is
+    loaded (kernels/sample.c: the same rule; the engine's multi-step native runs use it too) or here."""
     if temperature <= 0:
         return greedy
 
     def sample(logits: torch.Tensor) -> int:
-        ids, p = kept(logits.float() / temperature, top_k, top_p, min_p)
-        i = _draw(p, generator)
-        return i if ids is None else int(ids[i])
+        return sample_with(logits, temperature, top_k, top_p, min_p, uniform(generator))
 
     return sample
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    """The request's next uniform in [0, 1): one per sampled token, wherever it is sampled."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+
+def sample_with(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """The token for logits [V] and the uniform u (see make_sampler)."""
+    if logits.device.type == "cpu" and native.available():
+        return native_sample.sample(logits.float().contiguous(), temperature, top_k, top_p, min_p, u)
+    ids, p = kept(logits.float() / temperature, top_k, top_p, min_p)
+    i = _draw(p, u)
+    return i if ids is None else int(ids[i])
 
 
 class TokenPicker:
