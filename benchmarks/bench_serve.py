@@ -7,7 +7,8 @@ Same checkpoint and converters as bench_vs_llamacpp.py (int8 .coli vs Q8_0 GGUF,
 llama.cpp built from the llama-cpp-python sdist by benchmarks/llamacpp.py). Each server runs
 alone on a free 127.0.0.1 port with as many slots as the largest client count (`--slots N` /
 `-np N`), gets one warm-up request, then for each N in --clients receives N concurrent streaming
-/v1/chat/completions requests (official openai client, greedy, --tokens tokens each,
+/v1/chat/completions requests (official openai client, greedy or `--sample T P K` = temperature T, top_p P,
+top_k K with a seed per request, --tokens tokens each,
 `ignore_eos` so every request generates them all) and is stopped. Printed per N and server:
 aggregate tok/s (all completion tokens / wall time from the first request sent to the last
 token), TTFT p50/p95, inter-token latency p50/p95 (gaps between streamed token chunks, empty ones
@@ -128,13 +129,18 @@ def _group(pgid: int) -> list[int]:
     return out
 
 
-async def one_request(client, model: str, prompt: str, tokens: int) -> dict:
+SAMPLE: dict = {"temperature": 0}  # --sample: temperature, top_p, extra_body top_k (and a seed per request)
+
+
+async def one_request(client, model: str, prompt: str, tokens: int, seed: int) -> dict:
     """One streamed chat completion: send time, token arrival times, completion tokens."""
     t0 = time.perf_counter()
     times, usage = [], None
+    kw = dict(SAMPLE)
+    extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens, seed=seed,
+        stream=True, stream_options={"include_usage": True}, extra_body=extra, **kw)
     async for chunk in stream:
         c = chunk.choices[0] if chunk.choices else None
         # A token's chunk: content, even empty (colibri sends one per token while a character or a
@@ -161,7 +167,8 @@ async def burst(base: str, n: int, tokens: int) -> list[dict]:
     _sent += n
     async with AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
         model = (await client.models.list()).data[0].id  # the id each server gives its model
-        return await asyncio.gather(*(one_request(client, model, p, tokens) for p in prompts))
+        return await asyncio.gather(*(one_request(client, model, p, tokens, _sent - n + i)
+                                      for i, p in enumerate(prompts)))
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -204,12 +211,16 @@ def main() -> None:
     ap.add_argument("--scheme", choices=sorted(GGUF_TYPE), default="int8")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
+    ap.add_argument("--sample", type=float, nargs=3, metavar=("T", "P", "K"), default=None,
+                    help="sample with temperature T, top_p P, top_k K (0: off) instead of greedy")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx-per-slot", type=int, default=256)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/colibri-bench"))
     ap.add_argument("--memcap", default=None, help="run each server inside `memcap MEMCAP`, cold page cache")
     ap.add_argument("--mem-budget", default=None, help="colibri --mem-budget under --memcap (default per scheme)")
     a = ap.parse_args()
+    if a.sample:
+        SAMPLE.update(temperature=a.sample[0], top_p=a.sample[1], extra_body={"top_k": int(a.sample[2])})
     if a.memcap and shared_tools() is None:
         raise SystemExit(f"--memcap: no memcap/evict in {TOOLS}")
     cache = a.workdir / "llamacpp"
@@ -233,8 +244,10 @@ def main() -> None:
         results[name] = bench_server(Server(name, make(port), port, log, a.memcap), a.clients, a.tokens)
     cname, lname = list(results)
     where = f"memcap {a.memcap}, cold page cache" if a.memcap else "in RAM"
+    how = f"sampled (temperature {a.sample[0]:g}, top_p {a.sample[1]:g}, top_k {a.sample[2]:g})" if a.sample \
+        else "greedy"
     print(f"shape {a.shape}, {a.scheme} vs {GGUF_TYPE[a.scheme].upper()}, {where}; {a.threads} threads, {slots} "
-          f"slots each, {a.tokens} tokens per request, streaming chat completions, greedy, ignore_eos")
+          f"slots each, {a.tokens} tokens per request, streaming chat completions, {how}, ignore_eos")
     print(f"{'N':>3} {'server':<20}{'agg tok/s':>10}{'TTFT p50':>10}{'p95':>8}{'ITL p50':>9}{'p95':>8}"
           f"{'req tok/s':>10}{'load':>6}")
     for n in a.clients:

@@ -77,7 +77,7 @@ class Engine:
       of its prompt (a chat's earlier turns) and computes only the rest. Off while a route trace
       or the debug routing log runs (they need every token's routing).
     - `route_trace`: path of a routing trace to append to (docs/ROUTING.md).
-    - `decode_run_ms`: plain-greedy requests (no sampling, penalties or log-probs) decode up to this
+    - `decode_run_ms`: requests without penalties, biases, grammars or log-probs decode up to this
       long per native call, their tokens handed out a run at a time (docs/DESIGN.md "Native runs");
       0 hands out every token as it is made. Default (None) 20.
 

@@ -74,14 +74,14 @@ def test_native_runs_give_the_tokens_of_single_steps(ckpt, monkeypatch, model_ty
 
 
 def test_requests_that_need_each_steps_logits_take_single_steps(ckpt, monkeypatch) -> None:
-    """Sampling, log-probs, penalties and logit biases need the logits of every step in Python: such a
-    request never takes a native run; nor does one with another request beside it."""
+    """Log-probs, penalties and logit biases need the logits of every step in Python: such a request never
+    takes a native run, sampled or greedy; two greedy requests run together."""
     import colibri
 
     llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, slots=2, threads=2)
     try:
-        for kw in ({"temperature": 0.8, "seed": 1}, {"logprobs": 2}, {"repeat_penalty": 1.3},
-                   {"logit_bias": {5: 2.0}}, {"frequency_penalty": 0.5}):
+        for kw in ({"logprobs": 2}, {"repeat_penalty": 1.3}, {"logit_bias": {5: 2.0}}, {"frequency_penalty": 0.5},
+                   {"temperature": 0.8, "seed": 1, "presence_penalty": 0.5}):
             with monkeypatch.context() as mp:
                 mp.setattr(runner, "RUN_S", 10.0)
                 runs = _spy_runs(mp)
@@ -171,3 +171,44 @@ def test_decode_run_ms_sets_the_run_length(ckpt, monkeypatch) -> None:
         finally:
             llm.close()
         assert bool(runs) == runs_expected, ms
+
+
+def test_sampled_requests_run_natively_with_the_tokens_of_single_steps(ckpt, monkeypatch) -> None:
+    """Sampling without processors takes native runs (kernels/sample.c picks in C with the uniforms of the
+    request's next tokens, engine/sampling.stream): each seeded request gets the tokens it gets one step at
+    a time, alone and beside others (greedy and sampled rows in one run), with every cut, and a stop met
+    inside a run ends it there."""
+    import colibri
+
+    # (this random model's distributions are sharp: high temperatures make the cuts matter)
+    settings = [{"temperature": 4.0, "seed": 3}, {"temperature": 5.0, "top_k": 20, "seed": 4},
+                {"temperature": 4.0, "top_p": 0.9, "min_p": 0.02, "seed": 5}, {"temperature": 0.0}]
+    llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=64, slots=4, threads=2, cache_prompt=False)
+
+    def go(run_s: float, together: bool, stop: tuple[int, ...] = ()) -> tuple[list, list[int]]:
+        with monkeypatch.context() as mp:
+            mp.setattr(runner, "RUN_S", run_s)
+            runs = _spy_runs(mp)
+            if together:
+                hs = [llm.submit(PROMPT, max_tokens=30, ignore_eos=True, stop_ids=stop, **kw) for kw in settings]
+                out = [(h.wait(), h.finish_reason) for h in hs]
+            else:
+                out = [(h.wait(), h.finish_reason) for h in
+                       (llm.submit(PROMPT, max_tokens=30, ignore_eos=True, stop_ids=stop, **kw) for kw in settings)]
+        return out, runs
+
+    try:
+        go(0.0, True)  # times the thread counts for 4 rows and for 1 (their exploring steps stay single)
+        go(0.0, False)
+        ref, runs = go(0.0, False)
+        assert runs == [] and all(why == "length" and len(t) == 30 for t, why in ref)
+        assert len({tuple(t) for t, _ in ref}) == 4  # the settings give four different texts
+        for together in (False, True):
+            got, runs = go(10.0, together)
+            assert got == ref and runs and max(runs) > 1, together
+        stop = ref[2][0][10]
+        first = ref[2][0].index(stop)
+        got, runs = go(10.0, False, (stop,))
+        assert got[2] == (ref[2][0][:first], "stop") and runs
+    finally:
+        llm.close()

@@ -136,6 +136,18 @@ def test_sampling_impossible_rows_raise():
         s(torch.full((10,), float("nan")))
 
 
+def test_a_requests_uniforms_are_a_stream_by_token_index():
+    """engine/sampling.stream: token j's uniform is the same taken alone or among a run's, in [0, 1),
+    spread evenly, and another seed gives another stream."""
+    from colibri.engine.sampling import stream
+
+    run = stream(7, 0, 2000)
+    assert run[:50] == [stream(7, j, 1)[0] for j in range(50)] and run[100:120] == stream(7, 100, 20)
+    assert all(0.0 <= u < 1.0 for u in run) and abs(sum(run) / len(run) - 0.5) < 0.02
+    assert torch.histc(torch.tensor(run), bins=10, min=0, max=1).min() > 150  # ~200 a tenth
+    assert stream(8, 0, 50) != run[:50] and stream(2**63 - 1, 0, 3) != stream(0, 0, 3)
+
+
 def test_repetition_penalty_matches_transformers_rule():
     logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
     out = apply_repetition_penalty(logits, torch.tensor([0, 1, 1]), 2.0)

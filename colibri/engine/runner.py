@@ -27,7 +27,7 @@ from .threads import DecodeThreads
 
 log = logging.getLogger("colibri")
 
-RUN_S = 0.02  # plain-greedy requests decode this long per native call (`Runner._run`); 0 turns it off
+RUN_S = 0.02  # requests without processors decode this long per native call (`Runner._run`); 0 turns it off
 
 
 def _ids(ids: list[int]) -> torch.Tensor:
@@ -117,28 +117,35 @@ class Runner:
             o += n_out
 
     def _run(self, chunks: list[Chunk], n_threads: int) -> bool:
-        """Decode plain-greedy requests several steps in one native call (coli_decode_run) when nothing else
-        waits and no listener watches each step: the Python of a step (scheduling, counters, the tokens'
-        hand-off) is then paid once per RUN_S of decoding instead of per step. Same kernels, same argmax,
+        """Decode requests that need nothing of a step but its token (greedy, or sampling without
+        processors or log-probs: `TokenPicker.run_spec`) several steps in one native call (coli_decode_run)
+        when nothing else waits and no listener watches each step: the Python of a step (scheduling,
+        counters, the tokens' hand-off) is then paid once per RUN_S of decoding instead of per step. Same
+        kernels, same picks (a sampled row takes the uniforms of its next tokens ahead: sampling.stream),
         same tokens and stops; the tokens reach the callers a run at a time. Whether it ran."""
         T = len(chunks)
         if self.listeners or self.sched.queue or self.decode_threads.exploring(T):
             return False
         n = max(int((RUN_S if self.run_s is None else self.run_s) / self._step_s.get(T, 1.0)), 1)
         stops: set[int] = set()
+        specs = []
         for c in chunks:
             a, h = c.a, c.a.h
-            if c.start < a.prompt_len or not c.sample or c.all_rows or not a.picker.plain_greedy:
+            spec = a.picker.run_spec
+            if c.start < a.prompt_len or not c.sample or c.all_rows or spec is None:
                 return False
+            specs.append(spec)
             n = min(n, h.max_tokens - h.stats.generated, self.sched.slots.ctx - a.fed)
             stops |= h.stop_ids if h.ignore_eos else h.stop_ids | self.eos_ids()
         if n < 2:
             return False
+        sampled = any(sp[0] > 0 for sp in specs)
         seqs = [Seq(r, r + 1, c.start, self.sched.slots.caches[c.a.slot]) for r, c in enumerate(chunks)]
         t0, bytes0 = time.perf_counter(), self._bytes_read()
         try:
-            got = native_step.run_greedy(self.model, [c.tokens[0] for c in chunks], StepBatch(seqs), n,
-                                         _ids(sorted(stops)))
+            got = native_step.run_steps(self.model, [c.tokens[0] for c in chunks], StepBatch(seqs), n,
+                                        _ids(sorted(stops)), specs if sampled else None,
+                                        [c.a.picker.uniforms(n) if sampled else [] for c in chunks])
         except BaseException as e:  # noqa: BLE001 - as in _step
             self._failed(chunks, e)
             return True

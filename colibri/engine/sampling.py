@@ -10,8 +10,10 @@ generated tokens (the transformers rule), presence/frequency penalties over the 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..kernels import native, native_sample
@@ -137,6 +139,21 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
     return sample
 
 
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def stream(seed: int, start: int, n: int) -> list[float]:
+    """Uniforms number start..start+n-1 in [0, 1) of the stream of `seed` (splitmix64 of seed + (i + 1) x
+    the golden ratio, 53 bits): counter-based, so a request's token j gets the same uniform in a single
+    step, in a native run that takes several ahead, alone or in a batch."""
+    i = np.arange(start + 1, start + n + 1, dtype=np.uint64)
+    z = np.uint64(seed) + i * _GOLDEN  # (uint64 arrays wrap around: the intended mod 2^64)
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z ^= z >> np.uint64(31)
+    return ((z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53).tolist()
+
+
 def uniform(generator: torch.Generator | None) -> float:
     """The request's next uniform in [0, 1): one per sampled token, wherever it is sampled."""
     return float(torch.rand((), dtype=torch.float64, generator=generator))
@@ -157,8 +174,15 @@ class TokenPicker:
     def __init__(self, sp: SamplingParams, prompt_ids: list[int], constraint=None):
         self.sp = sp
         self.constraint = constraint  # a grammar (engine/grammar.py): applied last, so nothing lifts its -inf
-        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-        self.sample = make_sampler(sp.temperature, sp.top_k, sp.top_p, gen, sp.min_p)
+        # The uniform of generated token j is stream(seed, j) (unseeded: a seed from the OS), not a generator's
+        # next draw: a native run takes those of its steps ahead, and nothing has to be given back.
+        self.seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+        self.taken = 0  # tokens generated so far
+        if sp.temperature > 0:
+            self.sample = lambda logits: sample_with(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                                     stream(self.seed, self.taken, 1)[0])
+        else:
+            self.sample = greedy
         self.seen = torch.tensor(prompt_ids, dtype=torch.long) if sp.repeat_penalty != 1.0 else None
         self.counts: dict[int, int] = {}  # generated token -> times (presence/frequency penalties)
         bias = sp.logit_bias or {}
@@ -191,7 +215,8 @@ class TokenPicker:
         return tok, lp, top
 
     def took(self, tok: int) -> None:
-        """Record a token picked (by `pick`, or by the native greedy loop where `plain_greedy`)."""
+        """Record a token picked (by `pick`, or by a native run where `run_spec`)."""
+        self.taken += 1
         if self.seen is not None:
             self.seen = torch.cat([self.seen, torch.tensor([tok])])
         self.counts[tok] = self.counts.get(tok, 0) + 1
@@ -199,12 +224,21 @@ class TokenPicker:
             self.constraint.accept(tok)
 
     @property
-    def plain_greedy(self) -> bool:
-        """The token is the raw logits' argmax and nothing else is asked of them (no processor, no
-        logprobs): what coli_decode_run computes itself."""
+    def run_spec(self) -> tuple[float, int, float, float] | None:
+        """(temperature, top_k, top_p, min_p) when the token depends on the raw logits and one uniform
+        alone (no processor, no log-probs): what coli_decode_run picks itself (temperature 0: the
+        argmax); else None."""
         sp = self.sp
-        return self.sample is greedy and self.bias_ids is None and self.seen is None and self.constraint is None \
-            and not sp.presence_penalty and not sp.frequency_penalty and sp.logprobs is None
+        if self.bias_ids is not None or self.seen is not None or self.constraint is not None \
+                or sp.presence_penalty or sp.frequency_penalty or sp.logprobs is not None:
+            return None
+        if self.sample is greedy:
+            return (0.0, 0, 1.0, 0.0)
+        return (sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+
+    def uniforms(self, n: int) -> list[float]:
+        """The uniforms of this request's next n sampled tokens (a native run's, taken ahead)."""
+        return stream(self.seed, self.taken, n)
 
 
 def token_logprobs(logits: torch.Tensor, tok: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:

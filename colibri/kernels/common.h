@@ -116,6 +116,8 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
                    const coli_expert_act *act);
 int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y);
+/* sample.c: one token from a logits row (temperature > 0), u in [0, 1); -1 a row it cannot sample. */
+long coli_sample(const float *x, long V, float temperature, int top_k, float top_p, float min_p, double u);
 
 /* Stage timers inside a decode step, for benchmarks/profile_decode.py --stages: compiled in only with
  * -DCOLI_PROF (COLIBRI_NATIVE_CFLAGS); PROF(stage, statement) is the statement alone otherwise. The

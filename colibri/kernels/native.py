@@ -155,7 +155,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      p, p, i, p]
     lib.coli_decode_step.restype = i
     lib.coli_decode_run.argtypes = [p, p, i, i, p, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p,
-                                    ctypes.c_long, i, p, i, p, p, p, p]
+                                    ctypes.c_long, i, p, i, p, p, p, p, p, p]
     lib.coli_decode_run.restype = i
     f = ctypes.c_float
     lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, i, p, f, p, p]
@@ -514,20 +514,30 @@ def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs:
 
 
 def decode_run(tail, tokens: list[int], attn, moe, pos0: list[int], kc, vc, ks: int, vs: int,
-               rope: tuple[int, int, int], k: int, n_steps: int, stop: torch.Tensor
+               rope: tuple[int, int, int], k: int, n_steps: int, stop: torch.Tensor,
+               sampling: list[tuple[float, int, float, float]] | None = None, uniforms: list[list[float]] | None = None
                ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """coli_decode_run: up to n_steps greedy steps of T sequences (one row each) from `tokens` at positions
+    """coli_decode_run: up to n_steps decode steps of T sequences (one row each) from `tokens` at positions
     `pos0`, ending after a step in which a row picked a token of `stop` (int64 [S], contiguous) -> (per step
-    the T tokens picked, idx, weights [n, L, T, k])."""
+    the T tokens picked, idx, weights [n, L, T, k]). A row picks the argmax, or with `sampling[t]` =
+    (temperature > 0, top_k, top_p, min_p) samples with `uniforms[t][step]` (kernels/sample.c)."""
     T, L = len(tokens), len(attn)
     idx, wts = _routes(n_steps * L, T, k)
     out = torch.empty(n_steps, T, dtype=torch.int64)
+    samp = u = None
+    if sampling is not None:
+        samp = (ctypes.c_float * (4 * T))(*(float(v) for row in sampling for v in row))
+        u = (ctypes.c_double * (n_steps * T))(*(uniforms[t][s] if sampling[t][0] > 0 else 0.0
+                                                for s in range(n_steps) for t in range(T)))
     failed = ctypes.c_int(-1)
     n = _lib.coli_decode_run(ctypes.byref(tail), (ctypes.c_int64 * T)(*tokens), T, L, attn, moe,
                              (ctypes.c_int * T)(*pos0), kc, vc, ks, vs, *rope, n_steps, stop.data_ptr(),
-                             stop.shape[0], out.data_ptr(), idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
+                             stop.shape[0], samp, u, out.data_ptr(), idx.data_ptr(), wts.data_ptr(),
+                             ctypes.byref(failed))
     if n == -6:
         raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")
+    if n == -7:
+        raise ValueError("cannot sample: the logits have a NaN or no finite value")
     if n < 1:
         raise _step_failed("coli_decode_run", n, failed)
     return out[:n].tolist(), idx[: n * L].view(n, L, T, k), wts[: n * L].view(n, L, T, k)

@@ -173,12 +173,19 @@ long coli_sample(const float *x, long V, float temperature, int top_k, float top
             return walk(ebuf, V, u * S);
         float thr = 0.f;  /* candidates: e >= thr (and > 0) */
         if (top_p < 1.f) {
-            for (int s = 0; s < (int)(sizeof STEPS / sizeof STEPS[0]); s++) {
-                float t = expf(-STEPS[s]);
-                if (t < min_p || mass_from(ebuf, V, t) >= (double)top_p * S) {
-                    thr = t;
-                    break;
+            double want = (double)top_p * S;
+            float lo = 0.f, hi = -1.f;  /* nats below the max: within lo too little mass, within hi enough */
+            for (int s = 0; s < (int)(sizeof STEPS / sizeof STEPS[0]) && hi < 0.f; s++) {
+                if (expf(-STEPS[s]) < min_p || mass_from(ebuf, V, expf(-STEPS[s])) >= want) hi = STEPS[s];
+                else lo = STEPS[s];
+            }
+            if (hi > 0.f) {
+                for (int it = 0; it < 4; it++) {  /* halve [lo, hi] 4 times: fewer candidates to sort */
+                    float mid = 0.5f * (lo + hi);
+                    if (expf(-mid) < min_p || mass_from(ebuf, V, expf(-mid)) >= want) hi = mid;
+                    else lo = mid;
                 }
+                thr = expf(-hi);
             }
         }
         if (thr < min_p) thr = min_p;  /* min_p: e >= min_p * e_max, e_max = exp(0) = 1 */

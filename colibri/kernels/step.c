@@ -199,20 +199,24 @@ static long argmax_f32(const float *x, long n) {
     return best;
 }
 
-/* Up to n_steps greedy decode steps of T sequences (one row each) in one call: step s feeds row t's token at
- * position pos0[t] + s (the first ones are tok[0..T)) through coli_decode_step and picks the next as the
- * argmax of that row's logits into out[s * T + t]; the run ends after a step in which any row picked a token
- * of stop[0..n_stop). kc/vc: per (layer, row) the row's K/V cache pointer, as coli_decode_step; the rotary
- * tables must hold every position < pos0[t] + n_steps. idx/w: each step's routes, [n_steps, L, T, k].
+/* Up to n_steps decode steps of T sequences (one row each) in one call: step s feeds row t's token at
+ * position pos0[t] + s (the first ones are tok[0..T)) through coli_decode_step and picks the next into
+ * out[s * T + t]: the argmax of that row's logits, or where samp is not NULL and row t's temperature
+ * samp[4t] > 0, coli_sample with (temperature, top_k, top_p, min_p) = samp[4t..4t+4) and the uniform
+ * u[s * T + t]. The run ends after a step in which any row picked a token of stop[0..n_stop).
+ * kc/vc: per (layer, row) the row's K/V cache pointer, as coli_decode_step; the rotary tables must hold
+ * every position < pos0[t] + n_steps. idx/w: each step's routes, [n_steps, L, T, k].
  * Why: between one-token steps the engine's Python ran ~0.6-0.7 ms a step on a small model (15-20% of a
- * lone request's decode, more with several rows), while plain greedy requests need none of it until the
- * tokens are handed out. The bits are those of one coli_decode_step per step. Returns the steps run (>= 1),
- * or the first step's error code (a later step's failure ends the run early: the caller's next step meets it
- * again). */
+ * lone request's decode, more with several rows), while requests that need nothing of the picked tokens
+ * but the tokens (greedy or plain sampling) need none of it until they are handed out. The bits are those
+ * of one coli_decode_step per step and the picks those of single steps. Returns the steps run (>= 1), or
+ * the first step's error code (-7: a row coli_sample cannot sample; a later step's failure ends the run
+ * early: the caller's next step meets it again). */
 int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layers, const coli_attn_layer *attn,
                     const coli_moe_layer *moe, const int *pos0, void *const *kc, void *const *vc, long ks, long vs,
                     const float *ctab, const float *stab, long tab_rows, int n_steps, const int64_t *stop,
-                    int n_stop, int64_t *out, int64_t *idx, float *w, int *failed) {
+                    int n_stop, const float *samp, const double *u, int64_t *out, int64_t *idx, float *w,
+                    int *failed) {
     if (n_steps < 1 || T < 1 || T > MAX_T) return -1;
     for (int t = 0; t < T; t++)
         if (pos0[t] + n_steps > tab_rows) return -1;
@@ -227,14 +231,20 @@ int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layer
         size_t r = (size_t)s * n_layers * T * k;
         int rc = coli_decode_step(tl, tok, n_layers, attn, moe, T, pos, kc, vc, ks, vs, ctab, stab, tab_rows,
                                   idx + r, w + r, failed, rows, T, logits);
+        int end = 0;
+        for (int t = 0; t < T && !rc; t++) {
+            const float *row = logits + (size_t)t * tl->vocab;
+            const float *sp = samp ? samp + 4 * t : NULL;
+            long pick = sp && sp[0] > 0.f
+                ? coli_sample(row, tl->vocab, sp[0], (int)sp[1], sp[2], sp[3], u[(size_t)s * T + t])
+                : argmax_f32(row, tl->vocab);
+            if (pick < 0) rc = pick == -2 ? -2 : -7;
+            tok[t] = out[(size_t)s * T + t] = pick;
+            for (int j = 0; j < n_stop && !end; j++) end = stop[j] == tok[t];
+        }
         if (rc) {
             free(logits);
             return s ? s : rc;
-        }
-        int end = 0;
-        for (int t = 0; t < T; t++) {
-            tok[t] = out[(size_t)s * T + t] = argmax_f32(logits + (size_t)t * tl->vocab, tl->vocab);
-            for (int j = 0; j < n_stop && !end; j++) end = stop[j] == tok[t];
         }
         if (end) {
             s++;

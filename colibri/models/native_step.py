@@ -313,14 +313,16 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
     return logits
 
 
-def run_greedy(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: int, stop: torch.Tensor
-               ) -> tuple[list[list[int]], torch.Tensor] | None:
-    """Up to n_steps greedy decode steps of the batch's sequences (one row each) in one native call
-    (coli_decode_run): `tokens` fed at their sequences' positions, each row's argmax fed to it at the next,
-    ending after a step in which a row picked a token of `stop` (int64 [S]) -> (per step the rows' tokens,
-    the steps' expert ids [n, L, T, k]); None where the one-call step does not apply. The routes go to the
-    caller, not to the experts' hooks: it applies only where those are a RouteCapture's alone (the
-    engine's), whose caller counts them."""
+def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: int, stop: torch.Tensor,
+              sampling: list[tuple[float, int, float, float]] | None = None,
+              uniforms: list[list[float]] | None = None) -> tuple[list[list[int]], torch.Tensor] | None:
+    """Up to n_steps decode steps of the batch's sequences (one row each) in one native call
+    (coli_decode_run): `tokens` fed at their sequences' positions, each row's pick fed to it at the next
+    (the argmax, or kernels/sample.c with `sampling[t]` and `uniforms[t]`: native.decode_run), ending after
+    a step in which a row picked a token of `stop` (int64 [S]) -> (per step the rows' tokens, the steps'
+    expert ids [n, L, T, k]); None where the one-call step does not apply. The routes go to the caller,
+    not to the experts' hooks: it applies only where those are a RouteCapture's alone (the engine's),
+    whose caller counts them."""
     T = len(tokens)
     plan = _plan_for(model, model.model.embed_tokens.out_dtype, torch.device("cpu"), T)  # (_args checks caches)
     if plan is None or plan.tail is None or T > plan.tail.max_rows \
@@ -332,7 +334,7 @@ def run_greedy(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: i
         return None
     pos, kc, vc, ks, vs, rope = args
     steps, idx, _ = native.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks, vs,
-                                      rope, plan.k, n_steps, stop)
+                                      rope, plan.k, n_steps, stop, sampling, uniforms)
     return steps, plan.routed(idx)
 
 
