@@ -155,6 +155,28 @@ def test_repetition_penalty_matches_transformers_rule():
     assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # input untouched
 
 
+def test_repetition_penalty_window_is_the_last_n_tokens():
+    """repeat_last_n: the penalty sees the last n of prompt + generated tokens (llama.cpp's and Ollama's
+    window), -1 all of them (the default), 0 none; it slides as tokens are generated."""
+    from colibri.engine.request import SamplingParams
+    from colibri.engine.sampling import TokenPicker
+
+    logits = torch.full((8,), 2.0)
+
+    def penalized(n: int, generated: list[int]) -> list[int]:
+        p = TokenPicker(SamplingParams(repeat_penalty=2.0, repeat_last_n=n).validate(), [1, 2, 3])
+        for t in generated:
+            p.took(t)
+        return [i for i, v in enumerate(p.processed(logits).tolist()) if v != 2.0]
+
+    assert penalized(-1, [5]) == [1, 2, 3, 5]
+    assert penalized(2, []) == [2, 3] and penalized(2, [5]) == [3, 5] and penalized(2, [5, 6]) == [5, 6]
+    assert penalized(0, [5]) == []
+    assert TokenPicker(SamplingParams(repeat_penalty=2.0, repeat_last_n=0), [1]).run_spec is not None
+    with pytest.raises(ColibriError, match="repeat_last_n"):
+        SamplingParams(repeat_last_n=-2).validate()
+
+
 def test_stream_decoder_holds_back_partial_utf8(ckpt):
     llm = colibri.load(ckpt.coli("mixtral", "f32"), ctx_size=32)
     text = "naïve café — 東京 🙂 ok"

@@ -249,6 +249,20 @@ def test_ollama_api_chat_generate_tags(server, client):
 
 
 
+def test_repeat_penalty_window_defaults_to_llama_cpp_and_ollama():
+    """The server routes' repeat_last_n is theirs (64, -1 the whole context, 0 none) and reaches the engine."""
+    from colibri.engine.request import SamplingParams
+    from colibri.server.ollama import Options, _sampling
+    from colibri.server.protocol import ChatCompletionRequest
+
+    assert _sampling(None, None)["repeat_last_n"] == 64 and _sampling(None, None)["repeat_penalty"] == 1.1
+    assert _sampling(Options(repeat_last_n=-1), None)["repeat_last_n"] == -1
+    kw = ChatCompletionRequest(messages=MESSAGES, repeat_penalty=1.2).sampling_kw()
+    assert kw["repeat_last_n"] == 64
+    assert ChatCompletionRequest(messages=MESSAGES, repeat_last_n=0).sampling_kw()["repeat_last_n"] == 0
+    SamplingParams(**{k: v for k, v in kw.items() if k != "grammar"}).validate()
+
+
 def test_think_split_streams_what_the_whole_split_gives():
     from colibri.server.answer import splitter, whole
     from colibri.server.reasoning import ThinkSplit, opens_thinking

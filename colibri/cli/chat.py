@@ -107,7 +107,8 @@ def _answer(llm, template, prompt: tuple[list[int], str], a: argparse.Namespace)
     split = splitter(fmt, None, True, opens_thinking(text), True)
     h = llm.submit(ids, min(a.n_predict, llm.ctx_size - len(ids)), stop_ids=() if a.ignore_eos else template.stop_ids,
                    ignore_eos=a.ignore_eos, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                   repeat_penalty=a.repeat_penalty, seed=a.seed, grammar=a.grammar_text)
+                   repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=a.seed,
+                   grammar=a.grammar_text)
     dec, parts, show = StreamDecoder(llm.tokenizer, keep_ids(llm.tokenizer, fmt)), [], _Show()
     interrupted = False
     try:

@@ -61,6 +61,8 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
                    help="drop tokens less likely than this fraction of the most likely one (0 = off)")
     s.add_argument("--repeat-penalty", type=number("--repeat-penalty", 0, lo_open=True), default=1.0,
                    help="penalise tokens already seen (1.0 = off)")
+    s.add_argument("--repeat-last-n", type=bounded("--repeat-last-n", -1, 2**31 - 1), default=64, metavar="N",
+                   help="the repeat penalty's window: the last N tokens (-1 = all, 0 = none; llama.cpp's default 64)")
     # The engine's seed range (engine/request.py: SamplingParams.validate).
     s.add_argument("--seed", type=bounded("--seed", 0, 2**63 - 1), default=None,
                    help="random seed for sampling (reproducible output)")
@@ -199,7 +201,8 @@ def _generate(a: argparse.Namespace, llm, prompt: str, grammar: str | None) -> N
         log.warning("colibri: prompt (%d tokens) + -n %d exceeds --ctx-size %d: generation stops when the "
                     "context is full", len(ids), a.n_predict, a.ctx_size)
     pieces = llm.generate(prompt, a.n_predict, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                          repeat_penalty=a.repeat_penalty, seed=a.seed, ignore_eos=a.ignore_eos,
+                          repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=a.seed,
+                          ignore_eos=a.ignore_eos,
                           add_special_tokens=not a.chat, grammar=grammar)
     for piece in pieces:
         sys.stdout.write(piece)

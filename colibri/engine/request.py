@@ -26,7 +26,9 @@ class SamplingParams:
     """How the next token is picked. temperature 0 is greedy (top_k/top_p then do nothing).
 
     Penalties act as logits processors over the prompt and generated tokens: `repeat_penalty`
-    (CTRL/transformers style, 1.0 = off), `presence_penalty` and `frequency_penalty`
+    (CTRL/transformers style, 1.0 = off) over the last `repeat_last_n` tokens of prompt + generated
+    text (llama.cpp's and Ollama's window: 64 in their APIs here; -1 = all of them, transformers' rule
+    and this default; 0 = none), `presence_penalty` and `frequency_penalty` over the generated tokens
     (OpenAI style, 0 = off). `logit_bias`: {token id: bias in [-100, 100]} added to the logits
     before anything else (OpenAI's rule; -100 bans a token, +100 all but forces it). `grammar`: the
     text must stay inside it (structured output, engine/grammar.py). `logprobs`:
@@ -38,6 +40,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0  # 0 = off
     repeat_penalty: float = 1.0
+    repeat_last_n: int = -1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
@@ -62,6 +65,8 @@ class SamplingParams:
             raise ColibriError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.repeat_penalty <= 0:
             raise ColibriError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
+            raise ColibriError(f"repeat_last_n must be an integer >= -1, got {self.repeat_last_n!r}")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise ColibriError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)

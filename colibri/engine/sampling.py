@@ -2,9 +2,9 @@
 logprobs.
 
 Processors act on what the request asked for and has seen, so generation has no special cases
-(mlx-lm's make_logits_processors): the logit bias (OpenAI's), the repetition penalty over prompt +
-generated tokens (the transformers rule), presence/frequency penalties over the generated tokens
-(the OpenAI rule).
+(mlx-lm's make_logits_processors): the logit bias (OpenAI's), the repetition penalty (the transformers
+rule) over a window of the last `repeat_last_n` prompt + generated tokens (llama.cpp's and Ollama's;
+-1: all of them), presence/frequency penalties over the generated tokens (the OpenAI rule).
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ class TokenPicker:
                                                      stream(self.seed, self.taken, 1)[0])
         else:
             self.sample = greedy
-        self.seen = torch.tensor(prompt_ids, dtype=torch.long) if sp.repeat_penalty != 1.0 else None
+        # prompt + generated tokens, for the repetition penalty's window (None: no penalty)
+        self.history = list(prompt_ids) if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0 else None
         self.counts: dict[int, int] = {}  # generated token -> times (presence/frequency penalties)
         bias = sp.logit_bias or {}
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long) if bias else None  # [B]
@@ -194,8 +195,9 @@ class TokenPicker:
         if self.bias_ids is not None:
             logits = logits.clone()
             logits[self.bias_ids] += self.bias.to(logits.dtype)
-        if self.seen is not None:
-            logits = apply_repetition_penalty(logits, self.seen, sp.repeat_penalty)
+        if self.history:
+            window = self.history[-sp.repeat_last_n:] if sp.repeat_last_n > 0 else self.history
+            logits = apply_repetition_penalty(logits, torch.tensor(window, dtype=torch.long), sp.repeat_penalty)
         if self.counts and (sp.presence_penalty or sp.frequency_penalty):
             ids = torch.tensor(list(self.counts))
             n = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
@@ -217,8 +219,8 @@ class TokenPicker:
     def took(self, tok: int) -> None:
         """Record a token picked (by `pick`, or by a native run where `run_spec`)."""
         self.taken += 1
-        if self.seen is not None:
-            self.seen = torch.cat([self.seen, torch.tensor([tok])])
+        if self.history is not None:
+            self.history.append(tok)
         self.counts[tok] = self.counts.get(tok, 0) + 1
         if self.constraint is not None:
             self.constraint.accept(tok)
@@ -229,7 +231,7 @@ class TokenPicker:
         alone (no processor, no log-probs): what coli_decode_run picks itself (temperature 0: the
         argmax); else None."""
         sp = self.sp
-        if self.bias_ids is not None or self.seen is not None or self.constraint is not None \
+        if self.bias_ids is not None or self.history is not None or self.constraint is not None \
                 or sp.presence_penalty or sp.frequency_penalty or sp.logprobs is not None:
             return None
         if self.sample is greedy:

@@ -3,8 +3,9 @@ speak it: each request becomes a chat or text completion of the OpenAI routes, a
 its stream) comes back as Ollama's JSON (or newline-delimited JSON, the default: `"stream": true`).
 
 Ollama's sampling defaults apply where `options` leave a value unset (temperature 0.8, top_k 40,
-top_p 0.9, repeat_penalty 1.1); `num_predict` -1 / -2 mean up to the context; `format` "json" or a
-JSON schema constrains the answer. docs/SERVER.md lists what is supported.
+top_p 0.9, repeat_penalty 1.1 over the last repeat_last_n = 64 tokens); `num_predict` -1 / -2 mean up
+to the context; `format` "json" or a JSON schema constrains the answer. docs/SERVER.md lists what is
+supported.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Stric
 from .responses import chunk_dicts, merge_tool_deltas
 
 router = APIRouter()
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1}
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64}
 
 
 class Options(_Strict):
@@ -35,6 +36,7 @@ class Options(_Strict):
     num_predict: int | None = None
     stop: list[str] | None = None
     repeat_penalty: float | None = None
+    repeat_last_n: int | None = None  # -1: the whole context, 0: no penalty
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 

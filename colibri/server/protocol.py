@@ -160,6 +160,7 @@ class _Sampling(_Strict):
     top_k: Annotated[int, Field(ge=0)] | None = None  # extension (llama.cpp, vLLM)
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # extension (llama.cpp, vLLM)
     repeat_penalty: Annotated[float, Field(gt=0)] | None = None  # extension (llama.cpp)
+    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None  # extension (llama.cpp): its window, default 64
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
@@ -188,6 +189,7 @@ class _Sampling(_Strict):
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0,
                 "min_p": self.min_p or 0.0,
                 "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,
+                "repeat_last_n": 64 if self.repeat_last_n is None else self.repeat_last_n,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "seed": None if self.seed is None else (self.seed + choice) % 2**63,
                 "logit_bias": self.token_biases(), "grammar": self.constraint()}
