@@ -7,6 +7,7 @@
  * top_p of the mass (a masked vector sum per try), and sort only those. The draw: u (in [0, 1), from the
  * request's generator) times the kept weights' sum, against their running sum in f64. */
 #include "common.h"
+#include <pthread.h>
 
 typedef struct {
     float z, e;  /* the logit / temperature, exp(z - max) */
@@ -41,9 +42,12 @@ static void heap_up(cand *h, int r) {
     }
 }
 
-static _Thread_local cand *cbuf;
-static _Thread_local float *ebuf;
-static _Thread_local long buf_n;
+/* One scratch for all callers, grown to the largest vocabulary seen, under a lock (picks are short, and
+ * the engine makes them from one thread): per-thread buffers would be lost with each thread that ends. */
+static cand *cbuf;
+static float *ebuf;
+static long buf_n;
+static pthread_mutex_t buf_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* max_i x[i] / T, or NAN when x has a NaN. */
 static float row_max(const float *x, long V, float T) {
@@ -145,12 +149,17 @@ static int select_top_k(const float *x, long V, float T, int k) {
     return n;
 }
 
+#ifndef BISECT
+#define BISECT 4
+#endif
+
 /* Candidate steps for top_p, in nats below the most likely token (then: every token). */
 static const float STEPS[] = {2.f, 4.f, 6.f, 8.f, 12.f, 16.f, 24.f, 32.f, 48.f, 64.f};
 
 /* The token picked from x [V] f32 with u in [0, 1): -1 when the row has a NaN or no finite value,
  * -2 out of memory. temperature must be > 0; top_k 0 or >= V, top_p 1 and min_p 0 turn each cut off. */
-long coli_sample(const float *x, long V, float temperature, int top_k, float top_p, float min_p, double u) {
+static long sample_locked(const float *x, long V, float temperature, int top_k, float top_p, float min_p,
+                          double u) {
     if (buf_n < V) {
         cand *c = (cand *)realloc(cbuf, sizeof(cand) * (size_t)V);
         if (c) cbuf = c;
@@ -180,7 +189,7 @@ long coli_sample(const float *x, long V, float temperature, int top_k, float top
                 else lo = STEPS[s];
             }
             if (hi > 0.f) {
-                for (int it = 0; it < 4; it++) {  /* halve [lo, hi] 4 times: fewer candidates to sort */
+                for (int it = 0; it < BISECT; it++) {  /* halve [lo, hi]: fewer candidates to sort */
                     float mid = 0.5f * (lo + hi);
                     if (expf(-mid) < min_p || mass_from(ebuf, V, expf(-mid)) >= want) hi = mid;
                     else lo = mid;
@@ -212,4 +221,12 @@ long coli_sample(const float *x, long V, float temperature, int top_k, float top
     double T = 0.0;
     for (int j = 0; j < keep; j++) T += ebuf[j] = cbuf[j].e;  /* (ebuf reused: the kept weights in order) */
     return cbuf[walk(ebuf, keep, u * T)].i;
+}
+
+/* sample_locked (above) under the scratch's lock. */
+long coli_sample(const float *x, long V, float temperature, int top_k, float top_p, float min_p, double u) {
+    pthread_mutex_lock(&buf_lock);
+    long tok = sample_locked(x, V, temperature, top_k, top_p, min_p, u);
+    pthread_mutex_unlock(&buf_lock);
+    return tok;
 }
