@@ -264,6 +264,11 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     model_type = cfg.get("model_type")
     if not model_type:
         raise ColibriError(f"{src / 'config.json'} has no model_type")
+    if model_type == "llama4" and isinstance(cfg.get("text_config"), dict):  # multimodal: its text model
+        from .models.llama4_text import multimodal_text_config
+
+        cfg = multimodal_text_config(cfg)
+        model_type = cfg["model_type"]
     # Types and ranges of every value the family uses, and the family's own refusals (colibri/validate.py).
     fam = check_config(model_type, cfg, str(src / "config.json"))
     n_exp = _num_experts(cfg)
@@ -277,9 +282,10 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     tok_file = "tokenizer.json" if (src / "tokenizer.json").exists() else tiktoken_bpe.FILE
     check_tokenizer(tokenizer, cfg.get("vocab_size"), cfg, str(src / tok_file))
     st = SafetensorsFolder(src)
-    embed = "model.embed_tokens.weight"
-    check_sizes(cfg, st.shape(embed) if embed in st.names() else None, layers_in(st.names()),
-                str(src / "config.json"))
+    sanitize = getattr(fam, "sanitize", lambda n: n)
+    names = {n: m for n in st.names() if (m := sanitize(n)) is not None}  # HF name -> canonical name
+    embed = next((n for n, m in names.items() if m == "model.embed_tokens.weight"), None)
+    check_sizes(cfg, st.shape(embed) if embed else None, layers_in(names.values()), str(src / "config.json"))
     st = dequantizing(st, cfg)  # a pre-quantized checkpoint (FP8 blocks, packed ints) reads back in float
     plan = Plan(st, fam, model_type, cfg, scheme, group_size)
     meta = {"model_type": model_type, "config": cfg, "tokenizer": tokenizer,

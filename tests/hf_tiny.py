@@ -33,6 +33,10 @@ per-expert layout that real hub checkpoints have:
 - olmoe, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3:
   ``model.layers.{i}.mlp.gate.weight`` and
   ``model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``.
+- llama4_text: saved fused even by ``save_pretrained``: ``feed_forward.router.weight``,
+  ``feed_forward.experts.gate_up_proj`` [E, H, 2I] (gate = [..., :I], up = [..., I:]),
+  ``feed_forward.experts.down_proj`` [E, I, H], ``feed_forward.shared_expert.*``; dense layers
+  ``feed_forward.gate_proj/up_proj/down_proj``.
 - gpt_oss: saved fused even by ``save_pretrained`` (as the real hub
   checkpoints are, minus MXFP4): ``mlp.router.weight/bias``,
   ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate/up *interleaved* along the
@@ -102,6 +106,7 @@ FAMILIES: tuple[str, ...] = (
     "minimax_m2",
     "dots1",
     "ernie4_5_moe",
+    "llama4_text",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -326,6 +331,21 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "head_dim": 32,  # (hidden / heads is 16: the released model's head is wider than that too)
             "rotary_dim": 16,  # RoPE on half of each head, the rest passes (the released config's field)
             "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
+        },
+        "llama4_text": {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "head_dim": 16,
+            "num_hidden_layers": 4,  # RoPE on layers 0-2, none on 3 (no_rope_layer_interval 4)
+            "interleave_moe_layer_step": 2,  # layers 1 and 3 MoE, 0 and 2 dense
+            "intermediate_size": 32,  # the experts' (and the shared expert's) width
+            "intermediate_size_mlp": 96,  # the dense layers'
+            "attention_chunk_size": 16,  # 36-token runs cross two chunk boundaries on the RoPE layers
+            "floor_scale": 4,  # the temperature tuning of the layer without RoPE moves within the test's context
+            "attn_scale": 0.1,
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64},
         },
         "gpt_oss": {
             "num_local_experts": 4,

@@ -100,10 +100,11 @@ def test_builds_and_reloads(model_type: str, built: dict[str, Path]) -> None:
 def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: dict[str, Path]) -> None:
     legacy, fused = _names(built[model_type]), _names(built_fused[model_type])
     assert all(dt == "F32" for dt, _ in legacy.values())
-    fused_experts = {k for k in fused if ".mlp.experts.gate_up_proj" in k}
+    ff = ".feed_forward." if model_type == "llama4_text" else ".mlp."
+    fused_experts = {k for k in fused if f"{ff}experts.gate_up_proj" in k}
     assert fused_experts, "fused layout must hold [E, ...] expert tensors"
-    if model_type == "gpt_oss":
-        # gpt-oss ships fused even through save_pretrained.
+    if model_type in ("gpt_oss", "llama4_text"):
+        # gpt-oss and Llama 4 ship fused even through save_pretrained.
         assert legacy == fused
     else:
         assert not any("gate_up_proj" in k for k in legacy)

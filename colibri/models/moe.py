@@ -66,6 +66,8 @@ class SwitchGLU(nn.Module):
         # (store/lookahead.py); bound by the store when that layer's experts are cached.
         self.lookahead: Callable[[int, torch.Tensor], None] | None = None
         self.on_route: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # debug/stats hook
+        # The routing weights scaled x already (Llama 4): they go to on_route, the outputs are summed as they are
+        self.input_scaled = False
         self._tables: native.MoeTables | None = None  # the native kernel's expert pointers (built on first use)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
@@ -75,6 +77,8 @@ class SwitchGLU(nn.Module):
         T, k = idx.shape
         if self.on_route is not None:
             self.on_route(self.layer, idx, weights)
+        if self.input_scaled:
+            weights = torch.ones_like(weights, dtype=torch.float32)
         if self.native_act is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
                 and T <= native.MOE_MAX_ROWS and native.available():
             ids = idx[0].tolist() if T == 1 else torch.unique(idx).tolist()
