@@ -24,7 +24,6 @@ from .layers import (
     Attention,
     AttentionArgs,
     DecoderBlock,
-    KVCache,
     RoPE,
     attend,
     rope_scaling,
@@ -152,9 +151,6 @@ class Llama4Attention(Attention):
             pieces.append(attend(rows, k[:, c0:], v[:, c0:], p - c0, self.scale))
             p = end
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-    def make_cache(self, max_len: int, dtype: torch.dtype) -> KVCache:
-        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype)
 
 
 class Llama4Router(nn.Module):
