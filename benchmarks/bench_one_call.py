@@ -4,9 +4,10 @@
         [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
-block is kernels/mla.c) gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32
-experts top-4 of width 512; its shared expert / dense layer 2048 wide; transformers' own initialisation),
-converted once. The same loaded model then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
+block is kernels/mla.c; llama4_text, which runs layer by layer in every mode) gets a random checkpoint of the
+0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's top-1; its shared
+expert / dense layer 2048 wide; transformers' own initialisation), converted once. The same loaded model
+then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
   torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's,
@@ -62,6 +63,14 @@ SHAPES = {
                     "v_head_dim": 64, "num_key_value_heads": 16, "head_dim": 32},
     "gpt_oss": {**BASE, "intermediate_size": 512, "num_local_experts": 32, "sliding_window": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 4},
+    # Scout's layout at this size: top-1 of 32 experts + a shared one in every layer, no RoPE on every
+    # fourth (its released chunk, temperature floor and RoPE scaling): layer by layer, not in the one call
+    "llama4_text": {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "intermediate_size": 512,
+                    "intermediate_size_mlp": 2048, "num_local_experts": 32, "num_experts_per_tok": 1,
+                    "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "floor_scale": 8192,
+                    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                        "original_max_position_embeddings": 8192}},
 }
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]

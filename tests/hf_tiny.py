@@ -343,6 +343,7 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "attention_chunk_size": 16,  # 36-token runs cross two chunk boundaries on the RoPE layers
             "floor_scale": 4,  # the temperature tuning of the layer without RoPE moves within the test's context
             "attn_scale": 0.1,
+            "attention_bias": True,  # (none in the released models: here so the converter's q/k row order covers them)
             "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 64},

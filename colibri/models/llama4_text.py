@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ColibriError
+from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .batch import LayerKV
 from .layers import (
@@ -24,12 +24,11 @@ from .layers import (
     Attention,
     AttentionArgs,
     DecoderBlock,
-    RoPE,
     attend,
     rope_scaling,
     rope_theta,
 )
-from .moe import SparseMoE, SwitchGLU
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 
 @dataclass
@@ -93,21 +92,26 @@ def check_config(cfg: dict) -> None:
             refuse("llama4", key, v, "a positive integer")
 
 
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm without a weight, in f32 (transformers' Llama4TextL2Norm)."""
+def l2_norm(x: torch.Tensor, ones: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm without a weight (transformers' Llama4TextL2Norm): in f32, one rounding; bf16 rows on the
+    CPU by the native RMSNorm with a weight of ones (the same rule in one call instead of six ops)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and native.available():
+        return native.rmsnorm(x, ones, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class Llama4Attention(Attention):
-    """Attention with per-layer RoPE (interleaved pairs), an L2 q/k norm after it, temperature tuning on the
-    layers without RoPE, and chunked attention: a query sees the keys of its own `chunk`-position block."""
+    """Attention with per-layer RoPE, an L2 q/k norm after it, temperature tuning on the layers without RoPE,
+    and chunked attention: a query sees the keys of its own `chunk`-position block. Llama 4 rotates interleaved
+    channel pairs; the converter stores q_proj / k_proj rows in rotate-half order instead (`prepare`), so the
+    RoPE here is the native rotate-half one (q and k alike: attention and the per-head norm are unchanged)."""
 
     def __init__(self, a: AttentionArgs, use_rope: bool, qk_norm: bool, chunk: int | None,
                  temperature: tuple[float, float] | None):
         super().__init__(a)
-        self.rope = RoPE(a.head_dim, a.rope_theta, a.rope_scaling, a.max_pos, interleaved=True)
         self.use_rope, self.l2, self.chunk = use_rope, qk_norm, chunk
+        self.register_buffer("ones", torch.ones(a.head_dim), persistent=False)  # the L2 norm's weight
         self.temperature = temperature  # (floor_scale, attn_scale) on a layer without RoPE, else None
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
@@ -118,7 +122,7 @@ class Llama4Attention(Attention):
         if self.use_rope:
             q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
         if self.l2:
-            q, k = l2_norm(q, a.norm_eps), l2_norm(k, a.norm_eps)
+            q, k = l2_norm(q, self.ones, a.norm_eps), l2_norm(k, self.ones, a.norm_eps)
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             pos = self._positions(kv, T, x.device)  # [T] f32
@@ -154,17 +158,26 @@ class Llama4Attention(Attention):
 
 
 class Llama4Router(nn.Module):
-    """Top-k router logits; the chosen experts' scores are the sigmoids of their logits."""
+    """Top-k router logits; the chosen experts' scores are the sigmoids of their logits (in f32: transformers'
+    bf16 Linear rounds the logits first)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H], f32
         self.top_k = top_k
+        self.register_buffer("zeros", torch.zeros(num_experts), persistent=False)  # (the kernel's selection bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight.to(x.dtype))  # [T, E] in the rows' dtype, as transformers' Linear
+        routed = native_route(self, x)  # bf16 rows: one native call (kernels/moe.c), the sigmoid rule
+        if routed is not None:
+            return routed[0], routed[1].to(x.dtype)
+        logits = x.float() @ self.weight.T  # [T, E]
         top, idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
-        return idx, torch.sigmoid(top.float()).to(x.dtype)
+        return idx, torch.sigmoid(top).to(x.dtype)
+
+    def native_routing(self) -> RouteRule:
+        """The kernels' sigmoid rule with no selection bias, not renormalised: top-k by logit, its sigmoid."""
+        return RouteRule(native.ROUTE_SIGMOID, False, self.zeros, 1.0)
 
 
 class Llama4MoE(SparseMoE):
@@ -210,6 +223,17 @@ def sanitize(name: str) -> str | None:
         return None
     name = name.removeprefix("language_model.")
     return name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")
+
+
+def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """q_proj / k_proj rows reordered per head from interleaved RoPE pairs to rotate-half ones (Llama4Attention;
+    as ERNIE-4.5's converter does)."""
+    if not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias",
+                          "self_attn.k_proj.bias")):
+        return t
+    D = ModelArgs.from_dict(cfg).head_dim
+    order = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])  # new channel j <- old channel order[j]
+    return t.reshape(t.shape[0] // D, D, -1)[:, order].reshape(t.shape)
 
 
 def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
