@@ -38,6 +38,7 @@ CALLS = [
     ("kimi_k2", "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                 '<|tool_call_argument_begin|>{"city": "Rome", "days": 2, "code": "007"}<|tool_call_end|>'
                 "<|tool_calls_section_end|>"),
+    ("pythonic", 'Let me check. [get_weather(city="Rome", days=2, code="007")]'),
     (HARMONY, "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 2, "code": "007"}'),
 ]
@@ -105,6 +106,30 @@ def test_a_stream_holds_back_only_what_may_open_a_call():
     assert s.push("see [1] and [TOOL") == "see [1] and " and s.finish() == ("[TOOL", [])
 
 
+def test_pythonic_calls_are_parsed_never_evaluated():
+    """Llama 4's form: several calls in one list, between <|python_start|> / <|python_end|> or not, JSON's words
+    and nested literals as arguments; brackets in the text before stream on; anything that is not a literal
+    (a call, a name) or a positional argument keeps the whole list as text."""
+    fmt = FORMATS["pythonic"]
+    tools = {**TOOLS, "now": {"type": "object", "properties": {}}}
+    text = '<|python_start|>[get_weather(city=\'Rome\', days=2, code="007"), now()]<|python_end|>'
+    content, calls = fmt.parse(text, tools)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0]["function"]["arguments"]) == ARGS and calls[1]["function"]["arguments"] == "{}"
+    content, calls = fmt.parse('See [1] and [the docs](x). [get_weather(city="A", days=true, code=null)]', tools)
+    assert content == "See [1] and [the docs](x)." and json.loads(calls[0]["function"]["arguments"]) == \
+        {"city": "A", "days": True, "code": None}
+    for bad in ('[get_weather(city=__import__("os").system("x"))]', '[get_weather("Rome")]', "[get_weather(city=x)]",
+                "[get_weather(**kw)]", "[]"):
+        assert fmt.parse(bad, tools) == (bad, []), bad
+    for size in (1, 2, 3, 7):
+        s = CallStream(fmt, tools)
+        line = 'See [1] and [the docs](x). [now()]'
+        sent = "".join(s.push(line[i:i + size]) for i in range(0, len(line), size))
+        rest, calls = s.finish()
+        assert sent == "See [1] and [the docs](x). " and rest is None and calls[0]["function"]["name"] == "now"
+
+
 def test_harmony_channels_split_reasoning_answer_and_plain_text():
     text = "<|channel|>analysis<|message|>Think <|it|> over.<|end|><|start|>assistant<|channel|>final<|message|>Hi <b>!"
     for size in (1, 3, len(text)):
@@ -128,6 +153,8 @@ def test_the_format_is_detected_from_the_template():
     assert detect("<|tool_calls_section_begin|>{% for tc in m.tool_calls %}<|tool_call_begin|>") == "kimi_k2"
     assert detect('<minimax:tool_call>\n<invoke name="{{ tc.name }}">') == "minimax_m2"
     assert detect("<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>") == "qwen3_coder"
+    assert detect("{{- '<|python_start|>' }}") == detect("format of [func_name1(params_name1=params_value1)]") \
+        == "pythonic"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 
 

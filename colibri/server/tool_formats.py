@@ -19,6 +19,9 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   `<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`, the call's id being
   `functions.NAME:IDX` (its template writes the id back that way); Kimi-K2-Thinking may open the section
   inside its unclosed reasoning, which then ends there (`in_reasoning`, server/answer.py).
+- `pythonic` (Llama 4, as vLLM's llama4_pythonic; Llama 3.2's form): a Python list of calls with keyword
+  arguments ending the answer, `[get_weather(city="Rome", days=2), ...]`, optionally between
+  `<|python_start|>` and `<|python_end|>`; the arguments Python (or JSON) literals, never evaluated.
 (gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
 arguments do not parse, stays in the text, as does everything around the calls.
 """
@@ -215,6 +218,55 @@ def _kimi(text: str, tools: dict[str, dict]) -> Found:
     return calls, spans
 
 
+_PY_WRAP = re.compile(r"<\|python_(?:start|end)\|>")
+_PY_OPEN = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")  # a list's first call: "[name("
+_PY_MAYBE = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?$")  # an end of text that may still grow into one
+_JSON_WORDS = {"true": True, "false": False, "null": None}
+
+
+def _py_value(node: ast.expr) -> Any:
+    """A call argument's value: a Python literal, with JSON's true / false / null (the models write both)."""
+    if isinstance(node, ast.Name) and node.id in _JSON_WORDS:
+        return _JSON_WORDS[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_py_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values)}  # type: ignore[arg-type]
+    return ast.literal_eval(node)
+
+
+def _py_calls(src: str, tools: dict[str, dict]) -> list[dict] | None:
+    """The calls of a list like `[f(a=1), g()]` whose every call names a known tool, or None."""
+    try:
+        tree = ast.parse(src.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.func.id not in tools \
+                or node.args or any(kw.arg is None for kw in node.keywords):
+            return None
+        try:
+            args = {kw.arg: _py_value(kw.value) for kw in node.keywords}
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return None
+        calls.append(call(node.func.id, args))
+    return calls
+
+
+def _pythonic(text: str, tools: dict[str, dict]) -> Found:
+    """The call list that ends the answer (after any text), wrapped in <|python_start|> / <|python_end|> or not."""
+    for m in _PY_OPEN.finditer(text):
+        calls = _py_calls(text[m.start():].rstrip().removesuffix("<|python_end|>"), tools)
+        if calls is not None:
+            before = text[:m.start()].rstrip()
+            start = len(before) - len("<|python_start|>") if before.endswith("<|python_start|>") else m.start()
+            return calls, [(start, len(text))]
+    return [], []
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
@@ -223,6 +275,8 @@ class ToolFormat:
     markers: tuple[str, ...]  # tokens the format writes, kept in the decoded text even if special
     strip: re.Pattern | None = None  # wrappers left around the calls once they are cut out
     in_reasoning: bool = False  # the model may open its calls inside an unclosed <think> (Kimi-K2-Thinking)
+    open_re: re.Pattern | None = None  # a call's start as a pattern, besides `opens` (pythonic's "[name(")
+    maybe_re: re.Pattern | None = None  # an end of text that may still grow into open_re's match
 
     def parse(self, text: str, tools: dict[str, dict]) -> tuple[str | None, list[dict]]:
         """(content, calls) of an answer: the calls naming known tools cut out of the text; the content
@@ -256,6 +310,8 @@ FORMATS = {f.name: f for f in (
                ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
                 "<|tool_call_section_end|>"), _KIMI_WRAP, in_reasoning=True),
+    ToolFormat("pythonic", ("<|python_start|>",), _pythonic, ("<|python_start|>", "<|python_end|>"), _PY_WRAP,
+               open_re=_PY_OPEN, maybe_re=_PY_MAYBE),
 )}
 HARMONY = "harmony"  # gpt-oss: server/harmony.py
 NAMES = (*FORMATS, HARMONY)
@@ -277,6 +333,8 @@ def detect(template: str) -> str:
         return "minimax_m2"
     if _MISTRAL in template:
         return "mistral"
+    if "<|python_start|>" in template or "[func_name1(" in template:
+        return "pythonic"
     return "hermes"
 
 
@@ -293,11 +351,15 @@ class CallStream:
         if self.calling:
             return ""
         found = [at for o in self.fmt.opens if (at := self.held.find(o)) >= 0]
+        if self.fmt.open_re is not None and (m := self.fmt.open_re.search(self.held)):
+            found.append(m.start())
         if found:
             at = min(found)
             out, self.held, self.calling = self.held[:at], self.held[at:], True
             return out
         keep = max(held_tail(self.held, o) for o in self.fmt.opens)
+        if self.fmt.maybe_re is not None and (m := self.fmt.maybe_re.search(self.held)):
+            keep = max(keep, len(self.held) - m.start())
         out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 

@@ -6,7 +6,7 @@ How a call is obtained depends on `tool_choice`:
   naming one of the tools with arguments that follow its `parameters` schema (vLLM does the same), so
   it is a well-formed call whatever the model's own tool-call format;
 - `"auto"` (the default when tools are given): the model decides; calls written in the model's own
-  format (server/tool_formats.py: Hermes, GLM-4.5, Mistral, DeepSeek; gpt-oss's in server/harmony.py)
+  format (server/tool_formats.py: Hermes, GLM-4.5, Mistral, DeepSeek, pythonic, ...; gpt-oss's in server/harmony.py)
   are parsed out of the text; the rest stays `content`;
 - `"none"`: no tools reach the template, plain text.
 """
