@@ -145,7 +145,7 @@ class Runner:
         try:
             got = native_step.run_steps(self.model, [c.tokens[0] for c in chunks], StepBatch(seqs), n,
                                         _ids(sorted(stops)), specs if sampled else None,
-                                        [c.a.picker.uniforms(n) if sampled else [] for c in chunks])
+                                        [c.a.picker.uniforms(n) if sp[0] > 0 else [] for c, sp in zip(chunks, specs)])
         except BaseException as e:  # noqa: BLE001 - as in _step
             self._failed(chunks, e)
             return True

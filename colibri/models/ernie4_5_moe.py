@@ -17,7 +17,7 @@ from torch import nn
 
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta, rotate_half_rows
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 
@@ -124,8 +124,4 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     per head from interleaved RoPE pairs to rotate-half ones (module docstring)."""
     if not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
         return t
-    a = ModelArgs.from_dict(cfg)
-    D = a.head_dim
-    order = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])  # new channel j <- old channel order[j]
-    heads = t.shape[0] // D  # type: ignore[operator]
-    return t.view(heads, D, -1)[:, order].reshape(t.shape)
+    return rotate_half_rows(t, ModelArgs.from_dict(cfg).head_dim)

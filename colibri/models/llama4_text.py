@@ -25,8 +25,10 @@ from .layers import (
     AttentionArgs,
     DecoderBlock,
     attend,
+    rms_norm,
     rope_scaling,
     rope_theta,
+    rotate_half_rows,
 )
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
@@ -92,15 +94,6 @@ def check_config(cfg: dict) -> None:
             refuse("llama4", key, v, "a positive integer")
 
 
-def l2_norm(x: torch.Tensor, ones: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm without a weight (transformers' Llama4TextL2Norm): in f32, one rounding; bf16 rows on the
-    CPU by the native RMSNorm with a weight of ones (the same rule in one call instead of six ops)."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and native.available():
-        return native.rmsnorm(x, ones, eps)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
-
-
 class Llama4Attention(Attention):
     """Attention with per-layer RoPE, an L2 q/k norm after it, temperature tuning on the layers without RoPE,
     and chunked attention: a query sees the keys of its own `chunk`-position block. Llama 4 rotates interleaved
@@ -122,7 +115,7 @@ class Llama4Attention(Attention):
         if self.use_rope:
             q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
         if self.l2:
-            q, k = l2_norm(q, self.ones, a.norm_eps), l2_norm(k, self.ones, a.norm_eps)
+            q, k = rms_norm(q, self.ones, a.norm_eps), rms_norm(k, self.ones, a.norm_eps)  # weightless L2Norm
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             pos = self._positions(kv, T, x.device)  # [T] f32
@@ -231,9 +224,7 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     if not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias",
                           "self_attn.k_proj.bias")):
         return t
-    D = ModelArgs.from_dict(cfg).head_dim
-    order = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])  # new channel j <- old channel order[j]
-    return t.reshape(t.shape[0] // D, D, -1)[:, order].reshape(t.shape)
+    return rotate_half_rows(t, ModelArgs.from_dict(cfg).head_dim)
 
 
 def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
