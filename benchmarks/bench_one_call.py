@@ -4,15 +4,15 @@
         [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
-block is kernels/mla.c; llama4_text, which runs layer by layer in every mode) gets a random checkpoint of the
+block is kernels/mla.c; llama4_text) gets a random checkpoint of the
 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's top-1; its shared
 expert / dense layer 2048 wide; transformers' own initialisation), converted once. The same loaded model
 then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
   torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's,
-             gpt-oss's and DeepSeek's routers, gpt-oss's experts and DeepSeek's MLA attention in torch: the
-             path they took before
+             gpt-oss's and DeepSeek's routers, gpt-oss's experts, DeepSeek's MLA attention and Llama 4's
+             attention and MoE blocks in torch: the path they took before
 With `--llamacpp`, llama.cpp (built from the llama-cpp-python sdist: benchmarks/llamacpp.py) decodes the
 same checkpoint as GGUF (Q8_0 for int8, Q4_0 for int4) with llama-bench after colibri's rounds, same
 threads and token count. With `--prefill N`, the default path's prefill tok/s of an N-token prompt too (and
@@ -38,7 +38,16 @@ from hf_tiny import make_tiny_checkpoint  # noqa: E402
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.kernels import native  # noqa: E402
-from colibri.models import deepseek_v2, deepseek_v3, ernie4_5_moe, gpt_oss, mla, native_mlp, native_step  # noqa: E402
+from colibri.models import (  # noqa: E402
+    deepseek_v2,
+    deepseek_v3,
+    ernie4_5_moe,
+    gpt_oss,
+    llama4_text,
+    mla,
+    native_mlp,
+    native_step,
+)
 from colibri.models.moe import SwitchGLU, silu_glu  # noqa: E402
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -64,7 +73,7 @@ SHAPES = {
     "gpt_oss": {**BASE, "intermediate_size": 512, "num_local_experts": 32, "sliding_window": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 4},
     # Scout's layout at this size: top-1 of 32 experts + a shared one in every layer, no RoPE on every
-    # fourth (its released chunk, temperature floor and RoPE scaling): layer by layer, not in the one call
+    # fourth (its released chunk, temperature floor and RoPE scaling)
     "llama4_text": {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "intermediate_size": 512,
                     "intermediate_size_mlp": 2048, "num_local_experts": 32, "num_experts_per_tok": 1,
                     "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "floor_scale": 8192,
@@ -86,6 +95,8 @@ def _set_mode(llm, mode: str) -> None:
     deepseek_v2.Router.native_routing = (lambda self: None) if torch_mlp else _DS2_RULE
     deepseek_v3.Router.native_routing = (lambda self: None) if torch_mlp else _DS3_RULE
     mla.MLAttention.fused = (lambda self, *a: None) if torch_mlp else _MLA_BLOCK
+    llama4_text.Llama4Attention.fused = (lambda self, *a: None) if torch_mlp else _L4_ATTN
+    llama4_text.Llama4MoE.fused = (lambda self, *a: None) if torch_mlp else _L4_MOE
     for m in llm.model.modules():  # the cached kernel constants follow the mode
         m.__dict__.pop("_fused_layer", None)
         if isinstance(m, SwitchGLU) and m.act is not silu_glu:  # gpt-oss's experts: kernels or torch
@@ -100,6 +111,7 @@ _APPLIES, _BIAS_OK, _ERNIE_RULE = native_mlp.applies, native.bias_ok, ernie4_5_m
 _GPT_OSS_RULE = gpt_oss.SoftmaxTopKRouter.native_routing
 _DS2_RULE, _DS3_RULE = deepseek_v2.Router.native_routing, deepseek_v3.Router.native_routing
 _MLA_BLOCK = mla.MLAttention.fused
+_L4_ATTN, _L4_MOE = llama4_text.Llama4Attention.fused, llama4_text.Llama4MoE.fused
 
 
 def _decode(llm, tokens: int) -> float:

@@ -7,6 +7,8 @@
   `float-quantized` float8 (`weight` + `weight_scale` per tensor, channel or block). Activation
   quantization (W8A8) is a runtime choice of those engines: only the weights are read, and activations
   stay colibri's.
+- `fbgemm_fp8` (Llama-4-Maverick-...-FP8): float8 weights with one f32 scale per output channel, Linear
+  weights and Llama 4's fused expert tensors alike.
 - `gptq`, `awq`: zero-point ints packed in int32 words (source_packed.py).
 The bits, group size and strategy of a compressed-tensors tensor come from its own shapes (one checkpoint
 may mix them); its asymmetric ints (`weight_zero_point`) are refused. (gpt-oss's mxfp4 is its family's:
@@ -82,6 +84,46 @@ class Fp8Blocks(_Wrapped):
         if name not in self.scales:
             raise ColibriError(f"{name} is {self.st.dtype(name)} but the checkpoint has no {name}_scale_inv")
         return dequantize_fp8(t, self.st.read(self.scales[name], index), self.block, name)
+
+
+class Fp8Rows(_Wrapped):
+    """quant_method "fbgemm_fp8": float8 `X.weight` [out, in] times `X.weight_scale` f32 [out, 1]; Llama 4's
+    fused experts (x @ W: outputs last) `gate_up_proj` [E, H, 2I] times `gate_up_proj_scale` [E, 1, 2I] and
+    `down_proj` [E, I, H] times `down_proj_scale` [E, H, 1] -- one scale per output channel either way, which
+    fbgemm's quantizer stores as the rows of the transposed weight. The scales are hidden; activation scales
+    (`activation_scale_ub`) are a runtime choice of fbgemm's kernels: activations stay colibri's."""
+
+    def __init__(self, st):
+        super().__init__(st)
+        have = set(st.names())
+        self.scales = {n.removesuffix("_scale"): n for n in have if n.endswith("_scale")
+                       and n.removesuffix("_scale") in have}
+
+    def names(self) -> list[str]:
+        hidden = set(self.scales.values())
+        return [n for n in self.st.names() if n not in hidden]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.st.shape(name)
+
+    def _is_quantized(self, name: str) -> bool:
+        return self.st.dtype(name).startswith("F8")
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        t = self.st.read(name, index)
+        if t.dtype not in _FP8:
+            return t
+        if name not in self.scales:
+            raise ColibriError(f"{name} is {self.st.dtype(name)} but the checkpoint has no {name}_scale")
+        s = self.st.read(self.scales[name], index).float()
+        shape, s_shape = self.st.shape(name), self.st.shape(self.scales[name])
+        if len(shape) == 3 and len(s_shape) == 3 and s_shape[-1] == 1 and shape[-1] != 1:
+            s = s.transpose(-1, -2)  # [.., out, 1] of an [.., in, out] weight: down_proj's
+        try:
+            return t.float() * s
+        except RuntimeError:
+            raise ColibriError(f"{name}: scale shape {tuple(s_shape)} does not fit a {tuple(shape)} weight "
+                               "(fbgemm_fp8: one scale per output channel)") from None
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -213,8 +255,11 @@ def dequantizing(st, cfg: dict):
     if method == "compressed-tensors":
         _check_compressed(qc)
         return CompressedTensors(st)
+    if method == "fbgemm_fp8":
+        return Fp8Rows(st)
     if method in ("gptq", "awq"):
         return PackedInts(st, qc)
     raise ColibriError(f"quantization_config.quant_method {method!r} is not supported (colibri reads fp8, "
-                       "compressed-tensors pack-quantized / float-quantized, gptq, awq, and gpt-oss's mxfp4); "
+                       "fbgemm_fp8, compressed-tensors pack-quantized / float-quantized, gptq, awq, and gpt-oss's "
+                       "mxfp4); "
                        "convert from the bf16 checkpoint")

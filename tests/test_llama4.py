@@ -16,6 +16,7 @@ from transformers import Llama4TextConfig
 import colibri
 from colibri.convert import convert
 from colibri.errors import ColibriError
+from colibri.kernels import native
 from colibri.models.llama4_text import ModelArgs, check_config, multimodal_text_config
 from tests.hf_tiny import tiny_config_kwargs
 
@@ -75,3 +76,38 @@ def test_multimodal_checkpoint_converts_to_its_text_model(ckpt, tmp_path) -> Non
     assert multimodal_text_config({"model_type": "llama4", "text_config": {"hidden_size": 8},
                                    "quantization_config": qc}) == {"hidden_size": 8, "model_type": "llama4_text",
                                                                    "quantization_config": qc}
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+def test_positions_past_the_temperature_table_leave_the_native_blocks(ckpt, monkeypatch) -> None:
+    """The native block reads the layer's temperature table; a position past it takes torch's layer, which
+    computes the same formula: the one-call step stops applying there, and the tokens stay the same."""
+    from colibri.models import native_step
+
+    llm = colibri.load(ckpt.coli("llama4_text", "int8", fused=True), ctx_size=64, threads=2)
+    runs: list[bool] = []
+    monkeypatch.setattr(native_step, "run_steps", _spy(native_step.run_steps, runs))
+    try:
+        full = list(llm.generate_ids(PROMPT[:12], max_tokens=16, temperature=0))
+        nope = [b.self_attn for b in llm.model.model.layers if b.self_attn.temperature is not None]
+        assert nope
+        for a in nope:  # 3 entries: positions below 2 * floor_scale - 1 = 7
+            a.temp = a.temp[:3].clone()
+            a.__dict__.pop("_fused_layer", None)
+        native_step.forget(llm.model)
+        assert all(a.pos_limit() == 7 for a in nope)
+        assert runs and all(runs)  # native runs took the steps
+        runs.clear()
+        cut = list(llm.generate_ids(PROMPT[:12], max_tokens=16, temperature=0))
+    finally:
+        llm.close()
+    assert cut == full
+    assert runs and not any(runs)  # every position is past 7: no native run took a step
+
+
+def _spy(real, seen: list[bool]):
+    def spy(*a, **kw):
+        r = real(*a, **kw)
+        seen.append(r is not None)
+        return r
+    return spy

@@ -58,6 +58,9 @@ def _spy(real, seen: list[bool]):
     ("glm4_moe", {"n_group": 1, "topk_group": 1}), ("dots1", {"n_group": 1, "topk_group": 1}),
     ("ernie4_5_moe", {}),  # (its softmax router with a selection bias)
     ("gpt_oss", {}),  # (q/k/v/o biases, sinks, its router, its experts' activation and biases)
+    # the L2 q/k norm after RoPE, a layer without RoPE and its temperature, chunked attention, the expert's
+    # scaled input, dense layers between MoE ones
+    ("llama4_text", {}),
     # MLA (kernels/mla.c) in the attention block's place: q_proj and interleaved RoPE; q LoRA
     ("deepseek_v2", {"topk_method": "greedy", "kv_lora_rank": 32}),
     ("deepseek_v3", {"n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 32})])

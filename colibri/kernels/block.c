@@ -1,5 +1,6 @@
 /* The attention half of a decoder block for a few rows (a decode step, a short prompt chunk) in one
- * call: RMSNorm -> q/k/v projections -> q/k norm -> clip -> rotary -> KV cache write -> attention
+ * call: RMSNorm -> q/k/v projections -> q/k norm -> clip -> rotary [-> q/k norm, q temperature: Llama 4]
+ * -> KV cache write -> attention
  * over each row's own cache -> o_proj -> residual add -> the post-attention RMSNorm.
  *
  * Why: between the dozen kernels of this chain the Python glue cost more than the kernels (a third
@@ -20,7 +21,8 @@ static void clamp_bf16(uint16_t *x, long n, float c) {
  * caches for this layer are kc[t] / vc[t] (bf16 [kv_heads, ctx, head_dim], head stride ks / vs);
  * cos/sin f32 [T, rot] the rows' rotary tables. Writes each row's key and value at its position,
  * then (all rows' keys written: a prompt chunk's rows see their predecessors) h_out = h + attn(h)
- * and x_out = post_norm(h_out), both bf16 [T, hidden]. Returns 0, -1 (T out of range), -2 (memory). */
+ * and x_out = post_norm(h_out), both bf16 [T, hidden]. Returns 0, -1 (T out of range, or a position past
+ * the temperature table), -2 (memory). */
 
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {
@@ -34,6 +36,18 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     uint16_t *q2 = v + T * nk, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * nq;
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
+    float tscale[MAX_T];  /* the rows' attention temperatures (1: none) */
+    for (int t = 0; t < T; t++) {
+        tscale[t] = 1.f;
+        if (L->temp) {  /* floor((pos + 1) / floor_scale) in f32, as the torch layer computes it */
+            long m = (long)floorf(((float)pos[t] + 1.f) / L->temp_floor);
+            if (m < 0 || m >= L->temp_n) {
+                free(buf);
+                return -1;
+            }
+            tscale[t] = L->temp[m];
+        }
+    }
     /* The cache lines this step's keys and values go to, fetched for writing now: cold (a new position
      * each step), the writes below waited on each one (RoPE + KV write at 8 sequences 126-129 -> 46-48 us
      * a step); the projections hide the fetch. */
@@ -74,6 +88,16 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     PROF(P_ROPE_KV, {
         coli_rope(q, 1, T, nh, D, L->rot, cs, sn, q2);  /* q2, k2: rotated */
         coli_rope(k, 1, T, nkv, D, L->rot, cs, sn, k2);
+        if (L->qk_norm == 3) {  /* each head's norm after the rotary (Llama 4): normed into q, k, then swapped */
+            coli_rmsnorm(q2, 1, (long)T * nh, D, L->qn_w, L->qk_eps, q);
+            coli_rmsnorm(k2, 1, (long)T * nkv, D, L->kn_w, L->qk_eps, k);
+            uint16_t *tq = q2, *tk = k2;
+            q2 = q, k2 = k, q = tq, k = tk;
+        }
+        if (L->temp)  /* q * scale in f32, one rounding (the torch layer's bf16 * f32 product) */
+            for (int t = 0; t < T; t++)
+                for (long i = 0; i < nq; i++)
+                    q2[t * nq + i] = f32_to_bf16(bf16_to_f32(q2[t * nq + i]) * tscale[t]);
         for (int t = 0; t < T; t++)
             for (int j = 0; j < nkv; j++) {
                 memcpy((uint16_t *)kc[t] + j * ks + (long)pos[t] * D, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
@@ -85,6 +109,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         int S[MAX_T];
         for (int t = 0; t < T; t++) {
             int valid = pos[t] + 1, lo = L->window > 0 && valid > L->window ? valid - L->window : 0;
+            if (L->chunk > 0) lo = pos[t] / L->chunk * L->chunk;  /* chunked: the query's own chunk */
             kb[t] = (uint16_t *)kc[t] + (long)lo * D;
             vb[t] = (uint16_t *)vc[t] + (long)lo * D;
             S[t] = valid - lo;

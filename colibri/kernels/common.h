@@ -67,7 +67,8 @@ typedef struct {
     coli_qw wq, wk, wv, wo;
     const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32 */
     float in_eps, post_eps;
-    int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3) */
+    int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3), 3 per
+                                   * head after the rotary (Llama 4's L2 norm: weights of ones) */
     const float *qn_w, *kn_w;
     float qk_eps;
     float clip;                   /* > 0: clamp q, k, v to [-clip, clip] */
@@ -78,6 +79,11 @@ typedef struct {
     const coli_mla_layer *mla;    /* non-NULL: an MLA layer (mla.c), whose block runs instead; of the fields
                                    * above only hidden and rot (the rope width) count, and a row's K cache
                                    * pointer is its latent cache */
+    int chunk;                    /* > 0: chunked attention (Llama 4): a query sees its own chunk's keys */
+    const float *temp;            /* non-NULL: q *= temp[floor((pos + 1) / temp_floor)] (Llama 4's attention
+                                   * temperature on its NoPE layers), temp_n entries */
+    long temp_n;
+    float temp_floor;
 } coli_attn_layer;
 
 /* A dense SwiGLU MLP with separate projections: a dense layer, or a MoE layer's shared expert, optionally
@@ -110,6 +116,8 @@ typedef struct {
     int kind;
     float alpha, limit;
     const uint16_t *const *gu_bias, *const *dn_bias;
+    int input_scaled;  /* coli_moe_block (k == 1): the score scales the expert's input, the outputs summed
+                        * unweighted (Llama 4); coli_moe takes the rows scaled already and ignores it */
 } coli_expert_act;
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    int kind, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,

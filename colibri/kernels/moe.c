@@ -487,6 +487,25 @@ int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y) {
     return rc;
 }
 
+/* Llama 4's routed expert (k == 1): the expert of row t applied to bf16(x[t] * bf16(w[t])) -- the torch
+ * layer's bf16 score times its bf16 rows -- and its output taken unweighted (coli_moe with weights of one). */
+static int moe_scaled_input(const void *x, int T, int H, int I, const int64_t *idx, const float *w, int E,
+                            const coli_qw *gate_up, const coli_qw *down, int scheme, int g, float *ys, void *y,
+                            const coli_expert_act *act) {
+    uint16_t *xs = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * H);
+    if (!xs) return -2;
+    float ones[MAX_T];
+    for (int t = 0; t < T; t++) {
+        float s = bf16_to_f32(f32_to_bf16(w[t]));
+        for (int c = 0; c < H; c++)
+            xs[(size_t)t * H + c] = f32_to_bf16(bf16_to_f32(((const uint16_t *)x)[(size_t)t * H + c]) * s);
+        ones[t] = 1.f;
+    }
+    int rc = coli_moe(xs, 1, T, H, I, 1, idx, ones, E, gate_up, down, scheme, g, ys, y, act);
+    free(xs);
+    return rc;
+}
+
 /* The feed-forward half of a decoder block: route x (the post-attention norm of h, bf16 [T, H]) as
  * coli_route does and run the experts, all in `gate_up`/`down` (a resident layer), as coli_moe does; add
  * the shared MLP's output when `shared` (bf16 + bf16, as the Python sum), or take it alone where E == 0 (a
@@ -502,7 +521,10 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
     int rc = 0;
     if (E > 0) {
         PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, bias, scale, idx, w));
-        if (!rc) rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y, act);
+        if (!rc && act && act->input_scaled)
+            rc = k == 1 ? moe_scaled_input(x, T, H, I, idx, w, E, gate_up, down, scheme, g, ys, y, act) : -3;
+        else if (!rc)
+            rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y, act);
     }
     if (!rc && shared) {
         rc = coli_mlp_rows(shared, x, T, H, E > 0 ? s : y);

@@ -104,7 +104,10 @@ class AttnLayer(ctypes.Structure):
                 ("qk_eps", ctypes.c_float), ("clip", ctypes.c_float), ("rot", ctypes.c_int),
                 ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p),
                 ("bq", ctypes.c_void_p), ("bk", ctypes.c_void_p), ("bv", ctypes.c_void_p), ("bo", ctypes.c_void_p),
-                ("mla", ctypes.c_void_p)]  # a native_mla.MlaLayer's address: that block runs instead
+                ("mla", ctypes.c_void_p),  # a native_mla.MlaLayer's address: that block runs instead
+                # Llama 4: chunked attention; the NoPE layers' temperature table (f32 [temp_n]) and floor_scale
+                ("chunk", ctypes.c_int), ("temp", ctypes.c_void_p), ("temp_n", ctypes.c_long),
+                ("temp_floor", ctypes.c_float)]
 
 
 class Tail(ctypes.Structure):
@@ -136,7 +139,8 @@ class ExpertAct(ctypes.Structure):
     """coli_expert_act (common.h): the experts' activation (kind, alpha, limit) and per-expert bias tables."""
 
     _fields_ = [("kind", ctypes.c_int), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
-                ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p)]
+                ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p),
+                ("input_scaled", ctypes.c_int)]  # Llama 4: coli_moe_block scales the expert's input by the score
 
 
 class Mlp(ctypes.Structure):
@@ -316,11 +320,12 @@ class MoeTables:
     steps: a resident layer fills each entry once; a cached layer sets one entry per delivered expert
     and clears it after its call (a cache slot's memory is only valid until the next expert)."""
 
-    def __init__(self, n_experts: int, act: tuple[int, float, float] = (ACT_SILU, 0.0, 0.0)):
+    def __init__(self, n_experts: int, act: tuple[int, float, float] = (ACT_SILU, 0.0, 0.0),
+                 input_scaled: bool = False):
         self.n = n_experts
         self.gu, self.dn = (QW * n_experts)(), (QW * n_experts)()
         self.gub, self.dnb = (ctypes.c_void_p * n_experts)(), (ctypes.c_void_p * n_experts)()  # bf16 biases
-        self.act = ExpertAct(*act, ctypes.addressof(self.gub), ctypes.addressof(self.dnb))
+        self.act = ExpertAct(*act, ctypes.addressof(self.gub), ctypes.addressof(self.dnb), int(input_scaled))
         self.owner: list[tuple[int, int] | None] = [None] * n_experts  # (id(gate_up), id(down)) per entry
         self.scheme, self.group_size = "", 0  # of a table holding a whole layer (SwitchGLU.full_tables)
         self.biased = False  # some entry has a bias (then the kernel gets `act`, as for another activation)
@@ -341,7 +346,7 @@ class MoeTables:
 
     def act_ptr(self):
         """What the kernels get for `act`: None for plain SiLU-GLU without biases (the common case)."""
-        return ctypes.byref(self.act) if self.biased or self.act.kind != ACT_SILU else None
+        return ctypes.byref(self.act) if self.biased or self.act.kind != ACT_SILU or self.act.input_scaled else None
 
 
 def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, intermediate: int,

@@ -116,10 +116,13 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
                        const int *pos, void *const *kc, void *const *vc, long ks, long vs, const float *ctab,
                        const float *stab, long tab_rows, int64_t *idx, float *w, int *failed) {
     if (T < 1 || T > MAX_T) return -1;
-    int H = attn[0].hidden, rot = attn[0].rot, kmax = 0;
+    int H = attn[0].hidden, rot = 0, kmax = 0;
     for (int t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= tab_rows) return -1;
-    for (int l = 0; l < n_layers; l++) kmax = moe[l].k > kmax ? moe[l].k : kmax;
+    for (int l = 0; l < n_layers; l++) {
+        kmax = moe[l].k > kmax ? moe[l].k : kmax;
+        rot = attn[l].rot > rot ? attn[l].rot : rot;  /* (a layer without RoPE has 0: Llama 4's) */
+    }
     uint16_t *mid = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
     float *ys = (float *)malloc(sizeof(float) * (size_t)T * kmax * H);
     float *cs = (float *)malloc(sizeof(float) * (2 * (size_t)T * rot + 1)), *sn = cs + (size_t)T * rot;

@@ -501,9 +501,9 @@ class DecoderBlock(nn.Module):
         else:
             h = h + self.self_attn(self.input_layernorm(h), kv)
             x = self.post_attention_layernorm(h)
-        if type(self.mlp) is SparseMoE:
-            out = self.mlp.fused(x, h)
-            if out is not None:
-                return out
+        fused = type(self.mlp).__dict__.get("fused")  # (SparseMoE's, or a subclass's own)
+        out = None if fused is None else fused(self.mlp, x, h)
+        if out is not None:
+            return out
         # Routed experts also get the residual: their look-ahead predicts the next layer's routes from it.
         return h + (self.mlp(x, h) if self.routed else self.mlp(x))

@@ -5,8 +5,9 @@ one routed expert a token (sigmoid of its router logit, applied to the expert's 
 expert, or dense layers where `moe_layers` / `interleave_moe_layer_step` say so. The released
 checkpoints are multimodal (`llama4`, the text model under `text_config`): convert keeps the text model.
 
-These layers run on torch's attention and the routed-expert kernels; the fused native blocks and the
-one-call step do not take them (their attention and routing differ from the blocks')."""
+At bf16 on the CPU the layers take the fused native blocks and the one-call step like the other families:
+kernels/block.c has the L2 norm after the rotary, the temperature and the chunks; kernels/moe.c the scaled
+input (its `coli_expert_act.input_scaled`)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,12 @@ class Llama4Attention(Attention):
         self.use_rope, self.l2, self.chunk = use_rope, qk_norm, chunk
         self.register_buffer("ones", torch.ones(a.head_dim), persistent=False)  # the L2 norm's weight
         self.temperature = temperature  # (floor_scale, attn_scale) on a layer without RoPE, else None
+        if temperature is not None:
+            # The scale of every m = floor((pos + 1) / floor_scale) up to max(max_pos, 2^20) positions: torch's
+            # values, which the native block reads too (one table: the paths cannot differ in a last bit).
+            floor_scale, attn_scale = temperature
+            m = torch.arange(max(a.max_pos, 1 << 20) // int(floor_scale) + 2, dtype=torch.float32)
+            self.register_buffer("temp", torch.log(m + 1.0) * attn_scale + 1.0, persistent=False)  # [M]
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         a, T = self.a, x.shape[0]
@@ -118,8 +125,8 @@ class Llama4Attention(Attention):
             q, k = rms_norm(q, self.ones, a.norm_eps), rms_norm(k, self.ones, a.norm_eps)  # weightless L2Norm
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
-            pos = self._positions(kv, T, x.device)  # [T] f32
-            scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+            m = torch.floor((self._positions(kv, T, x.device) + 1.0) / floor_scale)  # [T] f32
+            scale = self.temp[m.long()] if int(m.max()) < self.temp.shape[0] else torch.log(m + 1.0) * attn_scale + 1.0
             q = (q * scale[:, None, None]).to(q.dtype)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         outs = []
@@ -127,6 +134,30 @@ class Llama4Attention(Attention):
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
             outs.append(self._attend(q[:, r0:r1], k_all, v_all, start))
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Attention.fused (kernels/block.c) where the rows' positions are in the temperature table."""
+        if self.temperature is not None and self.pos_limit() <= (kv.pos + h.shape[0] if isinstance(kv.pos, int)
+                                                                  else int(kv.pos.max()) + 1):
+            return None
+        return super().fused(h, kv, in_norm, post_norm)
+
+    def pos_limit(self) -> int:
+        """Positions below this have a temperature table entry (the native block's limit)."""
+        return (self.temp.shape[0] - 1) * int(self.temperature[0]) - 1 if self.temperature is not None else 1 << 62
+
+    def _build_native_layer(self, in_norm, post_norm):
+        layer = super()._build_native_layer(in_norm, post_norm)
+        if layer is None:
+            return None
+        if self.l2:  # mode 3: per head after the rotary, weights of ones
+            layer.qk_norm, layer.qn_w, layer.kn_w = 3, self.ones.data_ptr(), self.ones.data_ptr()
+            layer.qk_eps = self.a.norm_eps
+        layer.rot = self.rope.dim if self.use_rope else 0
+        layer.chunk = self.chunk or 0
+        if self.temperature is not None:
+            layer.temp, layer.temp_n, layer.temp_floor = self.temp.data_ptr(), self.temp.shape[0], self.temperature[0]
+        return layer
 
     @staticmethod
     def _positions(kv: LayerKV, T: int, device: torch.device) -> torch.Tensor:
@@ -179,6 +210,10 @@ class Llama4MoE(SparseMoE):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.experts.input_scaled = True  # (the scores still reach the routing log and trace)
+
+    def fused(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """SparseMoE.fused: the kernel scales the input (the experts' tables say input_scaled)."""
+        return super().fused(x, h)
 
     def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
         idx, score = self.gate(x)  # [T, 1] x2

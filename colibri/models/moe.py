@@ -98,7 +98,7 @@ class SwitchGLU(nn.Module):
             return self._experts(x, idx, weights, itertools.chain([first] if first else [], fetched))
         m = first[1].gate_up
         if self._tables is None:
-            self._tables = native.MoeTables(self.num_experts, self.native_act)
+            self._tables = native.MoeTables(self.num_experts, self.native_act, self.input_scaled)
         tables, resident = self._tables, self.source.holds_all(self.layer)
         x, idx, weights = x.contiguous(), idx.contiguous(), weights.float().contiguous()
         ys = torch.empty(idx.numel(), self.hidden, dtype=torch.float32)  # [T*k, H] each slot's expert output
@@ -155,7 +155,7 @@ class SwitchGLU(nn.Module):
             full = False
             ws = list(self.source.fetch(self.layer, list(range(self.num_experts))))
             if ws and all(_native_expert(w, ws[0][1].gate_up) for _, w in ws):
-                full = native.MoeTables(self.num_experts, self.native_act)
+                full = native.MoeTables(self.num_experts, self.native_act, self.input_scaled)
                 full.scheme, full.group_size = ws[0][1].gate_up.scheme, ws[0][1].gate_up.group_size
                 for e, w in ws:
                     full.set(e, w.gate_up, w.down)

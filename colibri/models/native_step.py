@@ -52,6 +52,9 @@ class _Plan:
         self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
         self.rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # the f32 rotary tables the call reads ...
         self.rope_ptrs = (0, 0, 0)  # ... as (cos pointer, sin pointer, rows)
+        # positions the layers take (Llama 4's temperature tables end somewhere)
+        self.pos_limit = min((b.self_attn.pos_limit() for b in blocks if hasattr(b.self_attn, "pos_limit")),
+                             default=1 << 62)
 
     def _layer(self, b: DecoderBlock, t: native.MoeTables | None, mlp: native.Mlp | None) -> native.MoeLayer:
         shared = None if mlp is None else ctypes.addressof(mlp)
@@ -93,17 +96,22 @@ def one_call_shape(blocks) -> bool:
     planner asks this of a model skeleton; `_build` also needs the weights resident, quantized and on the CPU."""
     ks = set()
     for b in blocks:
+        # (a subclass of these with its own `fused` runs the same kernels: Llama 4's attention and MoE)
         if type(b) is not DecoderBlock or type(b.self_attn) is not type(blocks[0].self_attn) \
-                or type(b.self_attn) not in (Attention, MLAttention) or type(b.mlp) not in (SparseMoE, MLP):
+                or not _fusable(b.self_attn, (Attention, MLAttention)) or not _fusable(b.mlp, (SparseMoE, MLP)):
             return False
         moe = b.mlp
-        if type(moe) is MLP:
+        if isinstance(moe, MLP):
             continue
         shared = getattr(moe, moe.shared_name, None)
         if native_routing(moe.gate) is None or (shared is not None and type(shared) is not MLP):
             return False
         ks.add(moe.gate.top_k)
     return len(ks) == 1
+
+
+def _fusable(m: nn.Module, kinds: tuple[type, ...]) -> bool:
+    return type(m) in kinds or (isinstance(m, kinds) and "fused" in type(m).__dict__)
 
 
 def _build(blocks: nn.ModuleList) -> _Plan | None:
@@ -123,7 +131,7 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
             keep.append(layer)
             layer = native.AttnLayer(hidden=layer.hidden, rot=layer.rope, mla=ctypes.addressof(layer))
         attn.append(layer)
-        if type(b.mlp) is MLP:
+        if isinstance(b.mlp, MLP):
             mlp, t = native_mlp.table(b.mlp), None
         else:
             ex = b.mlp.experts
@@ -240,7 +248,7 @@ def _args(plan: _Plan, batch: StepBatch, T: int, steps: int = 1) -> tuple | None
     slots = [_slot(plan, s.caches) for s in batch.seqs]
     pos: list[int] = []
     for s, slot in zip(batch.seqs, slots):
-        if slot is None or s.start + s.r1 - s.r0 + steps - 1 > slot.ctx \
+        if slot is None or s.start + s.r1 - s.r0 + steps - 1 > min(slot.ctx, plan.pos_limit) \
                 or (slot.ks, slot.vs) != (slots[0].ks, slots[0].vs):
             return None  # (a full context: the per-layer path raises the error)
         if plan.mla is not None and not plan.mla.native_form(s.r1 - s.r0, s.start + s.r1 - s.r0):
