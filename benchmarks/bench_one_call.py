@@ -77,6 +77,7 @@ SHAPES = {
     "llama4_text": {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "intermediate_size": 512,
                     "intermediate_size_mlp": 2048, "num_local_experts": 32, "num_experts_per_tok": 1,
                     "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "floor_scale": 8192,
+                    "attention_bias": False,  # (as released; llama.cpp's loader has no place for them)
                     "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
                                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                         "original_max_position_embeddings": 8192}},
