@@ -4,7 +4,7 @@
         [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
-block is kernels/mla.c; llama4_text) gets a random checkpoint of the
+block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; llama4_text) gets a random checkpoint of the
 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's top-1; its shared
 expert / dense layer 2048 wide; transformers' own initialisation), converted once. The same loaded model
 then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
@@ -82,6 +82,8 @@ SHAPES = {
                                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                         "original_max_position_embeddings": 8192}},
 }
+# DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
+SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 
@@ -178,7 +180,7 @@ def main() -> None:
         if not coli.exists():
             src = root / f"{fam}-hf"
             if not (src / "config.json").exists():
-                make_tiny_checkpoint(fam, src, **SHAPES[fam])
+                make_tiny_checkpoint(fam.split("-")[0], src, **SHAPES[fam])  # (a variant: "family-name")
             convert(src, coli, a.scheme, progress=False)
         with colibri.load(coli, threads=a.threads, ctx_size=256) as llm:
             _decode(llm, 16)  # warm-up: the thread-count timing, the kernels' first builds

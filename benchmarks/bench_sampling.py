@@ -10,8 +10,10 @@
    peaked one (a trained model's typical step: logits N(0, 1) plus a few tokens 8-12 above) and a flat
    one (N(0, 1) scaled by 3: the nucleus holds thousands of tokens, the sampler's worst case).
 2. With --model (default: bench_batch's 32k-vocabulary 0.44B model when present): generate_batch of
-   1 and 8 requests, 64 tokens each, greedy vs sampled (temperature 0.8, top_p 0.95, seeded), aggregate
-   tok/s, 3 rounds interleaved, each setting's median; the load average with each figure.
+   1 and 8 requests, 64 tokens each, greedy vs sampled (temperature 0.8, top_p 0.95, seeded) vs Ollama's
+   defaults (server/ollama.py: temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64
+   tokens), aggregate tok/s, 3 rounds interleaved, each setting's median; the load average with each figure.
+   `--batch-only` skips part 1.
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ def batch_table(model: Path, threads: int) -> None:
     llm = colibri.load(str(model), slots=8, threads=threads)
     prompts = [f"Request {i}: tell me a story." for i in range(8)]
     runs: dict[tuple[str, int], list[float]] = {}
-    settings = {"greedy": {"temperature": 0.0}, "t0.8 top_p0.95": {"temperature": 0.8, "top_p": 0.95, "seed": 1}}
+    settings = {"greedy": {"temperature": 0.0}, "t0.8 top_p0.95": {"temperature": 0.8, "top_p": 0.95, "seed": 1},
+                "ollama": {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64,
+                           "seed": 1}}
     for _ in range(3):
         for name, kw in settings.items():
             for n in (1, 8):
@@ -109,7 +113,9 @@ def batch_table(model: Path, threads: int) -> None:
           f"{os.getloadavg()[0]:.1f})")
     for n in (1, 8):
         g, s = statistics.median(runs[("greedy", n)]), statistics.median(runs[("t0.8 top_p0.95", n)])
-        print(f"  N={n}: greedy {g:.1f}, sampled {s:.1f} ({s / g:.2f}x greedy)")
+        o = statistics.median(runs[("ollama", n)])
+        print(f"  N={n}: greedy {g:.1f}, sampled {s:.1f} ({s / g:.2f}x greedy), Ollama's defaults {o:.1f} "
+              f"({o / g:.2f}x greedy)")
 
 
 def main() -> None:
@@ -117,9 +123,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 50304, 152064])
     ap.add_argument("--model", type=Path, default=Path("/tmp/colibri-bench/olmoe-0.44b-v32k.int8.coli"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-only", action="store_true", help="only part 2 (generate_batch)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    sampler_table(a.vocab)
+    if not a.batch_only:
+        sampler_table(a.vocab)
     if a.model.exists():
         batch_table(a.model, a.threads)
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from colibri.engine import runner
-from colibri.kernels import native
+from colibri.kernels import native, native_run
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
@@ -15,13 +15,13 @@ PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3, 88, 120, 31, 9]
 
 def _spy_runs(monkeypatch) -> list[int]:
     """Steps per coli_decode_run call, recorded."""
-    real, runs = native.decode_run, []
+    real, runs = native_run.decode_run, []
 
     def spy(*a):
         out = real(*a)
         runs.append(len(out[0]))
         return out
-    monkeypatch.setattr(native, "decode_run", spy)
+    monkeypatch.setattr(native_run, "decode_run", spy)
     return runs
 
 
@@ -30,7 +30,8 @@ def _go(llm, monkeypatch, run_s: float, **kw) -> tuple[list[int], str, dict, lis
     with monkeypatch.context() as mp:
         mp.setattr(runner, "RUN_S", run_s)
         runs = _spy_runs(mp)
-        h = llm.submit(kw.pop("prompt", PROMPT), temperature=0, **kw)
+        kw.setdefault("temperature", 0)
+        h = llm.submit(kw.pop("prompt", PROMPT), **kw)
         toks = h.wait()
     st = h.stats
     return toks, h.finish_reason, {"own": st.experts_own, "fetched": st.experts_fetched_share,
@@ -74,14 +75,13 @@ def test_native_runs_give_the_tokens_of_single_steps(ckpt, monkeypatch, model_ty
 
 
 def test_requests_that_need_each_steps_logits_take_single_steps(ckpt, monkeypatch) -> None:
-    """Log-probs, penalties and logit biases need the logits of every step in Python: such a request never
-    takes a native run, sampled or greedy; two greedy requests run together."""
+    """Log-probs need the logits of every step in Python: such a request never takes a native run, sampled or
+    greedy; two greedy requests run together."""
     import colibri
 
     llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, slots=2, threads=2)
     try:
-        for kw in ({"logprobs": 2}, {"repeat_penalty": 1.3}, {"logit_bias": {5: 2.0}}, {"frequency_penalty": 0.5},
-                   {"temperature": 0.8, "seed": 1, "presence_penalty": 0.5}):
+        for kw in ({"logprobs": 2}, {"temperature": 0.8, "seed": 1, "logprobs": 0, "repeat_penalty": 1.1}):
             with monkeypatch.context() as mp:
                 mp.setattr(runner, "RUN_S", 10.0)
                 runs = _spy_runs(mp)
@@ -96,6 +96,32 @@ def test_requests_that_need_each_steps_logits_take_single_steps(ckpt, monkeypatc
         assert outs == [ref, ref]
     finally:
         llm.close()
+
+
+PROCESSORS = [{"repeat_penalty": 1.5}, {"repeat_penalty": 1.5, "repeat_last_n": 4},
+              {"repeat_penalty": 0.5, "repeat_last_n": -1}, {"logit_bias": {5: 2.0, 159: -100.0, 88: 3.5}},
+              {"frequency_penalty": 1.5}, {"presence_penalty": 2.0, "frequency_penalty": -0.5},
+              # Ollama's defaults (server/ollama.py), sampled
+              {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64, "seed": 3}]
+
+
+@pytest.mark.parametrize("kw", PROCESSORS)
+def test_logit_processors_run_natively_with_the_tokens_of_single_steps(ckpt, monkeypatch, kw) -> None:
+    """A logit bias, the repetition penalty (a window of the last n tokens, the prompt's included, or all of
+    them) and the presence / frequency penalties apply in native runs (kernels/procs.c) as step by step
+    (engine/sampling.py TokenPicker.processed): the same tokens, which they change."""
+    import colibri
+
+    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, threads=2, cache_prompt=False)
+    try:
+        plain, _, _, _ = _go(llm, monkeypatch, 0.0, max_tokens=40, ignore_eos=True,
+                             **{k: v for k, v in kw.items() if k in ("temperature", "top_k", "top_p", "seed")})
+        ref, _, _, runs = _go(llm, monkeypatch, 0.0, max_tokens=40, ignore_eos=True, **kw)
+        assert runs == [] and len(ref) == 40 and ref != plain
+        got, _, _, runs = _go(llm, monkeypatch, 10.0, max_tokens=40, ignore_eos=True, **kw)
+    finally:
+        llm.close()
+    assert got == ref and runs and max(runs) > 1
 
 
 def test_runs_wait_until_the_thread_count_is_chosen(ckpt, monkeypatch) -> None:
@@ -121,7 +147,7 @@ def test_concurrent_greedy_requests_run_together(ckpt, monkeypatch) -> None:
     prompts = [PROMPT, PROMPT[:9], [1, 250, 251, 33, 34, 35, 90, 91, 92, 17]]
     llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=64, slots=3, threads=2, cache_prompt=False)
     shapes: list[int] = []
-    real = native.decode_run
+    real = native_run.decode_run
 
     def spy(*a):
         out = real(*a)
@@ -131,7 +157,7 @@ def test_concurrent_greedy_requests_run_together(ckpt, monkeypatch) -> None:
     def batch(run_s: float, stop: tuple[int, ...] = ()) -> tuple[list, dict]:
         with monkeypatch.context() as mp:
             mp.setattr(runner, "RUN_S", run_s)
-            mp.setattr(native, "decode_run", spy)
+            mp.setattr(native_run, "decode_run", spy)
             before = llm.metrics()
             # submitted together: the first admit takes all three, their prompts share the first step
             hs = [llm.submit(p, max_tokens=30, temperature=0, ignore_eos=True, stop_ids=stop) for p in prompts]
@@ -212,3 +238,34 @@ def test_sampled_requests_run_natively_with_the_tokens_of_single_steps(ckpt, mon
         assert got[2] == (ref[2][0][:first], "stop") and runs
     finally:
         llm.close()
+
+
+def test_rows_with_and_without_processors_share_a_run(ckpt, monkeypatch) -> None:
+    """Two greedy requests, one with penalties and a bias, one plain, decode in the same native runs (a
+    row without processors has none applied) with the tokens each gets one step at a time."""
+    import colibri
+
+    kws = [{"repeat_penalty": 1.5, "repeat_last_n": 8, "frequency_penalty": 0.5, "logit_bias": {159: -100.0}}, {}]
+    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, slots=2, threads=2, cache_prompt=False)
+    rows: list[int] = []
+    real = native_run.decode_run
+
+    def spy(*a):
+        out = real(*a)
+        rows.append(out[1].shape[2])
+        return out
+
+    def both(run_s: float) -> list[list[int]]:
+        with monkeypatch.context() as mp:
+            mp.setattr(runner, "RUN_S", run_s)
+            mp.setattr(native_run, "decode_run", spy)
+            hs = [llm.submit(PROMPT, max_tokens=30, temperature=0, ignore_eos=True, **kw) for kw in kws]
+            return [h.wait() for h in hs]
+
+    try:
+        both(0.0)  # (the thread counts timed for two rows)
+        ref = both(0.0)
+        got = both(10.0)
+    finally:
+        llm.close()
+    assert got == ref and ref[0] != ref[1] and 2 in rows

@@ -84,10 +84,11 @@ def test_one_group_routing_runs_in_the_kernels_and_gives_torchs_tokens(ckpt, mon
     path = ckpt.coli("glm4_moe", "int4", n_group=1, topk_group=1)
     ids = [1, 17, 42, 99, 7, 150, 23, 64]
     native_calls = []
-    for name in ("route", "decode_step", "decode_run"):  # per layer, or inside the one-call step
-        real = getattr(glm4_moe.native, name)
-        monkeypatch.setattr(glm4_moe.native, name,
-                            lambda *a, _r=real, _n=name, **k: native_calls.append(_n) or _r(*a, **k))
+    from colibri.kernels import native_run
+
+    for mod, name in ((glm4_moe.native, "route"), (glm4_moe.native, "decode_step"), (native_run, "decode_run")):
+        real = getattr(mod, name)  # per layer, or inside the one-call step
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: native_calls.append(_n) or _r(*a, **k))
     with colibri.load(path) as llm:
         got = list(llm.generate_ids(ids, max_tokens=12, ignore_eos=True))
     assert "decode_step" in native_calls  # the whole step (dense layer, shared experts) in the kernels

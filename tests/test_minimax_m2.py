@@ -62,10 +62,10 @@ def test_both_layouts_convert_to_transformers_logits(ckpt, tmp_path):
 def test_int4_decode_takes_the_one_call_step(ckpt):
     """Its router (sigmoid, selection bias) is one the kernels run: the whole decode step is one native call
     (coli_decode_step), or several in one (coli_decode_run, a lone greedy request)."""
-    from colibri.kernels import native
+    from colibri.kernels import native, native_run
 
     calls = []
-    step, run = native.decode_step, native.decode_run
+    step, run = native.decode_step, native_run.decode_run
 
     def spy_step(*a, **k):
         calls.append(1)
@@ -76,10 +76,10 @@ def test_int4_decode_takes_the_one_call_step(ckpt):
         calls.append(len(out[0]))
         return out
 
-    native.decode_step, native.decode_run = spy_step, spy_run
+    native.decode_step, native_run.decode_run = spy_step, spy_run
     try:
         with colibri.load(ckpt.coli("minimax_m2", "int4")) as llm:
             out = list(llm.generate_ids(PROMPT_IDS, max_tokens=6, ignore_eos=True))
     finally:
-        native.decode_step, native.decode_run = step, run
+        native.decode_step, native_run.decode_run = step, run
     assert len(out) == 6 and sum(calls) >= 5  # steps (the prompt may be one larger step)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri.kernels import native
+from colibri.kernels import native, native_run
 from colibri.models.batch import LayerKV
 from colibri.models.layers import Linear, RMSNorm
 from colibri.models.mla import MLAArgs, MLAttention
@@ -141,9 +141,9 @@ def test_deepseek_decode_takes_the_block_and_batches_exactly(ckpt, monkeypatch, 
         return r
 
     steps: list[int] = []
-    for name in ("decode_run", "decode_step"):
-        fn = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, _fn=fn, **k: steps.append(1) or _fn(*a, **k))
+    for mod, name in ((native_run, "decode_run"), (native, "decode_step")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, **k: steps.append(1) or _fn(*a, **k))
     monkeypatch.setattr(MLAttention, "fused", spy)
     llm = colibri.load(ckpt.coli(model_type, "int8", **overrides), ctx_size=64, slots=2, threads=2)
     try:

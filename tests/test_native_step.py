@@ -56,6 +56,7 @@ def _spy(real, seen: list[bool]):
     ("qwen2_moe", {"shared_expert_intermediate_size": 64}),
     # biases, partial RoPE, q/k norm, a dense first layer, shared experts (the kernels' one-group router)
     ("glm4_moe", {"n_group": 1, "topk_group": 1}), ("dots1", {"n_group": 1, "topk_group": 1}),
+    ("glm4_moe", {}),  # (the tiny config's two router groups, one kept: kernels/moe.c keep_groups)
     ("ernie4_5_moe", {}),  # (its softmax router with a selection bias)
     ("gpt_oss", {}),  # (q/k/v/o biases, sinks, its router, its experts' activation and biases)
     # the L2 q/k norm after RoPE, a layer without RoPE and its temperature, chunked attention, the expert's
@@ -63,6 +64,7 @@ def _spy(real, seen: list[bool]):
     ("llama4_text", {}),
     # MLA (kernels/mla.c) in the attention block's place: q_proj and interleaved RoPE; q LoRA
     ("deepseek_v2", {"topk_method": "greedy", "kv_lora_rank": 32}),
+    ("deepseek_v2", {"kv_lora_rank": 32}),  # (group_limited_greedy, 2 of 4 groups)
     ("deepseek_v3", {"n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 32})])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:

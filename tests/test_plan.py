@@ -153,14 +153,15 @@ def test_a_one_call_model_costs_its_bytes_and_a_per_layer_step(sizes):
 
 
 def test_one_call_shape_read_from_real_containers(ckpt):
-    """olmoe, minimax_m2 and qwen2_moe (a gated shared expert, a dense layer) at int4 have the one-call shape;
-    deepseek_v2 (MLA), glm4_moe with two router groups, and f32 do not."""
+    """olmoe, minimax_m2, qwen2_moe (a gated shared expert, a dense layer), deepseek_v2 (MLA, group-limited
+    routing), glm4_moe (two router groups) and llama4_text at int4 have the one-call shape; f32 does not."""
     def one_call(model_type: str, scheme: str) -> bool:
         with Container(ckpt.coli(model_type, scheme)) as c:
             return PlanSizes.from_container(c).one_call
 
-    assert one_call("olmoe", "int4") and one_call("minimax_m2", "int4") and one_call("qwen2_moe", "int4")
-    assert not one_call("deepseek_v2", "int4") and not one_call("glm4_moe", "int4") and not one_call("olmoe", "f32")
+    assert all(one_call(t, "int4") for t in ("olmoe", "minimax_m2", "qwen2_moe", "deepseek_v2", "glm4_moe",
+                                             "llama4_text"))
+    assert not one_call("olmoe", "f32")
 
 
 def test_gpu_layers_fit_vram_minus_headroom(sizes):

@@ -143,17 +143,21 @@ def test_v3_router_matches_transformers():
     _compare(ref, ours)
 
 
-@pytest.mark.parametrize("method,norm", [("greedy", False), ("greedy", True), ("group_limited_greedy", False)])
-def test_v2_greedy_router_routes_natively_as_transformers(method, norm):
-    """Greedy top-k (V2-Lite), or every group kept: bf16 rows take the native softmax rule, weights times
-    routed_scaling_factor, with transformers' experts and weights; renormalised (norm_topk_prob, which
-    transformers' port ignores and DeepSeek's own code honours) as our torch rule does."""
+@pytest.mark.parametrize("method,norm,topk_group", [("greedy", False, 4), ("greedy", True, 4),
+                                                    ("group_limited_greedy", False, 4),
+                                                    ("group_limited_greedy", False, 2),
+                                                    ("group_limited_greedy", False, 1)])
+def test_v2_greedy_router_routes_natively_as_transformers(method, norm, topk_group):
+    """Greedy top-k (V2-Lite), or group-limited (V2: the topk_group groups with the best expert): bf16 rows
+    take the native softmax rule, weights times routed_scaling_factor, with transformers' experts and
+    weights; renormalised (norm_topk_prob, which transformers' port ignores and DeepSeek's own code honours)
+    as our torch rule does."""
     from colibri.kernels import native
 
     if not native.available():
         pytest.skip(f"native kernels: {native.why_unavailable()}")
     cfg = DeepseekV2Config(hidden_size=64, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4,
-                           topk_method=method, n_group=4, topk_group=4, routed_scaling_factor=2.5,
+                           topk_method=method, n_group=4, topk_group=topk_group, routed_scaling_factor=2.5,
                            norm_topk_prob=norm)
     ref = DeepseekV2TopkRouter(cfg)
     ours = deepseek_v2.Router(deepseek_v2.ModelArgs.from_dict(cfg.to_dict() | {"moe_intermediate_size": 4}))
@@ -169,9 +173,10 @@ def test_v2_greedy_router_routes_natively_as_transformers(method, norm):
     torch.testing.assert_close(w.sum(-1), torch.ones(64))
 
 
-@pytest.mark.parametrize("groups", [(1, 1), (4, 4)])
-def test_v3_router_with_every_group_kept_routes_natively_as_transformers(groups):
-    """One group (Kimi-K2, Moonlight), or all groups kept: bf16 rows take the native sigmoid rule, with
+@pytest.mark.parametrize("groups", [(1, 1), (4, 4), (4, 2), (8, 3)])
+def test_v3_router_routes_natively_as_transformers(groups):
+    """One group (Kimi-K2, Moonlight), all groups kept, or group-limited (DeepSeek-V3/R1: the topk_group groups
+    with the best sum of two): bf16 rows take the native sigmoid rule, with
     transformers' experts and weights (f32 rows route in torch, the oracle's path)."""
     from colibri.kernels import native
 

@@ -117,8 +117,9 @@ class Runner:
             o += n_out
 
     def _run(self, chunks: list[Chunk], n_threads: int) -> bool:
-        """Decode requests that need nothing of a step but its token (greedy, or sampling without
-        processors or log-probs: `TokenPicker.run_spec`) several steps in one native call (coli_decode_run)
+        """Decode requests that need nothing of a step but its token (greedy or sampled, with a logit bias and
+        penalties or not, without a grammar or log-probs: `TokenPicker.run_spec`, `run_procs`) several steps in
+        one native call (coli_decode_run)
         when nothing else waits and no listener watches each step: the Python of a step (scheduling,
         counters, the tokens' hand-off) is then paid once per RUN_S of decoding instead of per step. Same
         kernels, same picks (a sampled row takes the uniforms of its next tokens ahead: sampling.stream),
@@ -128,13 +129,14 @@ class Runner:
             return False
         n = max(int((RUN_S if self.run_s is None else self.run_s) / self._step_s.get(T, 1.0)), 1)
         stops: set[int] = set()
-        specs = []
+        specs, procs = [], []
         for c in chunks:
             a, h = c.a, c.a.h
             spec = a.picker.run_spec
             if c.start < a.prompt_len or not c.sample or c.all_rows or spec is None:
                 return False
             specs.append(spec)
+            procs.append(a.picker.run_procs())
             n = min(n, h.max_tokens - h.stats.generated, self.sched.slots.ctx - a.fed)
             stops |= h.stop_ids if h.ignore_eos else h.stop_ids | self.eos_ids()
         if n < 2:
@@ -145,7 +147,8 @@ class Runner:
         try:
             got = native_step.run_steps(self.model, [c.tokens[0] for c in chunks], StepBatch(seqs), n,
                                         _ids(sorted(stops)), specs if sampled else None,
-                                        [c.a.picker.uniforms(n) if sp[0] > 0 else [] for c, sp in zip(chunks, specs)])
+                                        [c.a.picker.uniforms(n) if sp[0] > 0 else [] for c, sp in zip(chunks, specs)],
+                                        procs if any(p is not None for p in procs) else None)
         except BaseException as e:  # noqa: BLE001 - as in _step
             self._failed(chunks, e)
             return True

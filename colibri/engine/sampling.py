@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -170,6 +171,21 @@ def sample_with(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return i if ids is None else int(ids[i])
 
 
+@dataclass
+class RunProcs:
+    """A request's logit processors as a native run applies them (kernels/procs.c), `processed`'s rules: the
+    bias; the repetition penalty over the last `window` tokens (< 0: all), of which `history` holds those the
+    run's first step can reach; the presence / frequency penalties over the generated tokens' `counts`."""
+
+    bias: dict[int, float]
+    repeat_penalty: float
+    window: int
+    history: list[int]
+    presence: float
+    frequency: float
+    counts: dict[int, int]
+
+
 class TokenPicker:
     """One request's processors + sampler, and the history they need."""
 
@@ -229,16 +245,27 @@ class TokenPicker:
 
     @property
     def run_spec(self) -> tuple[float, int, float, float] | None:
-        """(temperature, top_k, top_p, min_p) when the token depends on the raw logits and one uniform
-        alone (no processor, no log-probs): what coli_decode_run picks itself (temperature 0: the
+        """(temperature, top_k, top_p, min_p) when the token depends on the logits after `run_procs` and one
+        uniform alone (no grammar, no log-probs): what coli_decode_run picks itself (temperature 0: the
         argmax); else None."""
         sp = self.sp
-        if self.bias_ids is not None or self.history is not None or self.constraint is not None \
-                or sp.presence_penalty or sp.frequency_penalty or sp.logprobs is not None:
+        if self.constraint is not None or sp.logprobs is not None:
             return None
         if self.sample is greedy:
             return (0.0, 0, 1.0, 0.0)
         return (sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+
+    def run_procs(self) -> RunProcs | None:
+        """The processors a native run applies before its picks (None: none applies)."""
+        sp = self.sp
+        pen = bool(sp.presence_penalty or sp.frequency_penalty)
+        if self.bias_ids is None and self.history is None and not pen:
+            return None
+        window = sp.repeat_last_n
+        hist = self.history or []
+        return RunProcs(dict(sp.logit_bias or {}), sp.repeat_penalty, window if self.history is not None else 0,
+                        hist[-window:] if window > 0 else list(hist), sp.presence_penalty, sp.frequency_penalty,
+                        dict(self.counts) if pen else {})
 
     def uniforms(self, n: int) -> list[float]:
         """The uniforms of this request's next n sampled tokens (a native run's, taken ahead)."""

@@ -120,12 +120,29 @@ typedef struct {
                         * unweighted (Llama 4); coli_moe takes the rows scaled already and ignores it */
 } coli_expert_act;
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
-                   int kind, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
+                   int kind, int n_group, int topk_group, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
                    const coli_expert_act *act);
 int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y);
 /* sample.c: one token from a logits row (temperature > 0), u in [0, 1); -1 a row it cannot sample. */
 long coli_sample(const float *x, long V, float temperature, int top_k, float top_p, float min_p, double u);
+/* procs.c: a row's logit processors in coli_decode_run (kernels/native.py Procs). hist and gen_ids /
+ * gen_counts have room for the run's tokens too. */
+typedef struct {
+    const int64_t *bias_ids;
+    const float *bias;
+    int n_bias;
+    float repeat_penalty;
+    int window;            /* the repetition penalty's last tokens (< 0: all) */
+    int64_t *hist;         /* the row's tokens so far (the last `window` of them at least) */
+    int n_hist;
+    float presence, frequency;
+    int64_t *gen_ids;      /* the distinct tokens generated so far ... */
+    int *gen_counts;       /* ... and how often each */
+    int n_gen;
+} coli_procs;
+int coli_procs_apply(const coli_procs *p, float *row, long V, int *mark, int stamp);
+void coli_procs_took(coli_procs *p, int64_t tok);
 
 /* Stage timers inside a decode step, for benchmarks/profile_decode.py --stages: compiled in only with
  * -DCOLI_PROF (COLIBRI_NATIVE_CFLAGS); PROF(stage, statement) is the statement alone otherwise. The

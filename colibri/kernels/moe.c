@@ -252,6 +252,7 @@ done:
 typedef struct {
     const void *x;
     int bf16, T, H, E, k, norm, kind;  /* kind: common.h's ROUTE_* */
+    int n_group, topk_group;           /* group-limited selection (DeepSeek): keep_groups */
     const float *W;
     const float *bias;  /* the bias [E] of the biased kinds (selection-only, or gpt-oss's logit bias) */
     float scale;        /* ROUTE_SOFTMAX (not renormalised) and ROUTE_SIGMOID: the weights' factor;
@@ -278,12 +279,42 @@ static inline float route_logit(const float *xf, const float *W, int e, int H) {
 
 /* A row's routes from its E logits p (overwritten): softmax, the k largest, optionally renormalised.
  * Returns 0, or -5 for NaN logits. */
-static int route_select(float *p, int E, int k, int norm, int64_t *ix, float *wt) {
+/* Group-limited selection (DeepSeek): of G equal groups of the E values p, keep the tg with the best
+ * scores -- a group's best value, or with `two` the sum of its two best (V3's noaux_tc, GLM-4.5's), as torch's
+ * topk(2).values.sum() -- ties to the lower group, and set every value of the other groups to `off`, which
+ * the selection then skips. */
+#define MAX_GROUPS 64
+static void keep_groups(float *p, int E, int G, int tg, int two, float off) {
+    if (G <= 1 || tg >= G) return;
+    int per = E / G, keep[MAX_GROUPS];
+    float gs[MAX_GROUPS];
+    for (int g = 0; g < G; g++) {
+        float b1 = -INFINITY, b2 = -INFINITY;
+        for (int e = g * per; e < (g + 1) * per; e++) {
+            if (p[e] > b1) b2 = b1, b1 = p[e];
+            else if (p[e] > b2) b2 = p[e];
+        }
+        gs[g] = two && per > 1 ? b1 + b2 : b1;
+        keep[g] = 0;
+    }
+    for (int j = 0; j < tg; j++) {
+        int best = -1;
+        for (int g = 0; g < G; g++)
+            if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        keep[best] = 1;
+    }
+    for (int g = 0; g < G; g++)
+        if (!keep[g])
+            for (int e = g * per; e < (g + 1) * per; e++) p[e] = off;
+}
+
+static int route_select(float *p, int E, int k, int norm, int64_t *ix, float *wt, int G, int tg) {
     float mx = -INFINITY;
     for (int e = 0; e < E; e++)
         if (p[e] > mx) mx = p[e];
     float den = 0.f;
     for (int e = 0; e < E; e++) { p[e] = expf(p[e] - mx); den += p[e]; }
+    keep_groups(p, E, G, tg, 0, -1.f);  /* (the order of p is the probabilities'; -1: not chosen) */
     float sum = 0.f;
     for (int jj = 0; jj < k; jj++) {  /* k passes of a max scan: k and E are small */
         int best = -1;
@@ -320,12 +351,13 @@ static int take_top(float *p, int E, int k, int64_t *ix) {
  * GroupLimitedRouter with n_group 1. p (E logits) is overwritten, s is E floats of scratch. Returns 0, or
  * -5 for NaN logits. */
 static int route_select_sigmoid(float *p, float *s, int E, int k, int norm, const float *bias, float scale,
-                                int64_t *ix, float *wt) {
+                                int64_t *ix, float *wt, int G, int tg) {
     for (int e = 0; e < E; e++) {
         if (p[e] != p[e]) return -5;
         s[e] = 1.f / (1.f + expf(-p[e]));
         p[e] = s[e] + bias[e];
     }
+    keep_groups(p, E, G, tg, 1, -INFINITY);
     if (take_top(p, E, k, ix)) return -5;
     float sum = 0.f;
     for (int jj = 0; jj < k; jj++) sum += wt[jj] = s[ix[jj]];
@@ -377,9 +409,10 @@ static int route_row(const route_job *j, float *p, float *s, long t) {
     int64_t *ix = j->idx + t * j->k;
     float *wt = j->w + t * j->k;
     if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, s, j->E, j->k, j->bias, ix, wt);
-    if (j->kind == ROUTE_SIGMOID) return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
+    if (j->kind == ROUTE_SIGMOID)
+        return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt, j->n_group, j->topk_group);
     if (j->kind == ROUTE_SOFTMAX_BIAS) return route_select_softmax_bias(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
-    int rc = route_select(p, j->E, j->k, j->norm, ix, wt);
+    int rc = route_select(p, j->E, j->k, j->norm, ix, wt, j->n_group, j->topk_group);
     if (!rc && !j->norm && j->scale != 1.f)  /* DeepSeek-V2's routed_scaling_factor (not renormalised) */
         for (int jj = 0; jj < j->k; jj++) wt[jj] *= j->scale;
     return rc;
@@ -421,14 +454,19 @@ static void logits_part(void *p, int id, int n) {
  * (ties: the lower expert first), renormalised to sum to one when `norm`, else times `scale`;
  * ROUTE_SIGMOID, route_select_sigmoid's rule;
  * ROUTE_SOFTMAX_BIAS, route_select_softmax_bias's; ROUTE_TOPK_SOFTMAX, route_select_topk_softmax's (the
- * three with a bias [E]). idx int64 [T, k], w f32 [T, k].
+ * three with a bias [E]). With n_group > 1 (ROUTE_SOFTMAX and ROUTE_SIGMOID), the choice is limited to the
+ * topk_group best of n_group equal groups first (keep_groups: DeepSeek-V2's group_limited_greedy, V3's
+ * noaux_tc). idx int64 [T, k], w f32 [T, k].
  * Many rows are split between the threads; a few rows' logits are (the same values either way). Returns 0,
- * -2 (memory), -3 (bad k or kind), -5 (a NaN logit). */
+ * -2 (memory), -3 (bad k, kind or groups), -5 (a NaN logit). */
 int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int kind,
-               const float *bias, float scale, int64_t *idx, float *w) {
+               int n_group, int topk_group, const float *bias, float scale, int64_t *idx, float *w) {
     if (k < 1 || k > E || kind < ROUTE_SOFTMAX || kind > ROUTE_TOPK_SOFTMAX || (kind != ROUTE_SOFTMAX && !bias))
         return -3;
-    route_job j = {x, bf16, T, H, E, k, norm, kind, W, bias, scale, idx, w, 0, NULL, NULL};
+    if (n_group < 1 || n_group > MAX_GROUPS || E % n_group || topk_group < 1 || topk_group > n_group
+        || (n_group > 1 && (kind > ROUTE_SIGMOID || k > topk_group * (E / n_group))))
+        return -3;
+    route_job j = {x, bf16, T, H, E, k, norm, kind, n_group, topk_group, W, bias, scale, idx, w, 0, NULL, NULL};
     if (T >= ROUTE_PAR_MIN || coli_get_threads() < 2 || (long)E * H * 4 < ROUTE_SPLIT_BYTES) {
         coli_parallel(route_part, &j, T >= ROUTE_PAR_MIN ? coli_get_threads() : 1);
         return j.rc;
@@ -511,7 +549,7 @@ static int moe_scaled_input(const void *x, int T, int H, int I, const int64_t *i
  * the shared MLP's output when `shared` (bf16 + bf16, as the Python sum), or take it alone where E == 0 (a
  * dense layer); h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
-                   int kind, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
+                   int kind, int n_group, int topk_group, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
                    const coli_expert_act *act) {
     if (E < 1 && !shared) return -3;
@@ -520,7 +558,7 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
     uint16_t *s = y + (size_t)T * H;
     int rc = 0;
     if (E > 0) {
-        PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, bias, scale, idx, w));
+        PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, n_group, topk_group, bias, scale, idx, w));
         if (!rc && act && act->input_scaled)
             rc = k == 1 ? moe_scaled_input(x, T, H, I, idx, w, E, gate_up, down, scheme, g, ys, y, act) : -3;
         else if (!rc)

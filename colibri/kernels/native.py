@@ -1,8 +1,8 @@
 """The native decode kernels (gemv.c, moe.c, attn.c and mla.c over rows.h, rows_q4.h and attn.h; block.c, step.c;
-sample.c; pool.c): built once per machine with the system C compiler, loaded with ctypes, and optional -- without
-a compiler, on a CPU without AVX-512 (their portable loops are slower than torch's kernels;
-COLIBRI_NATIVE=force uses them anyway), or with COLIBRI_NATIVE=0, the model keeps torch's kernels, with
-the same results up to f32 summation order.
+sample.c, procs.c: native_sample.py, native_run.py; pool.c): built once per machine with the system C compiler,
+loaded with ctypes, and optional -- without a compiler, on a CPU without AVX-512 (their portable loops are
+slower than torch's kernels; COLIBRI_NATIVE=force uses them anyway), or with COLIBRI_NATIVE=0, the model keeps
+torch's kernels, with the same results up to f32 summation order.
 
 Why a C file and not torch: torch's weight-only int8 kernel moves expert-sized matrices (0.5-2 MiB)
 from RAM at a third of the machine's bandwidth, and its int4 kernel needs a private repacking that a
@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger("colibri")
 
 _SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "attn.c", "block.c", "mla.c",
-                                                        "step.c", "sample.c")]
+                                                        "step.c", "sample.c", "procs.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("common.h", "rows.h", "rows_q4.h", "attn.h")]
 # -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
 # (the int4 dequantization then gives quant.dequantize's bits).
@@ -125,7 +125,7 @@ class MoeLayer(ctypes.Structure):
                 ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("router", ctypes.c_void_p),
                 ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("scale", ctypes.c_float), ("shared", ctypes.c_void_p), ("kind", ctypes.c_int),
-                ("act", ctypes.c_void_p)]
+                ("act", ctypes.c_void_p), ("n_group", ctypes.c_int), ("topk_group", ctypes.c_int)]
 
 
 # coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
@@ -158,13 +158,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_decode_step.argtypes = [p, p, i, p, p, i, p, p, p, ctypes.c_long, ctypes.c_long, p, p, ctypes.c_long, p, p,
                                      p, p, i, p]
     lib.coli_decode_step.restype = i
-    lib.coli_decode_run.argtypes = [p, p, i, i, p, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p,
-                                    ctypes.c_long, i, p, i, p, p, p, p, p, p]
-    lib.coli_decode_run.restype = i
     f = ctypes.c_float
-    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, i, p, f, p, p]
+    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, i, i, i, p, f, p, p]
     lib.coli_route.restype = i
-    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p]
+    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p]
     lib.coli_moe_block.restype = i
     lib.coli_mlp_rows.argtypes = [p, p, i, i, p]
     lib.coli_mlp_rows.restype = i
@@ -366,18 +363,22 @@ def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Te
 
 
 def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | None = None,
-          scale: float = 1.0, kind: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, kind: int | None = None, groups: tuple[int, int] = (1, 1)
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_route: top-k routing of x [T, H] (bf16/f32 contiguous) by w f32 [E, H] contiguous -> (idx int64
     [T, k], weights f32 [T, k]), largest first. ROUTE_SOFTMAX (the kind without `bias`): softmax, renormalised
     when `norm`; ROUTE_SIGMOID (the kind with `bias`, f32 [E] contiguous): sigmoid scores chosen by score +
     bias, weighted by the scores (renormalised when `norm`) times `scale`; ROUTE_SOFTMAX_BIAS: softmax
-    probabilities chosen by probability + bias, weighted by the probabilities over max(their sum, `scale`)."""
+    probabilities chosen by probability + bias, weighted by the probabilities over max(their sum, `scale`).
+    groups (n_group, topk_group): the choice limited to the best topk_group of n_group expert groups first
+    (ROUTE_SOFTMAX: a group's best probability; ROUTE_SIGMOID: the sum of its two best score + bias)."""
     T, H = x.shape
     kind = (ROUTE_SOFTMAX if bias is None else ROUTE_SIGMOID) if kind is None else kind
     idx = torch.empty(T, k, dtype=torch.int64)
     wts = torch.empty(T, k, dtype=torch.float32)
     rc = _lib.coli_route(x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, w.data_ptr(), w.shape[0], k, int(norm),
-                         kind, None if bias is None else bias.data_ptr(), scale, idx.data_ptr(), wts.data_ptr())
+                         kind, *groups, None if bias is None else bias.data_ptr(), scale, idx.data_ptr(),
+                         wts.data_ptr())
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_route failed ({rc})")
     return idx, wts
@@ -401,7 +402,8 @@ def mlp(m: Mlp, x: torch.Tensor) -> torch.Tensor:
 
 def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch.Tensor, k: int, norm: bool,
               intermediate: int, scheme: str, group_size: int, bias: torch.Tensor | None = None, scale: float = 1.0,
-              kind: int | None = None, shared: Mlp | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              kind: int | None = None, shared: Mlp | None = None, groups: tuple[int, int] = (1, 1)
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_moe_block: route x [T, H] bf16 (the normed rows) as `route` does, run a resident layer's
     experts (every entry of `tables` set) as `moe` does, plus the `shared` MLP as `mlp` does, add to h
     [T, H] bf16 -> (h_out, idx, weights)."""
@@ -412,7 +414,8 @@ def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch
     ys = torch.empty(T * k, H, dtype=torch.float32)
     h_out = torch.empty_like(h)
     rc = _lib.coli_moe_block(x.data_ptr(), h.data_ptr(), T, H, intermediate, router.data_ptr(), router.shape[0], k,
-                             int(norm), kind, None if bias is None else bias.data_ptr(), scale, tables.gu, tables.dn,
+                             int(norm), kind, *groups, None if bias is None else bias.data_ptr(), scale, tables.gu,
+                             tables.dn,
                              8 if scheme == "int8" else 4, group_size,
                              idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr(),
                              None if shared is None else ctypes.byref(shared), tables.act_ptr())
@@ -516,36 +519,6 @@ def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs:
     if rc != 0:
         raise _step_failed("coli_decode_step", rc, failed)
     return logits, idx, wts
-
-
-def decode_run(tail, tokens: list[int], attn, moe, pos0: list[int], kc, vc, ks: int, vs: int,
-               rope: tuple[int, int, int], k: int, n_steps: int, stop: torch.Tensor,
-               sampling: list[tuple[float, int, float, float]] | None = None, uniforms: list[list[float]] | None = None
-               ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """coli_decode_run: up to n_steps decode steps of T sequences (one row each) from `tokens` at positions
-    `pos0`, ending after a step in which a row picked a token of `stop` (int64 [S], contiguous) -> (per step
-    the T tokens picked, idx, weights [n, L, T, k]). A row picks the argmax, or with `sampling[t]` =
-    (temperature > 0, top_k, top_p, min_p) samples with `uniforms[t][step]` (kernels/sample.c)."""
-    T, L = len(tokens), len(attn)
-    idx, wts = _routes(n_steps * L, T, k)
-    out = torch.empty(n_steps, T, dtype=torch.int64)
-    samp = u = None
-    if sampling is not None:
-        samp = (ctypes.c_float * (4 * T))(*(float(v) for row in sampling for v in row))
-        u = (ctypes.c_double * (n_steps * T))(*(uniforms[t][s] if sampling[t][0] > 0 else 0.0
-                                                for s in range(n_steps) for t in range(T)))
-    failed = ctypes.c_int(-1)
-    n = _lib.coli_decode_run(ctypes.byref(tail), (ctypes.c_int64 * T)(*tokens), T, L, attn, moe,
-                             (ctypes.c_int * T)(*pos0), kc, vc, ks, vs, *rope, n_steps, stop.data_ptr(),
-                             stop.shape[0], samp, u, out.data_ptr(), idx.data_ptr(), wts.data_ptr(),
-                             ctypes.byref(failed))
-    if n == -6:
-        raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")
-    if n == -7:
-        raise ValueError("cannot sample: the logits have a NaN or no finite value")
-    if n < 1:
-        raise _step_failed("coli_decode_run", n, failed)
-    return out[:n].tolist(), idx[: n * L].view(n, L, T, k), wts[: n * L].view(n, L, T, k)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -79,6 +79,7 @@ typedef struct {
     const coli_mlp *shared;        /* a shared expert, or NULL; with n_experts 0 the layer's dense MLP */
     int kind;                      /* coli_route's rule (common.h ROUTE_*) */
     const coli_expert_act *act;    /* the experts' activation and biases, or NULL (SiLU-GLU) */
+    int n_group, topk_group;       /* coli_route's group-limited choice (1, 1: none) */
 } coli_moe_layer;
 
 /* Post the read-ahead of the layers' first weights (see pf_job) for the time until the next step. */
@@ -136,7 +137,8 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
         uint16_t *hm = mid, *x = mid + (size_t)T * H;
         rc = coli_attn_block(attn + l, T, h, pos, kc + (long)l * T, vc + (long)l * T, ks, vs, cs, sn, hm, x);
         if (!rc)
-            rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind, m->bias,
+            rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind,
+                                m->n_group ? m->n_group : 1, m->topk_group ? m->topk_group : 1, m->bias,
                                 m->scale, m->gate_up, m->down, m->scheme, m->group, idx + (long)l * T * kmax,
                                 w + (long)l * T * kmax, ys, h, m->shared, m->act);
         if (rc) *failed = l;
@@ -206,7 +208,7 @@ static long argmax_f32(const float *x, long n) {
  * position pos0[t] + s (the first ones are tok[0..T)) through coli_decode_step and picks the next into
  * out[s * T + t]: the argmax of that row's logits, or where samp is not NULL and row t's temperature
  * samp[4t] > 0, coli_sample with (temperature, top_k, top_p, min_p) = samp[4t..4t+4) and the uniform
- * u[s * T + t]. The run ends after a step in which any row picked a token of stop[0..n_stop).
+ * u[s * T + t]; where procs is not NULL, of the logits after procs[t]'s processors (procs.c). The run ends after a step in which any row picked a token of stop[0..n_stop).
  * kc/vc: per (layer, row) the row's K/V cache pointer, as coli_decode_step; the rotary tables must hold
  * every position < pos0[t] + n_steps. idx/w: each step's routes, [n_steps, L, T, k].
  * Why: between one-token steps the engine's Python ran ~0.6-0.7 ms a step on a small model (15-20% of a
@@ -214,17 +216,21 @@ static long argmax_f32(const float *x, long n) {
  * but the tokens (greedy or plain sampling) need none of it until they are handed out. The bits are those
  * of one coli_decode_step per step and the picks those of single steps. Returns the steps run (>= 1), or
  * the first step's error code (-7: a row coli_sample cannot sample; a later step's failure ends the run
- * early: the caller's next step meets it again). */
+ * early: the caller's next step meets it again; -8: a processor's token id out of range). */
 int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layers, const coli_attn_layer *attn,
                     const coli_moe_layer *moe, const int *pos0, void *const *kc, void *const *vc, long ks, long vs,
                     const float *ctab, const float *stab, long tab_rows, int n_steps, const int64_t *stop,
-                    int n_stop, const float *samp, const double *u, int64_t *out, int64_t *idx, float *w,
-                    int *failed) {
+                    int n_stop, const float *samp, const double *u, coli_procs *procs, int64_t *out, int64_t *idx,
+                    float *w, int *failed) {
     if (n_steps < 1 || T < 1 || T > MAX_T) return -1;
     for (int t = 0; t < T; t++)
         if (pos0[t] + n_steps > tab_rows) return -1;
     float *logits = (float *)malloc(sizeof(float) * (size_t)tl->vocab * T);
-    if (!logits) return -2;
+    int *mark = procs ? (int *)calloc((size_t)tl->vocab, sizeof(int)) : NULL;  /* procs.c's marks */
+    if (!logits || (procs && !mark)) {
+        free(logits);
+        return -2;
+    }
     int64_t tok[MAX_T], rows[MAX_T];
     int pos[MAX_T];
     for (int t = 0; t < T; t++) tok[t] = tok0[t], rows[t] = t;
@@ -236,17 +242,21 @@ int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layer
                                   idx + r, w + r, failed, rows, T, logits);
         int end = 0;
         for (int t = 0; t < T && !rc; t++) {
-            const float *row = logits + (size_t)t * tl->vocab;
+            float *row = logits + (size_t)t * tl->vocab;
             const float *sp = samp ? samp + 4 * t : NULL;
+            if (procs && (rc = coli_procs_apply(procs + t, row, tl->vocab, mark, s * T + t + 1)))
+                break;
             long pick = sp && sp[0] > 0.f
                 ? coli_sample(row, tl->vocab, sp[0], (int)sp[1], sp[2], sp[3], u[(size_t)s * T + t])
                 : argmax_f32(row, tl->vocab);
             if (pick < 0) rc = pick == -2 ? -2 : -7;
             tok[t] = out[(size_t)s * T + t] = pick;
+            if (!rc && procs) coli_procs_took(procs + t, pick);
             for (int j = 0; j < n_stop && !end; j++) end = stop[j] == tok[t];
         }
         if (rc) {
             free(logits);
+            free(mark);
             return s ? s : rc;
         }
         if (end) {
@@ -255,5 +265,6 @@ int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layer
         }
     }
     free(logits);
+    free(mark);
     return s;
 }

@@ -87,13 +87,13 @@ class Router(nn.Module):
         self.n_group, self.topk_group = a.n_group, a.topk_group
         self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
 
-    def native_routing(self) -> RouteRule | None:
-        """Greedy top-k (V2-Lite), or every group kept: the native router's softmax rule (kernels/moe.c
-        coli_route): renormalised when norm_topk_prob and k > 1, else times routed_scaling_factor (forward's
-        rule); else torch's."""
-        if self.method == "group_limited_greedy" and self.topk_group < self.n_group:
-            return None
-        return RouteRule(native.ROUTE_SOFTMAX, self.norm_topk_prob and self.top_k > 1, None, float(self.scaling))
+    def native_routing(self) -> RouteRule:
+        """The native router's softmax rule (kernels/moe.c coli_route): renormalised when norm_topk_prob and
+        k > 1, else times routed_scaling_factor (forward's rule); group_limited_greedy's groups by their best
+        probability (keep_groups)."""
+        groups = (self.n_group, self.topk_group) if self.method == "group_limited_greedy" else (1, 1)
+        return RouteRule(native.ROUTE_SOFTMAX, self.norm_topk_prob and self.top_k > 1, None, float(self.scaling),
+                         groups)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)

@@ -56,13 +56,13 @@ class Router(nn.Module):
         self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
 
     def native_routing(self) -> RouteRule | None:
-        """Every group kept (one group: Kimi-K2, Moonlight): the native router's sigmoid rule (kernels/moe.c
-        route_select_sigmoid, GLM-4.5's), as (selection bias, weight scale, kind); else torch's."""
+        """The native router's sigmoid rule (kernels/moe.c route_select_sigmoid, GLM-4.5's), as (selection
+        bias, weight scale), limited to the best topk_group of n_group groups (keep_groups: a group's two best,
+        or its one where a group has one expert, as min(2, per_group) below); else torch's."""
         b = self.e_score_correction_bias
-        if self.topk_group < self.n_group or b.dtype != torch.float32 or b.device.type != "cpu" \
-                or not b.is_contiguous():
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
             return None
-        return RouteRule(native.ROUTE_SIGMOID, self.norm_topk_prob, b, self.scaling)
+        return RouteRule(native.ROUTE_SIGMOID, self.norm_topk_prob, b, self.scaling, (self.n_group, self.topk_group))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)

@@ -85,12 +85,13 @@ class GroupLimitedRouter(nn.Module):
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
 
     def native_routing(self) -> RouteRule | None:
-        """One group (GLM-4.5, MiniMax-M2): the native router's sigmoid rule (kernels/moe.c
-        route_select_sigmoid), as (selection bias, weight scale); more groups route in torch."""
+        """The native router's sigmoid rule (kernels/moe.c route_select_sigmoid), as (selection bias, weight
+        scale), in groups where there are several (keep_groups: the sum of a group's two best)."""
         b = self.e_score_correction_bias
-        if self.n_group != 1 or b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous() \
+                or self.weight.shape[0] // self.n_group < 2:  # (torch's topk(2) per group needs two)
             return None
-        return RouteRule(native.ROUTE_SIGMOID, self.norm_topk_prob, b, self.scale)
+        return RouteRule(native.ROUTE_SIGMOID, self.norm_topk_prob, b, self.scale, (self.n_group, self.topk_group))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)

@@ -221,22 +221,29 @@ class RouteRule(NamedTuple):
     norm: bool  # the k weights renormalised to sum to one (ERNIE: over max(sum, scale))
     bias: torch.Tensor | None = None  # f32 [E] contiguous: a selection-only bias (gpt-oss: the logits' bias)
     scale: float = 1.0  # the weights' factor when not renormalised (ERNIE: the renormalisation floor)
+    groups: tuple[int, int] = (1, 1)  # (n_group, topk_group): DeepSeek's group-limited choice (kernels/moe.c)
 
 
 def native_route(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`gate`'s routes of bf16 rows x by its own rule in the kernels (`gate.native_routing()`), or None: f32
     rows (the oracle's torch path), or a rule the kernels do not have."""
-    rule = gate.native_routing()
+    rule = native_routing(gate)
     if rule is None or not native_router_ok(gate.weight, x):
         return None
-    return native.route(x.contiguous(), gate.weight, gate.top_k, rule.norm, rule.bias, rule.scale, rule.kind)
+    return native.route(x.contiguous(), gate.weight, gate.top_k, rule.norm, rule.bias, rule.scale, rule.kind,
+                        rule.groups)
 
 
 def native_routing(gate: nn.Module) -> RouteRule | None:
-    """`gate.native_routing()` where the router has one (TopKRouter, one-group GroupLimitedRouter, ERNIE's),
-    else None."""
+    """`gate.native_routing()` where the router has one and its groups are within the kernels' limits (equal
+    groups, at most 64, holding top_k experts), else None."""
     rule = getattr(gate, "native_routing", None)
-    return rule() if rule is not None else None
+    rule = rule() if rule is not None else None
+    if rule is not None and rule.groups[0] > 1:
+        (G, tg), E = rule.groups, gate.weight.shape[0]
+        if E % G or G > 64 or not 1 <= tg <= G or gate.top_k > tg * (E // G):
+            return None
+    return rule
 
 
 class SparseMoE(nn.Module):
@@ -275,7 +282,7 @@ class SparseMoE(nn.Module):
         h_out, idx, weights = native.moe_block(tables, x.contiguous(), h.contiguous(), self.gate.weight,
                                                self.gate.top_k, rule.norm, ex.intermediate, tables.scheme,
                                                tables.group_size, rule.bias, rule.scale, rule.kind,
-                                               shared=shared or None)
+                                               shared=shared or None, groups=rule.groups)
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx, weights)
         return h_out

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels import native, native_mla
+from ..kernels import native, native_mla, native_run
 from ..quant import QLinear
 from . import native_mlp
 from .batch import StepBatch
@@ -66,7 +66,7 @@ class _Plan:
                                8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
                                ctypes.addressof(t.gu), ctypes.addressof(t.dn),
                                None if r.bias is None else r.bias.data_ptr(), r.scale, shared, r.kind,
-                               None if t.act_ptr() is None else ctypes.addressof(t.act))
+                               None if t.act_ptr() is None else ctypes.addressof(t.act), *r.groups)
 
     def routed(self, idx: torch.Tensor) -> torch.Tensor:
         """The routed layers' rows of routes [..., L, T, k] (a dense layer's rows are not written)."""
@@ -323,10 +323,12 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
 
 def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: int, stop: torch.Tensor,
               sampling: list[tuple[float, int, float, float]] | None = None,
-              uniforms: list[list[float]] | None = None) -> tuple[list[list[int]], torch.Tensor] | None:
+              uniforms: list[list[float]] | None = None, processors: list | None = None
+              ) -> tuple[list[list[int]], torch.Tensor] | None:
     """Up to n_steps decode steps of the batch's sequences (one row each) in one native call
     (coli_decode_run): `tokens` fed at their sequences' positions, each row's pick fed to it at the next
-    (the argmax, or kernels/sample.c with `sampling[t]` and `uniforms[t]`: native.decode_run), ending after
+    (the argmax, or kernels/sample.c with `sampling[t]` and `uniforms[t]`, after `processors[t]`, an
+    engine/sampling.py RunProcs or None: native_run.decode_run), ending after
     a step in which a row picked a token of `stop` (int64 [S]) -> (per step the rows' tokens, the steps'
     expert ids [n, L, T, k]); None where the one-call step does not apply. The routes go to the caller,
     not to the experts' hooks: it applies only where those are a RouteCapture's alone (the engine's),
@@ -341,8 +343,8 @@ def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: in
     if args is None:
         return None
     pos, kc, vc, ks, vs, rope = args
-    steps, idx, _ = native.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks, vs,
-                                      rope, plan.k, n_steps, stop, sampling, uniforms)
+    steps, idx, _ = native_run.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks, vs,
+                                          rope, plan.k, n_steps, stop, sampling, uniforms, processors)
     return steps, plan.routed(idx)
 
 
