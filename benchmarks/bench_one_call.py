@@ -4,9 +4,10 @@
         [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
-block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; llama4_text) gets a random checkpoint of the
-0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's top-1; its shared
-expert / dense layer 2048 wide; transformers' own initialisation), converted once. The same loaded model
+block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; llama4_text) gets a random
+checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
+top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
+initialisation), converted once. The same loaded model
 then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
@@ -55,11 +56,12 @@ BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, 
         "max_position_embeddings": 1024}
 SHAPES = {
     "qwen2_moe": {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 2048, "mlp_only_layers": []},
-    "glm4_moe": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1},
+    # (one shared expert, as GLM-4.5 and, below, ERNIE: llama.cpp's loaders want the shared width of one expert)
+    "glm4_moe": {**BASE, "n_routed_experts": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
     # (multi-head attention, as the released dots.llm1: llama.cpp's loader wants as many k/v heads as q heads)
     "dots1": {**BASE, "n_routed_experts": 32, "n_shared_experts": 4, "n_group": 1, "topk_group": 1,
               "num_key_value_heads": 16, "scoring_func": "sigmoid"},  # (llama.cpp reads the router rule from it)
-    "ernie4_5_moe": {**BASE, "moe_num_experts": 32, "moe_k": 4, "moe_num_shared_experts": 4,
+    "ernie4_5_moe": {**BASE, "moe_num_experts": 32, "moe_k": 4, "moe_num_shared_experts": 1,
                      "moe_layer_start_index": 1},
     # MLA (attention layer by layer), V2-Lite's greedy router / Moonlight's one-group one: each MoE layer one call
     "deepseek_v2": {**BASE, "n_routed_experts": 32, "n_shared_experts": 2, "first_k_dense_replace": 1,

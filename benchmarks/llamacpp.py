@@ -88,6 +88,10 @@ tree = sys.argv[1]
 sys.path[:0] = [tree, tree + "/gguf-py"]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+# Home-made test tokenizers (tokenizer.json only, none of GLM's special tokens): the plain BPE vocabulary
+# where a family's converter wants a SentencePiece model (ERNIE) or GLM's [gMASK] & co.
+base.TextModel._set_vocab_sentencepiece = base.TextModel._set_vocab_gpt2
+base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
