@@ -75,6 +75,9 @@ Other family-specific tensors (same in both layouts):
   head; layer 2 slides over 8 positions (max_window_layers=2).
 - ernie4_5_moe: ``mlp.moe_statics.e_score_correction_bias`` [1, E]; layer 0 dense; shared experts as
   glm4_moe's; RoPE on interleaved channel pairs.
+- hunyuan_v1_moe: ``mlp.gate.wg.weight`` (the router), ``mlp.shared_mlp.*`` (every layer), per-expert
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (or fused as the others), ``self_attn.query_layernorm`` /
+  ``key_layernorm`` [head_dim], applied after RoPE.
 - minimax_m2: mixtral's layout plus ``mlp.e_score_correction_bias`` [E] (on the MoE block) and
   olmoe's whole-projection ``self_attn.q_norm/k_norm``; RoPE on 16 of the 32 channels of a head.
 
@@ -107,6 +110,7 @@ FAMILIES: tuple[str, ...] = (
     "dots1",
     "ernie4_5_moe",
     "llama4_text",
+    "hunyuan_v1_moe",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -331,6 +335,14 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "head_dim": 32,  # (hidden / heads is 16: the released model's head is wider than that too)
             "rotary_dim": 16,  # RoPE on half of each head, the rest passes (the released config's field)
             "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
+        },
+        "hunyuan_v1_moe": {
+            "num_experts": 8,
+            "moe_topk": 2,
+            "intermediate_size": 32,  # the experts' and the shared MLP's width
+            "head_dim": 16,
+            # Hunyuan-A13B's RoPE: "dynamic" with a fixed alpha (the base stretched by alpha^(d / (d - 2)))
+            "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
         },
         "llama4_text": {
             "num_local_experts": 4,

@@ -62,6 +62,7 @@ def _spy(real, seen: list[bool]):
     # the L2 q/k norm after RoPE, a layer without RoPE and its temperature, chunked attention, the expert's
     # scaled input, dense layers between MoE ones
     ("llama4_text", {}),
+    ("hunyuan_v1_moe", {}),  # (its per-head q/k norm after the rotary: the block's qk_norm 3 with weights)
     # MLA (kernels/mla.c) in the attention block's place: q_proj and interleaved RoPE; q LoRA
     ("deepseek_v2", {"topk_method": "greedy", "kv_lora_rank": 32}),
     ("deepseek_v2", {"kv_lora_rank": 32}),  # (group_limited_greedy, 2 of 4 groups)

@@ -68,7 +68,7 @@ typedef struct {
     const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32 */
     float in_eps, post_eps;
     int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3), 3 per
-                                   * head after the rotary (Llama 4's L2 norm: weights of ones) */
+                                   * head after the rotary (Hunyuan; Llama 4's L2 norm: weights of ones) */
     const float *qn_w, *kn_w;
     float qk_eps;
     float clip;                   /* > 0: clamp q, k, v to [-clip, clip] */

@@ -83,13 +83,15 @@ def rope_theta(cfg: dict, default: float = 10000.0) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", default)))
 
 
-ROPE_TYPES = ("linear", "llama3", "yarn")  # scaled RoPE types `rope_inv_freq` implements, besides plain RoPE
+ROPE_TYPES = ("linear", "llama3", "yarn", "ntk_alpha")  # the scaled RoPE types `rope_inv_freq` implements
 
 
 def rope_scaling(cfg: dict) -> dict | None:
     """The rope scaling dict, or None for plain RoPE (v4 `rope_scaling` or v5 `rope_parameters`)."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "dynamic" and params.get("alpha"):  # Hunyuan's: a fixed alpha, not a length-dependent NTK
+        kind = "ntk_alpha"
     return None if kind in (None, "default") else {**params, "rope_type": kind}
 
 
@@ -107,6 +109,8 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_pos: int) -> 
     if scaling is None:
         return inv, 1.0
     kind = scaling["rope_type"]
+    if kind == "ntk_alpha":  # the base stretched once (transformers' Hunyuan rotary), the frequencies as plain
+        return rope_inv_freq(dim, base * float(scaling["alpha"]) ** (dim / (dim - 2)), None, max_pos)
     factor = float(scaling.get("factor") or 1.0)
     if kind == "linear":
         return inv / factor, 1.0
@@ -143,7 +147,7 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_pos: int) -> 
         # 1 / (factor * base^(2i/d)), rounded exactly as transformers does (inv / factor differs by an ulp)
         interp = 1.0 / (factor * (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)))
         return interp * (1 - extrap) + inv * extrap, attn
-    raise ValueError(f"unsupported rope_type '{kind}' (supported: default, linear, llama3, yarn)")
+    raise ValueError(f"unsupported rope_type '{kind}' (supported: default, {', '.join(ROPE_TYPES)})")
 
 
 class RoPE(nn.Module):
@@ -346,7 +350,9 @@ class AttentionArgs:
     max_pos: int = 4096
     bias: bool = False
     o_bias: bool = False
-    qk_norm: str | None = None  # None | "head" (per head, Qwen3) | "full" (whole projection, OLMoE)
+    # None | "head" (per head, Qwen3) | "full" (whole projection, OLMoE) | "head_post_rope" (per head after the
+    # rotary, Hunyuan)
+    qk_norm: str | None = None
     norm_eps: float = 1e-6
     rotary_dim: int | None = None  # partial rotary (GLM)
     sliding_window: int | None = None
@@ -364,7 +370,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(a.hidden, a.kv_heads * a.head_dim, a.bias)
         self.v_proj = Linear(a.hidden, a.kv_heads * a.head_dim, a.bias)
         self.o_proj = Linear(a.heads * a.head_dim, a.hidden, a.o_bias)
-        if a.qk_norm == "head":
+        if a.qk_norm in ("head", "head_post_rope"):
             self.q_norm, self.k_norm = RMSNorm(a.head_dim, a.norm_eps), RMSNorm(a.head_dim, a.norm_eps)
         elif a.qk_norm == "full":
             self.q_norm = RMSNorm(a.heads * a.head_dim, a.norm_eps)
@@ -388,6 +394,8 @@ class Attention(nn.Module):
         if a.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
+        if a.qk_norm == "head_post_rope":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         sinks = self.sinks if a.sinks else None
         outs = []
@@ -442,7 +450,7 @@ class Attention(nn.Module):
                    for p in projs):
             return None
         norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
-        if self.rope.interleaved or a.qk_norm not in (None, "full", "head") \
+        if self.rope.interleaved or a.qk_norm not in (None, "full", "head", "head_post_rope") \
                 or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None
         sinks = self.sinks.float().contiguous() if a.sinks else None
@@ -453,7 +461,7 @@ class Attention(nn.Module):
             a.hidden, a.heads, a.kv_heads, a.head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
             *(native.QW(*native.qw(p)) for p in projs),
             in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), in_norm.eps, post_norm.eps,
-            {None: 0, "full": 1, "head": 2}[a.qk_norm], *qn, a.clip_qkv or 0.0, self.rope.dim,
+            {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0, self.rope.dim,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
             *(None if p.bias is None else p.bias.data_ptr() for p in projs))
 
