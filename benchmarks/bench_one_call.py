@@ -4,7 +4,7 @@
         [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
-block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; llama4_text) gets a random
+block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; llama4_text, hunyuan_v1_moe) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -84,6 +84,16 @@ SHAPES = {
                                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                         "original_max_position_embeddings": 8192}},
 }
+# Hunyuan-A13B's layout: every layer 32 experts top-4 + a shared MLP as wide, q/k norm after RoPE, NTK alpha;
+# its heads of 128, context, alpha and per-layer lists as released (llama.cpp's converter asserts them)
+SHAPES["hunyuan_v1_moe"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size",
+                                                                         "num_experts_per_tok")},
+                            "num_attention_heads": 8, "head_dim": 128, "max_position_embeddings": 32768,
+                            "intermediate_size": 512, "num_experts": 32, "moe_topk": [4] * 8,
+                            "num_experts_per_tok": [4] * 8,  # (transformers maps it onto moe_topk)
+                            "moe_intermediate_size": [512] * 8, "num_shared_expert": [1] * 8,
+                            "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                "rope_theta": 10000.0}}
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")

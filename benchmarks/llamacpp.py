@@ -92,6 +92,11 @@ base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 # where a family's converter wants a SentencePiece model (ERNIE) or GLM's [gMASK] & co.
 base.TextModel._set_vocab_sentencepiece = base.TextModel._set_vocab_gpt2
 base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
+try:  # (Hunyuan's converter reads a tiktoken vocabulary)
+    from conversion import hunyuan
+    hunyuan.HunYuanMoEModel.set_vocab = base.TextModel._set_vocab_gpt2
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

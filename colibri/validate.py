@@ -33,10 +33,11 @@ _POSITIVE = {
     "num_local_experts": MAX_EXPERTS, "num_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
     "kv_lora_rank": MAX_DIM, "q_lora_rank": MAX_DIM, "qk_rope_head_dim": MAX_DIM, "qk_nope_head_dim": MAX_DIM,
     "v_head_dim": MAX_DIM, "n_group": MAX_EXPERTS, "topk_group": MAX_EXPERTS, "moe_layer_freq": 1 << 16,
-    "decoder_sparse_step": 1 << 16,
+    "decoder_sparse_step": 1 << 16, "moe_topk": MAX_EXPERTS,
 }  # fmt: skip
 _NONNEG = {"n_routed_experts": MAX_EXPERTS, "n_shared_experts": MAX_EXPERTS, "first_k_dense_replace": 1 << 16,
-           "shared_expert_intermediate_size": MAX_DIM, "num_nextn_predict_layers": 1 << 16}
+           "shared_expert_intermediate_size": MAX_DIM, "num_nextn_predict_layers": 1 << 16,
+           "num_shared_expert": MAX_EXPERTS}
 _POSITIVE_FLOAT = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha", "clip_qkv")
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _FLOAT_CODES = ("f32", "f16", "bf16")
@@ -113,8 +114,10 @@ def _int_field(cfg: Mapping, key: str, lo: int, hi: int, where: str) -> None:
     v = cfg.get(key)
     if v is None:
         return
-    if not is_int(v) or not lo <= v <= hi:
-        raise fail(f"{where}: {key} = {_show(v)} must be an integer in [{lo}, {hi}]")
+    # (a non-empty list: one value per layer, as Hunyuan's configs write some; the family's field types below
+    # refuse it where the family takes one value)
+    if not all(is_int(x) and lo <= x <= hi for x in (v if isinstance(v, list) and v else [v])):
+        raise fail(f"{where}: {key} = {_show(v)} must be an integer in [{lo}, {hi}] (or a list of them, one a layer)")
 
 
 def _show(v: Any) -> str:

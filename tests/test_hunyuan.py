@@ -57,3 +57,15 @@ def test_per_layer_lists_of_one_value_are_taken() -> None:
 def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None:
     with pytest.raises(ColibriError, match=field):
         check_config(_cfg(**over))
+
+
+def test_per_layer_lists_are_checked_and_refused_where_a_family_takes_one_value() -> None:
+    from colibri.validate import check_config as validate
+
+    n = tiny_config_kwargs("hunyuan_v1_moe")["num_hidden_layers"]
+    validate("hunyuan_v1_moe", _cfg(moe_intermediate_size=[32] * n, moe_topk=[2] * n, num_shared_expert=[1] * n))
+    with pytest.raises(ColibriError, match="moe_topk"):
+        validate("hunyuan_v1_moe", _cfg(moe_topk=[2, 0, 2]))  # each value in range
+    qwen = {"model_type": "qwen3_moe", **tiny_config_kwargs("qwen3_moe")}
+    with pytest.raises(ColibriError, match="moe_intermediate_size.*wrong type"):
+        validate("qwen3_moe", {**qwen, "moe_intermediate_size": [32] * 3})
