@@ -126,7 +126,11 @@ class Llama4Attention(Attention):
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             m = torch.floor((self._positions(kv, T, x.device) + 1.0) / floor_scale)  # [T] f32
-            scale = self.temp[m.long()] if int(m.max()) < self.temp.shape[0] else torch.log(m + 1.0) * attn_scale + 1.0
+            # the table on the CPU (the native blocks' values); elsewhere, or past it, the formula (no host sync)
+            if x.device.type == "cpu" and int(m.max()) < self.temp.shape[0]:
+                scale = self.temp[m.long()]
+            else:
+                scale = torch.log(m + 1.0) * attn_scale + 1.0
             q = (q * scale[:, None, None]).to(q.dtype)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         outs = []
