@@ -39,6 +39,8 @@ CALLS = [
                 '<|tool_call_argument_begin|>{"city": "Rome", "days": 2, "code": "007"}<|tool_call_end|>'
                 "<|tool_calls_section_end|>"),
     ("pythonic", 'Let me check. [get_weather(city="Rome", days=2, code="007")]'),
+    ("hunyuan", 'Let me check.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
+                '"code": "007"}}]</tool_calls>'),
     (HARMONY, "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 2, "code": "007"}'),
 ]
@@ -155,6 +157,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect("<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>") == "qwen3_coder"
     assert detect("{{- '<|python_start|>' }}") == detect("format of [func_name1(params_name1=params_value1)]") \
         == "pythonic"
+    assert detect("<tool_calls>{{ tool_calls | tojson }}</tool_calls>") == "hunyuan"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 
 
@@ -294,3 +297,16 @@ def test_a_kimi_call_opened_inside_the_reasoning_ends_it():
     hermes = '<think>I could write <tool_call>{"name": "get_weather"}</tool_call> here</think>Done.'
     assert whole(splitter("hermes", TOOLS, True, False, True), hermes)[:2] == (
         'I could write <tool_call>{"name": "get_weather"}</tool_call> here', "Done.")
+
+
+def test_a_hunyuan_block_is_cut_out_only_when_every_call_in_it_is_known():
+    """Hunyuan-A13B lists several calls in one block: all of them go out, in order; a block with a call of an
+    unknown tool stays text whole."""
+    fmt = FORMATS["hunyuan"]
+    two = ('<tool_calls>[{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+           '{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_calls>')
+    content, calls = fmt.parse("Checking both.\n" + two, TOOLS)
+    assert content == "Checking both." and [json.loads(c["function"]["arguments"]) for c in calls] == \
+        [{"city": "Rome"}, {"city": "Oslo"}]
+    mixed = two.replace('"Oslo"}}', '"Oslo"}}, {"name": "launch_rocket", "arguments": {}}')
+    assert fmt.parse(mixed, TOOLS) == (mixed, [])

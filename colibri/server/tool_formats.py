@@ -22,6 +22,8 @@ Each format is detected from the chat template that teaches it (`detect`), or na
 - `pythonic` (Llama 4, as vLLM's llama4_pythonic; Llama 3.2's form): a Python list of calls with keyword
   arguments ending the answer, `[get_weather(city="Rome", days=2), ...]`, optionally between
   `<|python_start|>` and `<|python_end|>`; the arguments Python (or JSON) literals, never evaluated.
+- `hunyuan` (Hunyuan-A13B): a JSON list of `{"name": ..., "arguments": {...}}` between `<tool_calls>` and
+  `</tool_calls>`.
 (gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
 arguments do not parse, stays in the text, as does everything around the calls.
 """
@@ -267,6 +269,25 @@ def _pythonic(text: str, tools: dict[str, dict]) -> Found:
     return [], []
 
 
+_HUNYUAN = re.compile(r"<tool_calls>\s*(.*?)\s*</tool_calls>", re.DOTALL)
+
+
+def _hunyuan(text: str, tools: dict[str, dict]) -> Found:
+    """Each block's list of calls, cut out where every call in it names a known tool with object arguments."""
+    calls, spans = [], []
+    for m in _HUNYUAN.finditer(text):
+        try:
+            items = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        got = [call(it["name"], it.get("arguments", {})) for it in (items if isinstance(items, list) else [items])
+               if isinstance(it, dict) and it.get("name") in tools and isinstance(it.get("arguments", {}), dict)]
+        if got and len(got) == (len(items) if isinstance(items, list) else 1):
+            calls += got
+            spans.append(m.span())
+    return calls, spans
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
@@ -312,6 +333,7 @@ FORMATS = {f.name: f for f in (
                 "<|tool_call_section_end|>"), _KIMI_WRAP, in_reasoning=True),
     ToolFormat("pythonic", ("<|python_start|>",), _pythonic, ("<|python_start|>", "<|python_end|>"), _PY_WRAP,
                open_re=_PY_OPEN, maybe_re=_PY_MAYBE),
+    ToolFormat("hunyuan", ("<tool_calls>",), _hunyuan, ("<tool_calls>", "</tool_calls>")),
 )}
 HARMONY = "harmony"  # gpt-oss: server/harmony.py
 NAMES = (*FORMATS, HARMONY)
@@ -335,6 +357,8 @@ def detect(template: str) -> str:
         return "mistral"
     if "<|python_start|>" in template or "[func_name1(" in template:
         return "pythonic"
+    if "<tool_calls>" in template:
+        return "hunyuan"
     return "hermes"
 
 
