@@ -310,3 +310,23 @@ def test_a_hunyuan_block_is_cut_out_only_when_every_call_in_it_is_known():
         [{"city": "Rome"}, {"city": "Oslo"}]
     mixed = two.replace('"Oslo"}}', '"Oslo"}}, {"name": "launch_rocket", "arguments": {}}')
     assert fmt.parse(mixed, TOOLS) == (mixed, [])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_hunyuan_answer_tags_leave_the_content_streamed_or_whole(size):
+    """Hunyuan-A13B: <think> reasoning </think> then <answer> ... </answer>: the reasoning goes apart, the tags
+    go, the calls come out; an answer without tags, or a lone "<" in it, passes unchanged."""
+    call_text = '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_calls>'
+    cases = [("<think>\nI should greet.\n</think>\n<answer>\nHello <b>world</b>, a < b.\n</answer>", None,
+              ("I should greet.", "Hello <b>world</b>, a < b.", [])),
+             ("<think>\nWeather.\n</think>\n<answer>\nLet me check.\n" + call_text + "\n</answer>", TOOLS,
+              ("Weather.", "Let me check.", ["get_weather"])),
+             ("No tags at all, </ans", None, ("", "No tags at all, </ans", []))]
+    for text, tools, (want_r, want_c, want_calls) in cases:
+        def run(pieces):
+            s = splitter("hunyuan", tools, True, False, True, answer_tags=True)
+            out = [s.push(p) for p in pieces]
+            r, c, calls = s.finish()
+            return "".join(o[0] for o in out) + r, "".join(o[1] for o in out) + c, calls
+        r, c, calls = run([text[i:i + size] for i in range(0, len(text), size)])
+        assert (r, c.strip(), [x["function"]["name"] for x in calls]) == (want_r, want_c, want_calls), text

@@ -10,23 +10,27 @@ from __future__ import annotations
 
 from ..tokenizer import Tokenizer
 from .harmony import MARKERS, HarmonySplit
-from .reasoning import CLOSE, OPEN, ThinkSplit
+from .reasoning import CLOSE, OPEN, AnswerTags, ThinkSplit
 from .tool_formats import FORMATS, HARMONY, CallStream
 
 
 class AnswerSplit:
     """push(piece) -> (reasoning, content) certain so far; finish() -> (the rest of both, the tool calls)."""
 
-    def __init__(self, think: ThinkSplit | None, calls: CallStream | None):
-        self.think, self.calls = think, calls
-        self.passthrough = think is None and calls is None  # every piece is content as it is
+    def __init__(self, think: ThinkSplit | None, calls: CallStream | None, tags: AnswerTags | None = None):
+        self.think, self.calls, self.tags = think, calls, tags
+        self.passthrough = think is None and calls is None and tags is None  # every piece is content as it is
 
     def push(self, piece: str) -> tuple[str, str]:
         reasoning, text = self.think.push(piece) if self.think is not None else ("", piece)
+        if self.tags is not None:
+            text = self.tags.push(text)
         return reasoning, self.calls.push(text) if self.calls is not None else text
 
     def finish(self) -> tuple[str, str, list[dict]]:
         reasoning, rest = self.think.finish() if self.think is not None else ("", "")
+        if self.tags is not None:
+            rest = self.tags.push(rest) + self.tags.finish()
         made: list[dict] = []
         if self.calls is not None:
             rest = self.calls.push(rest) if rest else ""
@@ -36,16 +40,17 @@ class AnswerSplit:
 
 
 def splitter(fmt: str, tools: dict[str, dict] | None, think: bool, opened: bool,
-             reasoning: bool) -> AnswerSplit | HarmonySplit:
+             reasoning: bool, answer_tags: bool = False) -> AnswerSplit | HarmonySplit:
     """The splitter of one answer. fmt: the model's tool-call format (tool_formats.NAMES); tools: {name:
     parameters} when the model may call them (tool_choice auto), else None; think: split `<think>` off
-    (`opened`: the prompt opened it); reasoning: the server's --reasoning-format is not none."""
+    (`opened`: the prompt opened it); reasoning: the server's --reasoning-format is not none; answer_tags:
+    drop `<answer>` / `</answer>` around the content (a template that shows them: Hunyuan-A13B's)."""
     if fmt == HARMONY:
         return HarmonySplit(tools, reasoning)
     f = FORMATS[fmt]
     ends = f.opens if tools is not None and f.in_reasoning else ()  # (a call opened in the reasoning ends it)
     return AnswerSplit(ThinkSplit(opened, ends) if think else None,
-                       CallStream(f, tools) if tools is not None else None)
+                       CallStream(f, tools) if tools is not None else None, AnswerTags() if answer_tags else None)
 
 
 def whole(split: AnswerSplit | HarmonySplit, text: str) -> tuple[str, str | None, list[dict]]:

@@ -67,6 +67,8 @@ class ServerState:
         # how the model writes tool calls (server/tool_formats.py), and the special tokens of that format
         # (and <think>) that chat answers keep in their decoded text for the parsers
         self.tool_format = tool_parser or detect(self.template.source if self.template is not None else "")
+        # Hunyuan-A13B's answers come wrapped in <answer> ... </answer>: the content goes out without the tags
+        self.answer_tags = self.template is not None and "<answer>" in self.template.source
         self.keep = keep_ids(self.tok, self.tool_format)
 
     # ------------------------------------------------------------------ request plumbing
@@ -243,7 +245,7 @@ async def chat(state: ServerState, req: ChatCompletionRequest, request: Request)
     def split():
         if forced is not None:
             return ForcedCallStream(plan.named if plan.mode == "named" else None, state.tool_format)
-        return splitter(state.tool_format, tools, think, opened, state.reasoning)
+        return splitter(state.tool_format, tools, think, opened, state.reasoning, state.answer_tags)
 
     if req.stream:
         return _chat_stream(state, req, [ids], relays, bodies, split)

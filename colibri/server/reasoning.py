@@ -74,3 +74,37 @@ def opens_thinking(prompt: str) -> bool:
     """Whether a rendered prompt ends inside an open `<think>` (DeepSeek-R1-style templates)."""
     at = prompt.rfind(OPEN)
     return at >= 0 and CLOSE not in prompt[at:] and not prompt[at + len(OPEN):].strip()
+
+
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+
+
+class AnswerTags:
+    """Hunyuan-A13B writes its answer between `<answer>` and `</answer>` after its reasoning: the tags leave the
+    content (as vLLM's hunyuan_a13b reasoning parser drops them), streamed or whole; an answer without them
+    passes unchanged. push(piece) -> the content certain so far; finish() -> the rest."""
+
+    def __init__(self):
+        self.started, self.buf, self.cut = False, "", False
+
+    def push(self, piece: str) -> str:
+        self.buf += piece
+        if not self.started:
+            s = self.buf.lstrip()
+            if s.startswith(ANSWER_OPEN):
+                self.buf, self.cut = s[len(ANSWER_OPEN):].lstrip(), True
+            elif ANSWER_OPEN.startswith(s):
+                return ""  # (nothing yet, or part of the tag)
+            self.started = True
+        if not self.cut:
+            out, self.buf = self.buf, ""
+            return out
+        self.buf = self.buf.replace(ANSWER_CLOSE, "")
+        keep = len(self.buf) - held_tail(self.buf, ANSWER_CLOSE)
+        keep = len(self.buf[:keep].rstrip())  # (whitespace before a closing tag is dropped with it)
+        out, self.buf = self.buf[:keep], self.buf[keep:]
+        return out
+
+    def finish(self) -> str:
+        out, self.buf = self.buf, ""
+        return out.replace(ANSWER_CLOSE, "").rstrip() if self.cut else out
