@@ -104,7 +104,7 @@ def _answer(llm, template, prompt: tuple[list[int], str], a: argparse.Namespace)
 
     ids, text = prompt
     fmt = detect(template.source)
-    split = splitter(fmt, None, True, opens_thinking(text), True)
+    split = splitter(fmt, None, True, opens_thinking(text), True, "<answer>" in template.source)
     h = llm.submit(ids, min(a.n_predict, llm.ctx_size - len(ids)), stop_ids=() if a.ignore_eos else template.stop_ids,
                    ignore_eos=a.ignore_eos, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                    repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=a.seed,
