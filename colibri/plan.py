@@ -36,6 +36,10 @@ from .usage import Usage
 
 RUNTIME_BYTES = 512 * MiB  # python + torch + tokenizer RSS before any weight (measured ~400 MiB)
 OUR_RAM_HEADROOM = 1 * GiB  # left to the OS and other programs when planning from MemAvailable
+# Under a memory cgroup's limit (a container's) the OS is not charged to it: a little slack for the page
+# cache the cgroup's reads go through (with --mem-budget 2900M under a 3500M cap the rest peaked at ~450 MiB,
+# inside RUNTIME_BYTES)
+CGROUP_HEADROOM = 256 * MiB
 VRAM_HEADROOM = 1 * GiB  # CUDA context + activations
 PIN_SHARE = 0.75  # at most this share of the cache's slots is pinned; the rest stays LRU (recency)
 DEFAULT_CTX = 4096
@@ -185,7 +189,12 @@ def weights_budget(m: Machine, sizes: PlanSizes, mem_budget: int | None, ctx: in
     leaves after our headroom, the KV slots and the runtime."""
     if mem_budget is not None:
         return mem_budget
-    return max(m.mem_available - OUR_RAM_HEADROOM - sizes.kv_per_token * ctx * slots - RUNTIME_BYTES, 0)
+    return max(m.mem_available - headroom(m) - sizes.kv_per_token * ctx * slots - RUNTIME_BYTES, 0)
+
+
+def headroom(m: Machine) -> int:
+    """What the plan leaves free: to the system, or within a container's memory limit to its page cache."""
+    return CGROUP_HEADROOM if m.cgroup else OUR_RAM_HEADROOM
 
 
 def ops_per_token(sizes: PlanSizes) -> int:
@@ -367,7 +376,7 @@ def report(sizes: PlanSizes, m: Machine, mem_budget: int | None, gpu_budget: int
         f"layer in {len(moe)} layers, {sizes.top_k} used per token; in RAM {_gib(sizes.total_bytes)} = dense "
         f"{_gib(sizes.dense_bytes)} + experts {_gib(sizes.total_bytes - sizes.dense_bytes)} "
         f"({eb / MiB:.2f} MiB each on disk)",
-        f"machine: {_gib(m.mem_available)} of memory available, GPU "
+        f"machine: {_gib(m.mem_available)} of memory available{' (its memory cgroup limit)' if m.cgroup else ''}, GPU "
         + (f"{_gib(m.vram_free)} free" if m.vram_free is not None else "none")
         + f"; disk reads {m.disk_bps / 1e9:.2f} GB/s ({m.disk_note}); weights stream through matmuls at "
         f"{m.ram_bps / 1e9:.1f} GB/s ({m.ram_note})"
@@ -376,7 +385,8 @@ def report(sizes: PlanSizes, m: Machine, mem_budget: int | None, gpu_budget: int
         f"{sizes.kv_per_token / 1024:.1f} KiB",
         f"memory for weights: {_gib(ours.weights_budget)} "
         + ("(--mem-budget)" if mem_budget is not None else
-           f"(available memory - {_gib(OUR_RAM_HEADROOM)} left to the system - KV cache {_gib(kv)} - runtime "
+           f"(available memory - {_gib(headroom(m))} left {'to its page cache' if m.cgroup else 'to the system'} - "
+           f"KV cache {_gib(kv)} - runtime "
            f"{_gib(RUNTIME_BYTES)})"),
         "",
     ]

@@ -29,6 +29,7 @@ class Machine:
     disk_note: str = "given"
     op_s: float = 0.0  # one small torch op (0: not measured, overhead left out of the speed estimate)
     ram_note: str = "assumed"
+    cgroup: bool = False  # mem_available is a memory cgroup's limit (a container's), tighter than the host's
 
 
 def meminfo() -> dict[str, int]:
@@ -41,6 +42,59 @@ def meminfo() -> dict[str, int]:
     except (OSError, ValueError, IndexError):
         pass
     return out
+
+
+NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as ~2^63 (rounded to pages)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _stat(path: str, keys: tuple[str, ...]) -> int:
+    """The first of `keys` in a cgroup memory.stat file (bytes), 0 when absent."""
+    fields = dict(ln.split(None, 1) for ln in (_read(path) or "").splitlines() if " " in ln)
+    return next((int(fields[k]) for k in keys if k in fields), 0)
+
+
+def cgroup_free(proc_self: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup (or the tightest of its ancestors) still allows: its limit less
+    what it holds, its page cache counted as free (the kernel reclaims it before an OOM kill, as
+    MemAvailable counts it); None where no limit applies. A container's memory limit (docker --memory,
+    Kubernetes, systemd's MemoryMax, ../shared/tools/memcap) is not in /proc/meminfo, whose
+    MemAvailable is the host's: a plan from it alone got the process OOM-killed. cgroup v1's memory
+    controller where the process has one, else v2's."""
+    lines = [ln.split(":", 2) for ln in (_read(proc_self) or "").splitlines() if ln.count(":") >= 2]
+    v1 = next((p for hid, ctrls, p in lines if hid != "0" and "memory" in ctrls.split(",")), None)
+    if v1 is not None and os.path.isdir(os.path.join(root, "memory")):
+        base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        path, cache = v1, ("total_cache", "cache")
+    else:
+        path = next((p for hid, ctrls, p in lines if hid == "0" and ctrls == ""), None)
+        if path is None:
+            return None
+        base, files, cache = root, ("memory.max", "memory.current"), ("file",)
+    best = None
+    while True:
+        d = os.path.join(base, path.strip("/"))
+        limit, used = _read(os.path.join(d, files[0])), _read(os.path.join(d, files[1]))
+        if limit is not None and limit.isdigit() and int(limit) < NO_LIMIT and used is not None and used.isdigit():
+            free = min(max(int(limit) - int(used) + _stat(os.path.join(d, "memory.stat"), cache), 0), int(limit))
+            best = free if best is None else min(best, free)
+        if path.strip("/") == "":
+            return best
+        path = os.path.dirname(path.rstrip("/")) or "/"
+
+
+def mem_available() -> tuple[int, bool]:
+    """Memory this process may still take: MemAvailable, or less where its cgroup's limit says so; and
+    whether the cgroup's is the tighter."""
+    avail, cg = meminfo().get("MemAvailable", 0), cgroup_free()
+    return (avail, False) if cg is None or cg >= avail else (cg, True)
 
 
 def measure_disk(path: str, seconds: float = 0.5, chunk: int = 4 * MiB,
@@ -142,7 +196,8 @@ def current_machine() -> Machine:
             vram = torch.cuda.mem_get_info()[0]
     except Exception:  # a broken CUDA install plans as CPU-only
         vram = None
-    return Machine(mi.get("MemAvailable", 0), mi.get("MemFree", 0), vram, 1e9, RAM_BPS, "not measured")
+    avail, capped = mem_available()
+    return Machine(avail, mi.get("MemFree", 0), vram, 1e9, RAM_BPS, "not measured", cgroup=capped)
 
 
 def probe_machine(path: str, seconds: float = 0.5, chunk: int = 4 * MiB, scheme: str | None = None,

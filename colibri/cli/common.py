@@ -195,11 +195,9 @@ def check_writable(flag: str, path: str) -> None:
 
 
 def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
+    from ..probe import mem_available
+
+    return mem_available()[0] or None
 
 
 def check_kv_fits(model: str, ctx: int, slots: int) -> None:
