@@ -322,11 +322,12 @@ def test_hunyuan_answer_tags_leave_the_content_streamed_or_whole(size):
              ("<think>\nWeather.\n</think>\n<answer>\nLet me check.\n" + call_text + "\n</answer>", TOOLS,
               ("Weather.", "Let me check.", ["get_weather"])),
              ("No tags at all, </ans", None, ("", "No tags at all, </ans", []))]
+    def run(pieces: list[str], tools: dict | None):
+        s = splitter("hunyuan", tools, True, False, True, answer_tags=True)
+        out = [s.push(p) for p in pieces]
+        r, c, calls = s.finish()
+        return "".join(o[0] for o in out) + r, "".join(o[1] for o in out) + c, calls
+
     for text, tools, (want_r, want_c, want_calls) in cases:
-        def run(pieces):
-            s = splitter("hunyuan", tools, True, False, True, answer_tags=True)
-            out = [s.push(p) for p in pieces]
-            r, c, calls = s.finish()
-            return "".join(o[0] for o in out) + r, "".join(o[1] for o in out) + c, calls
-        r, c, calls = run([text[i:i + size] for i in range(0, len(text), size)])
+        r, c, calls = run([text[i:i + size] for i in range(0, len(text), size)], tools)
         assert (r, c.strip(), [x["function"]["name"] for x in calls]) == (want_r, want_c, want_calls), text
