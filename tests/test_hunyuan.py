@@ -69,3 +69,15 @@ def test_per_layer_lists_are_checked_and_refused_where_a_family_takes_one_value(
     qwen = {"model_type": "qwen3_moe", **tiny_config_kwargs("qwen3_moe")}
     with pytest.raises(ColibriError, match="moe_intermediate_size.*wrong type"):
         validate("qwen3_moe", {**qwen, "moe_intermediate_size": [32] * 3})
+
+
+def test_tied_embeddings_convert_to_transformers_logits(ckpt) -> None:
+    """Hunyuan-A13B's released config ties the head to the embedding (no lm_head tensor in the folder)."""
+    from hf_tiny import hf_logits, load_hf
+
+    import colibri
+
+    ids = [1, 17, 42, 99, 7, 150, 23, 64]
+    src = ckpt.hf("hunyuan_v1_moe", tie_word_embeddings=True)
+    with colibri.load(ckpt.coli("hunyuan_v1_moe", "f32", tie_word_embeddings=True)) as llm:
+        torch.testing.assert_close(llm.logits(ids), hf_logits(load_hf(src), ids), rtol=1e-4, atol=1e-4)
