@@ -74,19 +74,27 @@ def test_native_runs_give_the_tokens_of_single_steps(ckpt, monkeypatch, model_ty
         llm.close()
 
 
-def test_requests_that_need_each_steps_logits_take_single_steps(ckpt, monkeypatch) -> None:
-    """Log-probs need the logits of every step in Python: such a request never takes a native run, sampled or
-    greedy; two greedy requests run together."""
+def test_log_probs_come_out_of_native_runs_as_out_of_single_steps(ckpt, monkeypatch) -> None:
+    """Log-probs (kernels/logprobs.c, which single steps call too) come out of native runs: the same tokens,
+    log-probabilities and alternatives, greedy and sampled, with and without processors (whose changes they do
+    not see: the model's logits); two greedy requests run together. (A grammar still needs single steps:
+    TokenPicker.run_spec.)"""
     import colibri
 
-    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, slots=2, threads=2)
+    llm = colibri.load(ckpt.coli("olmoe", "int4"), ctx_size=64, slots=2, threads=2, cache_prompt=False)
     try:
-        for kw in ({"logprobs": 2}, {"temperature": 0.8, "seed": 1, "logprobs": 0, "repeat_penalty": 1.1}):
-            with monkeypatch.context() as mp:
-                mp.setattr(runner, "RUN_S", 10.0)
-                runs = _spy_runs(mp)
-                assert len(llm.submit(PROMPT, max_tokens=8, ignore_eos=True, **kw).wait()) == 8
-            assert runs == [], kw
+        for kw in ({"logprobs": 2}, {"logprobs": 0}, {"temperature": 0.8, "seed": 1, "logprobs": 5,
+                                                      "repeat_penalty": 1.3, "logit_bias": {159: -100.0}}):
+            got = {}
+            for run_s in (0.0, 10.0):
+                with monkeypatch.context() as mp:
+                    mp.setattr(runner, "RUN_S", run_s)
+                    runs = _spy_runs(mp)
+                    h = llm.submit(PROMPT, max_tokens=24, ignore_eos=True, **{"temperature": 0, **kw})
+                    got[run_s] = [(e.token, e.logprob, e.top) for e in h]
+                assert bool(runs) == (run_s > 0), kw
+            assert got[0.0] == got[10.0], kw
+            assert all(lp is not None and lp <= 0 and len(top) == kw["logprobs"] for _, lp, top in got[0.0])
         ref, _, _, _ = _go(llm, monkeypatch, 0.0, max_tokens=12, ignore_eos=True)
         with monkeypatch.context() as mp:
             mp.setattr(runner, "RUN_S", 10.0)
@@ -96,6 +104,25 @@ def test_requests_that_need_each_steps_logits_take_single_steps(ckpt, monkeypatc
         assert outs == [ref, ref]
     finally:
         llm.close()
+
+
+def test_native_log_probs_are_torchs(ckpt) -> None:
+    """kernels/logprobs.c against torch's log_softmax and topk on rows of a real model's logits: within f32
+    rounding, the same alternatives in the same order."""
+    import torch
+
+    from colibri.engine.sampling import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    for V in (17, 384, 32000):
+        x = torch.randn(V, generator=g) * 4
+        tok = int(torch.randint(V, (1,), generator=g))
+        lp, top = token_logprobs(x, tok, 5)
+        ref = torch.log_softmax(x, -1)
+        assert abs(lp - float(ref[tok])) <= 1e-5 * max(1.0, abs(float(ref[tok])))
+        v, i = ref.topk(5)
+        assert [t for t, _ in top] == i.tolist()
+        assert torch.allclose(torch.tensor([p for _, p in top]), v, atol=1e-5, rtol=0)
 
 
 PROCESSORS = [{"repeat_penalty": 1.5}, {"repeat_penalty": 1.5, "repeat_last_n": 4},

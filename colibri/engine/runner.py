@@ -117,8 +117,8 @@ class Runner:
             o += n_out
 
     def _run(self, chunks: list[Chunk], n_threads: int) -> bool:
-        """Decode requests that need nothing of a step but its token (greedy or sampled, with a logit bias and
-        penalties or not, without a grammar or log-probs: `TokenPicker.run_spec`, `run_procs`) several steps in
+        """Decode requests that need nothing of a step but its token (greedy or sampled, with a logit bias,
+        penalties and log-probs or not, without a grammar: `TokenPicker.run_spec`, `run_procs`) several steps in
         one native call (coli_decode_run)
         when nothing else waits and no listener watches each step: the Python of a step (scheduling,
         counters, the tokens' hand-off) is then paid once per RUN_S of decoding instead of per step. Same
@@ -129,7 +129,7 @@ class Runner:
             return False
         n = max(int((RUN_S if self.run_s is None else self.run_s) / self._step_s.get(T, 1.0)), 1)
         stops: set[int] = set()
-        specs, procs = [], []
+        specs, procs, lps = [], [], []
         for c in chunks:
             a, h = c.a, c.a.h
             spec = a.picker.run_spec
@@ -137,6 +137,7 @@ class Runner:
                 return False
             specs.append(spec)
             procs.append(a.picker.run_procs())
+            lps.append(a.picker.sp.logprobs)
             n = min(n, h.max_tokens - h.stats.generated, self.sched.slots.ctx - a.fed)
             stops |= h.stop_ids if h.ignore_eos else h.stop_ids | self.eos_ids()
         if n < 2:
@@ -148,13 +149,14 @@ class Runner:
             got = native_step.run_steps(self.model, [c.tokens[0] for c in chunks], StepBatch(seqs), n,
                                         _ids(sorted(stops)), specs if sampled else None,
                                         [c.a.picker.uniforms(n) if sp[0] > 0 else [] for c, sp in zip(chunks, specs)],
-                                        procs if any(p is not None for p in procs) else None)
+                                        procs if any(p is not None for p in procs) else None,
+                                        lps if any(n is not None for n in lps) else None)
         except BaseException as e:  # noqa: BLE001 - as in _step
             self._failed(chunks, e)
             return True
         if got is None:
             return False
-        steps, idx = got
+        steps, idx, logprobs = got
         now = time.perf_counter()
         self._step_s[T] = (now - t0) / len(steps)
         self.decode_threads.record(T, n_threads, self._step_s[T])
@@ -162,10 +164,11 @@ class Runner:
         for t, c in enumerate(chunks):  # a row's tokens up to its own stop (the run ends at anyone's)
             toks = [row[t] for row in steps]
             self.sched.slots.wrote(c.a.slot, c.start, [c.tokens[0], *toks[:-1]])
-            for tok in toks:
+            for s, tok in enumerate(toks):
                 c.a.fed += 1
                 c.a.picker.took(tok)
-                if not self._took(c.a, tok, None, None, now):
+                lp, top = logprobs[s][t] if logprobs is not None and logprobs[s][t] is not None else (None, None)
+                if not self._took(c.a, tok, lp, top, now):
                     break
         return True
 

@@ -246,11 +246,11 @@ class TokenPicker:
     @property
     def run_spec(self) -> tuple[float, int, float, float] | None:
         """(temperature, top_k, top_p, min_p) when the token depends on the logits after `run_procs` and one
-        uniform alone (no grammar, no log-probs): what coli_decode_run picks itself (temperature 0: the
-        argmax); else None."""
-        sp = self.sp
-        if self.constraint is not None or sp.logprobs is not None:
+        uniform alone (no grammar): what coli_decode_run picks itself (temperature 0: the argmax), with the
+        log-probs the request asks for; else None."""
+        if self.constraint is not None:
             return None
+        sp = self.sp
         if self.sample is greedy:
             return (0.0, 0, 1.0, 0.0)
         return (sp.temperature, sp.top_k, sp.top_p, sp.min_p)
@@ -273,7 +273,10 @@ class TokenPicker:
 
 
 def token_logprobs(logits: torch.Tensor, tok: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
-    """The model's log-probability of `tok` and its `n_top` most likely tokens, from logits [V]."""
+    """The model's log-probability of `tok` and its `n_top` (<= 20) most likely tokens, from logits [V]: where
+    the kernels load, kernels/logprobs.c, which native runs call too (the same values either way)."""
+    if native.available() and n_top <= 20:
+        return native_sample.logprobs(logits.float().cpu().contiguous(), tok, n_top)
     logp = torch.log_softmax(logits.float(), -1)
     top: list[tuple[int, float]] = []
     if n_top > 0:

@@ -126,6 +126,9 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
 int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y);
 /* sample.c: one token from a logits row (temperature > 0), u in [0, 1); -1 a row it cannot sample. */
 long coli_sample(const float *x, long V, float temperature, int top_k, float top_p, float min_p, double u);
+/* logprobs.c: a token's log-probability and the n_top (<= COLI_LP_MAX, OpenAI's limit) most likely tokens'. */
+#define COLI_LP_MAX 20
+int coli_logprobs(const float *x, long V, long tok, int n_top, float *lp, int64_t *ids, float *vals);
 /* procs.c: a row's logit processors in coli_decode_run (kernels/native.py Procs). hist and gen_ids /
  * gen_counts have room for the run's tokens too. */
 typedef struct {

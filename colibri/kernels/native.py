@@ -1,6 +1,6 @@
 """The native decode kernels (gemv.c, moe.c, attn.c and mla.c over rows.h, rows_q4.h and attn.h; block.c, step.c;
-sample.c, procs.c: native_sample.py, native_run.py; pool.c): built once per machine with the system C compiler,
-loaded with ctypes, and optional -- without a compiler, on a CPU without AVX-512 (their portable loops are
+sample.c, procs.c, logprobs.c: native_sample.py, native_run.py; pool.c): built once per machine with the system
+C compiler, loaded with ctypes, and optional -- without a compiler, on a CPU without AVX-512 (their portable loops are
 slower than torch's kernels; COLIBRI_NATIVE=force uses them anyway), or with COLIBRI_NATIVE=0, the model keeps
 torch's kernels, with the same results up to f32 summation order.
 
@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger("colibri")
 
 _SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "attn.c", "block.c", "mla.c",
-                                                        "step.c", "sample.c", "procs.c")]
+                                                        "step.c", "sample.c", "procs.c", "logprobs.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("common.h", "rows.h", "rows_q4.h", "attn.h")]
 # -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
 # (the int4 dequantization then gives quant.dequantize's bits).

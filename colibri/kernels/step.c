@@ -208,7 +208,9 @@ static long argmax_f32(const float *x, long n) {
  * position pos0[t] + s (the first ones are tok[0..T)) through coli_decode_step and picks the next into
  * out[s * T + t]: the argmax of that row's logits, or where samp is not NULL and row t's temperature
  * samp[4t] > 0, coli_sample with (temperature, top_k, top_p, min_p) = samp[4t..4t+4) and the uniform
- * u[s * T + t]; where procs is not NULL, of the logits after procs[t]'s processors (procs.c). The run ends after a step in which any row picked a token of stop[0..n_stop).
+ * u[s * T + t]; where procs is not NULL, of the logits after procs[t]'s processors (procs.c). Where lp_n is not
+ * NULL and lp_n[t] >= 0, the pick's log-probability under the model's logits goes to lp[s * T + t] and the
+ * lp_n[t] most likely tokens' to lp_ids / lp_vals at (s * T + t) * COLI_LP_MAX (logprobs.c). The run ends after a step in which any row picked a token of stop[0..n_stop).
  * kc/vc: per (layer, row) the row's K/V cache pointer, as coli_decode_step; the rotary tables must hold
  * every position < pos0[t] + n_steps. idx/w: each step's routes, [n_steps, L, T, k].
  * Why: between one-token steps the engine's Python ran ~0.6-0.7 ms a step on a small model (15-20% of a
@@ -220,17 +222,19 @@ static long argmax_f32(const float *x, long n) {
 int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layers, const coli_attn_layer *attn,
                     const coli_moe_layer *moe, const int *pos0, void *const *kc, void *const *vc, long ks, long vs,
                     const float *ctab, const float *stab, long tab_rows, int n_steps, const int64_t *stop,
-                    int n_stop, const float *samp, const double *u, coli_procs *procs, int64_t *out, int64_t *idx,
-                    float *w, int *failed) {
+                    int n_stop, const float *samp, const double *u, coli_procs *procs, const int *lp_n, float *lp,
+                    int64_t *lp_ids, float *lp_vals, int64_t *out, int64_t *idx, float *w, int *failed) {
     if (n_steps < 1 || T < 1 || T > MAX_T) return -1;
     for (int t = 0; t < T; t++)
         if (pos0[t] + n_steps > tab_rows) return -1;
-    float *logits = (float *)malloc(sizeof(float) * (size_t)tl->vocab * T);
+    float *logits = (float *)malloc(sizeof(float) * (size_t)tl->vocab * (T + 1));  /* (+1: a raw row's copy) */
     int *mark = procs ? (int *)calloc((size_t)tl->vocab, sizeof(int)) : NULL;  /* procs.c's marks */
     if (!logits || (procs && !mark)) {
         free(logits);
+        free(mark);
         return -2;
     }
+    float *raw = logits + (size_t)tl->vocab * T;
     int64_t tok[MAX_T], rows[MAX_T];
     int pos[MAX_T];
     for (int t = 0; t < T; t++) tok[t] = tok0[t], rows[t] = t;
@@ -244,12 +248,22 @@ int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layer
         for (int t = 0; t < T && !rc; t++) {
             float *row = logits + (size_t)t * tl->vocab;
             const float *sp = samp ? samp + 4 * t : NULL;
+            int want_lp = lp_n && lp_n[t] >= 0;
+            const float *model = row;  /* the model's logits, for the log-probs: before the processors */
+            if (want_lp && procs) {
+                memcpy(raw, row, sizeof(float) * tl->vocab);
+                model = raw;
+            }
             if (procs && (rc = coli_procs_apply(procs + t, row, tl->vocab, mark, s * T + t + 1)))
                 break;
             long pick = sp && sp[0] > 0.f
                 ? coli_sample(row, tl->vocab, sp[0], (int)sp[1], sp[2], sp[3], u[(size_t)s * T + t])
                 : argmax_f32(row, tl->vocab);
             if (pick < 0) rc = pick == -2 ? -2 : -7;
+            size_t at = (size_t)s * T + t;
+            if (!rc && want_lp && coli_logprobs(model, tl->vocab, pick, lp_n[t], lp + at, lp_ids + at * COLI_LP_MAX,
+                                               lp_vals + at * COLI_LP_MAX))
+                rc = -7;
             tok[t] = out[(size_t)s * T + t] = pick;
             if (!rc && procs) coli_procs_took(procs + t, pick);
             for (int j = 0; j < n_stop && !end; j++) end = stop[j] == tok[t];

@@ -323,14 +323,15 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
 
 def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: int, stop: torch.Tensor,
               sampling: list[tuple[float, int, float, float]] | None = None,
-              uniforms: list[list[float]] | None = None, processors: list | None = None
-              ) -> tuple[list[list[int]], torch.Tensor] | None:
+              uniforms: list[list[float]] | None = None, processors: list | None = None,
+              logprobs: list[int | None] | None = None) -> tuple[list[list[int]], torch.Tensor, list | None] | None:
     """Up to n_steps decode steps of the batch's sequences (one row each) in one native call
     (coli_decode_run): `tokens` fed at their sequences' positions, each row's pick fed to it at the next
     (the argmax, or kernels/sample.c with `sampling[t]` and `uniforms[t]`, after `processors[t]`, an
     engine/sampling.py RunProcs or None: native_run.decode_run), ending after
     a step in which a row picked a token of `stop` (int64 [S]) -> (per step the rows' tokens, the steps'
-    expert ids [n, L, T, k]); None where the one-call step does not apply. The routes go to the caller,
+    expert ids [n, L, T, k], per step and row the log-probs `logprobs[t]` asks for); None where the one-call
+    step does not apply. The routes go to the caller,
     not to the experts' hooks: it applies only where those are a RouteCapture's alone (the engine's),
     whose caller counts them."""
     T = len(tokens)
@@ -343,9 +344,10 @@ def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: in
     if args is None:
         return None
     pos, kc, vc, ks, vs, rope = args
-    steps, idx, _ = native_run.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks, vs,
-                                          rope, plan.k, n_steps, stop, sampling, uniforms, processors)
-    return steps, plan.routed(idx)
+    steps, idx, _, lps = native_run.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks,
+                                               vs, rope, plan.k, n_steps, stop, sampling, uniforms, processors,
+                                               logprobs)
+    return steps, plan.routed(idx), lps
 
 
 def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
