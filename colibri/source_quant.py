@@ -58,46 +58,16 @@ class _Wrapped(ABC):
         """Whether `name` reads back dequantized (its dtype is then F32)."""
 
 
-class Fp8Blocks(_Wrapped):
-    """FP8 checkpoints (quant_method "fp8") store a weight `W` as F8_E4M3 plus `W_scale_inv` f32
-    [ceil(out / bo), ceil(in / bi)] for weight_block_size [bo, bi]: w[i, j] = q[i, j] * scale_inv[i // bo,
-    j // bi]. The scale tensors are hidden."""
+class _Fp8Scaled(_Wrapped):
+    """float8 weights `W`, each with its scale tensor `W` + `suffix` (hidden): `_apply` makes the floats."""
 
-    def __init__(self, st, block: tuple[int, int]):
-        super().__init__(st)
-        self.block = (int(block[0]), int(block[1]))
-        self.scales = {n.removesuffix("_scale_inv"): n for n in st.names() if n.endswith("weight_scale_inv")}
-
-    def names(self) -> list[str]:
-        return [n for n in self.st.names() if not n.endswith("weight_scale_inv")]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.st.shape(name)
-
-    def _is_quantized(self, name: str) -> bool:
-        return self.st.dtype(name).startswith("F8")
-
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        t = self.st.read(name, index)
-        if t.dtype not in _FP8:
-            return t
-        if name not in self.scales:
-            raise ColibriError(f"{name} is {self.st.dtype(name)} but the checkpoint has no {name}_scale_inv")
-        return dequantize_fp8(t, self.st.read(self.scales[name], index), self.block, name)
-
-
-class Fp8Rows(_Wrapped):
-    """quant_method "fbgemm_fp8": float8 `X.weight` [out, in] times `X.weight_scale` f32 [out, 1]; Llama 4's
-    fused experts (x @ W: outputs last) `gate_up_proj` [E, H, 2I] times `gate_up_proj_scale` [E, 1, 2I] and
-    `down_proj` [E, I, H] times `down_proj_scale` [E, H, 1] -- one scale per output channel either way, which
-    fbgemm's quantizer stores as the rows of the transposed weight. The scales are hidden; activation scales
-    (`activation_scale_ub`) are a runtime choice of fbgemm's kernels: activations stay colibri's."""
+    suffix = ""
 
     def __init__(self, st):
         super().__init__(st)
         have = set(st.names())
-        self.scales = {n.removesuffix("_scale"): n for n in have if n.endswith("_scale")
-                       and n.removesuffix("_scale") in have}
+        self.scales = {n.removesuffix(self.suffix): n for n in have
+                       if n.endswith(self.suffix) and n.removesuffix(self.suffix) in have}
 
     def names(self) -> list[str]:
         hidden = set(self.scales.values())
@@ -114,13 +84,45 @@ class Fp8Rows(_Wrapped):
         if t.dtype not in _FP8:
             return t
         if name not in self.scales:
-            raise ColibriError(f"{name} is {self.st.dtype(name)} but the checkpoint has no {name}_scale")
-        s = self.st.read(self.scales[name], index).float()
+            raise ColibriError(f"{name} is {self.st.dtype(name)} but the checkpoint has no {name}{self.suffix}")
+        return self._apply(name, t, self.st.read(self.scales[name], index))
+
+    @abstractmethod
+    def _apply(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The f32 weight (or its `index` slice) of float8 `q` and its scale tensor as stored."""
+
+
+class Fp8Blocks(_Fp8Scaled):
+    """FP8 checkpoints (quant_method "fp8") store a weight `W` as F8_E4M3 plus `W_scale_inv` f32
+    [ceil(out / bo), ceil(in / bi)] for weight_block_size [bo, bi]: w[i, j] = q[i, j] * scale_inv[i // bo,
+    j // bi]. The scale tensors are hidden."""
+
+    suffix = "_scale_inv"
+
+    def __init__(self, st, block: tuple[int, int]):
+        super().__init__(st)
+        self.block = (int(block[0]), int(block[1]))
+
+    def _apply(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8(q, scale, self.block, name)
+
+
+class Fp8Rows(_Fp8Scaled):
+    """quant_method "fbgemm_fp8": float8 `X.weight` [out, in] times `X.weight_scale` f32 [out, 1]; Llama 4's
+    fused experts (x @ W: outputs last) `gate_up_proj` [E, H, 2I] times `gate_up_proj_scale` [E, 1, 2I] and
+    `down_proj` [E, I, H] times `down_proj_scale` [E, H, 1] -- one scale per output channel either way, which
+    fbgemm's quantizer stores as the rows of the transposed weight. The scales are hidden; activation scales
+    (`activation_scale_ub`) are a runtime choice of fbgemm's kernels: activations stay colibri's."""
+
+    suffix = "_scale"
+
+    def _apply(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        s = scale.float()
         shape, s_shape = self.st.shape(name), self.st.shape(self.scales[name])
         if len(shape) == 3 and len(s_shape) == 3 and s_shape[-1] == 1 and shape[-1] != 1:
             s = s.transpose(-1, -2)  # [.., out, 1] of an [.., in, out] weight: down_proj's
         try:
-            return t.float() * s
+            return q.float() * s
         except RuntimeError:
             raise ColibriError(f"{name}: scale shape {tuple(s_shape)} does not fit a {tuple(shape)} weight "
                                "(fbgemm_fp8: one scale per output channel)") from None

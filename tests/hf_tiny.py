@@ -496,6 +496,21 @@ def quantized_pair(src: Path, dst: Path, name: str, packed: dict[str, torch.Tens
     return dst / name, dst / "deq"
 
 
+def converts_to_its_floats(quantized: Path, deq: Path, work: Path, ids: list[int]) -> torch.Tensor:
+    """Both folders of `quantized_pair` converted at f32 give the same logits bit for bit (the reader dequantizes
+    to the floats they stand for), and those are transformers' on the floats -> the logits of `ids`."""
+    import colibri
+    from colibri.convert import convert
+
+    a = convert(quantized, work / f"{quantized.name}.coli", "f32", progress=False)
+    b = convert(deq, work / "deq.coli", "f32", progress=False)
+    with colibri.load(a) as la, colibri.load(b) as lb:
+        got, same = la.logits(ids), lb.logits(ids)
+    assert torch.equal(got, same)
+    torch.testing.assert_close(got, hf_logits(load_hf(deq), ids), rtol=1e-4, atol=1e-4)
+    return got
+
+
 def load_hf(folder: str | Path) -> PreTrainedModel:
     """The transformers model in eval mode, float32, eager attention (the oracle)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf, quantized_pair
+from hf_tiny import converts_to_its_floats, quantized_pair
 from safetensors.torch import load_file, save_file
 
 import colibri
@@ -50,16 +50,7 @@ def _fbgemm_folder(src, dst):
 
 def test_fbgemm_fp8_checkpoint_converts_to_the_weights_it_stands_for(ckpt, tmp_path):
     fp8, deq = _fbgemm_folder(ckpt.hf("llama4_text", fused=True), tmp_path)
-    a = convert(fp8, tmp_path / "fp8.coli", "f32", progress=False)
-    b = convert(deq, tmp_path / "deq.coli", "f32", progress=False)
-    la, lb = colibri.load(a), colibri.load(b)
-    try:
-        got, same = la.logits(IDS), lb.logits(IDS)
-    finally:
-        la.close()
-        lb.close()
-    assert torch.equal(got, same)  # the same f32 weights, bit for bit
-    torch.testing.assert_close(got, hf_logits(load_hf(deq), IDS), rtol=1e-4, atol=1e-4)
+    got = converts_to_its_floats(fp8, deq, tmp_path, IDS)
     with colibri.load(convert(fp8, tmp_path / "fp8.int8.coli", "int8", progress=False)) as llm:
         assert llm.logits(IDS).shape == got.shape
 

@@ -9,11 +9,9 @@ import json
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf, quantized_pair
+from hf_tiny import converts_to_its_floats, quantized_pair
 from safetensors.torch import load_file, save_file
 
-import colibri
-from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.safetensors_reader import SafetensorsFolder
 from colibri.source_packed import unpack_words
@@ -112,12 +110,7 @@ def test_packed_checkpoint_converts_to_the_weights_it_stands_for(ckpt, tmp_path,
     want = load_file(deq / "model.safetensors")
     for n in names:
         assert r.shape(n) == tuple(want[n].shape) and torch.equal(r.read(n).float(), want[n].float()), n
-    a = convert(pq, tmp_path / "p.coli", "f32", progress=False)
-    b = convert(deq, tmp_path / "d.coli", "f32", progress=False)
-    with colibri.load(a) as la, colibri.load(b) as lb:
-        got, same = la.logits(IDS), lb.logits(IDS)
-    assert torch.equal(got, same)  # the same f32 weights, bit for bit
-    torch.testing.assert_close(got, hf_logits(load_hf(deq), IDS), rtol=1e-4, atol=1e-4)
+    converts_to_its_floats(pq, deq, tmp_path, IDS)
 
 
 def test_a_group_index_out_of_range_is_an_error_not_a_wrapped_index(ckpt, tmp_path):

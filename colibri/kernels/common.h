@@ -172,6 +172,26 @@ static inline long coli_prof_now(void) {
 
 /* 64-byte aligned scratch (free() it): the prepared activation rows are read 64 bytes at a time, and
  * a load that straddles two cache lines costs two. */
+/* max_i x[i] over a logits row, or NAN when it has a NaN (the sampler's and the log-probs' first pass). */
+static inline float row_max_nan(const float *x, long V) {
+    float m = -INFINITY;
+    long i = 0;
+#ifdef COLI_AVX512
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= V; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return NAN;
+        vm = _mm512_max_ps(vm, v);
+    }
+    m = _mm512_reduce_max_ps(vm);
+#endif
+    for (; i < V; i++) {
+        if (x[i] != x[i]) return NAN;
+        if (x[i] > m) m = x[i];
+    }
+    return m;
+}
+
 static inline void *coli_alloc(size_t bytes) {
     void *p = NULL;
     return posix_memalign(&p, 64, (bytes + 63) / 64 * 64) == 0 ? p : NULL;

@@ -9,24 +9,10 @@
  * lower id), as log-probabilities. Returns 0, or -1 for a NaN or a row without a finite value. */
 int coli_logprobs(const float *x, long V, long tok, int n_top, float *lp, int64_t *ids, float *vals) {
     if (V < 1 || tok < 0 || tok >= V || n_top < 0 || n_top > COLI_LP_MAX) return -1;
-    float mx = -INFINITY;
-    long i = 0;
-#ifdef COLI_AVX512
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= V; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return -1;
-        vm = _mm512_max_ps(vm, v);
-    }
-    mx = _mm512_reduce_max_ps(vm);
-#endif
-    for (; i < V; i++) {
-        if (x[i] != x[i]) return -1;
-        if (x[i] > mx) mx = x[i];
-    }
-    if (!(mx > -INFINITY) || mx == INFINITY) return -1;
+    float mx = row_max_nan(x, V);
+    if (!(mx > -INFINITY) || mx == INFINITY) return -1;  /* (a NaN fails the first test) */
     float sum = 0.f;
-    i = 0;
+    long i = 0;
 #ifdef COLI_AVX512
     __m512 vs = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
     for (; i + 16 <= V; i += 16) vs = _mm512_add_ps(vs, exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmx)));

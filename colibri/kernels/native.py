@@ -44,6 +44,7 @@ _LIBS = ["-lm"]
 # the experts run one module at a time on torch's GEMMs. 64 measured best on the 0.44b int8/int4 models
 # (prefill of 16-64 tokens 1.3-1.7x faster than at 8; /tmp scripts over generate_ids, noisy VM).
 MOE_MAX_ROWS = 64
+MAX_GROUPS = 64  # router groups coli_route keeps apart (moe.c MAX_GROUPS)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False

@@ -51,22 +51,7 @@ static pthread_mutex_t buf_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* max_i x[i] / T, or NAN when x has a NaN. */
 static float row_max(const float *x, long V, float T) {
-    float m = -INFINITY;
-    long i = 0;
-#ifdef COLI_AVX512
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= V; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return NAN;
-        vm = _mm512_max_ps(vm, v);
-    }
-    m = _mm512_reduce_max_ps(vm);
-#endif
-    for (; i < V; i++) {
-        if (x[i] != x[i]) return NAN;
-        if (x[i] > m) m = x[i];
-    }
-    return m / T;  /* x / T is monotonic in x: the max of the quotients */
+    return row_max_nan(x, V) / T;  /* x / T is monotonic in x: the max of the quotients */
 }
 
 /* e[i] = exp(x[i] / T - m), i < V; returns their sum (16 at a time in f32, those sums in f64). */

@@ -241,7 +241,7 @@ def native_routing(gate: nn.Module) -> RouteRule | None:
     rule = rule() if rule is not None else None
     if rule is not None and rule.groups[0] > 1:
         (G, tg), E = rule.groups, gate.weight.shape[0]
-        if E % G or G > 64 or not 1 <= tg <= G or gate.top_k > tg * (E // G):
+        if E % G or G > native.MAX_GROUPS or not 1 <= tg <= G or gate.top_k > tg * (E // G):
             return None
     return rule
 
