@@ -111,6 +111,7 @@ FAMILIES: tuple[str, ...] = (
     "ernie4_5_moe",
     "llama4_text",
     "hunyuan_v1_moe",
+    "glm4_moe_lite",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -318,6 +319,25 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "v_head_dim": 16,
             "num_key_value_heads": 4,
             "rope_interleave": True,
+        },
+        # GLM-4.7-Flash: DeepSeek-V3's layers; layer 0 sparse, layer 1 dense (mlp_layer_types, not first_k);
+        # v wider than q/k's nope part, as released (256 vs 192)
+        "glm4_moe_lite": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 1,
+            "mlp_layer_types": ["sparse", "dense", "sparse"],
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.8,
+            "norm_topk_prob": True,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 32,
+            "num_key_value_heads": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
         },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
         "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},
