@@ -4,7 +4,8 @@
         [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
-block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; llama4_text, hunyuan_v1_moe) gets a random
+block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
+llama4_text, hunyuan_v1_moe) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -94,6 +95,10 @@ SHAPES["hunyuan_v1_moe"] = {**{k: v for k, v in BASE.items() if k not in ("moe_i
                             "moe_intermediate_size": [512] * 8, "num_shared_expert": [1] * 8,
                             "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                 "rope_theta": 10000.0}}
+# GLM-4.7-Flash: DeepSeek-V3's layers, v heads wider than q/k's nope part (256 vs 192 as released), one group
+SHAPES["glm4_moe_lite"] = {**SHAPES["deepseek_v3"], "routed_scaling_factor": 1.8, "qk_nope_head_dim": 96,
+                           "v_head_dim": 128, "mlp_layer_types": ["dense"] + ["sparse"] * 7,
+                           "first_k_dense_replace": 1}  # (llama.cpp's converter reads the latter)
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
