@@ -112,6 +112,7 @@ FAMILIES: tuple[str, ...] = (
     "llama4_text",
     "hunyuan_v1_moe",
     "glm4_moe_lite",
+    "exaone_moe",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -337,6 +338,22 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "qk_rope_head_dim": 8,
             "v_head_dim": 32,
             "num_key_value_heads": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        # K-EXAONE: sliding layers 0 and 2 (RoPE, 8 positions: a 32+ token run crosses it), full layers 1 and 3
+        # without RoPE; layer 0 dense; GLM's grouped router
+        "exaone_moe": {
+            "num_hidden_layers": 4,
+            "num_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "num_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
         },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).

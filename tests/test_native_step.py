@@ -63,6 +63,7 @@ def _spy(real, seen: list[bool]):
     # scaled input, dense layers between MoE ones
     ("llama4_text", {}),
     ("hunyuan_v1_moe", {}),  # (its per-head q/k norm after the rotary: the block's qk_norm 3 with weights)
+    ("exaone_moe", {}),  # (q/k norm, full layers without the rotary, sliding ones, a grouped router)
     # MLA (kernels/mla.c) in the attention block's place: q_proj and interleaved RoPE; q LoRA
     ("deepseek_v2", {"topk_method": "greedy", "kv_lora_rank": 32}),
     ("deepseek_v2", {"kv_lora_rank": 32}),  # (group_limited_greedy, 2 of 4 groups)

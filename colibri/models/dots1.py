@@ -49,5 +49,4 @@ def check_config(cfg: dict) -> None:
 
 
 class Model(glm4_moe.Model):
-    def __init__(self, a: ModelArgs):
-        super().__init__(a, a.window)
+    pass

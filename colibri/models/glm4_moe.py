@@ -3,7 +3,6 @@ shared experts, and a sigmoid router with a selection-only correction bias and g
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +47,17 @@ class ModelArgs(BaseArgs):
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * partial_rotary_factor(self.raw or {}))
+
+    # The layer pattern, for the families built on this one (dots1's windows, EXAONE's NoPE and dense layers).
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window; None: full attention."""
+        return None
+
+    def rope_on(self, i: int) -> bool:
+        return True
+
+    def is_moe(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
 
 
 def partial_rotary_factor(cfg: dict) -> float:
@@ -114,18 +124,18 @@ class GroupLimitedRouter(nn.Module):
 
 
 class Model(CausalLM):
-    def __init__(self, a: ModelArgs, window: Callable[[int], int | None] = lambda i: None):
-        """`window(i)`: layer i's sliding window, None for full attention (dots.llm1's late layers)."""
+    def __init__(self, a: ModelArgs):
         raw = a.raw or {}
 
         def attn(i: int) -> AttentionArgs:
             return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                                  rope_theta(raw), rope_scaling(raw), a.max_position_embeddings,
                                  bias=a.attention_bias, qk_norm="head" if a.use_qk_norm else None,
-                                 norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim, sliding_window=window(i))
+                                 norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim, sliding_window=a.window(i),
+                                 use_rope=a.rope_on(i))
 
         def mlp(i: int) -> nn.Module:
-            if i < a.first_k_dense_replace:
+            if not a.is_moe(i):
                 return MLP(a.hidden_size, a.intermediate_size)
             gate = GroupLimitedRouter(a.hidden_size, a.n_routed_experts, a.num_experts_per_tok, a.n_group,
                                       a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)

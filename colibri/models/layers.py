@@ -358,6 +358,7 @@ class AttentionArgs:
     sliding_window: int | None = None
     clip_qkv: float | None = None
     sinks: bool = False  # per-head attention sink logits (gpt-oss)
+    use_rope: bool = True  # False: a NoPE layer (EXAONE's global layers), the rotary table kept for the others
 
 
 class Attention(nn.Module):
@@ -393,7 +394,8 @@ class Attention(nn.Module):
         v = v.view(T, a.kv_heads, a.head_dim)
         if a.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
+        if a.use_rope:
+            q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
         if a.qk_norm == "head_post_rope":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
@@ -461,7 +463,8 @@ class Attention(nn.Module):
             a.hidden, a.heads, a.kv_heads, a.head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
             *(native.QW(*native.qw(p)) for p in projs),
             in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), in_norm.eps, post_norm.eps,
-            {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0, self.rope.dim,
+            {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0,
+            self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
             *(None if p.bias is None else p.bias.data_ptr() for p in projs))
 
