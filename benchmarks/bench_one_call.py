@@ -5,7 +5,7 @@
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
-llama4_text, hunyuan_v1_moe) gets a random
+llama4_text, hunyuan_v1_moe, exaone_moe) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -99,6 +99,10 @@ SHAPES["hunyuan_v1_moe"] = {**{k: v for k, v in BASE.items() if k not in ("moe_i
 SHAPES["glm4_moe_lite"] = {**SHAPES["deepseek_v3"], "routed_scaling_factor": 1.8, "qk_nope_head_dim": 96,
                            "v_head_dim": 128, "mlp_layer_types": ["dense"] + ["sparse"] * 7,
                            "first_k_dense_replace": 1}  # (llama.cpp's converter reads the latter)
+# K-EXAONE: three sliding layers (RoPE) then a full one (no RoPE), q/k norm, layer 0 dense, one shared expert
+SHAPES["exaone_moe"] = {**BASE, "num_experts": 32, "num_shared_experts": 1, "first_k_dense_replace": 1,
+                        "n_group": 1, "topk_group": 1, "sliding_window": 128, "sliding_window_pattern": 4,
+                        "scoring_func": "sigmoid"}  # (llama.cpp reads the router rule from it)
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
