@@ -148,6 +148,7 @@ class Engine:
         # measured in `colibri serve`, 3-7 prompts joining one running stream in one torch-GEMM step took
         # 0.6-1 s to their first token; in steps of <= 64 rows on the native pool, ~0.1 s per step.
         mixed = native.MOE_MAX_ROWS if native.available() else None
+        cache_prompt = cache_prompt and self.slots.rewindable  # (linear-attention states: engine/kv.py)
         self._sched = Scheduler(self.slots, max_queue, prefill_chunk, mixed, cache_prompt and route_trace is None)
         self._cache_prompt = cache_prompt
         self._runner = Runner(self.model, self._sched, self.store, self.threads, lambda: self.tokenizer.eos_ids)

@@ -67,6 +67,7 @@ class PlanSizes(ModelSizes):
     embed_bytes: int = 0  # in global_dense_bytes; a token reads one row of it, not all
     embed_row: int = 0
     kv_per_token: int = 0  # KV cache bytes per context position (all layers)
+    kv_fixed: int = 0  # a slot's bytes whatever its context (linear-attention states)
     scheme: str = "?"
     model_type: str = "?"
     one_call: bool = False  # int8/int4 and a layer shape the one-call decode step runs (when all in RAM)
@@ -77,16 +78,19 @@ class PlanSizes(ModelSizes):
         base = model_sizes(c)
         embed = next((e for n, e in c.header["tensors"].items() if n.endswith("embed_tokens.weight")), None)
         model = _skeleton(c)
-        kv = kv_per_token
+        kv, fixed = kv_per_token, 0
         if kv is None:
-            kv = _kv_measured(model) or _kv_formula(c.config, base.n_layers)
+            kv, fixed = _kv_measured(model) or (_kv_formula(c.config, base.n_layers), 0)
         scheme = c.quant.get("scheme", "?")
         return cls(**{f.name: getattr(base, f.name) for f in fields(ModelSizes)},
                    embed_bytes=embed["nbytes"] if embed else 0,
                    embed_row=embed["nbytes"] // max(embed["shape"][0], 1) if embed else 0,
-                   kv_per_token=kv, scheme=scheme,
+                   kv_per_token=kv, kv_fixed=fixed, scheme=scheme,
                    model_type=(c.header.get("meta") or {}).get("model_type", "?"),
                    one_call=scheme in ("int8", "int4") and model is not None and _one_call_shape(model))
+
+    def kv_bytes(self, ctx: int, slots: int) -> int:
+        return (self.kv_per_token * ctx + self.kv_fixed) * slots
 
     def layer_bytes(self, i: int) -> int:
         return self.layer_dense_bytes[i] + self.layer_experts_bytes(i)
@@ -117,14 +121,14 @@ def _skeleton(c):
         return None
 
 
-def _kv_measured(model) -> int | None:
-    """KV bytes per position from the family's own cache (MLA, sliding windows...); None if unknown."""
+def _kv_measured(model) -> tuple[int, int] | None:
+    """(bytes per position, fixed bytes) of a slot from the family's own cache (MLA, sliding windows, linear
+    attention's state); None if unknown."""
     if model is None:
         return None
     import torch
 
-    caches = model.make_cache(64, torch.bfloat16)
-    return sum(x.nbytes for x in caches) // 64
+    return model.cache_cost(torch.bfloat16)
 
 
 def _one_call_shape(model) -> bool:
@@ -189,7 +193,7 @@ def weights_budget(m: Machine, sizes: PlanSizes, mem_budget: int | None, ctx: in
     leaves after our headroom, the KV slots and the runtime."""
     if mem_budget is not None:
         return mem_budget
-    return max(m.mem_available - headroom(m) - sizes.kv_per_token * ctx * slots - RUNTIME_BYTES, 0)
+    return max(m.mem_available - headroom(m) - sizes.kv_bytes(ctx, slots) - RUNTIME_BYTES, 0)
 
 
 def headroom(m: Machine) -> int:
@@ -262,7 +266,7 @@ def plan(sizes: PlanSizes, m: Machine, mem_budget: int | None = None, gpu_budget
     one_call = ONE_CALL_BW_SHARE.get(sizes.scheme, 0.0) if sizes.one_call and all(lp.tier == "ram" for lp in layers) \
         else 0.0  # (disk or GPU layers: the per-layer path)
     return PlanResult(layers, budget, gpu_budget, dense, gpu_bytes, cache, disk_tok, ram_tok, m.disk_bps,
-                      m.ram_bps, notes, budgeted, ops_per_token(sizes), m.op_s, sizes.kv_per_token * ctx * slots,
+                      m.ram_bps, notes, budgeted, ops_per_token(sizes), m.op_s, sizes.kv_bytes(ctx, slots),
                       one_call)
 
 
@@ -382,7 +386,8 @@ def report(sizes: PlanSizes, m: Machine, mem_budget: int | None, gpu_budget: int
         f"{m.ram_bps / 1e9:.1f} GB/s ({m.ram_note})"
         + (f"; one torch op {m.op_s * 1e6:.1f} us" if m.op_s else ""),
         f"KV cache: {_gib(kv)} = {slots} slot{'s' if slots != 1 else ''} x {ctx} positions x "
-        f"{sizes.kv_per_token / 1024:.1f} KiB",
+        f"{sizes.kv_per_token / 1024:.1f} KiB"
+        + (f" + {_gib(sizes.kv_fixed)} of linear-attention state a slot" if sizes.kv_fixed else ""),
         f"memory for weights: {_gib(ours.weights_budget)} "
         + ("(--mem-budget)" if mem_budget is not None else
            f"(available memory - {_gib(headroom(m))} left {'to its page cache' if m.cgroup else 'to the system'} - "

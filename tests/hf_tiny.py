@@ -113,6 +113,7 @@ FAMILIES: tuple[str, ...] = (
     "hunyuan_v1_moe",
     "glm4_moe_lite",
     "exaone_moe",
+    "qwen3_next",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -355,6 +356,23 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "sliding_window": 8,
             "sliding_window_pattern": 2,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        # Qwen3-Next: linear attention (Gated DeltaNet, 2 key heads of 4 value heads) in layers 0 and 2, gated full
+        # attention in layer 1 (a quarter of its head rotated), layer 1 dense
+        "qwen3_next": {
+            "num_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "mlp_only_layers": [1],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
         },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
         "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},

@@ -12,6 +12,10 @@ PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 N_GREEDY = 40
 # f32 on both sides; differences come only from summation order (SDPA vs eager, expert order).
 LOGIT_BOUND = 1e-4
+# Qwen3-Next's summation order moves more: transformers' own eager and sdpa attention differ by 1.1e-4 on its
+# tiny model, its own cached decode and full forward by 1.6e-4 (its linear-attention state carries every
+# position's rounding); ours differ from its eager forward by ~1e-4 (the first token exactly, 0.0).
+BOUNDS = {"qwen3_next": 3e-4}
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
@@ -24,7 +28,7 @@ def test_logits_and_greedy_match_transformers(ckpt, model_type, fused):
     ours, ref = llm.logits(ids), hf_logits(hf, ids)
     diff = (ours - ref).abs().max().item()
     print(f"{model_type} fused={fused}: max |logit diff| = {diff:.2e}")
-    assert diff < LOGIT_BOUND
+    assert diff < BOUNDS.get(model_type, LOGIT_BOUND)
 
     ref_tokens, _ = hf_greedy_with_logits(hf, PROMPT, N_GREEDY)
     tokens = list(llm.generate_ids(PROMPT, N_GREEDY, temperature=0, ignore_eos=True))

@@ -16,6 +16,8 @@ from colibri.models.base import SUPPORTED
 P1 = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 P2 = [1, 88, 5, 61, 9, 12]
 N = 8
+# (Qwen3-Next's linear-attention states cannot keep a prefix: tests/test_qwen3_next.py shows caching stays off)
+CACHEABLE = [m for m in SUPPORTED if m != "qwen3_next"]
 
 
 def run(llm, prompt: list[int], n: int = N, **kw) -> tuple[list[int], int]:
@@ -24,7 +26,7 @@ def run(llm, prompt: list[int], n: int = N, **kw) -> tuple[list[int], int]:
     return h.wait(), h.stats.cached_tokens
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED)
+@pytest.mark.parametrize("model_type", CACHEABLE)
 def test_cached_prefixes_give_the_tokens_of_a_full_prefill(ckpt, model_type):
     path = ckpt.coli(model_type, "f32")
     with colibri.load(path, ctx_size=96, threads=2, slots=1) as llm:

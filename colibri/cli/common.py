@@ -214,8 +214,8 @@ def check_kv_fits(model: str, ctx: int, slots: int) -> None:
     with Container(model) as c:
         skeleton, _ = build_checked(c.model_type, c.config)
         dtype = torch.float32 if c.quant.get("scheme") == "f32" else torch.bfloat16
-    per_pos = sum(x.nbytes for x in skeleton.make_cache(16, dtype)) // 16
-    need, avail = per_pos * ctx * slots, _mem_available()
+    per_pos, fixed = skeleton.cache_cost(dtype)
+    need, avail = (per_pos * ctx + fixed) * slots, _mem_available()
     if avail is not None and need > avail - (1 << 30):  # 1 GiB left to the weights, runtime and system
         raise ColibriError(f"--ctx-size {ctx} x --slots {slots} needs a {need / 2**30:.1f} GiB KV cache and "
                            f"{avail / 2**30:.1f} GiB of memory is available: lower --ctx-size")

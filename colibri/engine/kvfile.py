@@ -32,6 +32,7 @@ def model_identity(header: dict, dtype: torch.dtype) -> str:
 
 def save(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> int:
     """Write the slot's tokens and their K/V; returns the positions written (0: nothing to save)."""
+    _check_rewindable(pool)
     tokens = list(pool.tokens[slot])
     n = len(tokens)
     if n == 0:
@@ -46,6 +47,7 @@ def save(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> i
 
 def load(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> int:
     """Read a file written by `save` into the slot; returns the positions loaded."""
+    _check_rewindable(pool)
     try:
         with warnings.catch_warnings():  # torch's notes about a foreign file's pickle: the error says it
             warnings.simplefilter("ignore")
@@ -80,3 +82,9 @@ def _fits(saved, views: dict[str, torch.Tensor]) -> bool:
     return isinstance(saved, dict) and saved.keys() == views.keys() and all(
         isinstance(saved[k], torch.Tensor) and saved[k].shape == v.shape and saved[k].dtype == v.dtype
         for k, v in views.items())
+
+
+def _check_rewindable(pool: SlotPool) -> None:
+    if not pool.rewindable:
+        raise ColibriError("this model's linear-attention layers keep a state, not K/V positions: "
+                           "prompt cache files do not apply to it")

@@ -18,7 +18,7 @@ from .moe import SwitchGLU
 
 SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
              "minimax_m2", "dots1", "ernie4_5_moe", "llama4_text", "hunyuan_v1_moe",
-             "glm4_moe_lite", "exaone_moe")
+             "glm4_moe_lite", "exaone_moe", "qwen3_next")
 # model_types whose checkpoints are another family's layout: Kimi-K2 is DeepSeek-V3's
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
@@ -102,6 +102,12 @@ class CausalLM(nn.Module):
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> list:
         return [layer.self_attn.make_cache(max_len, dtype) for layer in self.model.layers]
+
+    def cache_cost(self, dtype: torch.dtype) -> tuple[int, int]:
+        """A slot's bytes as (per context position, fixed): K/V grow with the context, a linear-attention
+        layer's state does not (measured on small caches of two lengths)."""
+        a, b = (sum(c.nbytes for c in self.make_cache(n, dtype)) for n in (64, 128))
+        return (b - a) // 64, a - (b - a)
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the one-call plan's pointers are stale
         native_step.forget(self)

@@ -1,0 +1,206 @@
+"""Gated DeltaNet (Qwen3-Next's linear-attention layers): a causal depthwise convolution over q/k/v, then
+the gated delta rule, whose per-head state S [Dk, Dv] stands in for a KV cache:
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T      o_t = S_t^T q_t
+
+with q, k L2-normalised (q also scaled by Dk^-1/2), beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias).
+A sequence's state is a fixed size whatever its length (`StateCache`), so a slot holds it instead of K/V
+positions. Prompts run the chunked form (64 tokens at a time: a triangular solve per chunk, then one state
+update), decode steps the recurrence itself; both in f32, as transformers' torch implementation does.
+
+A state cannot be rewound: it is the whole past. So a step must continue a sequence exactly where its state
+stands (a prompt restarts it at position 0), and prefix reuse between requests does not apply (the engine
+turns prompt caching off for such models; saved slots are refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ColibriError
+from .batch import LayerKV
+from .layers import Linear
+
+CHUNK = 64
+
+
+@dataclass
+class DeltaArgs:
+    hidden: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    eps: float
+
+
+class StateCache:
+    """One sequence's state in one linear-attention layer: the convolution's last inputs and the delta rule's
+    matrices. `pos`: the positions it has taken in."""
+
+    POS_DIM = 0
+
+    def __init__(self, conv_dim: int, kernel: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.conv = torch.zeros(conv_dim, kernel - 1, dtype=dtype, device=device)  # [C, K-1]
+        self.ssm = torch.zeros(heads, k_dim, v_dim, dtype=torch.float32, device=device)  # [Hv, Dk, Dv]
+        self.pos = 0
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {}  # (nothing indexed by position: engine/kv.py copies and saves none of it)
+
+    def to(self, device: torch.device | str) -> StateCache:
+        self.conv, self.ssm = self.conv.to(device), self.ssm.to(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+    def resume(self, start: int) -> None:
+        """Ready the state for positions from `start`: 0 starts afresh, else it must be where the state is."""
+        if start == 0:
+            self.conv.zero_()
+            self.ssm.zero_()
+            self.pos = 0
+        elif start != self.pos:
+            raise ColibriError(f"a linear-attention state holds {self.pos} positions; a step cannot continue "
+                               f"from position {start} (its state cannot be rewound)")
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_step(q, k, v, g, beta, S: torch.Tensor) -> torch.Tensor:
+    """One position: q, k [H, Dk], v [H, Dv], g, beta [H] (f32, q/k normalised and q scaled); S [H, Dk, Dv]
+    is updated in place. Returns o [H, Dv]."""
+    S.mul_(g.exp()[:, None, None])
+    mem = (S * k[:, :, None]).sum(-2)  # [H, Dv]: what the state recalls for k
+    S.add_(k[:, :, None] * ((v - mem) * beta[:, None])[:, None, :])
+    return (S * q[:, :, None]).sum(-2)
+
+
+def delta_chunked(q, k, v, g, beta, S: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """n positions at once, `chunk` at a time: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H] (f32, as
+    delta_step's); S [H, Dk, Dv] updated in place. Returns o [n, H, Dv].
+
+    Inside a chunk with cumulative log-decay c_t, the updates form a unit lower-triangular system
+    (I + tril(beta k k^T * exp(c_i - c_j), -1)) U = beta v, (likewise W for beta k exp(c)); then
+    v' = U - W S, o = (q exp(c)) S + tril(q k^T * exp(c_i - c_j)) v', S <- exp(c_last) S + (k exp(c_last - c))^T v'."""
+    n, H = q.shape[:2]
+    pad = -n % chunk
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for t in (q, k, v))  # [H, N, D]
+    g, beta = (F.pad(t, (0, 0, 0, pad)).transpose(0, 1) for t in (g, beta))  # [H, N]
+    N = n + pad
+    q, k, v = (t.reshape(H, N // chunk, chunk, t.shape[-1]) for t in (q, k, v))  # [H, C, L, D]
+    g, beta = (t.reshape(H, N // chunk, chunk) for t in (g, beta))  # [H, C, L]
+    c = g.cumsum(-1)  # [H, C, L]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [H, C, L, L]
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * decay  # (its diagonal is ignored: unit triangular)
+    U = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)  # [H, C, L, Dv]
+    W = torch.linalg.solve_triangular(system, kb * c.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay  # [H, C, L, L]
+    qd = q * c.exp()[..., None]
+    kd = k * (c[..., -1:] - c).exp()[..., None]
+    last = c[..., -1].exp()  # [H, C]
+    out = torch.empty_like(U)
+    for i in range(N // chunk):
+        vn = U[:, i] - W[:, i] @ S  # [H, L, Dv]
+        out[:, i] = qd[:, i] @ S + attn[:, i] @ vn
+        S.mul_(last[:, i, None, None]).add_(kd[:, i].transpose(-1, -2) @ vn)
+    return out.reshape(H, N, -1)[:, :n].transpose(0, 1)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, times silu(z) (z: the layer's gate projection)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * xf.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
+
+
+class Conv1d(nn.Module):
+    """Holds the depthwise convolution's weight [C, 1, K] under its checkpoint name."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """x [T, hidden] -> [T, hidden] over the step's sequences, each continuing its own `StateCache`."""
+
+    def __init__(self, a: DeltaArgs):
+        super().__init__()
+        self.a = a
+        kd, vd = a.k_heads * a.k_dim, a.v_heads * a.v_dim
+        self.conv_dim = 2 * kd + vd
+        self.in_proj_qkvz = Linear(a.hidden, 2 * kd + 2 * vd)
+        self.in_proj_ba = Linear(a.hidden, 2 * a.v_heads)
+        self.conv1d = Conv1d(self.conv_dim, a.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(a.v_heads), requires_grad=False)  # [Hv]
+        self.A_log = nn.Parameter(torch.zeros(a.v_heads), requires_grad=False)  # [Hv]
+        self.norm = GatedRMSNorm(a.v_dim, a.eps)
+        self.out_proj = Linear(vd, a.hidden)
+
+    def make_cache(self, max_len: int, dtype: torch.dtype) -> StateCache:
+        a = self.a
+        return StateCache(self.conv_dim, a.conv_kernel, a.v_heads, a.k_dim, a.v_dim, dtype)
+
+    def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        a, T = self.a, x.shape[0]
+        r = a.v_heads // a.k_heads  # value heads per key head
+        # the projections come grouped by key head: [q, k, its r value heads, their r gates]
+        qkvz = self.in_proj_qkvz(x).view(T, a.k_heads, 2 * a.k_dim + 2 * r * a.v_dim)
+        q, k, v, z = qkvz.split([a.k_dim, a.k_dim, r * a.v_dim, r * a.v_dim], -1)
+        b, gate_a = self.in_proj_ba(x).view(T, a.k_heads, 2 * r).split([r, r], -1)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)  # [T, C]
+        beta = b.reshape(T, a.v_heads).float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(gate_a.reshape(T, a.v_heads).float() + self.dt_bias.float())
+        outs = []
+        for r0, r1, start, cache in kv.segs:
+            cache.resume(start)
+            outs.append(self._sequence(mixed[r0:r1], beta[r0:r1], g[r0:r1], cache, start > 0))
+            cache.pos = start + r1 - r0
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hv, Dv]
+        o = self.norm(o.to(x.dtype), z.reshape(T, a.v_heads, a.v_dim))
+        return self.out_proj(o.reshape(T, -1))
+
+    def _sequence(self, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache: StateCache,
+                  decoding: bool) -> torch.Tensor:
+        """One sequence's n rows x [n, C] -> o [n, Hv, Dv] (f32), its state moved on by n positions. A row that
+        continues a sequence takes the recurrence, a prompt the chunked form (transformers' choice: the same
+        rounding)."""
+        a, n = self.a, x.shape[0]
+        K = a.conv_kernel
+        seq = torch.cat([cache.conv, x.T.to(cache.conv.dtype)], -1)  # [C, K-1+n]: the kept inputs first
+        cache.conv.copy_(seq[:, -(K - 1):])
+        w = self.conv1d.weight
+        if decoding:
+            y = F.conv1d(seq[None].to(w.dtype), w, groups=self.conv_dim)[0]  # [C, n]
+        else:  # (from zeros: the padded form transformers computes, to the last bit)
+            y = F.conv1d(x.T[None].to(w.dtype), w, padding=K - 1, groups=self.conv_dim)[0, :, :n]
+        y = F.silu(y).T  # [n, C]
+        kd = a.k_heads * a.k_dim
+        q, k, v = y.float().split([kd, kd, a.v_heads * a.v_dim], -1)
+        r = a.v_heads // a.k_heads
+        q = l2norm(q.view(n, a.k_heads, a.k_dim)).repeat_interleave(r, 1) * a.k_dim**-0.5  # [n, Hv, Dk]
+        k = l2norm(k.view(n, a.k_heads, a.k_dim)).repeat_interleave(r, 1)
+        v = v.view(n, a.v_heads, a.v_dim)
+        if n == 1 and decoding:
+            return delta_step(q[0], k[0], v[0], g[0], beta[0], cache.ssm)[None]
+        return delta_chunked(q, k, v, g, beta, cache.ssm)

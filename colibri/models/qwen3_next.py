@@ -1,0 +1,147 @@
+"""Qwen3-Next (`qwen3_next`, Qwen3-Next-80B-A3B): three Gated DeltaNet layers (linear attention,
+linear_attn.py) for every full-attention one, under Qwen2-MoE's experts (softmax top-k of 512, a shared
+expert behind a sigmoid gate).
+
+- Full attention: q_proj gives each head's query and an output gate side by side ([H, 2D]); q/k RMSNorm per
+  head before RoPE, which turns `partial_rotary_factor` (0.25) of each head; the output times sigmoid(gate)
+  goes to o_proj.
+- The RMSNorms (layers', final, q/k) are zero-centred: weight 1 + w. The converter stores 1 + w (in f32,
+  exactly what transformers computes), so the layers are plain RMSNorms (`prepare`); the DeltaNet's gated
+  norm is not zero-centred and stays as it is.
+- The linear-attention layers' state replaces their KV cache; the engine runs no prompt caching for such
+  models (linear_attn.py). Decode takes the per-layer path (the fused native blocks do not cover these
+  layers); the projections and experts run the quantized kernels as in every family.
+- The multi-token-prediction weights (`mtp.*`) are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import CausalLM, check_act_and_rope, refuse
+from .batch import LayerKV
+from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, attend, rope_scaling, rope_theta
+from .linear_attn import DeltaArgs, GatedDeltaNet
+from .moe import SparseMoE, SwitchGLU, TopKRouter
+from .qwen3_moe import ModelArgs as _Qwen3Args
+
+FAMILY = "qwen3_next"
+KINDS = ("linear_attention", "full_attention")
+
+
+@dataclass
+class ModelArgs(_Qwen3Args):
+    head_dim: int | None = 256
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 512
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: list | None = None
+
+    def kinds(self) -> list[str]:
+        return layer_kinds(self.raw or {}, self.num_hidden_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * partial_rotary_factor(self.raw or {}))  # type: ignore[operator]
+
+
+def partial_rotary_factor(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+
+
+def layer_kinds(cfg: dict, n: int) -> list[str]:
+    """transformers' rule: `layer_types`, else every fourth layer full attention."""
+    given = cfg.get("layer_types")
+    return list(given) if given is not None else \
+        ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+
+
+class GatedAttention(Attention):
+    """Attention whose q_proj also yields a per-channel output gate (module docstring)."""
+
+    def __init__(self, a: AttentionArgs):
+        super().__init__(a)
+        self.q_proj = Linear(a.hidden, a.heads * a.head_dim * 2, a.bias)
+
+    def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        a, T = self.a, x.shape[0]
+        q, gate = self.q_proj(x).view(T, a.heads, 2 * a.head_dim).split(a.head_dim, -1)  # [T, H, D] x2
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(T, a.kv_heads, a.head_dim))
+        v = self.v_proj(x).view(T, a.kv_heads, a.head_dim)
+        q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
+        outs = []
+        for r0, r1, start, cache in kv.segs:
+            k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
+            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H*D]
+        return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        raw = a.raw or {}
+        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             rope_theta(raw), rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
+                             qk_norm="head", norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
+        delta = DeltaArgs(a.hidden_size, a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
+                          a.linear_value_head_dim, a.linear_conv_kernel_dim, a.rms_norm_eps)
+
+        def mlp(i: int):
+            if not a.is_sparse(i):
+                return MLP(a.hidden_size, a.intermediate_size)
+            shared = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+            return SparseMoE(TopKRouter(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob),
+                             SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.num_experts),
+                             shared, Linear(a.hidden_size, 1))
+
+        kinds = a.kinds()
+        blocks = [DecoderBlock(GatedAttention(attn) if kinds[i] == "full_attention" else GatedDeltaNet(delta),
+                               mlp(i), a.hidden_size, a.rms_norm_eps) for i in range(a.num_hidden_layers)]
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
+        self.args = a
+
+
+def check_config(cfg: dict) -> None:
+    check_act_and_rope(FAMILY, cfg)
+    n = int(cfg.get("num_hidden_layers") or 0)
+    kinds = layer_kinds(cfg, n)
+    if len(kinds) != n or any(k not in KINDS for k in kinds):
+        refuse(FAMILY, "layer_types", cfg.get("layer_types"), "linear_attention / full_attention, one per layer")
+    kh, vh = cfg.get("linear_num_key_heads", 16), cfg.get("linear_num_value_heads", 32)
+    if not isinstance(kh, int) or not isinstance(vh, int) or kh < 1 or vh % kh:
+        refuse(FAMILY, "linear_num_value_heads", vh, f"a multiple of linear_num_key_heads={kh}")
+    for key in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim"):
+        v = cfg.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 16:
+            refuse(FAMILY, key, v, "a positive integer")
+    head = cfg.get("head_dim") or 256
+    if int(head * partial_rotary_factor(cfg)) % 2:
+        refuse(FAMILY, "partial_rotary_factor", partial_rotary_factor(cfg), "an even number of rotated channels")
+
+
+# RMSNorms whose weight is stored as w but applied as 1 + w (module docstring)
+_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight")
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name: the linear layers' mixer sits under `self_attn` as every layer's does."""
+    if name.startswith("mtp."):
+        return None
+    return name.replace(".linear_attn.", ".self_attn.")
+
+
+def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The zero-centred norms' weights as applied: 1 + w, in f32."""
+    if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED):
+        return 1.0 + t.float()
+    return t
