@@ -5,7 +5,7 @@
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
-llama4_text, hunyuan_v1_moe, exaone_moe) gets a random
+llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -103,6 +103,14 @@ SHAPES["glm4_moe_lite"] = {**SHAPES["deepseek_v3"], "routed_scaling_factor": 1.8
 SHAPES["exaone_moe"] = {**BASE, "num_experts": 32, "num_shared_experts": 1, "first_k_dense_replace": 1,
                         "n_group": 1, "topk_group": 1, "sliding_window": 128, "sliding_window_pattern": 4,
                         "scoring_func": "sigmoid"}  # (llama.cpp reads the router rule from it)
+# Qwen3-Next at this size: DeltaNet layers with a full-attention one every fourth (8 heads of 128, a quarter
+# rotated), 8 key heads of 16 value heads of 64, a gated shared expert as wide as an expert (its decode step is
+# per layer: the linear-attention layers run in torch)
+SHAPES["qwen3_next"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 512, "mlp_only_layers": [],
+                        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "layer_types": None,
+                        "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
+                        "linear_value_head_dim": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                                                         "partial_rotary_factor": 0.25}}
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")

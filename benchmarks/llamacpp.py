@@ -97,6 +97,11 @@ try:  # (Hunyuan's converter reads a tiktoken vocabulary)
     hunyuan.HunYuanMoEModel.set_vocab = base.TextModel._set_vocab_gpt2
 except (ImportError, AttributeError):
     pass
+try:  # (Qwen3-Next's converter expects multi-token-prediction layers, which random checkpoints do not have)
+    from conversion import qwen
+    qwen.Qwen3NextModel.no_mtp = True
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -121,3 +121,56 @@ def test_a_slot_costs_its_attention_positions_plus_fixed_states() -> None:
     assert per_pos == 2 * 2 * 16 * 2  # the full-attention layer's K and V: 2 kv heads of 16, bf16
     conv_dim = 2 * 2 * 16 + 4 * 16  # q, k (2 key heads of 16), v (4 value heads of 16)
     assert fixed == 2 * (conv_dim * 3 * 2 + 4 * 16 * 16 * 4)  # two linear layers: conv inputs (bf16), f32 states
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_native_decode_rows_agree_with_the_torch_path(ckpt, scheme, monkeypatch) -> None:
+    """kernels/delta.c (bf16 decode rows of several sequences) against the torch path: the same arithmetic in
+    another summation order, so the same tokens and logits to bf16 rounding."""
+    from colibri.kernels import native
+    from colibri.models import linear_attn
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    calls = []
+    real = linear_attn.native_delta.delta_rows
+    monkeypatch.setattr(linear_attn.native_delta, "delta_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(linear_attn, "FUSED", False)  # (the fused block calls the same rows from C)
+    prompts = [P, P[:5] + [88, 9], [1, 250, 4, 4, 19]]
+    out = {}
+    for on in (True, False):
+        calls.clear()
+        monkeypatch.setattr(linear_attn, "NATIVE", on)
+        with colibri.load(ckpt.coli("qwen3_next", scheme), ctx_size=96, threads=2, slots=3) as llm:
+            events: list[list] = [[] for _ in prompts]
+            hs = [llm.submit(p, 12, ignore_eos=True, logprobs=0, listener=ev.append) for p, ev in zip(prompts, events)]
+            out[on] = [(h.wait(), [e.logprob for e in ev if e is not None]) for h, ev in zip(hs, events)]
+        assert bool(calls) == on
+    for (a, la), (b, lb) in zip(out[True], out[False]):
+        assert a == b
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_fused_block_gives_the_layer_by_layer_bits(ckpt, scheme, monkeypatch) -> None:
+    """coli_delta_block (norm, both input projections, delta rows, out_proj, residual, post norm in one call)
+    against the same kernels called one by one from Python: the same tokens and log-probs, bit for bit."""
+    from colibri.kernels import native
+    from colibri.models import linear_attn
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    calls = []
+    real = linear_attn.native_delta.delta_block
+    monkeypatch.setattr(linear_attn.native_delta, "delta_block", lambda *a: calls.append(1) or real(*a))
+    prompts = [P, P[:5] + [88, 9]]
+    out = {}
+    for fused in (True, False):
+        calls.clear()
+        monkeypatch.setattr(linear_attn, "FUSED", fused)
+        with colibri.load(ckpt.coli("qwen3_next", scheme), ctx_size=96, threads=2, slots=2) as llm:
+            events: list[list] = [[] for _ in prompts]
+            hs = [llm.submit(p, 12, ignore_eos=True, logprobs=3, listener=ev.append) for p, ev in zip(prompts, events)]
+            out[fused] = [(h.wait(), [(e.logprob, e.top) for e in ev if e is not None]) for h, ev in zip(hs, events)]
+        assert bool(calls) == fused
+    assert out[True] == out[False]

@@ -22,10 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ColibriError
+from ..kernels import native, native_delta
 from .batch import LayerKV
 from .layers import Linear
 
 CHUNK = 64
+NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
+FUSED = True  # False: the native decode rows layer by layer, not the whole block in one call (tests)
 
 
 @dataclass
@@ -164,6 +167,16 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         a, T = self.a, x.shape[0]
         r = a.v_heads // a.k_heads  # value heads per key head
+        if self._native_rows(x, kv):  # bf16 decode rows: conv, delta rule and gated norm in one call
+            for _, _, start, cache in kv.segs:
+                cache.resume(start)
+            o = native_delta.delta_rows(
+                (a.k_heads, a.v_heads, a.k_dim, a.v_dim, a.conv_kernel), self.in_proj_qkvz(x), self.in_proj_ba(x),
+                [c.conv.data_ptr() for *_, c in kv.segs], [c.ssm.data_ptr() for *_, c in kv.segs],
+                self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, a.eps)
+            for _, _, start, cache in kv.segs:
+                cache.pos = start + 1
+            return self.out_proj(o)
         # the projections come grouped by key head: [q, k, its r value heads, their r gates]
         qkvz = self.in_proj_qkvz(x).view(T, a.k_heads, 2 * a.k_dim + 2 * r * a.v_dim)
         q, k, v, z = qkvz.split([a.k_dim, a.k_dim, r * a.v_dim, r * a.v_dim], -1)
@@ -179,6 +192,51 @@ class GatedDeltaNet(nn.Module):
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hv, Dv]
         o = self.norm(o.to(x.dtype), z.reshape(T, a.v_heads, a.v_dim))
         return self.out_proj(o.reshape(T, -1))
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/delta.c coli_delta_block) for
+        bf16 decode rows of native weights, with the bits of the layer-by-layer native path; else None."""
+        if not FUSED or not self._native_rows(h, kv):
+            return None
+        projs = (self.in_proj_qkvz, self.in_proj_ba, self.out_proj)
+        first = projs[0]
+        norms = (in_norm.weight, post_norm.weight)
+        if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
+                   and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and p.bias is None
+                   for p in projs) \
+                or any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            return None
+        w = self.__dict__.get("_fused_qw")
+        if w is None:  # (the weights' pointers: rebuilt when the module moves, see _apply)
+            w = self.__dict__["_fused_qw"] = (native.QW * 3)(*(native.QW(*native.qw(p)) for p in projs))
+        a = self.a
+        for _, _, start, cache in kv.segs:
+            cache.resume(start)
+        out = native_delta.delta_block(
+            (a.k_heads, a.v_heads, a.k_dim, a.v_dim, a.conv_kernel), 8 if first.scheme == "int8" else 4,
+            first.group_size, w, h.contiguous(), in_norm, post_norm, [c.conv.data_ptr() for *_, c in kv.segs],
+            [c.ssm.data_ptr() for *_, c in kv.segs], self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+            a.eps)
+        for _, _, start, cache in kv.segs:
+            cache.pos = start + 1
+        return out
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: the fused call's pointers are stale
+        self.__dict__.pop("_fused_qw", None)
+        return super()._apply(fn, recurse)
+
+    def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
+        """Whether kernels/delta.c takes this step: bf16 rows on the CPU, one per sequence, each continuing its
+        state (a prompt takes the chunked form in torch), f32 weights; the f32 oracle path stays in torch."""
+        a = self.a
+        if not NATIVE or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] > native.MOE_MAX_ROWS \
+                or max(a.k_dim, a.v_dim) > native_delta.MAX_DIM or not native.available():
+            return False
+        params = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        if any(p.dtype != torch.float32 or not p.is_contiguous() for p in params):
+            return False
+        return all(r1 - r0 == 1 and start > 0 and c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous()
+                   and c.conv.device.type == "cpu" for r0, r1, start, c in kv.segs)
 
     def _sequence(self, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache: StateCache,
                   decoding: bool) -> torch.Tensor:

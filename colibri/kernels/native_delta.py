@@ -1,0 +1,61 @@
+"""ctypes side of kernels/delta.c: Gated DeltaNet decode rows (colibri/models/linear_attn.py)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+
+_declared = False
+MAX_DIM = 1024  # head widths delta.c keeps on its stack
+
+
+def _lib() -> ctypes.CDLL:
+    global _declared
+    lib = native.lib()
+    if not _declared:
+        i, p = ctypes.c_int, ctypes.c_void_p
+        lib.coli_delta_rows.argtypes = [i, i, i, i, i, i, p, p, p, p, p, p, p, p, ctypes.c_float, p]
+        lib.coli_delta_rows.restype = i
+        f = ctypes.c_float
+        lib.coli_delta_block.argtypes = [i, i, i, i, i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p, p, f, p, p]
+        lib.coli_delta_block.restype = i
+        _declared = True
+    return lib
+
+
+def delta_rows(shape: tuple[int, int, int, int, int], qkvz: torch.Tensor, ba: torch.Tensor, conv: list[int],
+               ssm: list[int], conv_w: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """coli_delta_rows: shape (nk, nv, dk, dv, K); qkvz, ba bf16 [T, *] contiguous (the projections' rows);
+    conv / ssm: each row's state pointers (bf16 [C, K-1], f32 [nv, dk, dv]; updated in place); the weights
+    f32 contiguous -> the gated-normed output bf16 [T, nv * dv]."""
+    nk, nv, dk, dv, K = shape
+    T = qkvz.shape[0]
+    out = torch.empty(T, nv * dv, dtype=torch.bfloat16)
+    rc = _lib().coli_delta_rows(T, nk, nv, dk, dv, K, qkvz.data_ptr(), ba.data_ptr(), (ctypes.c_void_p * T)(*conv),
+                                (ctypes.c_void_p * T)(*ssm), conv_w.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
+                                norm_w.data_ptr(), eps, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_delta_rows failed ({rc})")
+    return out
+
+
+def delta_block(shape: tuple[int, int, int, int, int], scheme: int, group: int, w: ctypes.Array, h: torch.Tensor,
+                in_norm, post_norm, conv: list[int], ssm: list[int], conv_w: torch.Tensor, A_log: torch.Tensor,
+                dt_bias: torch.Tensor, norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """coli_delta_block: h [T, hidden] bf16 contiguous; w: QW [3] (in_proj_qkvz, in_proj_ba, out_proj); the
+    norms' f32 weights and eps -> (h + the layer's output, the post-attention norm of that), bf16 [T, hidden]."""
+    nk, nv, dk, dv, K = shape
+    T, hidden = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    rc = _lib().coli_delta_block(T, hidden, nk, nv, dk, dv, K, scheme, group, w, h.data_ptr(),
+                                 in_norm.weight.data_ptr(), in_norm.eps, post_norm.weight.data_ptr(), post_norm.eps,
+                                 (ctypes.c_void_p * T)(*conv), (ctypes.c_void_p * T)(*ssm), conv_w.data_ptr(),
+                                 A_log.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), eps, h_out.data_ptr(),
+                                 x_out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_delta_block failed ({rc})")
+    return h_out, x_out
