@@ -40,6 +40,7 @@ class DeltaArgs:
     v_dim: int
     conv_kernel: int
     eps: float
+    split: bool = False  # four input projections (Qwen3.5), not two (Qwen3-Next)
 
 
 class StateCache:
@@ -145,20 +146,44 @@ class Conv1d(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """x [T, hidden] -> [T, hidden] over the step's sequences, each continuing its own `StateCache`."""
+    """x [T, hidden] -> [T, hidden] over the step's sequences, each continuing its own `StateCache`.
+
+    The input projections give, per row, the convolution's channels in order (every q head, every k head,
+    every v head: qkv [C]), the gates z [Hv * Dv], then b and a [Hv] each: as one `in_proj_qkvz` and one
+    `in_proj_ba` (Qwen3-Next, whose grouped rows the converter puts in this order: `grouped_rows`) or as
+    four (`split`: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
 
     def __init__(self, a: DeltaArgs):
         super().__init__()
         self.a = a
         kd, vd = a.k_heads * a.k_dim, a.v_heads * a.v_dim
         self.conv_dim = 2 * kd + vd
-        self.in_proj_qkvz = Linear(a.hidden, 2 * kd + 2 * vd)
-        self.in_proj_ba = Linear(a.hidden, 2 * a.v_heads)
+        if a.split:
+            self.in_proj_qkv = Linear(a.hidden, 2 * kd + vd)
+            self.in_proj_z = Linear(a.hidden, vd)
+            self.in_proj_b = Linear(a.hidden, a.v_heads)
+            self.in_proj_a = Linear(a.hidden, a.v_heads)
+        else:
+            self.in_proj_qkvz = Linear(a.hidden, 2 * kd + 2 * vd)
+            self.in_proj_ba = Linear(a.hidden, 2 * a.v_heads)
         self.conv1d = Conv1d(self.conv_dim, a.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(a.v_heads), requires_grad=False)  # [Hv]
         self.A_log = nn.Parameter(torch.zeros(a.v_heads), requires_grad=False)  # [Hv]
         self.norm = GatedRMSNorm(a.v_dim, a.eps)
         self.out_proj = Linear(vd, a.hidden)
+
+    def projections(self) -> tuple[Linear, ...]:
+        if self.a.split:
+            return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        return self.in_proj_qkvz, self.in_proj_ba
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(qkv [T, C], z [T, Hv * Dv], b [T, Hv], a [T, Hv]) of the rows x, in x's dtype (views where fused)."""
+        if self.a.split:
+            return tuple(p(x) for p in self.projections())
+        C, nv = self.conv_dim, self.a.v_heads
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        return qkvz[:, :C], qkvz[:, C:], ba[:, :nv], ba[:, nv:]
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> StateCache:
         a = self.a
@@ -166,24 +191,20 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         a, T = self.a, x.shape[0]
-        r = a.v_heads // a.k_heads  # value heads per key head
+        parts = self.project(x)
         if self._native_rows(x, kv):  # bf16 decode rows: conv, delta rule and gated norm in one call
             for _, _, start, cache in kv.segs:
                 cache.resume(start)
             o = native_delta.delta_rows(
-                (a.k_heads, a.v_heads, a.k_dim, a.v_dim, a.conv_kernel), self.in_proj_qkvz(x), self.in_proj_ba(x),
+                (a.k_heads, a.v_heads, a.k_dim, a.v_dim, a.conv_kernel), parts,
                 [c.conv.data_ptr() for *_, c in kv.segs], [c.ssm.data_ptr() for *_, c in kv.segs],
                 self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, a.eps)
             for _, _, start, cache in kv.segs:
                 cache.pos = start + 1
             return self.out_proj(o)
-        # the projections come grouped by key head: [q, k, its r value heads, their r gates]
-        qkvz = self.in_proj_qkvz(x).view(T, a.k_heads, 2 * a.k_dim + 2 * r * a.v_dim)
-        q, k, v, z = qkvz.split([a.k_dim, a.k_dim, r * a.v_dim, r * a.v_dim], -1)
-        b, gate_a = self.in_proj_ba(x).view(T, a.k_heads, 2 * r).split([r, r], -1)
-        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)  # [T, C]
-        beta = b.reshape(T, a.v_heads).float().sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(gate_a.reshape(T, a.v_heads).float() + self.dt_bias.float())
+        mixed, z, b, gate_a = parts
+        beta = b.float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(gate_a.float() + self.dt_bias.float())
         outs = []
         for r0, r1, start, cache in kv.segs:
             cache.resume(start)
@@ -198,7 +219,7 @@ class GatedDeltaNet(nn.Module):
         bf16 decode rows of native weights, with the bits of the layer-by-layer native path; else None."""
         if not FUSED or not self._native_rows(h, kv):
             return None
-        projs = (self.in_proj_qkvz, self.in_proj_ba, self.out_proj)
+        projs = (*self.projections(), self.out_proj)
         first = projs[0]
         norms = (in_norm.weight, post_norm.weight)
         if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
@@ -208,15 +229,15 @@ class GatedDeltaNet(nn.Module):
             return None
         w = self.__dict__.get("_fused_qw")
         if w is None:  # (the weights' pointers: rebuilt when the module moves, see _apply)
-            w = self.__dict__["_fused_qw"] = (native.QW * 3)(*(native.QW(*native.qw(p)) for p in projs))
+            w = self.__dict__["_fused_qw"] = (native.QW * len(projs))(*(native.QW(*native.qw(p)) for p in projs))
         a = self.a
         for _, _, start, cache in kv.segs:
             cache.resume(start)
         out = native_delta.delta_block(
             (a.k_heads, a.v_heads, a.k_dim, a.v_dim, a.conv_kernel), 8 if first.scheme == "int8" else 4,
-            first.group_size, w, h.contiguous(), in_norm, post_norm, [c.conv.data_ptr() for *_, c in kv.segs],
-            [c.ssm.data_ptr() for *_, c in kv.segs], self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
-            a.eps)
+            first.group_size, len(projs) - 1, w, h.contiguous(), in_norm, post_norm,
+            [c.conv.data_ptr() for *_, c in kv.segs], [c.ssm.data_ptr() for *_, c in kv.segs], self.conv1d.weight,
+            self.A_log, self.dt_bias, self.norm.weight, a.eps)
         for _, _, start, cache in kv.segs:
             cache.pos = start + 1
         return out
@@ -262,3 +283,19 @@ class GatedDeltaNet(nn.Module):
         if n == 1 and decoding:
             return delta_step(q[0], k[0], v[0], g[0], beta[0], cache.ssm)[None]
         return delta_chunked(q, k, v, g, beta, cache.ssm)
+
+
+def grouped_rows(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row orders that take Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head ([q, k, its r value
+    heads' v, their z] and [its r b, its r a]), to GatedDeltaNet's (every q, every k, every v, every z; every
+    b, every a): new row i is old row order[i]."""
+    r = v_heads // k_heads
+    G = 2 * k_dim + 2 * r * v_dim
+    gi = torch.arange(k_heads)[:, None]
+    d, e, j = torch.arange(k_dim)[None], torch.arange(v_dim), torch.arange(r)
+    q = (gi * G + d).flatten()
+    k = (gi * G + k_dim + d).flatten()
+    vz = gi[:, :, None] * G + 2 * k_dim + j[None, :, None] * v_dim + e[None, None]  # [nk, r, dv]
+    v, z = vz.flatten(), (vz + r * v_dim).flatten()
+    ba = (gi * 2 * r + j[None]).flatten()
+    return torch.cat([q, k, v, z]), torch.cat([ba, ba + r])

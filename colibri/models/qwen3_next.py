@@ -23,7 +23,7 @@ import torch
 from .base import CausalLM, check_act_and_rope, refuse
 from .batch import LayerKV
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, attend, rope_scaling, rope_theta
-from .linear_attn import DeltaArgs, GatedDeltaNet
+from .linear_attn import DeltaArgs, GatedDeltaNet, grouped_rows
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 from .qwen3_moe import ModelArgs as _Qwen3Args
 
@@ -141,7 +141,13 @@ def sanitize(name: str) -> str | None:
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """The zero-centred norms' weights as applied: 1 + w, in f32."""
+    """The zero-centred norms' weights as applied (1 + w, in f32); the linear layers' input projections in
+    GatedDeltaNet's row order (linear_attn.grouped_rows)."""
     if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED):
         return 1.0 + t.float()
+    if name.endswith(("self_attn.in_proj_qkvz.weight", "self_attn.in_proj_ba.weight")):
+        a = ModelArgs.from_dict(cfg)
+        qkvz, ba = grouped_rows(a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
+                                a.linear_value_head_dim)
+        return t[qkvz if name.endswith("qkvz.weight") else ba]
     return t
