@@ -8,6 +8,7 @@ fused `[E, ...]` checkpoints both work. The family's `sanitize()` owns name mapp
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 import time
@@ -264,10 +265,9 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     model_type = cfg.get("model_type")
     if not model_type:
         raise ColibriError(f"{src / 'config.json'} has no model_type")
-    if model_type == "llama4" and isinstance(cfg.get("text_config"), dict):  # multimodal: its text model
-        from .models.llama4_text import multimodal_text_config
-
-        cfg = multimodal_text_config(cfg)
+    if model_type in ("llama4", "qwen3_5_moe") and isinstance(cfg.get("text_config"), dict):  # multimodal: its text
+        text = importlib.import_module(f"colibri.models.{model_type}_text")
+        cfg = text.multimodal_text_config(cfg)
         model_type = cfg["model_type"]
     # Types and ranges of every value the family uses, and the family's own refusals (colibri/validate.py).
     fam = check_config(model_type, cfg, str(src / "config.json"))

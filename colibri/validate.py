@@ -152,7 +152,7 @@ def _rope(cfg: Mapping, where: str) -> None:
             if k in ("rope_type", "type"):
                 if not isinstance(v, str):
                     raise fail(f"{where}: {key}.{k} must be a string, got {_show(v)}")
-            elif k == "truncate":
+            elif k in ("truncate", "mrope_interleaved"):
                 if not isinstance(v, bool):
                     raise fail(f"{where}: {key}.{k} must be true or false, got {_show(v)}")
             elif k == "mrope_section" or v is None:

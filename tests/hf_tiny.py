@@ -114,6 +114,7 @@ FAMILIES: tuple[str, ...] = (
     "glm4_moe_lite",
     "exaone_moe",
     "qwen3_next",
+    "qwen3_5_moe_text",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -373,6 +374,20 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "linear_value_head_dim": 16,
             "linear_conv_kernel_dim": 4,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        },
+        # Qwen3.5 MoE: Qwen3-Next's layers with four linear-layer input projections, every layer MoE
+        "qwen3_5_moe_text": {
+            "num_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "shared_expert_intermediate_size": 48,
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                                "mrope_section": [1, 1, 0], "mrope_interleaved": True},
         },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
         "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},

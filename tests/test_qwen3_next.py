@@ -1,7 +1,9 @@
-"""Qwen3-Next (qwen3_next): the gated delta rule (chunked = recurrent = transformers'), long prompts and
-prompts prefilled in chunks against transformers, prompt caching off for its linear-attention states, the
-names and norms the converter maps, refusals. Its oracle, batch and tier tests run with every family's
-(tests/hf_tiny.py FAMILIES: linear layers 0 and 2, a gated full-attention layer 1)."""
+"""Qwen3-Next (qwen3_next) and Qwen3.5 MoE (qwen3_5_moe_text, the same layers with four linear-layer input
+projections): the gated delta rule (chunked = recurrent = transformers'), long prompts and prompts prefilled
+in chunks against transformers, prompt caching off for their linear-attention states, the native decode
+kernels against the torch path, the names and norms the converter maps, refusals. Their oracle, batch and tier
+tests run with every family's (tests/hf_tiny.py FAMILIES: linear layers 0 and 2, a gated full-attention layer
+1)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from colibri.models.linear_attn import StateCache, delta_chunked, delta_step, l2
 from colibri.models.qwen3_next import check_config, prepare, sanitize
 
 P = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
+FAMILIES = ["qwen3_next", "qwen3_5_moe_text"]
 
 
 def _inputs(n: int, H: int = 4, Dk: int = 16, Dv: int = 8, seed: int = 0):
@@ -44,10 +47,11 @@ def test_chunked_delta_rule_is_transformers_and_the_recurrence(n: int) -> None:
     torch.testing.assert_close(S2, S1, atol=1e-5, rtol=1e-5)
 
 
-def test_long_and_chunk_prefilled_prompts_match_transformers(ckpt) -> None:
-    hf = load_hf(ckpt.hf("qwen3_next"))
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_long_and_chunk_prefilled_prompts_match_transformers(ckpt, model_type) -> None:
+    hf = load_hf(ckpt.hf(model_type))
     ids = P * 13  # 156 tokens: three chunks of the delta rule
-    path = ckpt.coli("qwen3_next", "f32")
+    path = ckpt.coli(model_type, "f32")
     with colibri.load(path, ctx_size=256, threads=2) as llm:
         assert (llm.logits(ids) - hf_logits(hf, ids)).abs().max().item() < 5e-4
     ref = hf_greedy(hf, ids, 12)
@@ -56,9 +60,10 @@ def test_long_and_chunk_prefilled_prompts_match_transformers(ckpt) -> None:
         assert list(llm.generate_ids(ids, 12, temperature=0, ignore_eos=True)) == ref
 
 
-def test_prompt_caching_stays_off_and_saved_caches_are_refused(ckpt, tmp_path) -> None:
-    hf = load_hf(ckpt.hf("qwen3_next"))
-    with colibri.load(ckpt.coli("qwen3_next", "f32"), ctx_size=96, threads=2, slots=1) as llm:
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_prompt_caching_stays_off_and_saved_caches_are_refused(ckpt, tmp_path, model_type) -> None:
+    hf = load_hf(ckpt.hf(model_type))
+    with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=96, threads=2, slots=1) as llm:
         assert not llm.slots.rewindable
         for prompt in (P, P + [33, 71, 8], P):
             h = llm.submit(prompt, 8, ignore_eos=True)
@@ -102,11 +107,12 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
         check_config(cfg | over)
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_batches_give_each_sequence_its_own_tokens(ckpt, scheme) -> None:
+def test_quantized_batches_give_each_sequence_its_own_tokens(ckpt, model_type, scheme) -> None:
     """bf16 compute with quantized weights: rows of several sequences in one step (each its own state) give
     the tokens each gets alone."""
-    path = ckpt.coli("qwen3_next", scheme)
+    path = ckpt.coli(model_type, scheme)
     prompts = [P, P[:5] + [88, 9], [1, 250, 4, 4, 19]]
     with colibri.load(path, ctx_size=96, threads=2, slots=3) as llm:
         together = [h.wait() for h in [llm.submit(p, 10, ignore_eos=True) for p in prompts]]
@@ -123,8 +129,9 @@ def test_a_slot_costs_its_attention_positions_plus_fixed_states() -> None:
     assert fixed == 2 * (conv_dim * 3 * 2 + 4 * 16 * 16 * 4)  # two linear layers: conv inputs (bf16), f32 states
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_native_decode_rows_agree_with_the_torch_path(ckpt, scheme, monkeypatch) -> None:
+def test_native_decode_rows_agree_with_the_torch_path(ckpt, model_type, scheme, monkeypatch) -> None:
     """kernels/delta.c (bf16 decode rows of several sequences) against the torch path: the same arithmetic in
     another summation order, so the same tokens and logits to bf16 rounding."""
     from colibri.kernels import native
@@ -141,7 +148,7 @@ def test_native_decode_rows_agree_with_the_torch_path(ckpt, scheme, monkeypatch)
     for on in (True, False):
         calls.clear()
         monkeypatch.setattr(linear_attn, "NATIVE", on)
-        with colibri.load(ckpt.coli("qwen3_next", scheme), ctx_size=96, threads=2, slots=3) as llm:
+        with colibri.load(ckpt.coli(model_type, scheme), ctx_size=96, threads=2, slots=3) as llm:
             events: list[list] = [[] for _ in prompts]
             hs = [llm.submit(p, 12, ignore_eos=True, logprobs=0, listener=ev.append) for p, ev in zip(prompts, events)]
             out[on] = [(h.wait(), [e.logprob for e in ev if e is not None]) for h, ev in zip(hs, events)]
@@ -151,8 +158,9 @@ def test_native_decode_rows_agree_with_the_torch_path(ckpt, scheme, monkeypatch)
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=0.05, rtol=0)
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_the_fused_block_gives_the_layer_by_layer_bits(ckpt, scheme, monkeypatch) -> None:
+def test_the_fused_block_gives_the_layer_by_layer_bits(ckpt, model_type, scheme, monkeypatch) -> None:
     """coli_delta_block (norm, both input projections, delta rows, out_proj, residual, post norm in one call)
     against the same kernels called one by one from Python: the same tokens and log-probs, bit for bit."""
     from colibri.kernels import native
@@ -168,7 +176,7 @@ def test_the_fused_block_gives_the_layer_by_layer_bits(ckpt, scheme, monkeypatch
     for fused in (True, False):
         calls.clear()
         monkeypatch.setattr(linear_attn, "FUSED", fused)
-        with colibri.load(ckpt.coli("qwen3_next", scheme), ctx_size=96, threads=2, slots=2) as llm:
+        with colibri.load(ckpt.coli(model_type, scheme), ctx_size=96, threads=2, slots=2) as llm:
             events: list[list] = [[] for _ in prompts]
             hs = [llm.submit(p, 12, ignore_eos=True, logprobs=3, listener=ev.append) for p, ev in zip(prompts, events)]
             out[fused] = [(h.wait(), [(e.logprob, e.top) for e in ev if e is not None]) for h, ev in zip(hs, events)]

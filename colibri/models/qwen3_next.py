@@ -17,6 +17,7 @@ expert behind a sigmoid gate).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -33,6 +34,8 @@ KINDS = ("linear_attention", "full_attention")
 
 @dataclass
 class ModelArgs(_Qwen3Args):
+    split_projections: ClassVar[bool] = False  # the linear layers' four input projections (Qwen3.5's)
+
     head_dim: int | None = 256
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 512
@@ -93,7 +96,7 @@ class Model(CausalLM):
                              rope_theta(raw), rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
                              qk_norm="head", norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
         delta = DeltaArgs(a.hidden_size, a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
-                          a.linear_value_head_dim, a.linear_conv_kernel_dim, a.rms_norm_eps)
+                          a.linear_value_head_dim, a.linear_conv_kernel_dim, a.rms_norm_eps, a.split_projections)
 
         def mlp(i: int):
             if not a.is_sparse(i):
@@ -110,26 +113,27 @@ class Model(CausalLM):
         self.args = a
 
 
-def check_config(cfg: dict) -> None:
-    check_act_and_rope(FAMILY, cfg)
+def check_config(cfg: dict, family: str = FAMILY) -> None:
+    """(`family`: the name the errors give, for Qwen3.5's models built on this one)"""
+    check_act_and_rope(family, cfg)
     n = int(cfg.get("num_hidden_layers") or 0)
     kinds = layer_kinds(cfg, n)
     if len(kinds) != n or any(k not in KINDS for k in kinds):
-        refuse(FAMILY, "layer_types", cfg.get("layer_types"), "linear_attention / full_attention, one per layer")
+        refuse(family, "layer_types", cfg.get("layer_types"), "linear_attention / full_attention, one per layer")
     kh, vh = cfg.get("linear_num_key_heads", 16), cfg.get("linear_num_value_heads", 32)
     if not isinstance(kh, int) or not isinstance(vh, int) or kh < 1 or vh % kh:
-        refuse(FAMILY, "linear_num_value_heads", vh, f"a multiple of linear_num_key_heads={kh}")
+        refuse(family, "linear_num_value_heads", vh, f"a multiple of linear_num_key_heads={kh}")
     for key in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim"):
         v = cfg.get(key, 1)
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 16:
-            refuse(FAMILY, key, v, "a positive integer")
+            refuse(family, key, v, "a positive integer")
     head = cfg.get("head_dim") or 256
     if int(head * partial_rotary_factor(cfg)) % 2:
-        refuse(FAMILY, "partial_rotary_factor", partial_rotary_factor(cfg), "an even number of rotated channels")
+        refuse(family, "partial_rotary_factor", partial_rotary_factor(cfg), "an even number of rotated channels")
 
 
 # RMSNorms whose weight is stored as w but applied as 1 + w (module docstring)
-_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                  "self_attn.k_norm.weight")
 
 
@@ -143,7 +147,7 @@ def sanitize(name: str) -> str | None:
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     """The zero-centred norms' weights as applied (1 + w, in f32); the linear layers' input projections in
     GatedDeltaNet's row order (linear_attn.grouped_rows)."""
-    if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED):
+    if name == "model.norm.weight" or name.endswith(ZERO_CENTRED):
         return 1.0 + t.float()
     if name.endswith(("self_attn.in_proj_qkvz.weight", "self_attn.in_proj_ba.weight")):
         a = ModelArgs.from_dict(cfg)

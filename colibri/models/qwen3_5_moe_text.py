@@ -1,0 +1,74 @@
+"""Qwen3.5 MoE (`qwen3_5_moe_text`; the released multimodal `qwen3_5_moe`, whose text model is converted): Qwen3-Next's
+layers (qwen3_next.py: Gated DeltaNet and gated full attention, zero-centred norms) with these differences:
+
+- The linear layers' input projections are four (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), already
+  in GatedDeltaNet's row order.
+- Every layer is MoE (no `mlp_only_layers`, `decoder_sparse_step` or dense MLP width), and the router always
+  renormalises its top k.
+- RoPE is Qwen3-VL's interleaved multimodal one (`mrope_section`); a text-only sequence has the same position on
+  its three axes, which is plain RoPE over the rotated channels.
+- The multimodal checkpoint keeps the text model under `model.language_model.`; its vision tower
+  (`model.visual.`) and the multi-token-prediction weights (`mtp.`) are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from . import qwen3_next
+
+FAMILY = "qwen3_5_moe_text"
+
+
+@dataclass
+class ModelArgs(qwen3_next.ModelArgs):
+    split_projections: ClassVar[bool] = True
+
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelArgs:
+        return super().from_dict({"intermediate_size": 0, **d})  # (no dense layers: no width for them)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.norm_topk_prob = True  # (transformers' router renormalises whatever the config says)
+
+    def is_sparse(self, i: int) -> bool:
+        return True
+
+
+class Model(qwen3_next.Model):
+    pass
+
+
+def check_config(cfg: dict) -> None:
+    qwen3_next.check_config(cfg, FAMILY)
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name: the multimodal checkpoint's text model moves up, its vision tower and the MTP
+    weights go; the linear layers' mixer sits under `self_attn` as in qwen3_next."""
+    if name.startswith(("mtp.", "model.visual.", "visual.")):
+        return None
+    if name.startswith("model.language_model."):
+        name = "model." + name.removeprefix("model.language_model.")
+    return qwen3_next.sanitize(name)
+
+
+def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The zero-centred norms' weights as applied (1 + w, in f32), as qwen3_next's."""
+    if name == "model.norm.weight" or name.endswith(qwen3_next.ZERO_CENTRED):
+        return 1.0 + t.float()
+    return t
+
+
+def multimodal_text_config(cfg: dict) -> dict:
+    """A released `qwen3_5_moe` config (text_config inside) as the text model's own config."""
+    qc = cfg.get("quantization_config")
+    extra = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg and k not in cfg["text_config"]}
+    return {**cfg["text_config"], **extra, "model_type": "qwen3_5_moe_text",
+            **({"quantization_config": qc} if qc else {})}
