@@ -26,7 +26,7 @@ class Checkpoints:
         self.root, self.done = root, {}
 
     def hf(self, model_type: str, fused: bool = False, **overrides) -> Path:
-        key = ("hf", model_type, fused, tuple(sorted(overrides.items())))
+        key = ("hf", model_type, fused, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
         if key not in self.done:
             name = f"{model_type}{'_fused' if fused else ''}_{len(self.done)}"
             self.done[key] = make_tiny_checkpoint(model_type, self.root / name, fused=fused, **overrides)
@@ -34,7 +34,7 @@ class Checkpoints:
 
     def coli(self, model_type: str, scheme: str = "f32", fused: bool = False, group_size: int = 32,
              **overrides) -> Path:
-        key = ("coli", model_type, scheme, fused, group_size, tuple(sorted(overrides.items())))
+        key = ("coli", model_type, scheme, fused, group_size, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
         if key not in self.done:
             src = self.hf(model_type, fused, **overrides)
             self.done[key] = convert(src, self.root / f"{src.name}.{scheme}.g{group_size}.coli", scheme,

@@ -64,6 +64,8 @@ def _spy(real, seen: list[bool]):
     ("llama4_text", {}),
     ("hunyuan_v1_moe", {}),  # (its per-head q/k norm after the rotary: the block's qk_norm 3 with weights)
     ("exaone_moe", {}),  # (q/k norm, full layers without the rotary, sliding ones, a grouped router)
+    # Qwen3-Next's gated attention (q_proj's per-head output gate: the block's `gate`) in every layer
+    ("qwen3_next", {"layer_types": ["full_attention"] * 3, "shared_expert_intermediate_size": 64}),
     # MLA (kernels/mla.c) in the attention block's place: q_proj and interleaved RoPE; q LoRA
     ("deepseek_v2", {"topk_method": "greedy", "kv_lora_rank": 32}),
     ("deepseek_v2", {"kv_lora_rank": 32}),  # (group_limited_greedy, 2 of 4 groups)

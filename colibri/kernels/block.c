@@ -30,10 +30,12 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     if (T < 1 || T > MAX_T) return -1;
     int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim;
     long nq = (long)nh * D, nk = (long)nkv * D;
-    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (Hd + 3 * nq + 4 * nk + Hd));
+    long ng = L->gate ? 3 * nq : 0;  /* the gated query's rows (q and gate per head), then the gates alone */
+    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (Hd + 3 * nq + 4 * nk + Hd + ng));
     if (!buf) return -2;
     uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
     uint16_t *q2 = v + T * nk, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * nq;
+    uint16_t *qg = o + (long)T * Hd, *gates = qg + 2 * T * nq;
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
     float tscale[MAX_T];  /* the rows' attention temperatures (1: none) */
@@ -60,10 +62,16 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
     {
         coli_qw w[3] = {L->wq, L->wk, L->wv};
-        int N[3] = {(int)nq, (int)nk, (int)nk};
-        void *y[3] = {q, k, v};
+        int N[3] = {(int)(L->gate ? 2 * nq : nq), (int)nk, (int)nk};
+        void *y[3] = {L->gate ? qg : q, k, v};
         PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 3, w, N, y));
         if (rc) goto done;
+        if (L->gate)  /* each head's 2 D rows: its query, then its output gate */
+            for (long t = 0; t < T; t++)
+                for (int j = 0; j < nh; j++) {
+                    memcpy(q + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D, sizeof(uint16_t) * D);
+                    memcpy(gates + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D + D, sizeof(uint16_t) * D);
+                }
         add_rows(q, L->bq, T, nq);  /* as the projection's own bias add: bf16 + bf16, one rounding */
         add_rows(k, L->bk, T, nk);
         add_rows(v, L->bv, T, nk);
@@ -116,6 +124,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         }
         PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, D, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
         if (rc) goto done;
+        if (L->gate) coli_gate_mul(ao, gates, T * nq);
     }
     {
         void *y = o;
@@ -129,4 +138,11 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
 done:
     free(buf);
     return rc;
+}
+
+void coli_gate_mul(uint16_t *x, const uint16_t *g, long n) {
+    for (long i = 0; i < n; i++) {
+        float s = bf16_to_f32(f32_to_bf16(1.f / (1.f + expf(-bf16_to_f32(g[i])))));
+        x[i] = f32_to_bf16(bf16_to_f32(x[i]) * s);
+    }
 }

@@ -84,7 +84,13 @@ typedef struct {
                                    * temperature on its NoPE layers), temp_n entries */
     long temp_n;
     float temp_floor;
+    int gate;                     /* 1: wq gives each head's query then an output gate (2 D rows a head: Qwen3-Next);
+                                   * the attention output is multiplied by sigmoid(gate) (coli_gate_mul) */
 } coli_attn_layer;
+
+/* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the
+ * bf16 product). */
+void coli_gate_mul(uint16_t *x, const uint16_t *g, long n);
 
 /* A dense SwiGLU MLP with separate projections: a dense layer, or a MoE layer's shared expert, optionally
  * behind Qwen2-MoE's sigmoid gate (moe.c coli_mlp_rows). */

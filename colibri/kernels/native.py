@@ -108,7 +108,8 @@ class AttnLayer(ctypes.Structure):
                 ("mla", ctypes.c_void_p),  # a native_mla.MlaLayer's address: that block runs instead
                 # Llama 4: chunked attention; the NoPE layers' temperature table (f32 [temp_n]) and floor_scale
                 ("chunk", ctypes.c_int), ("temp", ctypes.c_void_p), ("temp_n", ctypes.c_long),
-                ("temp_floor", ctypes.c_float)]
+                ("temp_floor", ctypes.c_float),
+                ("gate", ctypes.c_int)]  # Qwen3-Next: q_proj gives each head's query and its output gate
 
 
 class Tail(ctypes.Structure):
@@ -188,6 +189,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_rmsnorm.restype = i
     lib.coli_rope.argtypes = [p, i, i, i, i, i, p, p, p]
     lib.coli_rope.restype = i
+    lib.coli_gate_mul.argtypes = [p, p, ctypes.c_long]
+    lib.coli_gate_mul.restype = None
     lib.coli_q4_dequant.argtypes = [p, p, p, i, i, i, i, p]
     lib.coli_q4_dequant.restype = i
 
@@ -528,6 +531,13 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     _lib.coli_rmsnorm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // x.shape[-1], x.shape[-1],
                       w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def gate_mul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(g) for bf16 tensors of one shape (each factor rounded to bf16, as torch's ops): a new tensor."""
+    out = x.contiguous().clone()
+    _lib.coli_gate_mul(out.data_ptr(), g.contiguous().data_ptr(), out.numel())
     return out
 
 

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels import native
 from .base import CausalLM, check_act_and_rope, refuse
 from .batch import LayerKV
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, attend, rope_scaling, rope_theta
@@ -86,7 +87,20 @@ class GatedAttention(Attention):
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
             outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H*D]
-        return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
+        gate = gate.reshape(T, -1)
+        if o.dtype == torch.bfloat16 and o.device.type == "cpu" and native.available():
+            return self.o_proj(native.gate_mul(o, gate))  # (the fused block's arithmetic: the same bits)
+        return self.o_proj(o * torch.sigmoid(gate))
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Attention.fused: kernels/block.c, with its output gate (`_build_native_layer`)."""
+        return super().fused(h, kv, in_norm, post_norm)
+
+    def _build_native_layer(self, in_norm, post_norm):
+        layer = super()._build_native_layer(in_norm, post_norm)
+        if layer is not None:
+            layer.gate = 1
+        return layer
 
 
 class Model(CausalLM):
