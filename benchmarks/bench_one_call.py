@@ -5,7 +5,8 @@
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
-llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next) gets a random
+llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
+qwen3_5_moe_text) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -111,6 +112,9 @@ SHAPES["qwen3_next"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_s
                         "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
                         "linear_value_head_dim": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
                                                                          "partial_rotary_factor": 0.25}}
+# Qwen3.5 MoE: the same layers with four linear-layer input projections, every layer MoE
+SHAPES["qwen3_5_moe_text"] = {**{k: v for k, v in SHAPES["qwen3_next"].items() if k != "mlp_only_layers"},
+                              "vocab_size": 512}  # (llama.cpp's converter reads one more token than the tokenizer has)
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")

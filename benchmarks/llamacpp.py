@@ -100,6 +100,7 @@ except (ImportError, AttributeError):
 try:  # (Qwen3-Next's converter expects multi-token-prediction layers, which random checkpoints do not have)
     from conversion import qwen
     qwen.Qwen3NextModel.no_mtp = True
+    qwen.Qwen3_5MoeTextModel.no_mtp = True
 except (ImportError, AttributeError):
     pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
