@@ -8,7 +8,6 @@ fused `[E, ...]` checkpoints both work. The family's `sanitize()` owns name mapp
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import sys
 import time
@@ -20,7 +19,7 @@ import torch
 from . import __version__, tiktoken_bpe
 from .container import Container, Writer
 from .errors import ColibriError
-from .models.base import expected_tensors, layer_of
+from .models.base import MULTIMODAL, expected_tensors, layer_of, text_model_config
 from .progress import Progress
 from .quant import SCHEMES, can_quantize, layout, quantize
 from .safetensors_reader import SafetensorsFolder
@@ -265,9 +264,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     model_type = cfg.get("model_type")
     if not model_type:
         raise ColibriError(f"{src / 'config.json'} has no model_type")
-    if model_type in ("llama4", "qwen3_5_moe") and isinstance(cfg.get("text_config"), dict):  # multimodal: its text
-        text = importlib.import_module(f"colibri.models.{model_type}_text")
-        cfg = text.multimodal_text_config(cfg)
+    if model_type in MULTIMODAL and isinstance(cfg.get("text_config"), dict):  # multimodal: its text model
+        cfg = text_model_config(cfg)
         model_type = cfg["model_type"]
     # Types and ranges of every value the family uses, and the family's own refusals (colibri/validate.py).
     fam = check_config(model_type, cfg, str(src / "config.json"))

@@ -153,3 +153,25 @@ def test_fp8_weight_without_scale_is_refused(ckpt, tmp_path):
     fp8, _ = _fp8_folder(ckpt.hf("deepseek_v3"), tmp_path, drop_scale_of=name)
     with pytest.raises(ColibriError, match=f"{name}.*weight_scale_inv"):
         convert(fp8, tmp_path / "m.coli", "f32", progress=False)
+
+
+def test_kimi_k25s_multimodal_checkpoint_converts_to_its_text_model(ckpt, tmp_path):
+    """Kimi-K2.5 as released (`kimi_k25`): DeepSeek-V3's text model under `language_model.` with a vision tower
+    and projector beside it, its config under `text_config` (as `kimi_k2`)."""
+    src = tmp_path / "k25"
+    shutil.copytree(ckpt.hf("deepseek_v3"), src)
+    text = json.loads((src / "config.json").read_text())
+    base = load_file(src / "model.safetensors")
+    vision = {"vision_tower.encoder.blocks.0.wo.weight": torch.randn(4, 4),
+              "mm_projector.proj.0.weight": torch.randn(4, 4)}
+    (src / "model.safetensors").unlink()
+    save_file({f"language_model.{k}": v for k, v in base.items()} | vision, str(src / "model.safetensors"))
+    cfg = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+           "text_config": {**text, "model_type": "kimi_k2"}, "vision_config": {"depth": 1}}
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = convert(src, tmp_path / "k25.coli", "f32", progress=False)
+    with Container(out) as c:
+        assert c.model_type == "deepseek_v3" and sorted(c.meta["converter"]["dropped"]) == sorted(vision)
+    ours = colibri.load(out, ctx_size=64, threads=2).logits(IDS)
+    ref = colibri.load(ckpt.coli("deepseek_v3", "f32"), ctx_size=64, threads=2).logits(IDS)
+    assert torch.equal(ours, ref)

@@ -17,7 +17,8 @@ import colibri
 from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.kernels import native
-from colibri.models.llama4_text import ModelArgs, check_config, multimodal_text_config
+from colibri.models.base import text_model_config
+from colibri.models.llama4_text import ModelArgs, check_config
 from tests.hf_tiny import tiny_config_kwargs
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3] * 3
@@ -73,9 +74,9 @@ def test_multimodal_checkpoint_converts_to_its_text_model(ckpt, tmp_path) -> Non
         b.close()
     # a quantization_config sits at the top of such folders: it stays with the text model's config
     qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    assert multimodal_text_config({"model_type": "llama4", "text_config": {"hidden_size": 8},
-                                   "quantization_config": qc}) == {"hidden_size": 8, "model_type": "llama4_text",
-                                                                   "quantization_config": qc}
+    assert text_model_config({"model_type": "llama4", "text_config": {"hidden_size": 8},
+                              "quantization_config": qc}) == {"hidden_size": 8, "model_type": "llama4_text",
+                                                              "quantization_config": qc}
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")

@@ -21,6 +21,19 @@ SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek
              "glm4_moe_lite", "exaone_moe", "qwen3_next", "qwen3_5_moe_text")
 # model_types whose checkpoints are another family's layout: Kimi-K2 is DeepSeek-V3's
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+# released multimodal model_types -> the family of the text model the converter keeps (its config under
+# `text_config`; each family's `sanitize` maps its tensor names and drops the vision side)
+MULTIMODAL: dict[str, str] = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text", "kimi_k25": "deepseek_v3"}
+
+
+def text_model_config(cfg: dict) -> dict:
+    """A released multimodal config as its text model's own config; a quantization_config or
+    tie_word_embeddings at the top (where those folders keep them) stays with it."""
+    text = {**cfg["text_config"], "model_type": MULTIMODAL[cfg["model_type"]]}
+    for key in ("quantization_config", "tie_word_embeddings"):
+        if cfg.get(key) is not None and key not in cfg["text_config"]:
+            text[key] = cfg[key]
+    return text
 
 
 @dataclasses.dataclass

@@ -88,6 +88,15 @@ class Model(v2.Model):
     router_cls = Router
 
 
+def sanitize(name: str) -> str | None:
+    """Kimi-K2.5's multimodal checkpoint (`kimi_k25`): the text model's names under `language_model.` (its
+    `model.*` and `lm_head`) lose that prefix; its vision tower and projector go. (Plain DeepSeek-V3 / Kimi-K2
+    checkpoints have none of these.)"""
+    if name.startswith(("vision_tower.", "mm_projector.")):
+        return None
+    return name.removeprefix("language_model.")
+
+
 def check_config(cfg: dict) -> None:
     check_common(cfg)
     if cfg.get("topk_method", "noaux_tc") not in TOPK_METHODS:

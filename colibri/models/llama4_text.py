@@ -273,9 +273,3 @@ def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise ColibriError(f"llama4 expert lacks gate_up/down (have {sorted(parts)})")
     return {"gate_up.weight": parts["gate_up"].T.contiguous(), "down.weight": parts["down"].T.contiguous()}
 
-
-def multimodal_text_config(cfg: dict) -> dict:
-    """A released `llama4` config (text_config inside) as the text model's own config; a quantization_config
-    (top-level in those folders) stays with it, for the converter's dequantizing reader."""
-    qc = cfg.get("quantization_config")
-    return {**cfg["text_config"], "model_type": "llama4_text", **({"quantization_config": qc} if qc else {})}

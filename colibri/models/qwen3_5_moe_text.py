@@ -65,10 +65,3 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
         return 1.0 + t.float()
     return t
 
-
-def multimodal_text_config(cfg: dict) -> dict:
-    """A released `qwen3_5_moe` config (text_config inside) as the text model's own config."""
-    qc = cfg.get("quantization_config")
-    extra = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg and k not in cfg["text_config"]}
-    return {**cfg["text_config"], **extra, "model_type": "qwen3_5_moe_text",
-            **({"quantization_config": qc} if qc else {})}
