@@ -115,6 +115,7 @@ FAMILIES: tuple[str, ...] = (
     "exaone_moe",
     "qwen3_next",
     "qwen3_5_moe_text",
+    "mistral4",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -389,6 +390,28 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True},
         },
+        # Mistral Small 4: DeepSeek-V3's layers, a softmax router (one group, renormalised: the kernels' rule), YaRN,
+        # queries scaled past position 16 (the oracle's runs cross it)
+        "mistral4": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+                                "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+                                "partial_rotary_factor": 8 / 24},
+        },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
         "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},
         "ernie4_5_moe": {
@@ -506,7 +529,9 @@ def build_tiny_model(model_type: str, *, seed: int = 0, **config_overrides: Any)
     # from_config runs transformers' own init first; _randomize then overwrites
     # every tensor, so this seed only keeps that first pass reproducible.
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    cls = _causal_lm(model_type)
+    build = cls.from_config if cls is AutoModelForCausalLM else cls._from_config
+    model = build(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
     _randomize(model, seed)
     _calibrate_lm_head(model)
@@ -583,8 +608,20 @@ def converts_to_its_floats(quantized: Path, deq: Path, work: Path, ids: list[int
 
 def load_hf(folder: str | Path) -> PreTrainedModel:
     """The transformers model in eval mode, float32, eager attention (the oracle)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
+    model = _causal_lm(model_type).from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def _causal_lm(model_type: str):
+    """The causal-LM class of `model_type`: AutoModelForCausalLM, or the class itself where transformers' auto
+    mapping does not list it there (Mistral 4's)."""
+    import transformers
+
+    return getattr(transformers, _NOT_IN_AUTO[model_type]) if model_type in _NOT_IN_AUTO else AutoModelForCausalLM
+
+
+_NOT_IN_AUTO = {"mistral4": "Mistral4ForCausalLM"}
 
 
 @torch.no_grad()

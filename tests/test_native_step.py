@@ -64,6 +64,10 @@ def _spy(real, seen: list[bool]):
     ("llama4_text", {}),
     ("hunyuan_v1_moe", {}),  # (its per-head q/k norm after the rotary: the block's qk_norm 3 with weights)
     ("exaone_moe", {}),  # (q/k norm, full layers without the rotary, sliding ones, a grouped router)
+    # Mistral 4: DeepSeek-V3's MLA and a softmax router, queries unscaled below original_max_position_embeddings
+    ("mistral4", {"q_lora_rank": 32, "kv_lora_rank": 32, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}}),
     # Qwen3-Next's gated attention (q_proj's per-head output gate: the block's `gate`) in every layer
     ("qwen3_next", {"layer_types": ["full_attention"] * 3, "shared_expert_intermediate_size": 64}),
     # MLA (kernels/mla.c) in the attention block's place: q_proj and interleaved RoPE; q LoRA

@@ -131,6 +131,9 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(T, a.heads, Dn + a.qk_rope_head_dim)
         q_nope, q_pe = q[..., :Dn], self.rope(q[..., Dn:], kv.pos)  # [T, H, Dn], [T, H, Dr]
+        if (s := self.q_scale(kv, T)) is not None:  # [T] (Mistral 4's long-context scaling)
+            s = s.to(q.dtype)[:, None, None]
+            q_nope, q_pe = q_nope * s, q_pe * s
         ckv = self.kv_a_proj_with_mqa(x)  # [T, R + Dr]
         c = self.kv_a_layernorm(ckv[:, :R])  # [T, R]
         k_pe = self.rope(ckv[:, None, R:], kv.pos)[:, 0]  # [T, Dr], shared by all heads
@@ -144,6 +147,10 @@ class MLAttention(nn.Module):
             else:
                 outs.append(self._expanded(qn, qp, latent[: start + r1 - r0], start))
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # [T, hidden]
+
+    def q_scale(self, kv: LayerKV, T: int) -> torch.Tensor | None:
+        """A factor [T] f32 for each row's query, or None (1): a family's position-dependent temperature."""
+        return None
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm: RMSNorm,
               post_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:

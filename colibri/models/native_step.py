@@ -37,7 +37,7 @@ class _Plan:
         self.blocks = blocks
         self.keep = keep  # the MLA layers' structs the AttnLayers point to
         # an MLA model's first attention: whether a step takes the block depends on its rows (_args)
-        self.mla = blocks[0].self_attn if type(blocks[0].self_attn) is MLAttention else None
+        self.mla = blocks[0].self_attn if isinstance(blocks[0].self_attn, MLAttention) else None
         self.sparse = [i for i, t in enumerate(tables) if t is not None]  # the routed layers' indices
         self.all_sparse = len(self.sparse) == len(blocks)
         self.experts = [blocks[i].mlp.experts for i in self.sparse]
