@@ -116,6 +116,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_next",
     "qwen3_5_moe_text",
     "mistral4",
+    "deepseek_v32",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -411,6 +412,27 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                                 "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
                                 "partial_rotary_factor": 8 / 24},
+        },
+        # DeepSeek-V3.2: V3's layers plus the sparse attention's indexer, keeping 8 positions (the oracle's runs
+        # of 36+ tokens select)
+        "deepseek_v32": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+            "index_topk": 8,
+            "index_head_dim": 16,
+            "index_n_heads": 4,
         },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
         "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},

@@ -6,6 +6,7 @@ past position 16, the kernels' one-group router)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
 from transformers import Mistral4Config
 
@@ -39,25 +40,19 @@ def test_a_config_without_rope_parameters_means_transformers_defaults() -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
-def test_rows_past_the_scaling_limit_leave_the_native_blocks(ckpt, monkeypatch) -> None:
+def test_rows_past_the_scaling_limit_leave_the_native_blocks(ckpt) -> None:
     """Below original_max_position_embeddings (16 here) the query scale is 1 and the native MLA block runs; a row
-    past it takes torch's layer, which scales."""
-    from colibri.models import mla
+    at or past it takes torch's layer, which scales (and so does the one-call step: it stops at pos_limit)."""
+    from colibri.models.batch import LayerKV
 
-    took: list[tuple[int, bool]] = []
-    real = mla.MLAttention.fused
-
-    def spy(self, h, kv, *a):
-        out = real(self, h, kv, *a)
-        took.append((kv.pos if isinstance(kv.pos, int) else int(kv.pos.max()), out is not None))
-        return out
-
-    monkeypatch.setattr(mla.MLAttention, "fused", spy)
     with colibri.load(ckpt.coli("mistral4", "int8", q_lora_rank=32, kv_lora_rank=32), ctx_size=64, threads=2) as llm:
-        assert llm.model.model.layers[0].self_attn.pos_limit() == 16
-        list(llm.generate_ids(PROMPT[:8], 20, temperature=0, ignore_eos=True))
-    assert any(ok for _, ok in took)  # the early rows took the native block
-    assert all(pos < 16 for pos, ok in took if ok)  # and no row at or past 16 did
+        block = llm.model.model.layers[0]
+        attn, cache = block.self_attn, llm.slots.caches[0][0]
+        assert attn.pos_limit() == 16
+        h = torch.randn(1, llm.model.model.norm.weight.shape[0]).to(torch.bfloat16)
+        taken = {pos: attn.fused(h, LayerKV([(0, 1, pos, cache)], pos), block.input_layernorm,
+                                 block.post_attention_layernorm) is not None for pos in (3, 15, 16, 30)}
+    assert taken == {3: True, 15: True, 16: False, 30: False}
 
 
 @pytest.mark.parametrize("over,field", [

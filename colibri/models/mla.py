@@ -264,7 +264,8 @@ class MLAttention(nn.Module):
         absorbed = H * T * R * (Dn + Dv) + H * T * S * (2 * R + Dr)
         return absorbed <= expanded
 
-    def _expanded(self, q_nope, q_pe, latent, start):
+    def _expanded(self, q_nope, q_pe, latent, start, keep: torch.Tensor | None = None):
+        """`keep`: bool [T, S], the positions each row may attend (causality included): a sparse selection."""
         a, T, S = self.a, q_nope.shape[0], latent.shape[0]
         R, Dn, Dv = a.kv_lora_rank, a.qk_nope_head_dim, a.v_head_dim
         kv = self.kv_b_proj(latent[:, :R]).view(S, a.heads, Dn + Dv)  # [S, H, Dn + Dv]
@@ -275,8 +276,10 @@ class MLAttention(nn.Module):
         # and equal q/v widths, so V is zero-padded to Dn + Dr and the padding sliced off afterwards.
         v = F.pad(kv[..., Dn:], (0, k.shape[-1] - Dv)).transpose(0, 1)  # [H, S, Dn + Dr]
         mask = None if T == 1 or start == 0 else attention_mask(T, S, start, None, q.device)
+        if keep is not None:
+            mask = keep
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                             is_causal=T > 1 and start == 0, scale=self.scale)[0]
+                                             is_causal=keep is None and T > 1 and start == 0, scale=self.scale)[0]
         return out[..., :Dv].transpose(0, 1).reshape(T, a.heads * Dv)  # [T, H * Dv]
 
     def _absorbed(self, q_nope, q_pe, latent, start):

@@ -98,6 +98,7 @@ def one_call_shape(blocks) -> bool:
     for b in blocks:
         # (a subclass of these with its own `fused` runs the same kernels: Llama 4's attention and MoE)
         if type(b) is not DecoderBlock or type(b.self_attn) is not type(blocks[0].self_attn) \
+                or not getattr(b.self_attn, "one_call", True) \
                 or not _fusable(b.self_attn, (Attention, MLAttention)) or not _fusable(b.mlp, (SparseMoE, MLP)):
             return False
         moe = b.mlp

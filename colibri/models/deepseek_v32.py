@@ -1,0 +1,203 @@
+"""DeepSeek-V3.2 (`deepseek_v32`, V3.2-Exp / V3.2): DeepSeek-V3's layers (deepseek_v3.py) plus DeepSeek Sparse
+Attention: each attention layer's lightning indexer scores every cached position for each query and the query
+attends to the `index_topk` best only.
+
+- The indexer: q = wq_b(q_resid) [Hi, Di] (q_resid: MLA's normalised q LoRA), k = LayerNorm(wk(x)) [Di], RoPE on
+  the first qk_rope_head_dim channels of both (rotate-half, where MLA rotates interleaved pairs), score(t, s) =
+  sum_h w_h(x_t) Hi^-1/2 relu(q_t,h . k_s Di^-1/2) with w = weights_proj(x); the top `index_topk` causal
+  positions are kept.
+- Its keys are cached per position beside the latent (`IndexedLatentCache`), so a slot keeps prefixes and
+  prompt caching works as for V3.
+- While a sequence holds at most `index_topk` positions every position is kept: the attention is V3's dense MLA,
+  native block included (the indexer's keys are still written); past that, the rows run torch's MLA with the
+  indexer's mask. The one-call step does not apply (it would not write the indexer's keys).
+- Layers are MoE by `mlp_layer_types`, else from `first_k_dense_replace` (3) on; RoPE pairs are interleaved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import deepseek_v3 as v3
+from .base import refuse
+from .batch import LayerKV
+from .layers import Linear, RoPE
+from .mla import LatentCache, MLAttention
+
+FAMILY = "deepseek_v32"
+
+
+@dataclass
+class ModelArgs(v3.ModelArgs):
+    aliases = {"num_local_experts": "n_routed_experts"}
+
+    first_k_dense_replace: int = 3
+    mlp_layer_types: list | None = None
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 64
+
+    def is_moe(self, i: int) -> bool:
+        return self.n_routed_experts > 0 and layer_types(self.mlp_layer_types, self.first_k_dense_replace,
+                                                         self.num_hidden_layers)[i] == "sparse"
+
+    def rope_interleaved(self) -> bool:
+        return True  # (DeepseekV32Attention rotates interleaved pairs, whatever the config says)
+
+
+def layer_types(given: list | None, first_dense: int, n: int) -> list[str]:
+    """transformers' DeepseekV32Config rule: `mlp_layer_types`, else the first `first_k_dense_replace` dense."""
+    if given is not None:
+        return list(given)
+    k = min(first_dense, n)
+    return ["dense"] * k + ["sparse"] * (n - k)
+
+
+class IndexedLatentCache(LatentCache):
+    """The MLA latent cache plus the indexer's key per position ([ctx, Di])."""
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int, max_len: int, dtype: torch.dtype):
+        super().__init__(kv_lora_rank, rope_dim, max_len, dtype)
+        self.ik = torch.zeros(max_len, index_dim, dtype=dtype)
+
+    def to(self, device):
+        super().to(device)
+        self.ik = self.ik.to(device)
+        return self
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {"kv": self.kv, "ik": self.ik}
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.ik.nbytes
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's weights (checkpoint names `self_attn.indexer.*`)."""
+
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, dim: int):
+        super().__init__()
+        self.wq_b = Linear(q_lora_rank, heads * dim)
+        self.wk = Linear(hidden, dim)
+        self.k_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = Linear(hidden, heads)
+        self.heads, self.dim = heads, dim
+
+
+class DSAttention(MLAttention):
+    """MLA with the indexer's top-k selection (module docstring)."""
+
+    one_call = False  # (native_step: the one-call step would skip the indexer's key writes)
+
+    def __init__(self, mla, a: ModelArgs):
+        super().__init__(mla)
+        self.indexer = Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim)
+        self.topk = a.index_topk
+        # the indexer's rotary: the same frequencies as MLA's, on halves rather than interleaved pairs
+        self.index_rope = RoPE(mla.qk_rope_head_dim, mla.rope_theta, mla.rope_scaling, mla.max_pos)
+
+    def make_cache(self, max_len: int, dtype: torch.dtype) -> IndexedLatentCache:
+        a = self.a
+        return IndexedLatentCache(a.kv_lora_rank, a.qk_rope_head_dim, self.indexer.dim, max_len, dtype)
+
+    def _index_keys(self, x: torch.Tensor, kv: LayerKV) -> None:
+        """The rows' indexer keys into their caches."""
+        ix = self.indexer
+        k = F.layer_norm(self.indexer.wk(x).float(), (ix.dim,), ix.k_norm.weight.float(), ix.k_norm.bias.float(),
+                         ix.k_norm.eps).to(x.dtype)  # [T, Di]
+        k = self.index_rope(k[:, None], kv.pos)[:, 0]  # (its first rope channels)
+        for r0, r1, start, cache in kv.segs:
+            if start + r1 - r0 > cache.max_len:
+                raise ValueError(f"context full: position {start + r1 - r0} exceeds ctx-size {cache.max_len}")
+            cache.ik[start:start + r1 - r0] = k[r0:r1]
+
+    def _sparse(self, kv: LayerKV) -> bool:
+        return any(start + r1 - r0 > self.topk for r0, r1, start, _ in kv.segs)
+
+    def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        self._index_keys(x, kv)
+        if not self._sparse(kv):
+            return super().forward(x, kv)  # every position kept: V3's dense MLA
+        self._keep = self._selection(x, kv)  # (read by _expanded, per sequence)
+        try:
+            return super().forward(x, kv)
+        finally:
+            self._keep = None
+
+    def _selection(self, x: torch.Tensor, kv: LayerKV) -> list[torch.Tensor | None]:
+        """Per sequence, bool [n, S] (True: attended) where it holds more than index_topk positions."""
+        ix = self.indexer
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = ix.wq_b(q_resid).view(x.shape[0], ix.heads, ix.dim)
+        q = self.index_rope(q, kv.pos).float()  # [T, Hi, Di]
+        w = ix.weights_proj(x).float() * ix.heads**-0.5  # [T, Hi]
+        out = []
+        for r0, r1, start, cache in kv.segs:
+            S = start + r1 - r0
+            if S <= self.topk:
+                out.append(None)
+                continue
+            keys = cache.ik[:S].float()  # [S, Di]
+            scores = F.relu(torch.einsum("thd,sd->ths", q[r0:r1], keys) * ix.dim**-0.5)  # [n, Hi, S]
+            index = torch.einsum("th,ths->ts", w[r0:r1], scores)  # [n, S]
+            future = torch.arange(S)[None] > torch.arange(start, S)[:, None]
+            index = index.masked_fill(future, float("-inf"))
+            keep = torch.zeros(r1 - r0, S, dtype=torch.bool)
+            keep.scatter_(1, index.topk(self.topk, -1).indices, True)
+            out.append(keep & ~future)
+        return out
+
+    def _expanded(self, q_nope, q_pe, latent, start, keep=None):
+        keep = self._next_keep()
+        if keep is not None and keep.shape[1] != latent.shape[0]:  # (bf16 decode: a bucketed key tail, masked)
+            keep = F.pad(keep, (0, latent.shape[0] - keep.shape[1]))
+        return super()._expanded(q_nope, q_pe, latent, start, keep)
+
+    def _next_keep(self) -> torch.Tensor | None:
+        keeps = getattr(self, "_keep", None)
+        return keeps.pop(0) if keeps else None
+
+    def _use_absorbed(self, T: int, S: int) -> bool:
+        return False if getattr(self, "_keep", None) else super()._use_absorbed(T, S)
+
+    def native_form(self, T: int, S: int) -> bool:
+        return S <= self.topk and super().native_form(T, S)
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm):
+        if self._sparse(kv) or h.dtype != torch.bfloat16 or h.device.type != "cpu":
+            return None
+        out = super().fused(h, kv, in_norm, post_norm)
+        if out is not None:
+            self._index_keys(in_norm(h), kv)
+        return out
+
+
+class Model(v3.Model):
+    def __init__(self, a: ModelArgs):
+        super().__init__(a)
+        mla = a.mla()
+        for b in self.model.layers:  # V3's layers with the indexer in each attention
+            b.self_attn = DSAttention(mla, a)
+
+
+def check_config(cfg: dict) -> None:
+    v3.check_config(cfg)
+    if not cfg.get("q_lora_rank"):
+        refuse(FAMILY, "q_lora_rank", cfg.get("q_lora_rank"), "the indexer reads the q LoRA: a positive rank")
+    n = int(cfg.get("num_hidden_layers") or 0)
+    types = layer_types(cfg.get("mlp_layer_types"), int(cfg.get("first_k_dense_replace", 3)), n)
+    if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+        refuse(FAMILY, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" or "sparse"')
+    for key in ("index_topk", "index_head_dim", "index_n_heads"):
+        v = cfg.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            refuse(FAMILY, key, v, "a positive integer")
+    rope = int(cfg.get("qk_rope_head_dim", 64))
+    if int(cfg.get("index_head_dim", 128)) < rope:
+        refuse(FAMILY, "index_head_dim", cfg.get("index_head_dim"), f"at least qk_rope_head_dim={rope}")

@@ -1,0 +1,70 @@
+"""DeepSeek-V3.2 (deepseek_v32): the dense-layer rule as transformers', the native MLA block (which the dense
+stretch of a sequence takes) writing the indexer's keys as the torch layer does, refusals. Its oracle, batch,
+prompt-cache and tier tests run with every family's (tests/hf_tiny.py FAMILIES: the indexer keeps 8 positions,
+so their runs attend sparsely)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import tiny_config_kwargs
+from transformers import DeepseekV32Config
+
+import colibri
+from colibri.errors import ColibriError
+from colibri.kernels import native
+from colibri.models.deepseek_v32 import ModelArgs, check_config
+
+PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
+
+
+@pytest.mark.parametrize("over", [{"first_k_dense_replace": 3, "num_hidden_layers": 5},
+                                  {"first_k_dense_replace": 9, "num_hidden_layers": 4}, {}])
+def test_dense_layers_follow_transformers(over) -> None:
+    cfg = {**tiny_config_kwargs("deepseek_v32"), **over}
+    ref = DeepseekV32Config(**cfg).mlp_layer_types
+    a = ModelArgs.from_dict({"model_type": "deepseek_v32", **cfg})
+    assert [a.is_moe(i) for i in range(len(ref))] == [t == "sparse" for t in ref]
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+def test_the_native_block_writes_the_indexers_keys(ckpt, monkeypatch) -> None:
+    """bf16 int8, a context within index_topk (every position kept): the native MLA block's run gives the torch
+    layer's tokens, and writes every position's indexer key -- layer 0's (whose input both runs share) bit for
+    bit the torch layer's; the one-call step stays off (it would skip the keys)."""
+    from colibri.models import mla
+
+    over = {"q_lora_rank": 32, "kv_lora_rank": 32, "index_topk": 64}
+    out = {}
+    real = mla.MLAttention.fused
+    calls: list[bool] = []
+
+    def spy(self, *a):
+        calls.append(True)
+        return real(self, *a)
+
+    for fused in (True, False):
+        calls.clear()
+        monkeypatch.setattr(mla.MLAttention, "fused", spy if fused else (lambda self, *a: None))
+        monkeypatch.setattr(native, "decode_layers", lambda *a, **k: pytest.fail("one-call step"))
+        with colibri.load(ckpt.coli("deepseek_v32", "int8", **over), ctx_size=64, threads=2, slots=1) as llm:
+            toks = list(llm.generate_ids(PROMPT, 10, temperature=0, ignore_eos=True))
+            keys = [c.ik[: len(PROMPT) + 9].clone() for c in llm.slots.caches[0]]
+        out[fused] = toks, keys
+        assert bool(calls) == fused
+    assert out[True][0] == out[False][0]
+    assert torch.equal(out[True][1][0], out[False][1][0])
+    assert all(bool((k.abs().sum(-1) > 0).all()) for k in out[True][1])  # every layer, every position
+
+
+@pytest.mark.parametrize("over,field", [
+    ({"q_lora_rank": None}, "q_lora_rank"),
+    ({"index_topk": 0}, "index_topk"),
+    ({"index_head_dim": 4}, "index_head_dim"),
+    ({"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
+    ({"scoring_func": "softmax"}, "scoring_func")])
+def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None:
+    cfg = {"model_type": "deepseek_v32", **tiny_config_kwargs("deepseek_v32")}
+    check_config(cfg)
+    with pytest.raises(ColibriError, match=field):
+        check_config(cfg | over)
