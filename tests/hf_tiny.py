@@ -117,6 +117,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_5_moe_text",
     "mistral4",
     "deepseek_v32",
+    "glm_moe_dsa",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -433,6 +434,27 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "index_topk": 8,
             "index_head_dim": 16,
             "index_n_heads": 4,
+        },
+        # GLM-5: V3.2's layers, the indexer's RoPE interleaved, layer 1 sharing layer 0's selection (8 positions)
+        "glm_moe_dsa": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 32,
+            "num_key_value_heads": 4,
+            "index_topk": 8,
+            "index_head_dim": 16,
+            "index_n_heads": 4,
+            "indexer_types": ["full", "shared", "full"],
         },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
         "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},

@@ -90,25 +90,41 @@ class Indexer(nn.Module):
         self.heads, self.dim = heads, dim
 
 
+class Selection:
+    """A step's top-k selection (per sequence, as DSAttention._selection gives it), handed from a layer that
+    runs its indexer to the layers after it that share it (GLM-5's "shared" layers)."""
+
+    keep: list | None = None
+
+
 class DSAttention(MLAttention):
-    """MLA with the indexer's top-k selection (module docstring)."""
+    """MLA with the indexer's top-k selection (module docstring). `shared`: no indexer of its own, the selection
+    of the last layer before it that has one (`carrier`); `index_interleaved`: the indexer's RoPE on interleaved
+    pairs (GLM-5's) rather than halves."""
 
     one_call = False  # (native_step: the one-call step would skip the indexer's key writes)
 
-    def __init__(self, mla, a: ModelArgs):
+    def __init__(self, mla, a: ModelArgs, shared: bool = False, carrier: Selection | None = None,
+                 index_interleaved: bool = False):
         super().__init__(mla)
-        self.indexer = Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim)
-        self.topk = a.index_topk
-        # the indexer's rotary: the same frequencies as MLA's, on halves rather than interleaved pairs
-        self.index_rope = RoPE(mla.qk_rope_head_dim, mla.rope_theta, mla.rope_scaling, mla.max_pos)
+        self.indexer = None if shared else Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim)
+        self.topk, self.carrier = a.index_topk, carrier
+        self._keep_iter = None
+        # the indexer's rotary: the same frequencies as MLA's
+        self.index_rope = RoPE(mla.qk_rope_head_dim, mla.rope_theta, mla.rope_scaling, mla.max_pos,
+                               index_interleaved)
 
-    def make_cache(self, max_len: int, dtype: torch.dtype) -> IndexedLatentCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype) -> LatentCache:
         a = self.a
+        if self.indexer is None:
+            return super().make_cache(max_len, dtype)
         return IndexedLatentCache(a.kv_lora_rank, a.qk_rope_head_dim, self.indexer.dim, max_len, dtype)
 
     def _index_keys(self, x: torch.Tensor, kv: LayerKV) -> None:
-        """The rows' indexer keys into their caches."""
+        """The rows' indexer keys into their caches (a layer with an indexer)."""
         ix = self.indexer
+        if ix is None:
+            return
         k = F.layer_norm(self.indexer.wk(x).float(), (ix.dim,), ix.k_norm.weight.float(), ix.k_norm.bias.float(),
                          ix.k_norm.eps).to(x.dtype)  # [T, Di]
         k = self.index_rope(k[:, None], kv.pos)[:, 0]  # (its first rope channels)
@@ -124,11 +140,19 @@ class DSAttention(MLAttention):
         self._index_keys(x, kv)
         if not self._sparse(kv):
             return super().forward(x, kv)  # every position kept: V3's dense MLA
-        self._keep = self._selection(x, kv)  # (read by _expanded, per sequence)
+        if self.indexer is not None:
+            keeps = self._selection(x, kv)
+            if self.carrier is not None:
+                self.carrier.keep = keeps
+        elif self.carrier is None or self.carrier.keep is None or len(self.carrier.keep) != len(kv.segs):
+            raise RuntimeError("a shared sparse-attention layer ran before any layer with an indexer")
+        else:
+            keeps = self.carrier.keep
+        self._keep_iter = iter(keeps)  # (read by _expanded, a sequence at a time)
         try:
             return super().forward(x, kv)
         finally:
-            self._keep = None
+            self._keep_iter = None
 
     def _selection(self, x: torch.Tensor, kv: LayerKV) -> list[torch.Tensor | None]:
         """Per sequence, bool [n, S] (True: attended) where it holds more than index_topk positions."""
@@ -154,17 +178,11 @@ class DSAttention(MLAttention):
         return out
 
     def _expanded(self, q_nope, q_pe, latent, start, keep=None):
-        keep = self._next_keep()
-        if keep is not None and keep.shape[1] != latent.shape[0]:  # (bf16 decode: a bucketed key tail, masked)
-            keep = F.pad(keep, (0, latent.shape[0] - keep.shape[1]))
+        keep = next(self._keep_iter) if self._keep_iter is not None else None
         return super()._expanded(q_nope, q_pe, latent, start, keep)
 
-    def _next_keep(self) -> torch.Tensor | None:
-        keeps = getattr(self, "_keep", None)
-        return keeps.pop(0) if keeps else None
-
     def _use_absorbed(self, T: int, S: int) -> bool:
-        return False if getattr(self, "_keep", None) else super()._use_absorbed(T, S)
+        return False if self._keep_iter is not None else super()._use_absorbed(T, S)
 
     def native_form(self, T: int, S: int) -> bool:
         return S <= self.topk and super().native_form(T, S)

@@ -273,8 +273,12 @@ class MLAttention(nn.Module):
         k = torch.cat((kv[..., :Dn], k_pe), -1).transpose(0, 1)  # [H, S, Dn + Dr]
         q = torch.cat((q_nope, q_pe), -1).transpose(0, 1)  # [H, T, Dn + Dr]
         # torch's CPU flash kernel (no [H, T, S] score matrix: long prefills stay small) wants 4-D inputs
-        # and equal q/v widths, so V is zero-padded to Dn + Dr and the padding sliced off afterwards.
-        v = F.pad(kv[..., Dn:], (0, k.shape[-1] - Dv)).transpose(0, 1)  # [H, S, Dn + Dr]
+        # and equal q/v widths, so the narrower side is zero-padded (zeros add nothing to q.k) and the padding
+        # sliced off afterwards.
+        W = max(k.shape[-1], Dv)
+        if W > k.shape[-1]:  # (v wider than q/k: GLM's 256 vs 192 + 64 is equal, test models' wider)
+            q, k = F.pad(q, (0, W - k.shape[-1])), F.pad(k, (0, W - k.shape[-1]))
+        v = F.pad(kv[..., Dn:], (0, W - Dv)).transpose(0, 1)  # [H, S, W]
         mask = None if T == 1 or start == 0 else attention_mask(T, S, start, None, q.device)
         if keep is not None:
             mask = keep
