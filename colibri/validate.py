@@ -148,6 +148,10 @@ def _rope(cfg: Mapping, where: str) -> None:
             continue
         if not isinstance(r, dict):
             raise fail(f"{where}: {key} must be an object, got {_show(r)}")
+        if r and all(isinstance(v, dict) for v in r.values()):  # one per layer type (MiMo-V2-Flash's)
+            for kind, sub in r.items():
+                _rope({key: sub}, f"{where}: {key}.{kind}")
+            continue
         for k, v in r.items():
             if k in ("rope_type", "type"):
                 if not isinstance(v, str):

@@ -118,6 +118,7 @@ FAMILIES: tuple[str, ...] = (
     "mistral4",
     "deepseek_v32",
     "glm_moe_dsa",
+    "mimo_v2_flash",
 )
 
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
@@ -455,6 +456,23 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "index_head_dim": 16,
             "index_n_heads": 4,
             "indexer_types": ["full", "shared", "full"],
+        },
+        # MiMo-V2-Flash: layer 0 full attention, layers 1-2 sliding over 8 positions with sinks and twice the KV
+        # heads; q/k heads of 24, values of 16 scaled by 0.707; a third of each head rotated, per layer type
+        "mimo_v2_flash": {
+            "n_routed_experts": 8,
+            "moe_intermediate_size": moe_i,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.5,
+            "norm_topk_prob": True,
+            "head_dim": 24,
+            "v_head_dim": 16,
+            "sliding_window": 8,
+            "attention_value_scale": 0.707,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334}},
         },
         # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
         "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},

@@ -359,6 +359,8 @@ class AttentionArgs:
     clip_qkv: float | None = None
     sinks: bool = False  # per-head attention sink logits (gpt-oss)
     use_rope: bool = True  # False: a NoPE layer (EXAONE's global layers), the rotary table kept for the others
+    v_head_dim: int | None = None  # values narrower or wider than q/k's heads (MiMo-V2-Flash); None: head_dim
+    v_scale: float = 1.0  # values times this before they are cached (MiMo-V2-Flash)
 
 
 class Attention(nn.Module):
@@ -369,8 +371,9 @@ class Attention(nn.Module):
         self.a = a
         self.q_proj = Linear(a.hidden, a.heads * a.head_dim, a.bias)
         self.k_proj = Linear(a.hidden, a.kv_heads * a.head_dim, a.bias)
-        self.v_proj = Linear(a.hidden, a.kv_heads * a.head_dim, a.bias)
-        self.o_proj = Linear(a.heads * a.head_dim, a.hidden, a.o_bias)
+        self.v_dim = a.v_head_dim or a.head_dim
+        self.v_proj = Linear(a.hidden, a.kv_heads * self.v_dim, a.bias)
+        self.o_proj = Linear(a.heads * self.v_dim, a.hidden, a.o_bias)
         if a.qk_norm in ("head", "head_post_rope"):
             self.q_norm, self.k_norm = RMSNorm(a.head_dim, a.norm_eps), RMSNorm(a.head_dim, a.norm_eps)
         elif a.qk_norm == "full":
@@ -391,7 +394,9 @@ class Attention(nn.Module):
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         q = q.view(T, a.heads, a.head_dim)
         k = k.view(T, a.kv_heads, a.head_dim)
-        v = v.view(T, a.kv_heads, a.head_dim)
+        v = v.view(T, a.kv_heads, self.v_dim)
+        if a.v_scale != 1.0:
+            v = v * a.v_scale
         if a.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if a.use_rope:
@@ -407,7 +412,7 @@ class Attention(nn.Module):
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
     def make_cache(self, max_len: int, dtype: torch.dtype) -> KVCache:
-        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype)
+        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype, self.v_dim)
 
     # ------------------------------------------------------------------ the fused native block
 
@@ -445,6 +450,8 @@ class Attention(nn.Module):
 
     def _build_native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native.AttnLayer | None:
         a = self.a
+        if self.v_dim != a.head_dim or a.v_scale != 1.0:
+            return None  # (the block's heads are one width, its values unscaled)
         projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         first = projs[0]
         if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
