@@ -6,7 +6,8 @@
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
-qwen3_5_moe_text) gets a random
+qwen3_5_moe_text,
+deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -115,6 +116,18 @@ SHAPES["qwen3_next"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_s
 # Qwen3.5 MoE: the same layers with four linear-layer input projections, every layer MoE
 SHAPES["qwen3_5_moe_text"] = {**{k: v for k, v in SHAPES["qwen3_next"].items() if k != "mlp_only_layers"},
                               "vocab_size": 512}  # (llama.cpp's converter reads one more token than the tokenizer has)
+# DeepSeek-V3.2: V3's layers with the sparse attention's indexer (these contexts stay under index_topk: dense)
+SHAPES["deepseek_v32"] = {**SHAPES["deepseek_v3"], "first_k_dense_replace": 1, "index_topk": 2048,
+                          "index_head_dim": 64, "index_n_heads": 16}
+# GLM-5: V3.2's layers, every other layer sharing its predecessor's selection
+SHAPES["glm_moe_dsa"] = {**SHAPES["deepseek_v32"], "indexer_types": ["full", "shared"] * 4}
+# MiMo-V2-Flash: q/k heads of 96, values of 64 scaled by 0.707, sliding layers (twice the KV heads, sinks) but
+# layers 0 and 5, no shared expert
+SHAPES["mimo_v2_flash"] = {**BASE, "n_routed_experts": 32, "head_dim": 96, "v_head_dim": 64, "sliding_window": 128,
+                           "n_group": 1, "topk_group": 1, "attention_value_scale": 0.707}
+# Mistral Small 4: V3's layers with its softmax router (one group), YaRN and the long-context query scaling
+SHAPES["mistral4"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items() if k != "head_dim"},
+                      "routed_scaling_factor": 1.0}  # (transformers derives its rotary width from head_dim)
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")

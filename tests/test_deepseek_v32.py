@@ -47,7 +47,7 @@ def test_the_native_block_writes_the_indexers_keys(ckpt, monkeypatch) -> None:
         calls.clear()
         monkeypatch.setattr(mla.MLAttention, "fused", spy if fused else (lambda self, *a: None))
         monkeypatch.setattr(native, "decode_layers", lambda *a, **k: pytest.fail("one-call step"))
-        with colibri.load(ckpt.coli("deepseek_v32", "int8", **over), ctx_size=64, threads=2, slots=1) as llm:
+        with colibri.load(ckpt.coli("deepseek_v32", "int8", **over), ctx_size=96, threads=2, slots=1) as llm:
             toks = list(llm.generate_ids(PROMPT, 10, temperature=0, ignore_eos=True))
             keys = [c.ik[: len(PROMPT) + 9].clone() for c in llm.slots.caches[0]]
         out[fused] = toks, keys
@@ -55,6 +55,35 @@ def test_the_native_block_writes_the_indexers_keys(ckpt, monkeypatch) -> None:
     assert out[True][0] == out[False][0]
     assert torch.equal(out[True][1][0], out[False][1][0])
     assert all(bool((k.abs().sum(-1) > 0).all()) for k in out[True][1])  # every layer, every position
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+def test_a_context_within_index_topk_is_v3s_dense_attention_in_one_call(ckpt, monkeypatch) -> None:
+    """ctx_size <= index_topk: no indexer keys cached, the one-call step runs, and the tokens are the per-layer
+    native path's (a longer context, same positions: every one kept there too)."""
+    from colibri.models import native_step
+
+    over = {"q_lora_rank": 32, "kv_lora_rank": 32, "index_topk": 64}
+    one_call: list[bool] = []
+
+    def spy(real):
+        def call(*a, **k):
+            out = real(*a, **k)
+            if out is not None:
+                one_call.append(True)
+            return out
+        return call
+
+    for name in ("run_step", "run_steps", "run"):  # (the whole step, native runs of steps, the blocks alone)
+        monkeypatch.setattr(native_step, name, spy(getattr(native_step, name)))
+    with colibri.load(ckpt.coli("deepseek_v32", "int8", **over), ctx_size=64, threads=2, slots=1) as llm:
+        assert not any(hasattr(c, "ik") for c in llm.slots.caches[0])
+        short = list(llm.generate_ids(PROMPT, 12, temperature=0, ignore_eos=True))
+    assert one_call
+    one_call.clear()
+    with colibri.load(ckpt.coli("deepseek_v32", "int8", **over), ctx_size=96, threads=2, slots=1) as llm:
+        long = list(llm.generate_ids(PROMPT, 12, temperature=0, ignore_eos=True))
+    assert not one_call and long == short
 
 
 @pytest.mark.parametrize("over,field", [

@@ -10,7 +10,8 @@ attends to the `index_topk` best only.
   prompt caching works as for V3.
 - While a sequence holds at most `index_topk` positions every position is kept: the attention is V3's dense MLA,
   native block included (the indexer's keys are still written); past that, the rows run torch's MLA with the
-  indexer's mask. The one-call step does not apply (it would not write the indexer's keys).
+  indexer's mask. An engine whose context (`ctx_size`) is at most `index_topk` never selects: it caches no
+  indexer keys and takes V3's one-call step; a longer one does not (that call would not write the keys).
 - Layers are MoE by `mlp_layer_types`, else from `first_k_dense_replace` (3) on; RoPE pairs are interleaved.
 """
 
@@ -102,28 +103,35 @@ class DSAttention(MLAttention):
     of the last layer before it that has one (`carrier`); `index_interleaved`: the indexer's RoPE on interleaved
     pairs (GLM-5's) rather than halves."""
 
-    one_call = False  # (native_step: the one-call step would skip the indexer's key writes)
-
     def __init__(self, mla, a: ModelArgs, shared: bool = False, carrier: Selection | None = None,
                  index_interleaved: bool = False):
         super().__init__(mla)
         self.indexer = None if shared else Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim)
         self.topk, self.carrier = a.index_topk, carrier
         self._keep_iter = None
+        self.dense = False  # (make_cache: contexts of at most index_topk positions never select)
         # the indexer's rotary: the same frequencies as MLA's
         self.index_rope = RoPE(mla.qk_rope_head_dim, mla.rope_theta, mla.rope_scaling, mla.max_pos,
                                index_interleaved)
 
+    @property
+    def one_call(self) -> bool:
+        """native_step: the one-call step writes no indexer keys, so it runs only where none are needed."""
+        return self.dense
+
     def make_cache(self, max_len: int, dtype: torch.dtype) -> LatentCache:
+        """A context of at most index_topk positions keeps every position for every query: the attention is V3's
+        dense MLA, and the indexer never runs (no keys cached, and the one-call step applies)."""
         a = self.a
-        if self.indexer is None:
+        self.dense = max_len <= self.topk
+        if self.indexer is None or self.dense:
             return super().make_cache(max_len, dtype)
         return IndexedLatentCache(a.kv_lora_rank, a.qk_rope_head_dim, self.indexer.dim, max_len, dtype)
 
     def _index_keys(self, x: torch.Tensor, kv: LayerKV) -> None:
         """The rows' indexer keys into their caches (a layer with an indexer)."""
         ix = self.indexer
-        if ix is None:
+        if ix is None or not all(isinstance(c, IndexedLatentCache) for *_, c in kv.segs):
             return
         k = F.layer_norm(self.indexer.wk(x).float(), (ix.dim,), ix.k_norm.weight.float(), ix.k_norm.bias.float(),
                          ix.k_norm.eps).to(x.dtype)  # [T, Di]
