@@ -48,6 +48,7 @@ from colibri.models import (  # noqa: E402
     ernie4_5_moe,
     gpt_oss,
     llama4_text,
+    mistral4,
     mla,
     native_mlp,
     native_step,
@@ -128,6 +129,7 @@ SHAPES["mimo_v2_flash"] = {**BASE, "n_routed_experts": 32, "head_dim": 96, "v_he
 # Mistral Small 4: V3's layers with its softmax router (one group), YaRN and the long-context query scaling
 SHAPES["mistral4"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items() if k != "head_dim"},
                       "routed_scaling_factor": 1.0}  # (transformers derives its rotary width from head_dim)
+SHAPES["mistral4"]["rope_parameters"] = mistral4.rope_defaults(SHAPES["mistral4"])  # (as released: over 8192)
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
