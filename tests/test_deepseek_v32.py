@@ -97,3 +97,19 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
     check_config(cfg)
     with pytest.raises(ColibriError, match=field):
         check_config(cfg | over)
+
+
+@pytest.mark.parametrize("mode", ["absorbed", "expanded"])
+def test_both_mla_forms_select_as_transformers(ckpt, mode) -> None:
+    """f32, the tiny model's index_topk of 8: prompts and decode steps through either MLA form (the absorbed one
+    masks its latent scores with the selection) give transformers' logits and tokens."""
+    from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf
+
+    hf = load_hf(ckpt.hf("deepseek_v32"))
+    with colibri.load(ckpt.coli("deepseek_v32", "f32"), ctx_size=96, threads=2) as llm:
+        for b in llm.model.model.layers:
+            b.self_attn.mode = mode
+        ids = PROMPT * 3
+        assert (llm.logits(ids) - hf_logits(hf, ids)).abs().max().item() < 1e-4
+        ref, _ = hf_greedy_with_logits(hf, PROMPT, 30)
+        assert list(llm.generate_ids(PROMPT, 30, temperature=0, ignore_eos=True)) == ref

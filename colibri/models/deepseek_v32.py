@@ -9,8 +9,8 @@ attends to the `index_topk` best only.
 - Its keys are cached per position beside the latent (`IndexedLatentCache`), so a slot keeps prefixes and
   prompt caching works as for V3.
 - While a sequence holds at most `index_topk` positions every position is kept: the attention is V3's dense MLA,
-  native block included (the indexer's keys are still written); past that, the rows run torch's MLA with the
-  indexer's mask. An engine whose context (`ctx_size`) is at most `index_topk` never selects: it caches no
+  native block included (the indexer's keys are still written); past that, the rows run torch's MLA (either
+  form: the absorbed one, decode's, masks its latent scores) with the indexer's selection. An engine whose context (`ctx_size`) is at most `index_topk` never selects: it caches no
   indexer keys and takes V3's one-call step; a longer one does not (that call would not write the keys).
 - Layers are MoE by `mlp_layer_types`, else from `first_k_dense_replace` (3) on; RoPE pairs are interleaved.
 """
@@ -189,8 +189,9 @@ class DSAttention(MLAttention):
         keep = next(self._keep_iter) if self._keep_iter is not None else None
         return super()._expanded(q_nope, q_pe, latent, start, keep)
 
-    def _use_absorbed(self, T: int, S: int) -> bool:
-        return False if self._keep_iter is not None else super()._use_absorbed(T, S)
+    def _absorbed(self, q_nope, q_pe, latent, start, keep=None):
+        keep = next(self._keep_iter) if self._keep_iter is not None else None
+        return super()._absorbed(q_nope, q_pe, latent, start, keep)
 
     def native_form(self, T: int, S: int) -> bool:
         return S <= self.topk and super().native_form(T, S)

@@ -286,8 +286,11 @@ class MLAttention(nn.Module):
                                              is_causal=keep is None and T > 1 and start == 0, scale=self.scale)[0]
         return out[..., :Dv].transpose(0, 1).reshape(T, a.heads * Dv)  # [T, H * Dv]
 
-    def _absorbed(self, q_nope, q_pe, latent, start):
+    def _absorbed(self, q_nope, q_pe, latent, start, keep: torch.Tensor | None = None):
+        """`keep`: as `_expanded`'s, bool [T, <= S] (positions past it are not attended)."""
         a, T, S = self.a, q_nope.shape[0], latent.shape[0]
+        if keep is not None and keep.shape[1] < S:  # (a bucketed tail of a bf16 decode: never attended)
+            keep = F.pad(keep, (0, S - keep.shape[1]))
         H, R = a.heads, a.kv_lora_rank
         w_uk, w_uv_t = self.absorbed_weights(latent)  # [H, Dn, R], [H, R, Dv]
         # q_nope . (W_uk c) = (q_nope W_uk) . c: a query in latent space, per head
@@ -303,6 +306,8 @@ class MLAttention(nn.Module):
                 t = torch.arange(r, min(r + rows, H * T), device=q.device) % T  # [rows]
                 future = torch.arange(S, device=q.device)[None] > (start + t)[:, None]  # [rows, S]
                 scores.masked_fill_(future, float("-inf"))
+            if keep is not None:  # (a sparse selection: rows (head, t) take row t's)
+                scores.masked_fill_(~keep[torch.arange(r, min(r + rows, H * T), device=q.device) % T], float("-inf"))
             ctx[r : r + rows] = torch.softmax(scores, -1).to(latent.dtype) @ latent[:, :R]
         out = torch.bmm(ctx.view(H, T, R), w_uv_t)  # [H, T, Dv]: then W_uv per head
         return out.transpose(0, 1).reshape(T, H * a.v_head_dim)
