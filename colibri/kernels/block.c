@@ -28,13 +28,14 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {
     if (L->mla) return coli_mla_block(L->mla, T, h, pos, kc, cs, sn, h_out, x_out);
     if (T < 1 || T > MAX_T) return -1;
-    int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim;
-    long nq = (long)nh * D, nk = (long)nkv * D;
+    int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, Dv = L->v_dim > 0 ? L->v_dim : D;
+    long nq = (long)nh * D, nk = (long)nkv * D, nv = (long)nkv * Dv, no = (long)nh * Dv;
     long ng = L->gate ? 3 * nq : 0;  /* the gated query's rows (q and gate per head), then the gates alone */
-    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (Hd + 3 * nq + 4 * nk + Hd + ng));
+    if (L->gate && Dv != D) return -1;
+    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (2 * Hd + 2 * nq + 2 * nk + nv + no + ng));
     if (!buf) return -2;
     uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
-    uint16_t *q2 = v + T * nk, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * nq;
+    uint16_t *q2 = v + T * nv, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * no;
     uint16_t *qg = o + (long)T * Hd, *gates = qg + 2 * T * nq;
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
@@ -57,12 +58,13 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         for (int j = 0; j < nkv; j++)
             for (long b = 0; b < (long)D * 2; b += 64) {
                 __builtin_prefetch((char *)((uint16_t *)kc[t] + j * ks + (long)pos[t] * D) + b, 1, 3);
-                __builtin_prefetch((char *)((uint16_t *)vc[t] + j * vs + (long)pos[t] * D) + b, 1, 3);
+                if (b < (long)Dv * 2)
+                    __builtin_prefetch((char *)((uint16_t *)vc[t] + j * vs + (long)pos[t] * Dv) + b, 1, 3);
             }
     PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
     {
         coli_qw w[3] = {L->wq, L->wk, L->wv};
-        int N[3] = {(int)(L->gate ? 2 * nq : nq), (int)nk, (int)nk};
+        int N[3] = {(int)(L->gate ? 2 * nq : nq), (int)nk, (int)nv};
         void *y[3] = {L->gate ? qg : q, k, v};
         PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 3, w, N, y));
         if (rc) goto done;
@@ -74,7 +76,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                 }
         add_rows(q, L->bq, T, nq);  /* as the projection's own bias add: bf16 + bf16, one rounding */
         add_rows(k, L->bk, T, nk);
-        add_rows(v, L->bv, T, nk);
+        add_rows(v, L->bv, T, nv);
     }
     if (L->qk_norm == 1) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
@@ -85,8 +87,10 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     if (L->clip > 0) {
         clamp_bf16(q, T * nq, L->clip);
         clamp_bf16(k, T * nk, L->clip);
-        clamp_bf16(v, T * nk, L->clip);
+        clamp_bf16(v, T * nv, L->clip);
     }
+    if (L->v_scale != 0.f && L->v_scale != 1.f)  /* as the torch layer's bf16 * f32 product: one rounding */
+        for (long i = 0; i < T * nv; i++) v[i] = f32_to_bf16(bf16_to_f32(v[i]) * L->v_scale);
     if (L->qk_norm == 2) {
         coli_rmsnorm(q, 1, (long)T * nh, D, L->qn_w, L->qk_eps, q2);
         coli_rmsnorm(k, 1, (long)T * nkv, D, L->kn_w, L->qk_eps, k2);
@@ -109,7 +113,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         for (int t = 0; t < T; t++)
             for (int j = 0; j < nkv; j++) {
                 memcpy((uint16_t *)kc[t] + j * ks + (long)pos[t] * D, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
-                memcpy((uint16_t *)vc[t] + j * vs + (long)pos[t] * D, v + t * nk + (long)j * D, sizeof(uint16_t) * D);
+                memcpy((uint16_t *)vc[t] + j * vs + (long)pos[t] * Dv, v + t * nv + (long)j * Dv, sizeof(uint16_t) * Dv);
             }
     });
     {
@@ -119,16 +123,16 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             int valid = pos[t] + 1, lo = L->window > 0 && valid > L->window ? valid - L->window : 0;
             if (L->chunk > 0) lo = pos[t] / L->chunk * L->chunk;  /* chunked: the query's own chunk */
             kb[t] = (uint16_t *)kc[t] + (long)lo * D;
-            vb[t] = (uint16_t *)vc[t] + (long)lo * D;
+            vb[t] = (uint16_t *)vc[t] + (long)lo * Dv;
             S[t] = valid - lo;
         }
-        PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, D, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
+        PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
         if (rc) goto done;
         if (L->gate) coli_gate_mul(ao, gates, T * nq);
     }
     {
         void *y = o;
-        PROF(P_O, rc = coli_multi_gemm(ao, 1, T, (int)nq, L->scheme, L->group, 1, &L->wo, &Hd, &y));
+        PROF(P_O, rc = coli_multi_gemm(ao, 1, T, (int)no, L->scheme, L->group, 1, &L->wo, &Hd, &y));
         if (rc) goto done;
         add_rows(o, L->bo, T, Hd);
     }

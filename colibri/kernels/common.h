@@ -86,6 +86,8 @@ typedef struct {
     float temp_floor;
     int gate;                     /* 1: wq gives each head's query then an output gate (2 D rows a head: Qwen3-Next);
                                    * the attention output is multiplied by sigmoid(gate) (coli_gate_mul) */
+    int v_dim;                    /* > 0: the values' head width when it is not head_dim (MiMo-V2-Flash) */
+    float v_scale;                /* != 0 and != 1: values times it before they are cached, one rounding */
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the

@@ -109,7 +109,8 @@ class AttnLayer(ctypes.Structure):
                 # Llama 4: chunked attention; the NoPE layers' temperature table (f32 [temp_n]) and floor_scale
                 ("chunk", ctypes.c_int), ("temp", ctypes.c_void_p), ("temp_n", ctypes.c_long),
                 ("temp_floor", ctypes.c_float),
-                ("gate", ctypes.c_int)]  # Qwen3-Next: q_proj gives each head's query and its output gate
+                ("gate", ctypes.c_int),  # Qwen3-Next: q_proj gives each head's query and its output gate
+                ("v_dim", ctypes.c_int), ("v_scale", ctypes.c_float)]  # MiMo-V2-Flash: its values' width and scale
 
 
 class Tail(ctypes.Structure):

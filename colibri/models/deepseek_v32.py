@@ -10,8 +10,9 @@ attends to the `index_topk` best only.
   prompt caching works as for V3.
 - While a sequence holds at most `index_topk` positions every position is kept: the attention is V3's dense MLA,
   native block included (the indexer's keys are still written); past that, the rows run torch's MLA (either
-  form: the absorbed one, decode's, masks its latent scores) with the indexer's selection. An engine whose context (`ctx_size`) is at most `index_topk` never selects: it caches no
-  indexer keys and takes V3's one-call step; a longer one does not (that call would not write the keys).
+  form: the absorbed one, decode's, masks its latent scores) with the indexer's selection. An engine whose
+  context (`ctx_size`) is at most `index_topk` never selects: it caches no indexer keys and takes V3's one-call
+  step; a longer one does not (that call would not write the keys).
 - Layers are MoE by `mlp_layer_types`, else from `first_k_dense_replace` (3) on; RoPE pairs are interleaved.
 """
 

@@ -450,8 +450,6 @@ class Attention(nn.Module):
 
     def _build_native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native.AttnLayer | None:
         a = self.a
-        if self.v_dim != a.head_dim or a.v_scale != 1.0:
-            return None  # (the block's heads are one width, its values unscaled)
         projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         first = projs[0]
         if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
@@ -473,7 +471,7 @@ class Attention(nn.Module):
             {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0,
             self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
-            *(None if p.bias is None else p.bias.data_ptr() for p in projs))
+            *(None if p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim, v_scale=a.v_scale)
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)

@@ -12,8 +12,8 @@ without a shared one.
   groups, renormalised, times `routed_scaling_factor`, which a released config leaves null: 1.0).
 - The hub's `self_attn.attention_sink_bias` is the sinks; the multi-token-prediction weights (`model.mtp.*`) are
   dropped.
-These layers run layer by layer (the fused attention block has one head width and unscaled values); the
-projections, the MoE layers and one-row attention use the native kernels.
+Decode takes the fused native blocks layer by layer (kernels/block.c with the values' width and scale); the
+one-call step needs one RoPE table for all layers, which the released model's two thetas rule out.
 """
 
 from __future__ import annotations
