@@ -179,9 +179,10 @@ class DSAttention(MLAttention):
             keys = cache.ik[:S].float()  # [S, Di]
             scores = F.relu(torch.einsum("thd,sd->ths", q[r0:r1], keys) * ix.dim**-0.5)  # [n, Hi, S]
             index = torch.einsum("th,ths->ts", w[r0:r1], scores)  # [n, S]
-            future = torch.arange(S)[None] > torch.arange(start, S)[:, None]
+            dev = index.device
+            future = torch.arange(S, device=dev)[None] > torch.arange(start, S, device=dev)[:, None]
             index = index.masked_fill(future, float("-inf"))
-            keep = torch.zeros(r1 - r0, S, dtype=torch.bool)
+            keep = torch.zeros(r1 - r0, S, dtype=torch.bool, device=dev)
             keep.scatter_(1, index.topk(self.topk, -1).indices, True)
             out.append(keep & ~future)
         return out

@@ -132,7 +132,7 @@ class MLAttention(nn.Module):
         q = q.view(T, a.heads, Dn + a.qk_rope_head_dim)
         q_nope, q_pe = q[..., :Dn], self.rope(q[..., Dn:], kv.pos)  # [T, H, Dn], [T, H, Dr]
         if (s := self.q_scale(kv, T)) is not None:  # [T] (Mistral 4's long-context scaling)
-            s = s.to(q.dtype)[:, None, None]
+            s = s.to(q.device, q.dtype)[:, None, None]
             q_nope, q_pe = q_nope * s, q_pe * s
         ckv = self.kv_a_proj_with_mqa(x)  # [T, R + Dr]
         c = self.kv_a_layernorm(ckv[:, :R])  # [T, R]
