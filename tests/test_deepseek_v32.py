@@ -113,3 +113,14 @@ def test_both_mla_forms_select_as_transformers(ckpt, mode) -> None:
         assert (llm.logits(ids) - hf_logits(hf, ids)).abs().max().item() < 1e-4
         ref, _ = hf_greedy_with_logits(hf, PROMPT, 30)
         assert list(llm.generate_ids(PROMPT, 30, temperature=0, ignore_eos=True)) == ref
+
+
+def test_a_slot_counts_the_indexer_keys_long_contexts_cache() -> None:
+    """What the planner and the --ctx-size check count (CausalLM.cache_cost, measured at a long context on the
+    meta device): per position, each layer's latent and rope key and its indexer key."""
+    from colibri.models.base import build
+
+    model, _ = build("deepseek_v32", {"model_type": "deepseek_v32", **tiny_config_kwargs("deepseek_v32")})
+    per_pos, fixed = model.cache_cost(torch.bfloat16)
+    assert per_pos == 3 * (16 + 8 + 16) * 2 and fixed == 0  # 3 layers x (latent 16 + rope 8 + index key 16) bf16
+    assert not any(b.self_attn.dense for b in model.model.layers)  # (the measurement left their mode alone)

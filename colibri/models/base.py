@@ -114,14 +114,16 @@ class CausalLM(nn.Module):
             h = h[out_rows]
         return self.lm_head(self.model.norm(h)).float()
 
-    def make_cache(self, max_len: int, dtype: torch.dtype) -> list:
-        return [layer.self_attn.make_cache(max_len, dtype) for layer in self.model.layers]
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> list:
+        return [layer.self_attn.make_cache(max_len, dtype, device) for layer in self.model.layers]
 
     def cache_cost(self, dtype: torch.dtype) -> tuple[int, int]:
         """A slot's bytes as (per context position, fixed): K/V grow with the context, a linear-attention
-        layer's state does not (measured on small caches of two lengths)."""
-        a, b = (sum(c.nbytes for c in self.make_cache(n, dtype)) for n in (64, 128))
-        return (b - a) // 64, a - (b - a)
+        layer's state does not. Measured on the meta device (nothing allocated) at a long context, so that
+        what only long contexts cache (DeepSeek-V3.2's indexer keys past index_topk) is counted."""
+        n = 1 << 20
+        a, b = (sum(c.nbytes for c in self.make_cache(m, dtype, "meta")) for m in (n, n + 64))
+        return (b - a) // 64, a - n * ((b - a) // 64)
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the one-call plan's pointers are stale
         native_step.forget(self)

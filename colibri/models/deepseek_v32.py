@@ -62,9 +62,10 @@ def layer_types(given: list | None, first_dense: int, n: int) -> list[str]:
 class IndexedLatentCache(LatentCache):
     """The MLA latent cache plus the indexer's key per position ([ctx, Di])."""
 
-    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int, max_len: int, dtype: torch.dtype):
-        super().__init__(kv_lora_rank, rope_dim, max_len, dtype)
-        self.ik = torch.zeros(max_len, index_dim, dtype=dtype)
+    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int, max_len: int, dtype: torch.dtype,
+                 device: str = "cpu"):
+        super().__init__(kv_lora_rank, rope_dim, max_len, dtype, device)
+        self.ik = torch.zeros(max_len, index_dim, dtype=dtype, device=device)
 
     def to(self, device):
         super().to(device)
@@ -120,14 +121,17 @@ class DSAttention(MLAttention):
         """native_step: the one-call step writes no indexer keys, so it runs only where none are needed."""
         return self.dense
 
-    def make_cache(self, max_len: int, dtype: torch.dtype) -> LatentCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> LatentCache:
         """A context of at most index_topk positions keeps every position for every query: the attention is V3's
-        dense MLA, and the indexer never runs (no keys cached, and the one-call step applies)."""
+        dense MLA, and the indexer never runs (no keys cached, and the one-call step applies). (On the meta
+        device -- a size measurement -- the layer's own mode stays as it is.)"""
         a = self.a
-        self.dense = max_len <= self.topk
-        if self.indexer is None or self.dense:
-            return super().make_cache(max_len, dtype)
-        return IndexedLatentCache(a.kv_lora_rank, a.qk_rope_head_dim, self.indexer.dim, max_len, dtype)
+        dense = max_len <= self.topk
+        if device != "meta":
+            self.dense = dense
+        if self.indexer is None or dense:
+            return super().make_cache(max_len, dtype, device)
+        return IndexedLatentCache(a.kv_lora_rank, a.qk_rope_head_dim, self.indexer.dim, max_len, dtype, device)
 
     def _index_keys(self, x: torch.Tensor, kv: LayerKV) -> None:
         """The rows' indexer keys into their caches (a layer with an indexer)."""

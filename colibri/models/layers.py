@@ -411,8 +411,8 @@ class Attention(nn.Module):
             outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.sliding_window, sinks))
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
-    def make_cache(self, max_len: int, dtype: torch.dtype) -> KVCache:
-        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype, self.v_dim)
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> KVCache:
+        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype, self.v_dim, device)
 
     # ------------------------------------------------------------------ the fused native block
 

@@ -185,9 +185,9 @@ class GatedDeltaNet(nn.Module):
         qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
         return qkvz[:, :C], qkvz[:, C:], ba[:, :nv], ba[:, nv:]
 
-    def make_cache(self, max_len: int, dtype: torch.dtype) -> StateCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
         a = self.a
-        return StateCache(self.conv_dim, a.conv_kernel, a.v_heads, a.k_dim, a.v_dim, dtype)
+        return StateCache(self.conv_dim, a.conv_kernel, a.v_heads, a.k_dim, a.v_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         a, T = self.a, x.shape[0]

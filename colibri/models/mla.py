@@ -326,5 +326,5 @@ class MLAttention(nn.Module):
             self._absorbed_w = (src, w[:, :Dn].contiguous(), w[:, Dn:].transpose(1, 2).contiguous())
         return self._absorbed_w[1], self._absorbed_w[2]
 
-    def make_cache(self, max_len: int, dtype: torch.dtype) -> LatentCache:
-        return LatentCache(self.a.kv_lora_rank, self.a.qk_rope_head_dim, max_len, dtype)
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> LatentCache:
+        return LatentCache(self.a.kv_lora_rank, self.a.qk_rope_head_dim, max_len, dtype, device)
