@@ -182,3 +182,13 @@ def test_the_fused_block_gives_the_layer_by_layer_bits(ckpt, model_type, scheme,
             out[fused] = [(h.wait(), [(e.logprob, e.top) for e in ev if e is not None]) for h, ev in zip(hs, events)]
         assert bool(calls) == fused
     assert out[True] == out[False]
+
+
+def test_the_cli_refuses_a_prompt_cache_file_before_generating(ckpt, tmp_path, capsys) -> None:
+    from colibri.cli.run import main
+
+    cache = tmp_path / "p.cache"
+    with pytest.raises(ColibriError, match="drop --prompt-cache"):
+        main(["--model", str(ckpt.coli("qwen3_next", "f32")), "--prompt", "Once upon a time", "-n", "4",
+              "--prompt-cache", str(cache), "--ctx-size", "64"])
+    assert capsys.readouterr().out == "" and not cache.exists()  # nothing generated, nothing written

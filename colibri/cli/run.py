@@ -173,7 +173,11 @@ def save_prompt_cache(llm, path: str) -> None:
 
 
 def load_prompt_cache(llm, path: str) -> None:
-    """A missing file is created at the end; one of another model (or damaged) is replaced, with a warning."""
+    """A missing file is created at the end; one of another model (or damaged) is replaced, with a warning. A
+    model whose layers keep no positions (linear attention) is refused now, before anything is generated."""
+    if not llm.slots.rewindable:
+        raise ColibriError(f"--prompt-cache {path}: this model's linear-attention layers keep a state, not K/V "
+                           "positions: prompt cache files do not apply to it (drop --prompt-cache)")
     if not Path(path).exists():
         return
     try:
