@@ -94,39 +94,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tiny_configs import BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, WEIGHT_STD, tiny_config_kwargs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-FAMILIES: tuple[str, ...] = (
-    "mixtral",
-    "olmoe",
-    "qwen3_moe",
-    "qwen2_moe",
-    "glm4_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-    "minimax_m2",
-    "dots1",
-    "ernie4_5_moe",
-    "llama4_text",
-    "hunyuan_v1_moe",
-    "glm4_moe_lite",
-    "exaone_moe",
-    "qwen3_next",
-    "qwen3_5_moe_text",
-    "mistral4",
-    "deepseek_v32",
-    "glm_moe_dsa",
-    "mimo_v2_flash",
-)
-
 # Special tokens come first so their ids are fixed and small, whatever BPE learns.
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-# 256 byte symbols + 6 specials + 122 merges. The model vocab equals the
-# tokenizer vocab exactly, so every id the model can emit decodes.
-VOCAB_SIZE = 384
 
 # Mistral-style: the template writes the bos text itself, so a caller must
 # encode the rendered prompt with add_special_tokens=False (exactly what
@@ -181,10 +154,6 @@ the birds were singing, and everyone in the town was happy that morning.
 # With transformers' own init (std 0.02, plain lm_head) the logit std is 0.16
 # and the median gap 0.02-0.045, i.e. ~100x smaller.
 #
-# Std of every weight matrix. Larger than transformers' 0.02 on purpose: with
-# 0.02 the residual stream is mostly the token embedding and the experts add a
-# few percent, so an engine with a broken expert path could still match.
-WEIGHT_STD = 0.12
 # 1-D tensors: norm weights are drawn around 1, biases / sinks /
 # e_score_correction_bias around 0, with this std.
 VECTOR_STD = 0.2
@@ -240,304 +209,6 @@ def make_tokenizer_files(folder: str | Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
     return folder
-
-
-def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
-    """Config fields for a tiny model of `model_type` (before user overrides).
-
-    Sizes are chosen so that every family-specific code path is exercised at
-    least once: a dense first layer where the family has one, shared experts,
-    group-limited routing, MLA with and without a q LoRA, partial rotary,
-    qk-norm, sliding-window layers, biases, sinks.
-    """
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 64,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 96,
-        "max_position_embeddings": 256,
-        "initializer_range": WEIGHT_STD,
-        "tie_word_embeddings": False,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
-        "num_experts_per_tok": 2,
-    }
-    moe_i = 32  # routed (and shared) expert width, smaller than the dense MLP
-    # GLM-4.5's MoE layers (dense layer 0, a shared expert, group-limited sigmoid routing), which dots1 shares
-    glm_moe = {"n_routed_experts": 8, "moe_intermediate_size": moe_i, "n_shared_experts": 1,
-               "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5,
-               "norm_topk_prob": True, "head_dim": 16}
-    family: dict[str, dict[str, Any]] = {
-        "mixtral": {"num_local_experts": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
-        "olmoe": {"num_experts": 8, "norm_topk_prob": False, "clip_qkv": None},
-        "qwen3_moe": {
-            "num_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "head_dim": 16,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        },
-        "qwen2_moe": {
-            "num_experts": 4,
-            "moe_intermediate_size": moe_i,
-            "shared_expert_intermediate_size": 48,
-            "norm_topk_prob": False,
-            # layer 1 is a plain dense MLP (intermediate_size): tests the
-            # sparse/dense layer selection.
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [1],
-            "qkv_bias": True,
-        },
-        "glm4_moe": {**glm_moe, "use_qk_norm": True, "partial_rotary_factor": 0.5, "attention_bias": True},
-        "deepseek_v2": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 2,
-            "first_k_dense_replace": 1,
-            "topk_method": "group_limited_greedy",
-            "n_group": 4,
-            "topk_group": 2,
-            "routed_scaling_factor": 1.5,
-            # V2-Lite style: no q LoRA, q_proj directly.
-            "q_lora_rank": None,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "num_key_value_heads": 4,
-        },
-        "deepseek_v3": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
-            "routed_scaling_factor": 2.5,
-            "norm_topk_prob": True,
-            "q_lora_rank": 24,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "num_key_value_heads": 4,
-            "rope_interleave": True,
-        },
-        # GLM-4.7-Flash: DeepSeek-V3's layers; layer 0 sparse, layer 1 dense (mlp_layer_types, not first_k);
-        # v wider than q/k's nope part, as released (256 vs 192)
-        "glm4_moe_lite": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 1,
-            "mlp_layer_types": ["sparse", "dense", "sparse"],
-            "n_group": 1,
-            "topk_group": 1,
-            "routed_scaling_factor": 1.8,
-            "norm_topk_prob": True,
-            "q_lora_rank": 24,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 32,
-            "num_key_value_heads": 4,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-        },
-        # K-EXAONE: sliding layers 0 and 2 (RoPE, 8 positions: a 32+ token run crosses it), full layers 1 and 3
-        # without RoPE; layer 0 dense; GLM's grouped router
-        "exaone_moe": {
-            "num_hidden_layers": 4,
-            "num_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "num_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
-            "routed_scaling_factor": 2.5,
-            "norm_topk_prob": True,
-            "sliding_window": 8,
-            "sliding_window_pattern": 2,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-        },
-        # Qwen3-Next: linear attention (Gated DeltaNet, 2 key heads of 4 value heads) in layers 0 and 2, gated full
-        # attention in layer 1 (a quarter of its head rotated), layer 1 dense
-        "qwen3_next": {
-            "num_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "shared_expert_intermediate_size": 48,
-            "norm_topk_prob": True,
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-            "mlp_only_layers": [1],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
-        },
-        # Qwen3.5 MoE: Qwen3-Next's layers with four linear-layer input projections, every layer MoE
-        "qwen3_5_moe_text": {
-            "num_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "shared_expert_intermediate_size": 48,
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
-                                "mrope_section": [1, 1, 0], "mrope_interleaved": True},
-        },
-        # Mistral Small 4: DeepSeek-V3's layers, a softmax router (one group, renormalised: the kernels' rule), YaRN,
-        # queries scaled past position 16 (the oracle's runs cross it)
-        "mistral4": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "norm_topk_prob": True,
-            "routed_scaling_factor": 1.0,
-            "q_lora_rank": 24,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "num_key_value_heads": 4,
-            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
-                                "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
-                                "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
-                                "partial_rotary_factor": 8 / 24},
-        },
-        # DeepSeek-V3.2: V3's layers plus the sparse attention's indexer, keeping 8 positions (the oracle's runs
-        # of 36+ tokens select)
-        "deepseek_v32": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
-            "routed_scaling_factor": 2.5,
-            "norm_topk_prob": True,
-            "q_lora_rank": 24,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "num_key_value_heads": 4,
-            "index_topk": 8,
-            "index_head_dim": 16,
-            "index_n_heads": 4,
-        },
-        # GLM-5: V3.2's layers, the indexer's RoPE interleaved, layer 1 sharing layer 0's selection (8 positions)
-        "glm_moe_dsa": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "routed_scaling_factor": 2.5,
-            "norm_topk_prob": True,
-            "q_lora_rank": 24,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 32,
-            "num_key_value_heads": 4,
-            "index_topk": 8,
-            "index_head_dim": 16,
-            "index_n_heads": 4,
-            "indexer_types": ["full", "shared", "full"],
-        },
-        # MiMo-V2-Flash: layer 0 full attention, layers 1-2 sliding over 8 positions with sinks and twice the KV
-        # heads; q/k heads of 24, values of 16 scaled by 0.707; a third of each head rotated, per layer type
-        "mimo_v2_flash": {
-            "n_routed_experts": 8,
-            "moe_intermediate_size": moe_i,
-            "n_group": 2,
-            "topk_group": 1,
-            "routed_scaling_factor": 1.5,
-            "norm_topk_prob": True,
-            "head_dim": 24,
-            "v_head_dim": 16,
-            "sliding_window": 8,
-            "attention_value_scale": 0.707,
-            "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334}},
-        },
-        # dots1: GLM's MoE layers; its last layer slides over 8 positions (a 32+ token run crosses it).
-        "dots1": {**glm_moe, "sliding_window": 8, "max_window_layers": 2},
-        "ernie4_5_moe": {
-            "moe_num_experts": 8,
-            "moe_k": 2,
-            "moe_intermediate_size": moe_i,
-            "moe_num_shared_experts": 1,
-            "moe_layer_start_index": 1,  # layer 0 dense
-            "head_dim": 16,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-        },
-        "minimax_m2": {
-            "num_local_experts": 8,
-            "head_dim": 32,  # (hidden / heads is 16: the released model's head is wider than that too)
-            "rotary_dim": 16,  # RoPE on half of each head, the rest passes (the released config's field)
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
-        },
-        "hunyuan_v1_moe": {
-            "num_experts": 8,
-            "moe_topk": 2,
-            "intermediate_size": 32,  # the experts' and the shared MLP's width
-            "head_dim": 16,
-            # Hunyuan-A13B's RoPE: "dynamic" with a fixed alpha (the base stretched by alpha^(d / (d - 2)))
-            "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
-        },
-        "llama4_text": {
-            "num_local_experts": 4,
-            "num_experts_per_tok": 1,
-            "head_dim": 16,
-            "num_hidden_layers": 4,  # RoPE on layers 0-2, none on 3 (no_rope_layer_interval 4)
-            "interleave_moe_layer_step": 2,  # layers 1 and 3 MoE, 0 and 2 dense
-            "intermediate_size": 32,  # the experts' (and the shared expert's) width
-            "intermediate_size_mlp": 96,  # the dense layers'
-            "attention_chunk_size": 16,  # 36-token runs cross two chunk boundaries on the RoPE layers
-            "floor_scale": 4,  # the temperature tuning of the layer without RoPE moves within the test's context
-            "attn_scale": 0.1,
-            "attention_bias": True,  # (none in the released models: here so the converter's q/k row order covers them)
-            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 64},
-        },
-        "gpt_oss": {
-            "num_local_experts": 4,
-            "head_dim": 16,
-            "num_hidden_layers": 4,
-            # Tiny window so a 32+ token run crosses it on the sliding layers.
-            "sliding_window": 8,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            # Real gpt-oss uses YaRN; keep it, with factors consistent with the
-            # tiny context so transformers does not warn.
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 4.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 64,
-            },
-        },
-    }
-    if model_type not in family:
-        raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(FAMILIES)}")
-    return {**common, **family[model_type]}
 
 
 @torch.no_grad()
@@ -651,6 +322,37 @@ def quantized_pair(src: Path, dst: Path, name: str, packed: dict[str, torch.Tens
             cfg = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
     return dst / name, dst / "deq"
+
+
+def edited_copy(src: Path, dst: Path, drop: tuple[str, ...] = (), **changes: Any) -> Path:
+    """A copy of the checkpoint folder `src` at `dst` whose config.json lacks the `drop` keys and has `changes`
+    (what a released config says differently from transformers' saved one, or a value to be refused)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in drop} | changes))
+    return dst
+
+
+def converts_dropping(src: Path, extra, ref: Path, out: Path, ids: list[int]) -> Path:
+    """`extra(weights)`: tensors a released checkpoint carries beside its text model (an MTP module, a vision
+    tower), made from the folder `src`'s own weights and saved next to them. The conversion of `src` to `out`
+    (f32) drops exactly those, lists them in its header, and gives the logits of the container `ref`."""
+    from safetensors.torch import load_file, save_file
+
+    import colibri
+    from colibri.container import Container
+    from colibri.convert import convert
+
+    more = extra(load_file(src / "model.safetensors"))
+    save_file(more, str(src / "model-extra.safetensors"))
+    convert(src, out, "f32", progress=False)
+    with Container(out) as c:
+        assert sorted(c.meta["converter"]["dropped"]) == sorted(more)
+    with colibri.load(out, ctx_size=64, threads=2) as a, colibri.load(ref, ctx_size=64, threads=2) as b:
+        assert torch.equal(a.logits(ids), b.logits(ids))
+    return out
 
 
 def converts_to_its_floats(quantized: Path, deq: Path, work: Path, ids: list[int]) -> torch.Tensor:

@@ -5,17 +5,11 @@ RoPE, full layers without, a dense layer 0)."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from hf_tiny import tiny_config_kwargs
-from safetensors.torch import load_file, save_file
+from hf_tiny import converts_dropping, edited_copy, tiny_config_kwargs
 from transformers import ExaoneMoeConfig
 
-import colibri
-from colibri.container import Container
 from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.models.exaone_moe import ModelArgs, check_config, sanitize
@@ -49,19 +43,13 @@ def test_hub_names_map_to_the_canonical_ones() -> None:
 
 
 def test_mtp_module_is_dropped_and_recorded(ckpt, tmp_path) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(ckpt.hf("exaone_moe"), src)
-    base = load_file(src / "model.safetensors")
-    mtp = {"mtp.fc.weight": torch.randn(4, 8), "mtp.norm.weight": torch.ones(4)}
-    mtp |= {k.replace("model.layers.3.", "mtp.layers.0."): v.clone() for k, v in base.items()
+    def mtp(base: dict) -> dict:  # its projection and norm, plus a whole decoder layer under mtp.layers.0
+        return {"mtp.fc.weight": torch.randn(4, 8), "mtp.norm.weight": torch.ones(4)} | {
+            k.replace("model.layers.3.", "mtp.layers.0."): v.clone() for k, v in base.items()
             if k.startswith("model.layers.3.")}
-    save_file(mtp, str(src / "model-mtp.safetensors"))
-    out = convert(src, tmp_path / "m.coli", "f32", progress=False)
-    with Container(out) as c:
-        assert sorted(c.meta["converter"]["dropped"]) == sorted(mtp)
-    ours = colibri.load(out, ctx_size=64, threads=2).logits(IDS)
-    ref = colibri.load(ckpt.coli("exaone_moe", "f32"), ctx_size=64, threads=2).logits(IDS)
-    assert torch.equal(ours, ref)
+
+    src = edited_copy(ckpt.hf("exaone_moe"), tmp_path / "src")
+    converts_dropping(src, mtp, ckpt.coli("exaone_moe", "f32"), tmp_path / "m.coli", IDS)
 
 
 @pytest.mark.parametrize("over,field", [
@@ -79,9 +67,6 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 
 
 def test_a_bad_layer_pattern_is_refused_at_convert(ckpt, tmp_path) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(ckpt.hf("exaone_moe"), src)
-    cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(cfg | {"layer_types": ["full_attention"]}))
+    src = edited_copy(ckpt.hf("exaone_moe"), tmp_path / "src", layer_types=["full_attention"])
     with pytest.raises(ColibriError, match="layer_types"):
         convert(src, tmp_path / "m.coli", "f32", progress=False)

@@ -6,15 +6,12 @@ FAMILIES; that config has a sparse layer 0 and a dense layer 1)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf, tiny_config_kwargs
-from safetensors.torch import load_file, save_file
+from hf_tiny import converts_dropping, edited_copy, hf_logits, load_hf, tiny_config_kwargs
 
 import colibri
-from colibri.container import Container
 from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.models.glm4_moe_lite import ModelArgs, check_config
@@ -27,15 +24,13 @@ def _cfg(**over) -> dict:
 
 
 def test_without_mlp_layer_types_layer_0_is_dense_as_in_transformers(ckpt, tmp_path) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(ckpt.hf("glm4_moe_lite", mlp_layer_types=None), src)
-    hf = load_hf(src)
+    hf = load_hf(ckpt.hf("glm4_moe_lite", mlp_layer_types=None))
     assert [type(layer.mlp).__name__ for layer in hf.model.layers] == \
         ["Glm4MoeLiteMLP", "Glm4MoeLiteMoE", "Glm4MoeLiteMoE"]
     # as released: first_k_dense_replace, no mlp_layer_types
+    src = edited_copy(ckpt.hf("glm4_moe_lite", mlp_layer_types=None), tmp_path / "src", ("mlp_layer_types",),
+                      first_k_dense_replace=1)
     cfg = json.loads((src / "config.json").read_text())
-    cfg = {k: v for k, v in cfg.items() if k != "mlp_layer_types"} | {"first_k_dense_replace": 1}
-    (src / "config.json").write_text(json.dumps(cfg))
     assert [ModelArgs.from_dict(cfg).is_moe(i) for i in range(3)] == [False, True, True]
     out = convert(src, tmp_path / "m.coli", "f32", progress=False)
     ours = colibri.load(out, ctx_size=64, threads=2).logits(IDS)
@@ -43,23 +38,15 @@ def test_without_mlp_layer_types_layer_0_is_dense_as_in_transformers(ckpt, tmp_p
 
 
 def test_mtp_layer_is_dropped_and_recorded(ckpt, tmp_path) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(ckpt.hf("glm4_moe_lite"), src)
-    cfg = json.loads((src / "config.json").read_text())
-    n = cfg["num_hidden_layers"]
-    (src / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
-    base = load_file(src / "model.safetensors")
-    # the MTP module: its projection and norms plus a whole decoder layer, at index n
-    mtp = {f"model.layers.{n}.eh_proj.weight": torch.randn(4, 4), f"model.layers.{n}.enorm.weight": torch.ones(4)}
-    mtp |= {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in base.items()
-            if k.startswith(f"model.layers.{n - 1}.")}
-    save_file(mtp, str(src / "model-mtp.safetensors"))
-    out = convert(src, tmp_path / "m.coli", "f32", progress=False)
-    with Container(out) as c:
-        assert sorted(c.meta["converter"]["dropped"]) == sorted(mtp)
-    ours = colibri.load(out, ctx_size=64, threads=2).logits(IDS)
-    ref = colibri.load(ckpt.coli("glm4_moe_lite", "f32"), ctx_size=64, threads=2).logits(IDS)
-    assert torch.equal(ours, ref)
+    src = edited_copy(ckpt.hf("glm4_moe_lite"), tmp_path / "src", num_nextn_predict_layers=1)
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+
+    def mtp(base: dict) -> dict:  # the MTP module: its projection and norm plus a whole decoder layer, at index n
+        return {f"model.layers.{n}.eh_proj.weight": torch.randn(4, 4), f"model.layers.{n}.enorm.weight":
+                torch.ones(4)} | {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in base.items()
+                                  if k.startswith(f"model.layers.{n - 1}.")}
+
+    converts_dropping(src, mtp, ckpt.coli("glm4_moe_lite", "f32"), tmp_path / "m.coli", IDS)
 
 
 @pytest.mark.parametrize("over,field", [
@@ -78,9 +65,6 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 
 
 def test_a_bad_layer_pattern_is_refused_at_convert(ckpt, tmp_path) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(ckpt.hf("glm4_moe_lite"), src)
-    cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(cfg | {"mlp_layer_types": ["sparse", "sparse"]}))
+    src = edited_copy(ckpt.hf("glm4_moe_lite"), tmp_path / "src", mlp_layer_types=["sparse", "sparse"])
     with pytest.raises(ColibriError, match="mlp_layer_types"):
         convert(src, tmp_path / "m.coli", "f32", progress=False)

@@ -14,6 +14,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 
 import colibri
 from colibri.errors import ColibriError
+from colibri.kernels import native
 from colibri.models.base import build
 from colibri.models.linear_attn import StateCache, delta_chunked, delta_step, l2norm
 from colibri.models.qwen3_next import check_config, prepare, sanitize
@@ -129,58 +130,50 @@ def test_a_slot_costs_its_attention_positions_plus_fixed_states() -> None:
     assert fixed == 2 * (conv_dim * 3 * 2 + 4 * 16 * 16 * 4)  # two linear layers: conv inputs (bf16), f32 states
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_native_decode_rows_agree_with_the_torch_path(ckpt, model_type, scheme, monkeypatch) -> None:
-    """kernels/delta.c (bf16 decode rows of several sequences) against the torch path: the same arithmetic in
-    another summation order, so the same tokens and logits to bf16 rounding."""
-    from colibri.kernels import native
+def _both_ways(ckpt, model_type: str, scheme: str, monkeypatch, flag: str, kernel: str) -> dict[bool, list]:
+    """Three bf16 requests batched, with linear_attn.`flag` on and off: per request its tokens and each token's
+    (log-prob, top 3); the native_delta `kernel` must run exactly when the flag is on."""
     from colibri.models import linear_attn
 
-    if not native.available():
-        pytest.skip("native kernels unavailable")
-    calls = []
-    real = linear_attn.native_delta.delta_rows
-    monkeypatch.setattr(linear_attn.native_delta, "delta_rows", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(linear_attn, "FUSED", False)  # (the fused block calls the same rows from C)
+    calls: list[int] = []
+    real = getattr(linear_attn.native_delta, kernel)
+    monkeypatch.setattr(linear_attn.native_delta, kernel, lambda *a: calls.append(1) or real(*a))
     prompts = [P, P[:5] + [88, 9], [1, 250, 4, 4, 19]]
     out = {}
     for on in (True, False):
         calls.clear()
-        monkeypatch.setattr(linear_attn, "NATIVE", on)
+        monkeypatch.setattr(linear_attn, flag, on)
         with colibri.load(ckpt.coli(model_type, scheme), ctx_size=96, threads=2, slots=3) as llm:
             events: list[list] = [[] for _ in prompts]
-            hs = [llm.submit(p, 12, ignore_eos=True, logprobs=0, listener=ev.append) for p, ev in zip(prompts, events)]
-            out[on] = [(h.wait(), [e.logprob for e in ev if e is not None]) for h, ev in zip(hs, events)]
+            hs = [llm.submit(p, 12, ignore_eos=True, logprobs=3, listener=ev.append) for p, ev in zip(prompts, events)]
+            out[on] = [(h.wait(), [(e.logprob, e.top) for e in ev if e is not None]) for h, ev in zip(hs, events)]
         assert bool(calls) == on
+    return out
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_native_decode_rows_agree_with_the_torch_path(ckpt, model_type, scheme, monkeypatch) -> None:
+    """kernels/delta.c (bf16 decode rows of several sequences) against the torch path: the same arithmetic in
+    another summation order, so the same tokens and log-probs to bf16 rounding."""
+    from colibri.models import linear_attn
+
+    monkeypatch.setattr(linear_attn, "FUSED", False)  # (the fused block calls the same rows from C)
+    out = _both_ways(ckpt, model_type, scheme, monkeypatch, "NATIVE", "delta_rows")
     for (a, la), (b, lb) in zip(out[True], out[False]):
         assert a == b
-        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=0.05, rtol=0)
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in la]), torch.tensor([lp for lp, _ in lb]),
+                                   atol=0.05, rtol=0)
 
 
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 @pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_the_fused_block_gives_the_layer_by_layer_bits(ckpt, model_type, scheme, monkeypatch) -> None:
     """coli_delta_block (norm, both input projections, delta rows, out_proj, residual, post norm in one call)
     against the same kernels called one by one from Python: the same tokens and log-probs, bit for bit."""
-    from colibri.kernels import native
-    from colibri.models import linear_attn
-
-    if not native.available():
-        pytest.skip("native kernels unavailable")
-    calls = []
-    real = linear_attn.native_delta.delta_block
-    monkeypatch.setattr(linear_attn.native_delta, "delta_block", lambda *a: calls.append(1) or real(*a))
-    prompts = [P, P[:5] + [88, 9]]
-    out = {}
-    for fused in (True, False):
-        calls.clear()
-        monkeypatch.setattr(linear_attn, "FUSED", fused)
-        with colibri.load(ckpt.coli(model_type, scheme), ctx_size=96, threads=2, slots=2) as llm:
-            events: list[list] = [[] for _ in prompts]
-            hs = [llm.submit(p, 12, ignore_eos=True, logprobs=3, listener=ev.append) for p, ev in zip(prompts, events)]
-            out[fused] = [(h.wait(), [(e.logprob, e.top) for e in ev if e is not None]) for h, ev in zip(hs, events)]
-        assert bool(calls) == fused
+    out = _both_ways(ckpt, model_type, scheme, monkeypatch, "FUSED", "delta_block")
     assert out[True] == out[False]
 
 

@@ -33,6 +33,11 @@ class LayerKV:
     def __init__(self, segs: list[tuple[int, int, int, object]], pos: int | torch.Tensor):
         self.segs, self.pos = segs, pos
 
+    @property
+    def end(self) -> int:
+        """One past the step's last position (a limit the layer checks before its native block)."""
+        return max(start + r1 - r0 for r0, r1, start, _ in self.segs)
+
 
 class StepBatch:
     """The sequences of one forward step; `layer(i)` is layer i's `LayerKV`."""

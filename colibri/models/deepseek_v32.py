@@ -147,7 +147,7 @@ class DSAttention(MLAttention):
             cache.ik[start:start + r1 - r0] = k[r0:r1]
 
     def _sparse(self, kv: LayerKV) -> bool:
-        return any(start + r1 - r0 > self.topk for r0, r1, start, _ in kv.segs)
+        return kv.end > self.topk
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         self._index_keys(x, kv)

@@ -141,8 +141,7 @@ class Llama4Attention(Attention):
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention.fused (kernels/block.c) where the rows' positions are in the temperature table."""
-        if self.temperature is not None and self.pos_limit() <= (kv.pos + h.shape[0] if isinstance(kv.pos, int)
-                                                                  else int(kv.pos.max()) + 1):
+        if self.temperature is not None and self.pos_limit() <= kv.end:
             return None
         return super().fused(h, kv, in_norm, post_norm)
 

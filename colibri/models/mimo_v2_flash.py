@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from . import glm4_moe
+from .base import CausalLM, check_act_and_rope, refuse
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock
 from .moe import SparseMoE, SwitchGLU
@@ -34,34 +35,22 @@ KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass
-class ModelArgs(BaseArgs):
-    aliases = {"num_local_experts": "n_routed_experts"}
+class ModelArgs(glm4_moe.ModelArgs):
+    """GLM's fields (its router's) with MiMo-V2-Flash's defaults, and its own."""
 
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    vocab_size: int
-    num_key_value_heads: int = 4
-    head_dim: int = 192
-    v_head_dim: int = 128
+    num_key_value_heads: int | None = 4
+    head_dim: int | None = 192
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 262144
-    attention_bias: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
     routed_scaling_factor: float | None = 1.0
+    v_head_dim: int = 128
     sliding_window: int = 129
     attention_value_scale: float | None = 0.707
     layer_types: list | None = None
     mlp_layer_types: list | None = None
-    raw: dict | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         raw = self.raw or {}
         if raw.get("sliding_window_size") is not None:  # (the released config's name: the window minus the query)
             self.sliding_window = int(raw["sliding_window_size"]) + 1

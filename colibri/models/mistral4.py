@@ -103,19 +103,19 @@ class Mistral4Attention(MLAttention):
         self.scaling = scaling
 
     def q_scale(self, kv: LayerKV, T: int) -> torch.Tensor | None:
-        if self.scaling is None:
-            return None
+        if self.scaling is None or kv.end <= self.scaling[1]:
+            return None  # (every row below original_max_position_embeddings: a scale of exactly 1)
         beta, orig = self.scaling
         pos = torch.arange(kv.pos, kv.pos + T) if isinstance(kv.pos, int) else kv.pos
         return 1 + beta * torch.log(1 + torch.floor(pos.to(torch.float32) / orig))
+
 
     def pos_limit(self) -> int:
         """Positions below this have a scale of 1, which the native block computes (native_step reads it)."""
         return self.scaling[1] if self.scaling is not None else 1 << 62
 
     def fused(self, h, kv: LayerKV, in_norm, post_norm):
-        end = kv.pos + h.shape[0] if isinstance(kv.pos, int) else int(kv.pos.max()) + 1
-        return None if end > self.pos_limit() else super().fused(h, kv, in_norm, post_norm)
+        return None if kv.end > self.pos_limit() else super().fused(h, kv, in_norm, post_norm)
 
 
 class Model(v2.Model):

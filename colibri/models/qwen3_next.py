@@ -22,11 +22,11 @@ from typing import ClassVar
 import torch
 
 from ..kernels import native
+from . import qwen2_moe
 from .base import CausalLM, check_act_and_rope, refuse
 from .batch import LayerKV
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, attend, rope_scaling, rope_theta
+from .layers import Attention, AttentionArgs, DecoderBlock, Linear, attend, rope_scaling, rope_theta
 from .linear_attn import DeltaArgs, GatedDeltaNet, grouped_rows
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 from .qwen3_moe import ModelArgs as _Qwen3Args
 
 FAMILY = "qwen3_next"
@@ -112,17 +112,8 @@ class Model(CausalLM):
         delta = DeltaArgs(a.hidden_size, a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
                           a.linear_value_head_dim, a.linear_conv_kernel_dim, a.rms_norm_eps, a.split_projections)
 
-        def mlp(i: int):
-            if not a.is_sparse(i):
-                return MLP(a.hidden_size, a.intermediate_size)
-            shared = MLP(a.hidden_size, a.shared_expert_intermediate_size)
-            return SparseMoE(TopKRouter(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob),
-                             SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.num_experts),
-                             shared, Linear(a.hidden_size, 1))
-
-        kinds = a.kinds()
-        blocks = [DecoderBlock(GatedAttention(attn) if kinds[i] == "full_attention" else GatedDeltaNet(delta),
-                               mlp(i), a.hidden_size, a.rms_norm_eps) for i in range(a.num_hidden_layers)]
+        mixer = [GatedAttention(attn) if kind == "full_attention" else GatedDeltaNet(delta) for kind in a.kinds()]
+        blocks = [DecoderBlock(m, qwen2_moe.mlp(a, i), a.hidden_size, a.rms_norm_eps) for i, m in enumerate(mixer)]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
 
