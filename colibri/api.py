@@ -94,6 +94,9 @@ class Engine:
     - `prefetch`: predict the next layer's experts with its router (look-ahead) and read them
       while the current layer computes.
     - `direct_io`: read experts with O_DIRECT (falls back to buffered reads where refused).
+    - `mmap`: without a `mem_budget`, use the weights as zero-copy views of the file's mapping
+      (the fastest start) instead of reading them into engine-owned memory (the default: the
+      kernels read those faster, docs/TIERS.md "Loading").
     - `gpu_device`: device of the "gpu" tier (default "cuda"; "cpu" runs the GPU code path on
       the CPU, for tests).
     Greedy output is the same whatever the tiers, budgets, prefetch, I/O settings and batch.
@@ -104,7 +107,8 @@ class Engine:
                  prefill_chunk: int = 512, cache_prompt: bool = True, route_trace: str | os.PathLike | None = None,
                  placement: Placement | PlacementFn | None = None, mem_budget: int | str | None = None,
                  gpu_budget: int | str | None = None, prefetch: bool = True, direct_io: bool = True,
-                 gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None):
+                 gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None,
+                 mmap: bool = False):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -132,7 +136,8 @@ class Engine:
 
             placement = placement_fn(c, ctx_size * slots)
         self.store = TieredStore(c, self.dtype, placement, mem_budget=mem_budget, gpu_budget=gpu_budget,
-                                 prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device, policy=cache_policy)
+                                 prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device, policy=cache_policy,
+                                 mmap=mmap)
         try:
             bind(self.model, self.store)
             self.store.attach(self.model)

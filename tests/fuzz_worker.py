@@ -38,7 +38,7 @@ from colibri.container import Container  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
 
-MODES = {"mapped": [], "budget": ["--mem-budget", "64M"], "disk": ["--gpu-layers", "0", "--ram-layers", "0"]}
+MODES = {"mapped": ["--mmap"], "budget": ["--mem-budget", "64M"], "disk": ["--gpu-layers", "0", "--ram-layers", "0"]}
 
 
 def _cli(argv: list[str]) -> tuple[str, str]:

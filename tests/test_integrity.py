@@ -92,10 +92,10 @@ def test_clean_file_reads_verified_and_identical(ckpt):
 
 @pytest.mark.parametrize("placement", [["ram"] * 3, ["ram", "disk", "disk"]])
 def test_mapped_weights_are_checked_once_at_load(ckpt, tmp_path, placement):
-    """Without a budget, dense weights and RAM-layer experts are views of the mapping: checked once when
-    the engine loads, before any is used; disk-layer experts are checked on each read instead."""
+    """With `mmap` (and no budget), dense weights and RAM-layer experts are views of the mapping: checked
+    once when the engine loads, before any is used; disk-layer experts are checked on each read instead."""
     path = ckpt.coli("olmoe", "int8")
-    llm = Engine(path, ctx_size=64, threads=1, placement=Placement(placement))
+    llm = Engine(path, ctx_size=64, threads=1, placement=Placement(placement), mmap=True)
     checks = llm.store.reader.checks
     with Container(path) as c:
         h = c.header
@@ -106,7 +106,7 @@ def test_mapped_weights_are_checked_once_at_load(ckpt, tmp_path, placement):
     bad = tmp_path / "bad.coli"
     _damaged_copy(path, bad, every=False)  # layer 0's expert 0: a RAM layer in both placements
     with pytest.raises(ContainerError, match=r"tensor model\.layers\.0\.mlp\.experts\.0\.down\.weight"):
-        Engine(bad, ctx_size=64, threads=1, placement=Placement(placement))
+        Engine(bad, ctx_size=64, threads=1, placement=Placement(placement), mmap=True)
 
 
 def test_flipped_expert_byte_stops_the_run_naming_the_tensor(ckpt, tmp_path, capsys):
@@ -126,14 +126,14 @@ def test_flipped_expert_byte_stops_the_run_naming_the_tensor(ckpt, tmp_path, cap
 
 
 def test_flipped_dense_byte_under_a_budget_mapped_and_with_verify(ckpt, tmp_path, capsys):
-    """A budget reads dense weights into engine memory: checked there. Without one they are mapped and
-    checked once at load; `--verify` checks the whole file first (docs/FORMAT.md, "Checksums")."""
+    """A budget (and the default) reads dense weights into engine memory: checked there. With `mmap` they
+    are mapped and checked once at load; `--verify` checks the whole file first (docs/FORMAT.md, "Checksums")."""
     path = ckpt.coli("olmoe", "int8")
     bad = tmp_path / "bad.coli"
     shutil.copy(path, bad)
     with Container(path) as c:
         _flip(bad, c.info("model.norm.weight")["offset"] + 1)
-    for kw in (_disk_kw(bad), {}):
+    for kw in (_disk_kw(bad), {}, {"mmap": True}):
         with pytest.raises(ContainerError, match=r"checksum mismatch in tensor model\.norm\.weight"):
             _greedy(bad, **kw)
     rc = cli_main(["--model", str(bad), "-p", "hello", "-n", "2", "--verify"])
@@ -212,7 +212,7 @@ def test_old_crc32_files_are_read_and_checked_with_zlib(ckpt, tmp_path, monkeypa
     assert _greedy(old, **_disk_kw(old)) == _greedy(new, **_disk_kw(new))
     bad = tmp_path / "bad.coli"
     _damaged_copy(old, bad, "gate_up.weight")
-    for kw in (_disk_kw(bad), {}):  # read from disk, and mapped (checked at open)
+    for kw in (_disk_kw(bad), {}, {"mmap": True}):  # read from disk, read whole, and mapped (checked at open)
         with pytest.raises(ContainerError, match=r"mismatch in tensor model\.layers\.\d+\.mlp\.experts\.\d+"
                                                  r"\.gate_up\.weight \(stored crc32 "):
             _greedy(bad, **kw)

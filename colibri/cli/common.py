@@ -146,6 +146,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False,
     t.add_argument("--cache-policy", choices=("reuse", "fair", "lru"), default="reuse",
                    help="expert cache eviction (docs/ROUTING.md, the cache-policy lab): reuse = expected "
                         "reuse distance (default), fair = per-layer LRU shares, lru = global LRU")
+    t.add_argument("--mmap", action="store_true",
+                   help="without --mem-budget, use the weights through the file's mapping (zero-copy: the fastest "
+                        "start) instead of reading them into engine-owned memory, which decode reads faster")
     t.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=True,
                    help="read experts with O_DIRECT, bypassing the page cache (falls back when refused)")
     t.add_argument("--usage-file", default=None,
@@ -264,7 +267,7 @@ def engine_from_args(a: argparse.Namespace):
                      mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
                      direct_io=a.direct_io, slots=a.slots, max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
                      route_trace=getattr(a, "route_trace", None), cache_policy=a.cache_policy,
-                     cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms)
+                     cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap)
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
         if isinstance(e, RuntimeError) and "alloc" not in str(e) and "memory" not in str(e):

@@ -6,10 +6,11 @@
 - disk layers: dense weights resident; routed experts read from the file when the router
   picks them, into an `ExpertCache` of fixed slots sized by what `mem_budget` leaves over.
 
-With a `mem_budget`, every weight the model uses lives in memory this store allocated and
-filled with pread (never pages of the container's mapping, which would count in RSS once
-touched without any bound we control), so `stats()["resident_bytes"]` is what weights
-really occupy. Without one, dense weights stay zero-copy views of the mapping (fastest start).
+Every weight the model uses lives in memory this store allocated and filled with pread (never
+pages of the container's mapping, which would count in RSS once touched without any bound we
+control, and which the kernels read slower), so `stats()["resident_bytes"]` is what weights
+really occupy. With `mmap=True` and no budget they stay zero-copy views of the mapping instead
+(the fastest start).
 
 Model files know nothing of this: the store hands `bind()` modules, tensors and one expert
 source (store/experts.py: `fetch(layer, ids)`, `prefetch(layer, ids)`), and `attach()` binds
@@ -66,7 +67,7 @@ class TieredStore(WeightStore):
                  placement: Placement | PlacementFn | None = None, *, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | torch.device | None = None, io_threads: int = 4, policy: str = "reuse",
-                 prefetch_min_precision: float = PREFETCH_MIN_PRECISION):
+                 prefetch_min_precision: float = PREFETCH_MIN_PRECISION, mmap: bool = False):
         super().__init__(container, compute_dtype)
         self.sizes = sizes = model_sizes(container, compute_dtype)
         if callable(placement):
@@ -89,15 +90,17 @@ class TieredStore(WeightStore):
         # every record/tensor read from the file is checksummed before use (colibri/integrity.py)
         checks = Checks(container.path, container.header)
         self.reader = RecordReader(container.path, io_threads, direct_io, checks=checks)
-        if self.mem_budget is None:  # no budget: weights used through the mapping, checked once before use
+        # Weights go to memory we allocate and fill: with a RAM budget for honest accounting, and by
+        # default for speed -- the decode kernels read page-cache pages of the file ~1.3-1.6x slower
+        # than the same bytes copied into anonymous memory (docs/TIERS.md, "Loading"). `mmap` keeps
+        # them zero-copy views of the mapping (the fastest start), when there is no budget.
+        self.read_mode = self.mem_budget is not None or not mmap
+        if not self.read_mode:  # mapped weights: checked once before use
             try:
                 checks.verify_mapped(self.reader.submit, self._mapped)
             except BaseException:
                 self.reader.close()
                 raise
-        # With a RAM budget, weights go to memory we allocate and fill (honest accounting);
-        # without one, dense weights stay mmap views.
-        self.read_mode = self.mem_budget is not None
         self.acct = {"ram_dense": 0, "ram_experts": 0, "gpu_dense": 0, "gpu_experts": 0}
         self._dense: dict[str, torch.Tensor] = {}
         # The expert source every MoE layer is bound to; which layer is resident or cached is
@@ -152,7 +155,7 @@ class TieredStore(WeightStore):
                 self.acct["gpu_dense"] += nb
 
     def _mapped(self, name: str, is_record: bool) -> bool:
-        """Whether the engine uses this record/tensor through the file's mapping (no --mem-budget)."""
+        """Whether the engine uses this record/tensor through the file's mapping (`mmap`, no budget)."""
         i = layer_of(name)
         if is_record:
             return i is None or i >= len(self.placement.tiers) or self.placement.tiers[i] == "ram"
