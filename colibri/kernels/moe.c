@@ -545,7 +545,8 @@ static int moe_scaled_input(const void *x, int T, int H, int I, const int64_t *i
 }
 
 /* The feed-forward half of a decoder block: route x (the post-attention norm of h, bf16 [T, H]) as
- * coli_route does and run the experts, all in `gate_up`/`down` (a resident layer), as coli_moe does; add
+ * coli_route does and run the experts, all in `gate_up`/`down` (a resident layer; a cached layer's table
+ * holds the experts in memory, and a route to one it lacks returns COLI_MISS before anything is written), as coli_moe does; add
  * the shared MLP's output when `shared` (bf16 + bf16, as the Python sum), or take it alone where E == 0 (a
  * dense layer); h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
@@ -559,6 +560,8 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
     int rc = 0;
     if (E > 0) {
         PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, n_group, topk_group, bias, scale, idx, w));
+        for (int p = 0; p < T * k && !rc; p++)  /* a cached layer's table lacks a routed expert: h untouched */
+            if (!gate_up[idx[p]].q) rc = COLI_MISS;
         if (!rc && act && act->input_scaled)
             rc = k == 1 ? moe_scaled_input(x, T, H, I, idx, w, E, gate_up, down, scheme, g, ys, y, act) : -3;
         else if (!rc)

@@ -493,20 +493,33 @@ def _step_failed(name: str, rc: int, failed: ctypes.c_int) -> RuntimeError:
                         else f"{name} failed ({rc}) in layer {failed.value}")
 
 
+COLI_MISS = -7  # common.h: a route to an expert a cached layer's table lacks
+
+
 def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
-                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  k: int, partial: bool = False, first: int = 0, routes: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
     arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last block's
     output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t); rope
     the rotary tables (cos pointer, sin pointer, rows: f32 [rows, rot], row p position p's) ->
-    (idx int64 [L, T, k], weights f32 [L, T, k])."""
-    idx, wts = _routes(len(attn), h.shape[0], k)
+    (idx int64 [L, T, k], weights f32 [L, T, k], None) (`routes`: those buffers, given). From layer `first`
+    on only (h its input); with `partial`, a layer routed to an expert its table lacks stops the call with h
+    that layer's input: (idx, weights, that layer), the rows before it valid."""
+    L, T = len(attn), h.shape[0]
+    idx, wts = routes if routes is not None else _routes(L, T, k)
     failed = ctypes.c_int(-1)
-    rc = _lib.coli_decode_layers(len(attn), attn, moe, h.shape[0], h.data_ptr(), pos, kc, vc, ks, vs, *rope,
-                                 idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))
+    ptr = ctypes.sizeof(ctypes.c_void_p)
+    rc = _lib.coli_decode_layers(L - first, ctypes.byref(attn, first * ctypes.sizeof(AttnLayer)),
+                                 ctypes.byref(moe, first * ctypes.sizeof(MoeLayer)), T, h.data_ptr(), pos,
+                                 ctypes.byref(kc, first * T * ptr), ctypes.byref(vc, first * T * ptr), ks, vs, *rope,
+                                 idx[first:].data_ptr(), wts[first:].data_ptr(), ctypes.byref(failed))
+    if rc == COLI_MISS and partial:
+        return idx, wts, first + failed.value
     if rc != 0:
+        failed.value += first
         raise _step_failed("coli_decode_layers", rc, failed)
-    return idx, wts
+    return idx, wts, None
 
 
 def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],

@@ -162,6 +162,26 @@ class SwitchGLU(nn.Module):
             self.__dict__["_full"] = full
         return full or None
 
+    def live_tables(self) -> native.MoeTables | None:
+        """A cached layer's native tables, which its cache keeps holding exactly the experts in memory
+        (store/cache.py `track`), for a one-call step that stops at a route to one it lacks; None where
+        the layer is not a cache's or its experts are not int8/int4."""
+        cache_of = getattr(self.source, "cache_of", None)
+        if self.native_act is None or cache_of is None or cache_of(self.layer) is None:
+            return None
+        live = self.__dict__.get("_live")
+        if live is None:
+            live = False
+            cache = cache_of(self.layer)
+            q = cache.expert_quant(self.layer)
+            if q is not None and q[0] in ("int8", "int4"):
+                live = native.MoeTables(self.num_experts, self.native_act, self.input_scaled)
+                live.scheme, live.group_size = q
+                cache.track(self.layer, live,
+                            lambda w: _native_expert(w) and (w.gate_up.scheme, w.gate_up.group_size) == q)
+            self.__dict__["_live"] = live
+        return live or None
+
     def _apply(self, fn, recurse: bool = True):  # moved weights: rebuild the tables
         self.__dict__.pop("_full", None)
         self._tables = None

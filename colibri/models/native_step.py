@@ -5,8 +5,15 @@ routed-expert layer (`SparseMoE.fused`, with its shared expert) or a dense MLP (
 the model's ends take native calls too (bf16 embedding, f32 final norm,
 a native quantized head), the whole step from token ids to logits (`run_step`). Same kernels, same order,
 same bits; what goes is the Python between the calls (~15% of a small model's decode step, and each
-call from Python after the blocks runs cache-cold). Anything else -- a cached or GPU layer, another
-router, hooks on a block, a step too large -- takes the per-layer path.
+call from Python after the blocks runs cache-cold). Anything else -- a GPU layer, another router, hooks on
+a block, a step too large -- takes the per-layer path.
+
+Layers whose experts an expert cache serves (the disk tier) run in the same call over tables the cache keeps
+equal to the experts in memory (`SwitchGLU.live_tables`): a route to an expert not in memory stops the
+call before that layer's feed-forward half writes anything (COLI_MISS); that layer runs the per-layer way
+(its attention again: the same K/V rewritten; then fetch, reads and the next layer's look-ahead as always)
+and the call resumes after it. The cache accounts the experts the calls used as the fetches they stood
+for (`replay`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ class _Plan:
         # an MLA model's first attention: whether a step takes the block depends on its rows (_args)
         self.mla = blocks[0].self_attn if isinstance(blocks[0].self_attn, MLAttention) else None
         self.sparse = [i for i, t in enumerate(tables) if t is not None]  # the routed layers' indices
+        # the routed layers an expert cache serves, and those caches (each once)
+        experts = {i: blocks[i].mlp.experts for i in self.sparse}
+        self.cached = [i for i, ex in experts.items() if not ex.source.holds_all(ex.layer)]
+        self.caches = list({id(c): c for c in (experts[i].source.cache_of(experts[i].layer)
+                                                 for i in self.cached)}.values())
         self.all_sparse = len(self.sparse) == len(blocks)
         self.experts = [blocks[i].mlp.experts for i in self.sparse]
         self.layers = [ex.layer for ex in self.experts]
@@ -137,9 +149,10 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
         else:
             ex = b.mlp.experts
             w = b.mlp.gate.weight
-            if ex.lookahead is not None or w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
+            if ex.source is None or w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
                 return None
-            mlp, t = b.mlp.shared_table(), ex.full_tables()
+            # (a resident layer's look-ahead reads the next, cached, layer's experts: not run in the call)
+            mlp, t = b.mlp.shared_table(), ex.full_tables() if ex.source.holds_all(ex.layer) else ex.live_tables()
             if t is None:
                 return None
         if mlp is None:
@@ -278,11 +291,18 @@ def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
     return (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc)
 
 
-def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor) -> None:
+def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
     """Hand the step's routes (idx / wts [L, T, k]) to the experts' `on_route` hooks: all at once where
-    every layer's hook is the same capture's alone (engine/stats.py RouteCapture), else layer by layer."""
-    idx, wts = plan.routed(idx), plan.routed(wts)
+    every layer's hook is the same capture's alone (engine/stats.py RouteCapture), else layer by layer;
+    with lo / hi, only the blocks lo..hi-1 (a call stopped or resumed there: the block between hooks its own)."""
     hooks = [ex.on_route for ex in plan.experts]
+    if lo or hi is not None:
+        hi = len(plan.blocks) if hi is None else hi
+        for j, i in enumerate(plan.sparse):
+            if lo <= i < hi and hooks[j] is not None:
+                hooks[j](plan.experts[j].layer, idx[i], wts[i])
+        return
+    idx, wts = plan.routed(idx), plan.routed(wts)
     cap = getattr(hooks[0], "capture", None)
     if cap is not None and all(getattr(h, "capture", None) is cap for h in hooks):
         cap.stacked(plan.layers, idx, wts)
@@ -290,6 +310,16 @@ def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor) -> None:
     for ex, h, i, w in zip(plan.experts, hooks, idx.unbind(0), wts.unbind(0)):  # (one call for the L views)
         if h is not None:
             h(ex.layer, i, w)
+
+
+def _replay(plan: _Plan, idx: torch.Tensor, lo: int, hi: int) -> None:
+    """The caches account the experts the call used in blocks lo..hi-1 as the fetches they stood for."""
+    for i in plan.cached:
+        if lo <= i < hi:
+            ex = plan.blocks[i].mlp.experts
+            rows = idx[i]  # [T, k]: the ids SwitchGLU.forward would have fetched, in its order
+            ids = rows[0].tolist() if rows.shape[0] == 1 else torch.unique(rows).tolist()
+            ex.source.cache_of(ex.layer).replay(ex.layer, ids)
 
 
 def _plan_for(model: nn.Module, dtype: torch.dtype, device: torch.device, T: int) -> _Plan | None:
@@ -304,7 +334,7 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
     embedding, blocks, final norm, head -- or None where that does not apply."""
     T = tokens.shape[0]
     plan = _plan_for(model, model.model.embed_tokens.out_dtype, tokens.device, T)
-    if not TAIL or plan is None or plan.tail is None \
+    if not TAIL or plan is None or plan.tail is None or plan.cached \
             or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules):
         return None
     rows = torch.arange(T) if out_rows is None else out_rows
@@ -337,7 +367,7 @@ def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: in
     whose caller counts them."""
     T = len(tokens)
     plan = _plan_for(model, model.model.embed_tokens.out_dtype, torch.device("cpu"), T)  # (_args checks caches)
-    if plan is None or plan.tail is None or T > plan.tail.max_rows \
+    if plan is None or plan.tail is None or plan.cached or T > plan.tail.max_rows \
             or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules) \
             or any(ex.on_route is not None and getattr(ex.on_route, "capture", None) is None for ex in plan.experts):
         return None
@@ -353,7 +383,8 @@ def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: in
 
 def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
     """The blocks' output for h [T, hidden] (h itself, overwritten, when contiguous), or None where the
-    one-call path does not apply."""
+    one-call path does not apply. A cached layer routed to an expert not in memory runs the per-layer way
+    (its fetch waits for the read, its look-ahead starts the next layer's), and the call resumes after it."""
     T = h.shape[0]
     plan = _plan_for(model, h.dtype, h.device, T)
     if plan is None:
@@ -362,6 +393,20 @@ def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | N
     if args is None:
         return None
     h = h.contiguous()  # (this step's own tensor, the embedding's output: overwritten in place)
-    idx, wts = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k)
-    _hooks(plan, idx, wts)
+    if not plan.cached:
+        idx, wts, _ = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k)
+        _hooks(plan, idx, wts)
+        return h
+    routes, L, first = native._routes(len(plan.blocks), T, plan.k), len(plan.blocks), 0
+    while first < L:
+        for c in plan.caches:
+            c.collect_landed()
+        idx, wts, stop = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, True, first, routes)
+        end = L if stop is None else stop
+        _hooks(plan, idx, wts, first, end)
+        _replay(plan, idx, first, end)
+        if stop is None:
+            break
+        h = plan.blocks[stop](h, batch.layer(stop)).contiguous()  # (its attention again: the same K/V)
+        first = stop + 1
     return h

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -132,6 +132,9 @@ class ExpertCache:
             ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
              "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "pin_bytes_read"), 0)
         self.wait_s = 0.0
+        # layer -> (native pointer table, which experts it may hold): kept equal to the slots whose
+        # weights are in, for a one-call native step over cached layers (models/native_step.py)
+        self._live: dict[int, tuple[Any, Callable[[ExpertWeights], bool]]] = {}
 
     # ------------------------------------------------------------------ sizes
 
@@ -170,10 +173,14 @@ class ExpertCache:
                 self.free.append(s)
                 raise err
             s.weights = f.result()
+            self._publish(s)
         return s.weights
 
     def _drop(self, s: _Slot) -> None:
         layer, e = s.key
+        live = self._live.get(layer)
+        if live is not None:
+            live[0].clear(e)
         del self.table[s.key]
         self.lru[layer].pop(e, None)
         s.key = s.weights = None
@@ -316,6 +323,40 @@ class ExpertCache:
             started += 1
         self.counts["prefetch_issued"] += started
         return started
+
+    # ------------------------------------------------------------------ a native table per layer
+
+    def _publish(self, s: _Slot) -> None:
+        live = self._live.get(s.key[0])
+        if live is not None and live[1](s.weights):
+            live[0].set(s.key[1], s.weights.gate_up, s.weights.down)
+
+    def expert_quant(self, layer: int) -> tuple[str, int] | None:
+        """The scheme and group size of `layer`'s experts, as the loader will build them (None: unknown)."""
+        quant = getattr(self.loader, "quant", None)
+        return None if quant is None else quant(layer)
+
+    def track(self, layer: int, tables: Any, ok: Callable[[ExpertWeights], bool]) -> None:
+        """Keep `tables` (kernels/native.py MoeTables) holding exactly the experts of `layer` whose weights
+        are in memory and pass `ok`: set as a read is collected, cleared as its slot is evicted. Valid
+        while no fetch runs: what a native step reads between the engine's fetches."""
+        self._live[layer] = (tables, ok)
+        for (lay, _), s in self.table.items():
+            if lay == layer and s.future is None and s.weights is not None:
+                self._publish(s)
+
+    def collect_landed(self) -> None:
+        """Collect the reads that have landed (prefetches) so that the native tables see them; a failed
+        read is left for the fetch that asks for it, which raises."""
+        for s in list(self._inflight):
+            f = s.future
+            if f is not None and f.done() and f.exception() is None:
+                self._collect(s)
+
+    def replay(self, layer: int, ids: list[int]) -> None:
+        """Account a native step's use of cached experts of `layer` as the fetch it stood for (hits,
+        recency, the reuse clock, prefetch scoring): every id was in the table, so nothing is read."""
+        self.fetch(layer, ids).close()
 
     def _loading(self) -> int:
         """Reads started and not yet landed."""

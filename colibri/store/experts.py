@@ -33,6 +33,10 @@ class Experts:
     def holds_all(self, layer: int) -> bool:
         return layer in self.resident
 
+    def cache_of(self, layer: int) -> ExpertCache | None:
+        """The cache serving `layer` (None: a resident layer)."""
+        return self.cached.get(layer)
+
     def prefetch(self, layer: int, ids: list[int], track: bool = True) -> int:
         """Start reading `ids` (ranked, most likely first) of a cached layer; returns reads begun.
         `track`: score this prediction against the layer's next fetch (see ExpertCache.prefetch)."""

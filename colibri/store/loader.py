@@ -50,6 +50,11 @@ class RecordLoader:
     def nbytes(self, layer: int, expert: int) -> int:
         return self._where[layer, expert][2]
 
+    def quant(self, layer: int) -> tuple[str, int] | None:
+        """The scheme and group size of `layer`'s expert projections (None: float weights)."""
+        q = self._infos[layer].get("gate_up.weight", {}).get("quant")
+        return None if q is None else (q["scheme"], q["group_size"])
+
     def _staging(self) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
         if buf is None:

@@ -1,0 +1,88 @@
+"""Cached (disk-tier) layers in the one-call native step (models/native_step.py `run`, store/cache.py
+`track` / `replay`, kernels/moe.c COLI_MISS): the call runs over the experts in memory, stops at a route
+to one that is not, that layer runs the per-layer way and the call resumes -- the bits of the all-RAM
+engine, whatever the cache holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_tiers import N_GREEDY, PROMPT, configs
+
+from colibri.api import Engine
+from colibri.container import Container
+from colibri.kernels import native
+from colibri.store import Placement, model_sizes
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+
+FAMILIES = [("olmoe", {}), ("qwen2_moe", {"shared_expert_intermediate_size": 64}), ("gpt_oss", {}),
+            ("deepseek_v3", {"n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 32})]
+
+
+def _run(path, monkeypatch, **kw) -> tuple[list[int], torch.Tensor, dict, list[int | None]]:
+    """Greedy tokens, a prompt's logits, the store's stats, and what each native call returned as its stop
+    layer (None: it ran to the end)."""
+    stops: list[int | None] = []
+    real = native.decode_layers
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        stops.append(out[2])
+        return out
+
+    with monkeypatch.context() as mp:
+        mp.setattr(native, "decode_layers", spy)
+        llm = Engine(path, ctx_size=128, threads=2, **kw)
+        try:
+            tokens = list(llm.generate_ids(PROMPT, N_GREEDY, temperature=0, ignore_eos=True))
+            tokens += list(llm.generate_ids(PROMPT[:5], N_GREEDY, temperature=0, ignore_eos=True))
+            logits = llm.logits(PROMPT * 3)
+            return tokens, logits, llm.store_stats(), stops
+        finally:
+            llm.close()
+
+
+def _all_fit(path) -> dict:
+    """Every layer on the disk tier with a cache that holds every expert (all hits once read)."""
+    with Container(path) as c:
+        s = model_sizes(c)
+    budget = s.dense_bytes + sum(s.layer_experts_bytes(i) for i in range(s.n_layers)) + (64 << 20)
+    return dict(placement=Placement(["disk"] * s.n_layers), mem_budget=budget)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("model_type,overrides", FAMILIES)
+def test_cached_layers_run_in_the_one_call_step_bit_for_bit(ckpt, monkeypatch, model_type, overrides, scheme):
+    path = ckpt.coli(model_type, scheme, **overrides)
+    ref_tokens, ref_logits, ref_stats, _ = _run(path, monkeypatch)  # (whole steps: coli_decode_step)
+    assert ref_stats["placement"].endswith("ram layers")
+    for name, kw in (("all-fit", _all_fit(path)), ("disk-1-per-layer", configs(path)["disk-1-per-layer"]),
+                     ("ram-disk", configs(path)["ram-disk"])):
+        tokens, logits, stats, stops = _run(path, monkeypatch, **kw)
+        assert tokens == ref_tokens, name
+        assert torch.equal(logits, ref_logits), name
+        assert stats["bytes_read"] > 0, name
+        assert stops, name  # the steps with cached layers took the native call ...
+        if name == "all-fit":
+            assert stops.count(None) > len(stops) // 2, name  # ... mostly to the end once the experts were in
+        if name == "disk-1-per-layer":
+            assert any(s is not None for s in stops), name  # ... and stopped at layers whose experts were not
+
+
+def test_replayed_fetches_count_every_lookup(ckpt, monkeypatch):
+    """The experts a native call used are accounted as the fetches they stood for: the cache sees as many
+    lookups as on the per-layer path (one per routed expert id per layer and step), the later ones hits."""
+    from colibri.models import native_step
+
+    path = ckpt.coli("olmoe", "int8")
+    kw = _all_fit(path)
+    tokens, _, stats, stops = _run(path, monkeypatch, **kw)
+    monkeypatch.setattr(native_step, "ENABLED", False)
+    tokens_py, _, stats_py, stops_py = _run(path, monkeypatch, **kw)
+    assert tokens == tokens_py and stops and not stops_py
+    assert stats["hits"] + stats["misses"] == stats_py["hits"] + stats_py["misses"] > 0
+    with Container(path) as c:
+        n_experts = sum(model_sizes(c).n_experts)
+    assert stats["misses"] <= n_experts  # every expert read at most once: the cache holds them all
+    assert stats["hits"] > stats["misses"]
