@@ -375,3 +375,20 @@ def test_peak_rss_tracks_the_budget(ckpt):
     assert a["misses"] > b["misses"] > 0
     slack = 8 << 20
     assert b["rss"] - a["rss"] <= (hi - lo) + slack, (a, b)
+
+
+def test_loading_resident_experts_draws_a_bar_on_a_terminal(ckpt, monkeypatch, capsys):
+    """Reading experts into engine memory takes seconds on a large model: a progress bar on a terminal, from
+    LOAD_BAR_BYTES on (none for a small model, none off a terminal)."""
+    from colibri.store import tiered
+
+    path = ckpt.coli("olmoe", "int8")
+    Engine(path, ctx_size=16, threads=1).close()
+    assert "loading" not in capsys.readouterr().err  # (small, and stderr is no terminal here)
+    real = tiered.Progress
+    monkeypatch.setattr(tiered, "LOAD_BAR_BYTES", 0)  # ... and as if it were one:
+    monkeypatch.setattr(tiered, "Progress", lambda *a, enabled=None, **k: real(*a, enabled=enabled is not False, **k))
+    Engine(path, ctx_size=16, threads=1).close()
+    err = capsys.readouterr().err
+    n = sum(model_sizes(Container(path)).n_experts)
+    assert f"loading {n} experts: [" in err and "100.0%" in err.splitlines()[-1]

@@ -33,6 +33,7 @@ from ..errors import ColibriError
 from ..integrity import Checks
 from ..models.base import layer_of
 from ..models.moe import ExpertWeights, SwitchGLU
+from ..progress import Progress
 from .cache import ExpertCache
 from .experts import Experts
 from .loader import RecordLoader, adopt, release_free_heap
@@ -52,6 +53,7 @@ DEFAULT_CACHE_TOPK_PER_LAYER = 4
 # Look-ahead predictions of a rank are read ahead only while at least this share of them is
 # right (measured per run; see ExpertCache.rank_ok and docs/TIERS.md).
 PREFETCH_MIN_PRECISION = 0.75
+LOAD_BAR_BYTES = 1 << 30  # resident experts from this size on get a progress bar (on a terminal)
 PlacementFn = Callable[["ModelSizes", "int | None", "int | None"], "Placement | None"]
 
 
@@ -285,8 +287,11 @@ class TieredStore(WeightStore):
             futs.append(self.reader.submit(self.loader.load, layer, e, arena[pos : pos + span]))
             pos += span
         experts: dict[int, list[ExpertWeights]] = {layer: [] for layer in layers}
-        for (layer, _), f in zip(jobs, futs):
-            experts[layer].append(f.result())
+        # (a bar on a terminal for the loads that take seconds: ~0.5-1 GB/s here, disk and module builds)
+        with Progress(total, f"loading {len(jobs)} experts", enabled=None if total >= LOAD_BAR_BYTES else False) as bar:
+            for (layer, _), f, span in zip(jobs, futs, spans):
+                experts[layer].append(f.result())
+                bar.update(span)
         self.source.resident.update(experts)
         self.acct[bucket] += total  # module buffers included: they were moved into the arena
 
