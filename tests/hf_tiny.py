@@ -258,7 +258,13 @@ def encode(text: str) -> list[int]:
 def build_tiny_model(model_type: str, *, seed: int = 0, **config_overrides: Any) -> PreTrainedModel:
     """The in-memory float32 eager model that make_tiny_checkpoint saves."""
     kwargs = {**tiny_config_kwargs(model_type), **config_overrides}
-    config = AutoConfig.for_model(model_type, **kwargs)
+    if model_type in MULTIMODAL:  # a text model transformers builds only inside its multimodal one
+        outer, vision = MULTIMODAL[model_type]
+        config = AutoConfig.for_model(outer, text_config=kwargs, vision_config=vision,
+                                      tie_word_embeddings=kwargs["tie_word_embeddings"])
+        model_type = outer
+    else:
+        config = AutoConfig.for_model(model_type, **kwargs)
     # from_config runs transformers' own init first; _randomize then overwrites
     # every tensor, so this seed only keeps that first pass reproducible.
     torch.manual_seed(seed)
@@ -301,6 +307,13 @@ def make_tiny_checkpoint(
         model.config.save_pretrained(folder)
     else:
         model.save_pretrained(folder)
+        if model_type in HUB_EXPERTS_XW:  # the hub's fused experts are x @ W ([E, in, out]); transformers saves W
+            from safetensors.torch import load_file, save_file
+
+            st = load_file(folder / "model.safetensors")
+            st = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+                  for k, v in st.items()}
+            save_file(st, str(folder / "model.safetensors"), metadata={"format": "pt"})
     make_tokenizer_files(folder)
     return folder
 
@@ -385,7 +398,13 @@ def _causal_lm(model_type: str):
     return getattr(transformers, _NOT_IN_AUTO[model_type]) if model_type in _NOT_IN_AUTO else AutoModelForCausalLM
 
 
-_NOT_IN_AUTO = {"mistral4": "Mistral4ForCausalLM"}
+_NOT_IN_AUTO = {"mistral4": "Mistral4ForCausalLM", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+# text model_type -> (the multimodal model_type it is built and saved as, a tiny vision config)
+MULTIMODAL = {"qwen3_vl_moe_text": ("qwen3_vl_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                     "num_heads": 2, "out_hidden_size": 64,
+                                                     "deepstack_visual_indexes": [0]})}
+# families whose released checkpoints store fused experts transposed from what save_pretrained writes
+HUB_EXPERTS_XW = {"qwen3_vl_moe_text"}
 
 
 @torch.no_grad()

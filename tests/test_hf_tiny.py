@@ -85,6 +85,9 @@ def test_chat_template(tmp_path: Path) -> None:
 def test_builds_and_reloads(model_type: str, built: dict[str, Path]) -> None:
     folder = built[model_type]
     cfg = json.loads((folder / "config.json").read_text())
+    if model_type in H.MULTIMODAL:  # saved as the multimodal model, the text model's config inside
+        assert cfg["model_type"] == H.MULTIMODAL[model_type][0] and "vision_config" in cfg
+        cfg = cfg["text_config"]
     assert cfg["model_type"] == model_type
     assert cfg["vocab_size"] == H.VOCAB_SIZE
     assert {cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]} <= set(range(H.VOCAB_SIZE))
@@ -106,6 +109,8 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     if model_type in ("gpt_oss", "llama4_text", "mistral4"):
         # gpt-oss and Llama 4 ship fused even through save_pretrained (Mistral 4: transformers has no per-expert form).
         assert legacy == fused
+    elif model_type in H.HUB_EXPERTS_XW:  # fused both ways, the hub's layout transposed (x @ W)
+        assert legacy.keys() == fused.keys() and any(legacy[k] != fused[k] for k in fused_experts)
     else:
         assert not any("gate_up_proj" in k for k in legacy)
         per_expert = (

@@ -28,6 +28,7 @@ FAMILIES: tuple[str, ...] = (
     "deepseek_v32",
     "glm_moe_dsa",
     "mimo_v2_flash",
+    "qwen3_vl_moe_text",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -168,6 +169,18 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "linear_value_head_dim": 16,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+        },
+        # Qwen3-VL MoE's text model (built and saved as the multimodal model: tests/hf_tiny.py MULTIMODAL): Qwen3-MoE's
+        # layers, interleaved multimodal RoPE, a router that always renormalises (the config says otherwise here)
+        "qwen3_vl_moe_text": {
+            "num_experts": 8,
+            "moe_intermediate_size": 48,  # (2 x 48 != hidden: transformers' loader tells the layouts apart by shape)
+            "head_dim": 16,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
+                                "mrope_interleaved": True},
         },
         # Mistral Small 4: DeepSeek-V3's layers, a softmax router (one group, renormalised: the kernels' rule), YaRN,
         # queries scaled past position 16 (the oracle's runs cross it)

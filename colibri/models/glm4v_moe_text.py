@@ -1,0 +1,36 @@
+"""GLM-4.5V / GLM-4.6V's text model (`glm4v_moe_text`; the released multimodal `glm4v_moe` converts to it): GLM-4.5's
+layers (glm4_moe.py: attention biases, partial RoPE, a dense first layer, a shared expert, the sigmoid router
+with its selection bias) under the multimodal checkpoint's names:
+
+- The text model sits under `model.language_model.`; the vision tower (`model.visual.`) is dropped, so images are
+  not supported.
+- RoPE is the multimodal one (`mrope_section` over the rotated half of each head); a text-only sequence has the same
+  position on its three axes, which is GLM-4.5's plain partial RoPE.
+"""
+
+from __future__ import annotations
+
+from . import glm4_moe
+
+FAMILY = "glm4v_moe_text"
+
+
+class ModelArgs(glm4_moe.ModelArgs):
+    pass
+
+
+class Model(glm4_moe.Model):
+    pass
+
+
+def check_config(cfg: dict) -> None:
+    glm4_moe.check_config(cfg, FAMILY)
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name: the text model moves up, the vision tower goes."""
+    if name.startswith(("model.visual.", "visual.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name
