@@ -398,11 +398,14 @@ def _causal_lm(model_type: str):
     return getattr(transformers, _NOT_IN_AUTO[model_type]) if model_type in _NOT_IN_AUTO else AutoModelForCausalLM
 
 
-_NOT_IN_AUTO = {"mistral4": "Mistral4ForCausalLM", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+_NOT_IN_AUTO = {"mistral4": "Mistral4ForCausalLM", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 # text model_type -> (the multimodal model_type it is built and saved as, a tiny vision config)
 MULTIMODAL = {"qwen3_vl_moe_text": ("qwen3_vl_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
                                                      "num_heads": 2, "out_hidden_size": 64,
-                                                     "deepstack_visual_indexes": [0]})}
+                                                     "deepstack_visual_indexes": [0]}),
+              "glm4v_moe_text": ("glm4v_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                               "out_hidden_size": 64})}
 # families whose released checkpoints store fused experts transposed from what save_pretrained writes
 HUB_EXPERTS_XW = {"qwen3_vl_moe_text"}
 

@@ -29,6 +29,7 @@ FAMILIES: tuple[str, ...] = (
     "glm_moe_dsa",
     "mimo_v2_flash",
     "qwen3_vl_moe_text",
+    "glm4v_moe_text",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -182,6 +183,11 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
                                 "mrope_interleaved": True},
         },
+        # GLM-4.5V's text model (built and saved as the multimodal model): GLM-4.5's layers with attention biases and
+        # the multimodal RoPE over the rotated half (2 + 1 + 1 of its 4 frequencies)
+        "glm4v_moe_text": {**glm_moe, "attention_bias": True,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                               "mrope_section": [2, 1, 1]}},
         # Mistral Small 4: DeepSeek-V3's layers, a softmax router (one group, renormalised: the kernels' rule), YaRN,
         # queries scaled past position 16 (the oracle's runs cross it)
         "mistral4": {**mla, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
