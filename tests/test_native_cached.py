@@ -86,3 +86,34 @@ def test_replayed_fetches_count_every_lookup(ckpt, monkeypatch):
         n_experts = sum(model_sizes(c).n_experts)
     assert stats["misses"] <= n_experts  # every expert read at most once: the cache holds them all
     assert stats["hits"] > stats["misses"]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_batched_steps_over_cached_layers_match_ram(ckpt, monkeypatch, scheme):
+    """Several sequences a step (rows of different positions, the union of their experts), prompts of different
+    lengths submitted together: the cached one-call steps give every sequence the tokens of the all-RAM engine."""
+    path = ckpt.coli("qwen2_moe", scheme, shared_expert_intermediate_size=64)
+    prompts = [PROMPT, PROMPT[:4], PROMPT[3:11]]
+
+    def tokens(**kw) -> tuple[list[list[int]], list[int | None]]:
+        stops: list[int | None] = []
+        real = native.decode_layers
+
+        def spy(*a, **k):
+            out = real(*a, **k)
+            stops.append(out[2])
+            return out
+
+        with monkeypatch.context() as mp:
+            mp.setattr(native, "decode_layers", spy)
+            llm = Engine(path, ctx_size=128, threads=2, slots=3, **kw)
+            try:
+                hs = [llm.submit(p, 12, temperature=0, ignore_eos=True) for p in prompts]
+                return [[e.token for e in h] for h in hs], stops
+            finally:
+                llm.close()
+
+    ref, _ = tokens()
+    for kw in (_all_fit(path), configs(path)["disk-1-per-layer"]):
+        got, stops = tokens(**kw)
+        assert got == ref and stops
