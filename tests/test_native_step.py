@@ -68,8 +68,9 @@ def _spy(real, seen: list[bool]):
     ("mistral4", {"q_lora_rank": 32, "kv_lora_rank": 32, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "original_max_position_embeddings": 4096,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}}),
-    # MiMo-V2-Flash: values narrower than q/k and scaled, sliding layers with sinks and more KV heads (one RoPE for
-    # both layer types, which the one-call step's single table needs)
+    # MiMo-V2-Flash: values narrower than q/k and scaled, sliding layers with sinks and more KV heads, each layer type
+    # its own RoPE as released (the sliding layers' tables their own: coli_attn_layer.ctab), and one RoPE for both
+    ("mimo_v2_flash", {}),
     ("mimo_v2_flash", {"rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334}}}),

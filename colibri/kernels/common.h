@@ -88,6 +88,9 @@ typedef struct {
                                    * the attention output is multiplied by sigmoid(gate) (coli_gate_mul) */
     int v_dim;                    /* > 0: the values' head width when it is not head_dim (MiMo-V2-Flash) */
     float v_scale;                /* != 0 and != 1: values times it before they are cached, one rounding */
+    const float *ctab, *stab;     /* non-NULL: this layer's own rotary tables, f32 [tab_rows, rot] (MiMo-V2-Flash's
+                                   * two layer types), in coli_decode_layers instead of the call's */
+    long tab_rows;
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the

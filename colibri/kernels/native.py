@@ -110,7 +110,9 @@ class AttnLayer(ctypes.Structure):
                 ("chunk", ctypes.c_int), ("temp", ctypes.c_void_p), ("temp_n", ctypes.c_long),
                 ("temp_floor", ctypes.c_float),
                 ("gate", ctypes.c_int),  # Qwen3-Next: q_proj gives each head's query and its output gate
-                ("v_dim", ctypes.c_int), ("v_scale", ctypes.c_float)]  # MiMo-V2-Flash: its values' width and scale
+                ("v_dim", ctypes.c_int), ("v_scale", ctypes.c_float),  # MiMo-V2-Flash: its values' width and scale
+                # a layer's own rotary tables (f32 [tab_rows, rot]) in coli_decode_layers: MiMo's two layer types
+                ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long)]
 
 
 class Tail(ctypes.Structure):

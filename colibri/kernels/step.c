@@ -109,24 +109,28 @@ static void pf_post(int n_layers, const coli_attn_layer *attn, const coli_moe_la
 
 /* h: bf16 [T, hidden], in place (the input rows, then the last block's output); pos [T]; kc/vc [L][T]
  * row t's key/value cache base for layer l at [l * T + t] (head strides ks / vs, the same in every
- * layer); ctab/stab the rotary cos/sin tables f32 [tab_rows, rot] (one for all layers: row p is
- * position p's; the rows' own are gathered here, where slicing them in Python cost four torch ops a
+ * layer); ctab/stab the rotary cos/sin tables f32 [tab_rows, rot] (one for all layers but those with
+ * their own, coli_attn_layer.ctab: row p is position p's; the rows' own are gathered here, where slicing them in Python cost four torch ops a
  * step); idx/w [L][T][k] receive each layer's routes. Returns 0, or the failing block's code (-1 .. -5,
  * -1 also a position past the tables) with the layer in *failed. */
 int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe_layer *moe, int T, void *h,
                        const int *pos, void *const *kc, void *const *vc, long ks, long vs, const float *ctab,
                        const float *stab, long tab_rows, int64_t *idx, float *w, int *failed) {
     if (T < 1 || T > MAX_T) return -1;
-    int H = attn[0].hidden, rot = 0, kmax = 0;
+    int H = attn[0].hidden, rot = 0, rot2 = 0, kmax = 0;
     for (int t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= tab_rows) return -1;
     for (int l = 0; l < n_layers; l++) {
         kmax = moe[l].k > kmax ? moe[l].k : kmax;
-        rot = attn[l].rot > rot ? attn[l].rot : rot;  /* (a layer without RoPE has 0: Llama 4's) */
+        int *r = attn[l].ctab ? &rot2 : &rot;  /* the width of the call's table, of the layers' own */
+        *r = attn[l].rot > *r ? attn[l].rot : *r;  /* (a layer without RoPE has 0: Llama 4's) */
     }
     uint16_t *mid = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
     float *ys = (float *)malloc(sizeof(float) * (size_t)T * kmax * H);
-    float *cs = (float *)malloc(sizeof(float) * (2 * (size_t)T * rot + 1)), *sn = cs + (size_t)T * rot;
+    /* the call's rows, then (cs2, sn2) those of the layers with tables of their own, gathered when they change */
+    float *cs = (float *)malloc(sizeof(float) * (2 * (size_t)T * (rot + rot2) + 1)), *sn = cs + (size_t)T * rot;
+    float *cs2 = sn + (size_t)T * rot, *sn2 = cs2 + (size_t)T * rot2;
+    const float *got = NULL;
     int rc = mid && ys && cs ? 0 : -2;
     for (int t = 0; t < T && !rc; t++) {
         memcpy(cs + (size_t)t * rot, ctab + (long)pos[t] * rot, sizeof(float) * rot);
@@ -134,8 +138,21 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
     }
     for (int l = 0; l < n_layers && !rc; l++) {
         const coli_moe_layer *m = moe + l;
+        const coli_attn_layer *a = attn + l;
         uint16_t *hm = mid, *x = mid + (size_t)T * H;
-        rc = coli_attn_block(attn + l, T, h, pos, kc + (long)l * T, vc + (long)l * T, ks, vs, cs, sn, hm, x);
+        const float *lc = cs, *ls = sn;
+        if (a->ctab) {
+            int r = a->rot;
+            for (int t = 0; t < T && a->ctab != got; t++) {
+                if (pos[t] >= a->tab_rows) { rc = -1; break; }
+                memcpy(cs2 + (size_t)t * r, a->ctab + (long)pos[t] * r, sizeof(float) * r);
+                memcpy(sn2 + (size_t)t * r, a->stab + (long)pos[t] * r, sizeof(float) * r);
+            }
+            got = rc ? NULL : a->ctab;
+            lc = cs2, ls = sn2;
+        }
+        if (!rc)
+            rc = coli_attn_block(a, T, h, pos, kc + (long)l * T, vc + (long)l * T, ks, vs, lc, ls, hm, x);
         if (!rc)
             rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind,
                                 m->n_group ? m->n_group : 1, m->topk_group ? m->topk_group : 1, m->bias,

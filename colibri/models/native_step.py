@@ -64,6 +64,9 @@ class _Plan:
         self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
         self.rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # the f32 rotary tables the call reads ...
         self.rope_ptrs = (0, 0, 0)  # ... as (cos pointer, sin pointer, rows)
+        self.rope_rows = 0  # positions every table the call reads holds
+        self.rope_alt, self.alt = None, []  # a second rotary embedding and the layers it serves (_build)
+        self.alt_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # its tables (pointers in those layers)
         # positions the layers take (Llama 4's temperature tables end somewhere)
         self.pos_limit = min((b.self_attn.pos_limit() for b in blocks if hasattr(b.self_attn, "pos_limit")),
                              default=1 << 62)
@@ -95,9 +98,16 @@ class _Plan:
     def rope_tables(self, end: int) -> tuple[int, int, int]:
         """The rotary tables' pointers, grown to hold positions < end (the tensors kept: the rope may
         replace its own when it grows them)."""
-        if end > self.rope_ptrs[2]:
+        if end > self.rope_rows:
             cos, sin = self.rope_tab = self.rope.all_rows(end, torch.float32)
             self.rope_ptrs = (cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+            self.rope_rows = cos.shape[0]
+            if self.alt:
+                cos, sin = self.alt_tab = self.rope_alt.all_rows(end, torch.float32)
+                for i in self.alt:
+                    a = self.attn[i]
+                    a.ctab, a.stab, a.tab_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+                self.rope_rows = min(self.rope_rows, cos.shape[0])  # (grown again when either is short)
         return self.rope_ptrs
 
 
@@ -131,12 +141,18 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
     if not native.available() or not one_call_shape(blocks):
         return None
     attn, tables, mlps, keep = [], [], [], []
-    rope0 = None
-    for b in blocks:
-        rope0 = b.self_attn.rope if rope0 is None else rope0
+    ropes: list = []  # the distinct rotary embeddings: the first layer's table is the call's, a second one's
+    alt: list[int] = []  # layers' own (coli_attn_layer.ctab: MiMo-V2-Flash's sliding layers)
+    for i, b in enumerate(blocks):
         rope = b.self_attn.rope
-        if rope.dim != rope0.dim or rope.mscale != rope0.mscale or not torch.equal(rope.inv_freq, rope0.inv_freq):
-            return None  # one rotary table serves every layer
+        same = [r for r in ropes
+                if r.dim == rope.dim and r.mscale == rope.mscale and torch.equal(r.inv_freq, rope.inv_freq)]
+        if not same:
+            if ropes and (len(ropes) == 2 or isinstance(b.self_attn, MLAttention)):
+                return None  # (at most two tables; MLA's block takes the call's)
+            ropes.append(rope)
+        if (same[0] if same else rope) is not ropes[0]:
+            alt.append(i)
         layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
         if layer is None or getattr(b.self_attn, "mode", None) == "expanded":
             return None
@@ -159,7 +175,9 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
             return None  # an MLP the kernel does not run
         tables.append(t)
         mlps.append(mlp or None)
-    return _Plan(list(blocks), attn, tables, mlps, keep)
+    plan = _Plan(list(blocks), attn, tables, mlps, keep)
+    plan.rope_alt, plan.alt = (ropes[1], alt) if alt else (None, [])
+    return plan
 
 
 @dataclass
