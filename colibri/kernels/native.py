@@ -499,17 +499,16 @@ COLI_MISS = -7  # common.h: a route to an expert a cached layer's table lacks
 
 
 def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
-                  k: int, partial: bool = False, first: int = 0, routes: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+                  k: int, partial: bool = False, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
     arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last block's
     output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t); rope
     the rotary tables (cos pointer, sin pointer, rows: f32 [rows, rot], row p position p's) ->
-    (idx int64 [L, T, k], weights f32 [L, T, k], None) (`routes`: those buffers, given). From layer `first`
-    on only (h its input); with `partial`, a layer routed to an expert its table lacks stops the call with h
-    that layer's input: (idx, weights, that layer), the rows before it valid."""
+    (idx int64 [L, T, k], weights f32 [L, T, k], None). From layer `first` on only (h its input; the rows
+    of the layers before it not written); with `partial`, a layer routed to an expert its table lacks stops
+    the call with h that layer's input: (idx, weights, that layer), the rows from `first` up to it valid."""
     L, T = len(attn), h.shape[0]
-    idx, wts = routes if routes is not None else _routes(L, T, k)
+    idx, wts = _routes(L, T, k)
     failed = ctypes.c_int(-1)
     ptr = ctypes.sizeof(ctypes.c_void_p)
     rc = _lib.coli_decode_layers(L - first, ctypes.byref(attn, first * ctypes.sizeof(AttnLayer)),

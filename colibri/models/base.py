@@ -29,6 +29,16 @@ MULTIMODAL: dict[str, str] = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_m
                               "qwen3_vl_moe": "qwen3_vl_moe_text", "glm4v_moe": "glm4v_moe_text"}
 
 
+def text_model_name(name: str) -> str | None:
+    """A released multimodal checkpoint's tensor name as its text model's (`model.language_model.X` -> `model.X`);
+    None for the vision tower's (`model.visual.`, `visual.`), which the converter drops."""
+    if name.startswith(("model.visual.", "visual.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name
+
+
 def text_model_config(cfg: dict) -> dict:
     """A released multimodal config as its text model's own config; a quantization_config or
     tie_word_embeddings at the top (where those folders keep them) stays with it."""

@@ -11,6 +11,7 @@ with its selection bias) under the multimodal checkpoint's names:
 from __future__ import annotations
 
 from . import glm4_moe
+from .base import text_model_name
 
 FAMILY = "glm4v_moe_text"
 
@@ -29,8 +30,4 @@ def check_config(cfg: dict) -> None:
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the text model moves up, the vision tower goes."""
-    if name.startswith(("model.visual.", "visual.")):
-        return None
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    return name
+    return text_model_name(name)

@@ -81,7 +81,7 @@ class SwitchGLU(nn.Module):
             weights = torch.ones_like(weights, dtype=torch.float32)
         if self.native_act is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
                 and T <= native.MOE_MAX_ROWS and native.available():
-            ids = idx[0].tolist() if T == 1 else torch.unique(idx).tolist()
+            ids = routed_ids(idx)
             fetched = self.source.fetch(self.layer, ids)
             self._look_ahead(resid)
             return self._native(x, idx, weights, fetched)
@@ -191,6 +191,11 @@ class SwitchGLU(nn.Module):
         # After this layer's fetch (its experts are claimed: a prefetch cannot evict them).
         if self.lookahead is not None and resid is not None:
             self.lookahead(self.layer, resid)
+
+
+def routed_ids(idx: torch.Tensor) -> list[int]:
+    """The experts a step's routes idx [T, k] need, in the order a layer fetches them (one row: its own order)."""
+    return idx[0].tolist() if idx.shape[0] == 1 else torch.unique(idx).tolist()
 
 
 def _native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:

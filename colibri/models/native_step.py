@@ -30,7 +30,7 @@ from . import native_mlp
 from .batch import StepBatch
 from .layers import MLP, Attention, DecoderBlock, KVCache
 from .mla import LatentCache, MLAttention
-from .moe import SparseMoE, native_routing
+from .moe import SparseMoE, native_routing, routed_ids
 
 ENABLED = True  # False: always the per-layer calls (tests compare the two; benchmarks/profile_decode.py)
 TAIL = True  # False: the embedding, final norm and head from Python around coli_decode_layers (tests)
@@ -335,9 +335,7 @@ def _replay(plan: _Plan, idx: torch.Tensor, lo: int, hi: int) -> None:
     for i in plan.cached:
         if lo <= i < hi:
             ex = plan.blocks[i].mlp.experts
-            rows = idx[i]  # [T, k]: the ids SwitchGLU.forward would have fetched, in its order
-            ids = rows[0].tolist() if rows.shape[0] == 1 else torch.unique(rows).tolist()
-            ex.source.cache_of(ex.layer).replay(ex.layer, ids)
+            ex.source.cache_of(ex.layer).replay(ex.layer, routed_ids(idx[i]))  # (what SwitchGLU would fetch)
 
 
 def _plan_for(model: nn.Module, dtype: torch.dtype, device: torch.device, T: int) -> _Plan | None:
@@ -415,11 +413,11 @@ def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | N
         idx, wts, _ = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k)
         _hooks(plan, idx, wts)
         return h
-    routes, L, first = native._routes(len(plan.blocks), T, plan.k), len(plan.blocks), 0
+    L, first = len(plan.blocks), 0
     while first < L:
         for c in plan.caches:
             c.collect_landed()
-        idx, wts, stop = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, True, first, routes)
+        idx, wts, stop = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, partial=True, first=first)
         end = L if stop is None else stop
         _hooks(plan, idx, wts, first, end)
         _replay(plan, idx, first, end)

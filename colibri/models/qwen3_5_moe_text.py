@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from . import qwen3_next
+from .base import text_model_name
 
 FAMILY = "qwen3_5_moe_text"
 
@@ -52,11 +53,8 @@ def check_config(cfg: dict) -> None:
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the multimodal checkpoint's text model moves up, its vision tower and the MTP
     weights go; the linear layers' mixer sits under `self_attn` as in qwen3_next."""
-    if name.startswith(("mtp.", "model.visual.", "visual.")):
-        return None
-    if name.startswith("model.language_model."):
-        name = "model." + name.removeprefix("model.language_model.")
-    return qwen3_next.sanitize(name)
+    name = None if name.startswith("mtp.") else text_model_name(name)
+    return None if name is None else qwen3_next.sanitize(name)
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:

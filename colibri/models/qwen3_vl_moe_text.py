@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ColibriError
 from . import qwen3_moe
+from .base import text_model_name
 
 FAMILY = "qwen3_vl_moe_text"
 
@@ -36,11 +37,7 @@ class Model(qwen3_moe.Model):
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the text model moves up, the vision tower goes."""
-    if name.startswith(("model.visual.", "visual.")):
-        return None
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    return name
+    return text_model_name(name)
 
 
 def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
