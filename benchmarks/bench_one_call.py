@@ -130,6 +130,15 @@ SHAPES["mimo_v2_flash"] = {**BASE, "n_routed_experts": 32, "head_dim": 96, "v_he
 SHAPES["mistral4"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items() if k != "head_dim"},
                       "routed_scaling_factor": 1.0}  # (transformers derives its rotary width from head_dim)
 SHAPES["mistral4"]["rope_parameters"] = mistral4.rope_defaults(SHAPES["mistral4"])  # (as released: over 8192)
+# Qwen3-VL MoE's and GLM-4.5V's text models, built and saved as the released multimodal checkpoints
+# (experts 384 wide: twice that is not the hidden size, which the x @ W layout on disk needs to be unambiguous)
+SHAPES["qwen3_vl_moe_text"] = {**BASE, "num_experts": 32, "moe_intermediate_size": 384, "mlp_only_layers": [],
+                               "decoder_sparse_step": 1, "rope_parameters": {
+                                   "rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12],
+                                   "mrope_interleaved": True}}
+SHAPES["glm4v_moe_text"] = {**SHAPES["glm4_moe"], "attention_bias": True,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                                "mrope_section": [4, 6, 6]}}
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
