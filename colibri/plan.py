@@ -158,7 +158,7 @@ class PlanResult:
     disk_bps: float
     ram_bps: float
     notes: list[str] = field(default_factory=list)
-    budgeted: bool = True  # False: everything fits unbounded, keep the zero-copy mapping
+    budgeted: bool = True  # False: everything fits unbounded, no budget handed to the store
     ops_per_token: int = 0  # torch ops of one decode forward
     op_s: float = 0.0  # one bare torch op on this machine (0: not measured)
     kv_bytes: int = 0  # all KV slots: slots x ctx x bytes per position
@@ -263,8 +263,10 @@ def plan(sizes: PlanSizes, m: Machine, mem_budget: int | None = None, gpu_budget
             disk_tok += min(sizes.top_k, sizes.n_experts[i]) * (1 - layers[i].hit) * sizes.record_bytes[i]
     ram_tok += sizes.global_active
     budgeted = mem_budget is not None or cache > 0
-    one_call = ONE_CALL_BW_SHARE.get(sizes.scheme, 0.0) if sizes.one_call and all(lp.tier == "ram" for lp in layers) \
-        else 0.0  # (disk or GPU layers: the per-layer path)
+    # (disk layers take the one call too while their experts are in the cache, a miss's layer the per-layer path;
+    # GPU layers always the per-layer path)
+    one_call = ONE_CALL_BW_SHARE.get(sizes.scheme, 0.0) if sizes.one_call and all(lp.tier != "gpu" for lp in layers) \
+        else 0.0
     return PlanResult(layers, budget, gpu_budget, dense, gpu_bytes, cache, disk_tok, ram_tok, m.disk_bps,
                       m.ram_bps, notes, budgeted, ops_per_token(sizes), m.op_s, sizes.kv_bytes(ctx, slots),
                       one_call)

@@ -133,7 +133,8 @@ def test_speed_estimate_counts_bytes_and_per_op_cost(sizes):
 
 def test_a_one_call_model_costs_its_bytes_and_a_per_layer_step(sizes):
     """int8/int4 models whose layers the one-call decode step runs: no per-op cost, the weight stream at
-    that scheme's share of the matvec speed, a fixed cost per layer; with disk layers, the per-op model."""
+    that scheme's share of the matvec speed, a fixed cost per layer; disk layers too (the call runs them while
+    their experts are cached), their reads on top; GPU layers the per-op model."""
     import dataclasses
 
     from colibri.plan import ONE_CALL_BW_SHARE, ONE_CALL_LAYER_S
@@ -146,9 +147,14 @@ def test_a_one_call_model_costs_its_bytes_and_a_per_layer_step(sizes):
     assert r.one_call == ONE_CALL_BW_SHARE["int4"] and d == 0
     assert ram == pytest.approx(r.ram_per_token / (ONE_CALL_BW_SHARE["int4"] * m.ram_bps))
     assert over == pytest.approx(ONE_CALL_LAYER_S * L) and r.tok_s == pytest.approx(1 / (ram + over))
-    streamed = plan(one, m, mem_budget=3 * GiB)  # experts from disk: the per-layer path, per-op cost
-    assert not streamed.one_call and streamed.seconds_per_token[2] == pytest.approx(
-        streamed.ops_per_token * m.op_s * PY_PER_OP)
+    streamed = plan(one, m, mem_budget=3 * GiB)  # experts from disk: the same call, plus the reads
+    d, ram, over = streamed.seconds_per_token
+    assert streamed.count("disk") and streamed.one_call == ONE_CALL_BW_SHARE["int4"] and d > 0
+    assert over == pytest.approx(ONE_CALL_LAYER_S * L) and streamed.tok_s == pytest.approx(1 / (d + ram + over))
+    m.vram_free = 80 * GiB  # GPU layers: the per-layer path, per-op cost
+    gpu = plan(one, m, gpu_budget=40 * GiB)
+    assert gpu.count("gpu") and not gpu.one_call and gpu.seconds_per_token[2] == pytest.approx(
+        gpu.ops_per_token * m.op_s * PY_PER_OP)
     assert not plan(dataclasses.replace(one, scheme="bf16"), m).one_call  # (no native kernels for bf16)
 
 
