@@ -20,9 +20,8 @@ FAMILIES = [("olmoe", {}), ("qwen2_moe", {"shared_expert_intermediate_size": 64}
             ("deepseek_v3", {"n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 32})]
 
 
-def _run(path, monkeypatch, **kw) -> tuple[list[int], torch.Tensor, dict, list[int | None]]:
-    """Greedy tokens, a prompt's logits, the store's stats, and what each native call returned as its stop
-    layer (None: it ran to the end)."""
+def _spy_stops(mp: pytest.MonkeyPatch) -> list[int | None]:
+    """The stop layer each native call returns from now on (None: it ran to the end)."""
     stops: list[int | None] = []
     real = native.decode_layers
 
@@ -31,8 +30,15 @@ def _run(path, monkeypatch, **kw) -> tuple[list[int], torch.Tensor, dict, list[i
         stops.append(out[2])
         return out
 
+    mp.setattr(native, "decode_layers", spy)
+    return stops
+
+
+def _run(path, monkeypatch, **kw) -> tuple[list[int], torch.Tensor, dict, list[int | None]]:
+    """Greedy tokens, a prompt's logits, the store's stats, and what each native call returned as its stop
+    layer (None: it ran to the end)."""
     with monkeypatch.context() as mp:
-        mp.setattr(native, "decode_layers", spy)
+        stops = _spy_stops(mp)
         llm = Engine(path, ctx_size=128, threads=2, **kw)
         try:
             tokens = list(llm.generate_ids(PROMPT, N_GREEDY, temperature=0, ignore_eos=True))
@@ -96,16 +102,8 @@ def test_batched_steps_over_cached_layers_match_ram(ckpt, monkeypatch, scheme):
     prompts = [PROMPT, PROMPT[:4], PROMPT[3:11]]
 
     def tokens(**kw) -> tuple[list[list[int]], list[int | None]]:
-        stops: list[int | None] = []
-        real = native.decode_layers
-
-        def spy(*a, **k):
-            out = real(*a, **k)
-            stops.append(out[2])
-            return out
-
         with monkeypatch.context() as mp:
-            mp.setattr(native, "decode_layers", spy)
+            stops = _spy_stops(mp)
             llm = Engine(path, ctx_size=128, threads=2, slots=3, **kw)
             try:
                 hs = [llm.submit(p, 12, temperature=0, ignore_eos=True) for p in prompts]

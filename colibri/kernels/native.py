@@ -333,6 +333,7 @@ class MoeTables:
         self.owner: list[tuple[int, int] | None] = [None] * n_experts  # (id(gate_up), id(down)) per entry
         self.scheme, self.group_size = "", 0  # of a table holding a whole layer (SwitchGLU.full_tables)
         self.biased = False  # some entry has a bias (then the kernel gets `act`, as for another activation)
+        self.live = False  # entries come and go (a cache's table): `act` always, whatever they hold now
 
     def set(self, e: int, gate_up, down) -> None:
         key = (id(gate_up), id(down))
@@ -350,7 +351,8 @@ class MoeTables:
 
     def act_ptr(self):
         """What the kernels get for `act`: None for plain SiLU-GLU without biases (the common case)."""
-        return ctypes.byref(self.act) if self.biased or self.act.kind != ACT_SILU or self.act.input_scaled else None
+        plain = not (self.biased or self.live) and self.act.kind == ACT_SILU and not self.act.input_scaled
+        return None if plain else ctypes.byref(self.act)
 
 
 def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, intermediate: int,

@@ -176,10 +176,7 @@ class SwitchGLU(nn.Module):
             q = cache.expert_quant(self.layer)
             if q is not None and q[0] in ("int8", "int4"):
                 live = native.MoeTables(self.num_experts, self.native_act, self.input_scaled)
-                live.scheme, live.group_size = q
-                # (the plan's struct is built once, maybe before any expert is in: the kernel always gets the
-                # activation struct, whose bias tables follow the entries)
-                live.biased = True
+                live.scheme, live.group_size, live.live = q[0], q[1], True
                 cache.track(self.layer, live,
                             lambda w: _native_expert(w) and (w.gate_up.scheme, w.gate_up.group_size) == q)
             self.__dict__["_live"] = live

@@ -352,6 +352,7 @@ class ExpertCache:
             f = s.future
             if f is not None and f.done() and f.exception() is None:
                 self._collect(s)
+        self._inflight = {s for s in self._inflight if s.future is not None}  # (what is left to land, or failed)
 
     def replay(self, layer: int, ids: list[int]) -> None:
         """Account a native step's use of cached experts of `layer` as the fetch it stood for (hits,
