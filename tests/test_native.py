@@ -332,7 +332,9 @@ def test_decode_kernels_are_as_accurate_as_torchs(ckpt, monkeypatch, model_type,
     int4 0.898 / 0.930 both (qwen3_moe / mixtral)."""
     import torch.nn.functional as F
 
-    ref = _decode_logits(ckpt.coli(model_type, "bf16", **overrides), monkeypatch, True)
+    # The reference on torch's path: a native kernel the quantized and bf16 runs share cannot hide behind it
+    # (gpt-oss's router once weighted its top expert wrongly in both).
+    ref = _decode_logits(ckpt.coli(model_type, "bf16", **overrides), monkeypatch, False)
     q = ckpt.coli(model_type, scheme, **overrides)
     got = {}
     for use_native in (True, False):
@@ -384,15 +386,20 @@ def test_forced_native_beyond_the_kernels_row_limit_dequantizes() -> None:
 
 
 def _router(kind: str, hidden: int, experts: int, k: int, norm: bool):
-    """A softmax top-k router (Mixtral's), a sigmoid one with a selection bias and a weight scale, one
-    group (MiniMax-M2's / GLM-4.5's), or a softmax one with a selection bias (ERNIE-4.5's: `norm` False puts
-    its renormalisation floor above any sum), with random weights."""
+    """A softmax top-k router (Mixtral's), gpt-oss's (softmax over the k biased logits kept), a sigmoid one
+    with a selection bias and a weight scale, one group (MiniMax-M2's / GLM-4.5's), or a softmax one with a
+    selection bias (ERNIE-4.5's: `norm` False puts its renormalisation floor above any sum), with random
+    weights."""
     from colibri.models.ernie4_5_moe import Router
     from colibri.models.glm4_moe import GroupLimitedRouter
+    from colibri.models.gpt_oss import SoftmaxTopKRouter
     from colibri.models.moe import TopKRouter
 
     if kind == "softmax":
         r = TopKRouter(hidden, experts, k, norm)
+    elif kind == "topk_softmax":  # gpt-oss: biased logits, softmax over the k kept (`norm` has no say)
+        r = SoftmaxTopKRouter(hidden, experts, k)
+        r.bias.data = torch.randn(experts) * 0.5
     elif kind == "softmax_bias":
         r = Router(hidden, experts, k, 1e-12 if norm else 1.5)
         r.e_score_correction_bias.data = torch.randn(1, experts) * 0.02
@@ -403,13 +410,14 @@ def _router(kind: str, hidden: int, experts: int, k: int, norm: bool):
     return r
 
 
-@pytest.mark.parametrize("kind", ["softmax", "sigmoid", "softmax_bias"])
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid", "softmax_bias", "topk_softmax"])
 @pytest.mark.parametrize("norm", [False, True])
 def test_native_router_matches_torchs(kind: str, norm: bool) -> None:
     """coli_route against the f32 torch router on bf16 rows: the same experts in the same order (a
     tie within an ulp aside) and weights within float rounding; NaN logits are an error. For the three
     rules: softmax; sigmoid scores picked with a correction bias and weighted without it; softmax
-    probabilities picked with a correction bias, weighted without it over max(sum, floor)."""
+    probabilities picked with a correction bias, weighted without it over max(sum, floor); gpt-oss's softmax
+    over the k largest biased logits."""
     torch.manual_seed(3)
     r = _router(kind, 96, 24, 5, norm)
     x = torch.randn(40, 96).bfloat16()

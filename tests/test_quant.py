@@ -321,6 +321,7 @@ def test_read_only_mmap_views(tmp_path: Path) -> None:
         mm.close()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_cuda_dequant_path(scheme: str) -> None:

@@ -398,8 +398,9 @@ static int route_select_topk_softmax(float *p, float *s, int E, int k, const flo
     for (int e = 0; e < E; e++) s[e] = p[e];  /* (take_top marks the taken ones in p) */
     if (take_top(p, E, k, ix)) return -5;
     for (int jj = 0; jj < k; jj++) wt[jj] = s[ix[jj]];
-    float den = 0.f;  /* wt[0] is the largest */
-    for (int jj = 0; jj < k; jj++) { wt[jj] = expf(wt[jj] - wt[0]); den += wt[jj]; }
+    const float top = wt[0];  /* the largest (kept: the loop overwrites wt[0] first) */
+    float den = 0.f;
+    for (int jj = 0; jj < k; jj++) { wt[jj] = expf(wt[jj] - top); den += wt[jj]; }
     for (int jj = 0; jj < k; jj++) wt[jj] /= den;
     return 0;
 }

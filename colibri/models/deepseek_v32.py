@@ -192,12 +192,15 @@ class DSAttention(MLAttention):
         return out
 
     def _expanded(self, q_nope, q_pe, latent, start, keep=None):
-        keep = next(self._keep_iter) if self._keep_iter is not None else None
-        return super()._expanded(q_nope, q_pe, latent, start, keep)
+        return super()._expanded(q_nope, q_pe, latent, start, self._next_keep(latent))
 
     def _absorbed(self, q_nope, q_pe, latent, start, keep=None):
+        return super()._absorbed(q_nope, q_pe, latent, start, self._next_keep(latent))
+
+    def _next_keep(self, latent: torch.Tensor) -> torch.Tensor | None:
+        """This sequence's selection, on this layer's device (a shared layer may sit on another tier's)."""
         keep = next(self._keep_iter) if self._keep_iter is not None else None
-        return super()._absorbed(q_nope, q_pe, latent, start, keep)
+        return None if keep is None else keep.to(latent.device)
 
     def native_form(self, T: int, S: int) -> bool:
         return S <= self.topk and super().native_form(T, S)

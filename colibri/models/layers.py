@@ -161,31 +161,37 @@ class RoPE(nn.Module):
         self.dim, self.interleaved = dim, interleaved
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) [n, d]
 
-    def all_rows(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached cos/sin tables [n, d] in `dtype`, n >= end (grown by doubling)."""
-        cos, sin = self._tables.get(dtype, (None, None))
+    def all_rows(self, end: int, dtype: torch.dtype, device: torch.device | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached cos/sin tables [n, d] in `dtype` on `device` (default CPU), n >= end (grown by doubling)."""
+        device = device or torch.device("cpu")
+        cos, sin = self._tables.get((dtype, device), (None, None))
         if cos is None or cos.shape[0] < end:
             n = max(end, 2 * (0 if cos is None else cos.shape[0]), 256)
-            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.float()[None]  # [n, d/2]
+            # Computed on the CPU for every device: a GPU layer rotates by the CPU engine's very values.
+            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.float().cpu()[None]  # [n, d/2]
             emb = torch.cat((freqs, freqs), -1)  # [n, d]
             cos, sin = (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
-            self._tables[dtype] = cos, sin
+            cos, sin = cos.to(device), sin.to(device)
+            self._tables[(dtype, device)] = cos, sin
         return cos, sin
 
-    def tables(self, pos: int | torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, pos: int | torch.Tensor, T: int, dtype: torch.dtype, device: torch.device | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions pos..pos+T (int) or for each of the positions in `pos` ([T] tensor),
-        in `dtype` (one cached table per dtype: the compute dtype for torch, f32 for the native kernel)."""
+        in `dtype` (one cached table per dtype and device: the compute dtype for torch, f32 for the native
+        kernel)."""
         end = pos + T if isinstance(pos, int) else int(pos.max()) + 1
-        cos, sin = self.all_rows(end, dtype)
+        cos, sin = self.all_rows(end, dtype, device)
         if isinstance(pos, int):
             return cos[pos:end], sin[pos:end]
-        return cos[pos], sin[pos]  # gathered rows: the same values a slice would give
+        return cos[pos.to(cos.device)], sin[pos.to(cos.device)]  # gathered rows: the values a slice would give
 
     def forward(self, x: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] at positions pos..pos+T (int) or `pos` ([T]); rotates the first `dim` channels."""
         if x.dtype == torch.bfloat16 and not self.interleaved and x.device.type == "cpu" and native.available():
             return native.rope(x, *self.tables(pos, x.shape[0], torch.float32), self.dim)  # in f32, one rounding
-        cos, sin = self.tables(pos, x.shape[0], x.dtype)
+        cos, sin = self.tables(pos, x.shape[0], x.dtype, x.device)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]
         rot, rest = x[..., : self.dim], x[..., self.dim :]
         if self.interleaved:  # pairs (0,1),(2,3)...: de-interleave, rotate, re-interleave
