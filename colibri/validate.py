@@ -161,6 +161,9 @@ def _rope(cfg: Mapping, where: str) -> None:
                     raise fail(f"{where}: {key}.{k} must be true or false, got {_show(v)}")
             elif k == "mrope_section" or v is None:
                 continue
+            elif k in ("short_factor", "long_factor"):  # (longrope: one factor per frequency)
+                if not isinstance(v, list) or not v or not all(is_number(f) and f > 0 for f in v):
+                    raise fail(f"{where}: {key}.{k} must be a non-empty list of finite numbers > 0")
             elif not is_number(v) or v < 0 or (v == 0 and k in ("factor", "rope_theta")):
                 raise fail(f"{where}: {key}.{k} = {_show(v)} must be a finite number > 0")
         if r.get("partial_rotary_factor") is not None and not 0 < r["partial_rotary_factor"] <= 1:

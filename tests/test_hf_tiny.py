@@ -114,7 +114,7 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     else:
         assert not any("gate_up_proj" in k for k in legacy)
         per_expert = (
-            ".block_sparse_moe.experts.0.w1.weight" if model_type in ("mixtral", "minimax_m2")
+            ".block_sparse_moe.experts.0.w1.weight" if model_type in ("mixtral", "minimax_m2", "phimoe")
             else ".mlp.experts.0.gate_proj.weight"
         )
         assert any(per_expert in k for k in legacy)

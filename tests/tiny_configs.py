@@ -30,6 +30,7 @@ FAMILIES: tuple[str, ...] = (
     "mimo_v2_flash",
     "qwen3_vl_moe_text",
     "glm4v_moe_text",
+    "phimoe",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -188,6 +189,14 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         "glm4v_moe_text": {**glm_moe, "attention_bias": True,
                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
                                                "mrope_section": [2, 1, 1]}},
+        # Phi-3.5-MoE: Mixtral's layers with LayerNorms, biases (attention, lm_head), the sparsemixer router (a
+        # wide jitter, so that second candidates share the softmax) and longrope past 16 positions (equal scales)
+        "phimoe": {"num_local_experts": 4, "attention_bias": True, "lm_head_bias": True, "router_jitter_noise": 0.3,
+                   "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                       "original_max_position_embeddings": 16,
+                                       "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                       "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.5, 15.0],
+                                       "short_mscale": 1.2, "long_mscale": 1.2}},
         # Mistral Small 4: DeepSeek-V3's layers, a softmax router (one group, renormalised: the kernels' rule), YaRN,
         # queries scaled past position 16 (the oracle's runs cross it)
         "mistral4": {**mla, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,

@@ -55,6 +55,25 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class LayerNorm(nn.Module):
+    """Mean-centred norm with a bias (Phi-3.5-MoE's nn.LayerNorm), in f32 with one rounding back. The native
+    blocks implement RMSNorm only: `is_rms` keeps them off a layer that has this one."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+
+
+def is_rms(norm: nn.Module) -> bool:
+    """The norm the native kernels compute (they read only `weight` and `eps`)."""
+    return type(norm) is RMSNorm
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """w * x / rms(x) over the last dim, normalised in f32 like the reference, one rounding back to x's
     dtype; bf16 rows on the CPU in one native call instead of six small ops (w f32 [H])."""
@@ -111,6 +130,12 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_pos: int) -> 
     kind = scaling["rope_type"]
     if kind == "ntk_alpha":  # the base stretched once (transformers' Hunyuan rotary), the frequencies as plain
         return rope_inv_freq(dim, base * float(scaling["alpha"]) ** (dim / (dim - 2)), None, max_pos)
+    if kind == "longrope":  # (phimoe's alone) the short factors at every length, as transformers' phimoe
+        ext = torch.tensor([float(f) for f in scaling["short_factor"]], dtype=torch.float32)
+        if ext.shape[0] != dim // 2:
+            raise ValueError(f"longrope short_factor has {ext.shape[0]} entries for {dim // 2} frequencies")
+        return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), \
+            float(scaling["short_mscale"])
     factor = float(scaling.get("factor") or 1.0)
     if kind == "linear":
         return inv / factor, 1.0
@@ -464,7 +489,7 @@ class Attention(nn.Module):
             return None
         norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
         if self.rope.interleaved or a.qk_norm not in (None, "full", "head", "head_post_rope") \
-                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+                or any(not is_rms(n) or n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None
         sinks = self.sinks.float().contiguous() if a.sinks else None
         self.__dict__["_fused_sinks"] = sinks  # kept alive with the layer

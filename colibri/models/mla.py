@@ -26,7 +26,7 @@ from torch import nn
 
 from ..kernels import native, native_mla
 from .batch import LayerKV
-from .layers import Linear, RMSNorm, RoPE, attention_mask, kv_span, yarn_get_mscale
+from .layers import Linear, RMSNorm, RoPE, attention_mask, is_rms, kv_span, yarn_get_mscale
 
 MODES = ("auto", "absorbed", "expanded")
 # The absorbed path scores at most this many (query row, key) pairs at once: 64 MiB of f32.
@@ -223,7 +223,7 @@ class MLAttention(nn.Module):
         if a.qk_rope_head_dim % 2 or a.qk_rope_head_dim > 512:  # (mla.c's rope: pairs, a 512-wide scratch)
             return None
         norms = [in_norm, post_norm, self.kv_a_layernorm] + ([self.q_a_layernorm] if lora else [])
-        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+        if any(not is_rms(n) or n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None
         kvb = self.kv_b_proj  # (read as stored, int8 or int4: kernels/mla.c)
         if getattr(kvb, "path", None) != "native":

@@ -28,7 +28,7 @@ from ..kernels import native, native_mla, native_run
 from ..quant import QLinear
 from . import native_mlp
 from .batch import StepBatch
-from .layers import MLP, Attention, DecoderBlock, KVCache
+from .layers import MLP, Attention, DecoderBlock, KVCache, is_rms
 from .mla import LatentCache, MLAttention
 from .moe import SparseMoE, native_routing, routed_ids
 
@@ -199,7 +199,7 @@ def _tail(model: nn.Module) -> _Tail | None:
             or emb.out_dtype != torch.bfloat16:
         return None
     nw = norm.weight
-    if nw.dtype != torch.float32 or nw.device.type != "cpu" or not nw.is_contiguous():
+    if not is_rms(norm) or nw.dtype != torch.float32 or nw.device.type != "cpu" or not nw.is_contiguous():
         return None
     if type(head) is not QLinear or not head.native_plain or head.compute_dtype != torch.bfloat16 \
             or head.scheme not in ("int8", "int4") or head.qweight.device.type != "cpu":

@@ -1,0 +1,117 @@
+"""Phi-3.5-MoE (`phimoe`): Mixtral's layers with these differences:
+
+- LayerNorm (mean-centred, with a bias) where Mixtral has RMSNorm, the final norm too; q/k/v and o projections
+  with biases (`attention_bias`), and an lm_head bias (`lm_head_bias`).
+- The router is "sparsemixer" at inference: the first expert is the best logit, weighted by its softmax over
+  the logits within a relative `2 * router_jitter_noise` of it; the second the best of the rest, weighted
+  likewise over the rest within that distance of it. Always two experts, never renormalised.
+- RoPE is "longrope" with its short factors at every length and the `short_mscale` scale, as transformers'
+  phimoe computes it (the released config has equal short and long scales; unequal ones are refused, since
+  transformers switches the scale of a whole forward by its longest position).
+
+The native blocks implement RMSNorm only, so layers run through torch around the native int8/int4 experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .layers import Attention, AttentionArgs, DecoderBlock, LayerNorm, Linear, rope_scaling, rope_theta
+from .moe import SparseMoE, SwitchGLU
+
+FAMILY = "phimoe"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_local_experts: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    num_experts_per_tok: int = 2
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 131072
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    lm_head_bias: bool = False
+    router_jitter_noise: float = 0.01
+    raw: dict | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class SparsemixerRouter(nn.Module):
+    """transformers' `sparsemixer` at inference, in f32: [T, H] -> (idx [T, 2], weights [T, 2])."""
+
+    def __init__(self, hidden: int, num_experts: int, jitter_eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
+        self.top_k, self.jitter_eps = 2, jitter_eps
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = x.float() @ self.weight.float().T  # [T, E]
+        w1, i1 = self._pick(scores, scores)
+        rest = scores.scatter(-1, i1, float("-inf"))  # the first expert out of the running
+        w2, i2 = self._pick(rest, scores)
+        return torch.cat((i1, i2), -1), torch.cat((w1, w2), -1)
+
+    def _pick(self, cand: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best of `cand` [T, E] and its softmax weight over the candidates within the relative jitter."""
+        top, idx = cand.max(-1, keepdim=True)  # [T, 1]
+        far = (top - scores) / scores.abs().clamp(min=top) > 2 * self.jitter_eps  # [T, E]
+        gates = torch.softmax(cand.masked_fill(far, float("-inf")), -1)
+        return gates.gather(-1, idx), idx
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        raw = a.raw or {}
+        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             rope_theta(raw, 1e6), rope_scaling(raw), a.max_position_embeddings,
+                             bias=a.attention_bias, o_bias=a.attention_bias, norm_eps=a.rms_norm_eps,
+                             sliding_window=a.sliding_window)
+        blocks = []
+        for i in range(a.num_hidden_layers):
+            block = DecoderBlock(
+                Attention(attn),
+                SparseMoE(SparsemixerRouter(a.hidden_size, a.num_local_experts, a.router_jitter_noise),
+                          SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
+                a.hidden_size, a.rms_norm_eps)
+            block.input_layernorm = LayerNorm(a.hidden_size, a.rms_norm_eps)
+            block.post_attention_layernorm = LayerNorm(a.hidden_size, a.rms_norm_eps)
+            blocks.append(block)
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
+        self.model.norm = LayerNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=a.lm_head_bias)
+        self.args = a
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse Phi-MoE configs this file does not implement."""
+    scaling = rope_scaling(cfg)
+    longrope = scaling is not None and scaling["rope_type"] == "longrope"  # (this family's alone: see above)
+    check_act_and_rope(FAMILY, {k: v for k, v in cfg.items()
+                                if not (longrope and k in ("rope_scaling", "rope_parameters"))})
+    if cfg.get("num_experts_per_tok", 2) != 2:
+        refuse(FAMILY, "num_experts_per_tok", cfg["num_experts_per_tok"], "sparsemixer routes to exactly 2 experts")
+    if longrope:
+        short, long = scaling.get("short_mscale"), scaling.get("long_mscale")
+        if short is None or short != long:
+            refuse(FAMILY, "rope_scaling.short_mscale", short, f"equal to long_mscale ({long!r}), as released")
+        if not isinstance(scaling.get("short_factor"), list):
+            refuse(FAMILY, "rope_scaling.short_factor", scaling.get("short_factor"), "a list of numbers")
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name: the released `block_sparse_moe` block and transformers' own `router` name."""
+    return name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
