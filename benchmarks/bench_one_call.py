@@ -7,7 +7,7 @@ Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
-deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4) gets a random
+deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -27,6 +27,7 @@ tok/s and one-call's ratio to it, and the load average. Nothing else should run 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -140,6 +141,14 @@ SHAPES["glm4v_moe_text"] = {**SHAPES["glm4_moe"], "attention_bias": True,
                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
                                                 "mrope_section": [4, 6, 6]}}
 # DeepSeek-V3/R1's group-limited router (8 groups, the best 4 kept: kernels/moe.c keep_groups)
+# Phi-3.5-MoE's layout at this size: 16 experts top-2 of width 1024 (the same expert bytes a token reads as the
+# others' 4 of 512), LayerNorms, biases, longrope with its 4096-position switch and equal scales as released
+SHAPES["phimoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "intermediate_size": 1024,
+                    "num_local_experts": 16, "num_experts_per_tok": 2, "attention_bias": True, "lm_head_bias": True,
+                    "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "original_max_position_embeddings": 4096, "short_factor": [1.0] * 32,
+                                        "long_factor": [1.0 + i / 4 for i in range(32)], "short_mscale": 1.243,
+                                        "long_mscale": 1.243}}
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
@@ -215,6 +224,15 @@ def _llamacpp(src: Path, scheme: str, threads: int, tokens: int, prompt: int, ca
     return f"{got['decode_tok_s']:.1f}", f"{got['prefill_tok_s']:.1f}"
 
 
+def _as_released(fam: str, src: Path) -> None:
+    """The architecture name the released checkpoint carries where llama.cpp's converter keys on it (transformers
+    saves its own class name)."""
+    released = {"phimoe": "PhiMoEForCausalLM"}
+    if fam in released:
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "architectures": [released[fam]]}, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -238,6 +256,7 @@ def main() -> None:
             src = root / f"{fam}-hf"
             if not (src / "config.json").exists():
                 make_tiny_checkpoint(fam.split("-")[0], src, **SHAPES[fam])  # (a variant: "family-name")
+                _as_released(fam, src)
             convert(src, coli, a.scheme, progress=False)
         with colibri.load(coli, threads=a.threads, ctx_size=256) as llm:
             _decode(llm, 16)  # warm-up: the thread-count timing, the kernels' first builds

@@ -103,6 +103,11 @@ try:  # (Qwen3-Next's converter expects multi-token-prediction layers, which ran
     qwen.Qwen3_5MoeTextModel.no_mtp = True
 except (ImportError, AttributeError):
     pass
+try:  # (Phi-3's and Phi-3.5-MoE's converters read a SentencePiece model unless told GPT-2)
+    from conversion import phi
+    phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -77,7 +77,7 @@ def test_mtp_layers_past_the_stack_are_dropped(ckpt, tmp_path):
 
 def test_one_group_routing_runs_in_the_kernels_and_gives_torchs_tokens(ckpt, monkeypatch):
     """GLM-4.5's released configs have one expert group: its router then runs in the native kernels at
-    bf16 (the sigmoid rule, kernels/moe.c), and decodes the tokens the torch router gives; the logits at
+    bf16 (the sigmoid rule, kernels/route.c), and decodes the tokens the torch router gives; the logits at
     f32 stay transformers' (the oracle path)."""
     from colibri.models import glm4_moe
 

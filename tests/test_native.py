@@ -394,12 +394,15 @@ def _router(kind: str, hidden: int, experts: int, k: int, norm: bool):
     from colibri.models.glm4_moe import GroupLimitedRouter
     from colibri.models.gpt_oss import SoftmaxTopKRouter
     from colibri.models.moe import TopKRouter
+    from colibri.models.phimoe import SparsemixerRouter
 
     if kind == "softmax":
         r = TopKRouter(hidden, experts, k, norm)
     elif kind == "topk_softmax":  # gpt-oss: biased logits, softmax over the k kept (`norm` has no say)
         r = SoftmaxTopKRouter(hidden, experts, k)
         r.bias.data = torch.randn(experts) * 0.5
+    elif kind == "sparsemixer":  # Phi-3.5-MoE: always 2 experts; a jitter that keeps some candidates, some not
+        r = SparsemixerRouter(hidden, experts, 0.05)
     elif kind == "softmax_bias":
         r = Router(hidden, experts, k, 1e-12 if norm else 1.5)
         r.e_score_correction_bias.data = torch.randn(1, experts) * 0.02
@@ -407,17 +410,19 @@ def _router(kind: str, hidden: int, experts: int, k: int, norm: bool):
         r = GroupLimitedRouter(hidden, experts, k, 1, 1, norm, 2.5)
         r.e_score_correction_bias.data = torch.randn(experts) * 0.2
     r.weight.data = torch.randn(experts, hidden)
+    if kind == "sparsemixer":  # logits of O(1), not O(sqrt(hidden)): its second weight often sits mid-softmax,
+        r.weight.data /= hidden**0.5  # where summation order's 1e-6 of a 30-sized logit would show past 1e-5
     return r
 
 
-@pytest.mark.parametrize("kind", ["softmax", "sigmoid", "softmax_bias", "topk_softmax"])
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid", "softmax_bias", "topk_softmax", "sparsemixer"])
 @pytest.mark.parametrize("norm", [False, True])
 def test_native_router_matches_torchs(kind: str, norm: bool) -> None:
     """coli_route against the f32 torch router on bf16 rows: the same experts in the same order (a
     tie within an ulp aside) and weights within float rounding; NaN logits are an error. For the three
     rules: softmax; sigmoid scores picked with a correction bias and weighted without it; softmax
     probabilities picked with a correction bias, weighted without it over max(sum, floor); gpt-oss's softmax
-    over the k largest biased logits."""
+    over the k largest biased logits; Phi-3.5-MoE's sparsemixer."""
     torch.manual_seed(3)
     r = _router(kind, 96, 24, 5, norm)
     x = torch.randn(40, 96).bfloat16()
@@ -431,7 +436,7 @@ def test_native_router_matches_torchs(kind: str, norm: bool) -> None:
     with pytest.raises(RuntimeError, match="non-finite"):
         r(x)
     # A few rows over a router of >= 64 KiB: their logits are split between the threads over (row, expert)
-    # (moe.c logits_part): the same routes as torch's, and as each row alone.
+    # (route.c logits_part): the same routes as torch's, and as each row alone.
     big = _router(kind, 1024, 32, 4, norm)
     xs = torch.randn(5, 1024).bfloat16()
     prev = native.get_threads()

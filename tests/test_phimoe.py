@@ -44,18 +44,20 @@ def test_longrope_takes_the_short_factors_and_scale(ckpt) -> None:
     assert torch.equal(inv, ref) and mscale == scaling["short_mscale"]
 
 
-def test_layer_norm_layers_stay_off_the_native_blocks(ckpt) -> None:
-    """The native attention block and the one-call step compute RMSNorm: a LayerNorm layer must not reach them
-    (bf16 / int8 would run them otherwise); the experts still take the native kernels."""
+def test_the_native_blocks_take_phis_layers(ckpt) -> None:
+    """bf16 / int8 run Phi's layers in the kernels: the attention block with its LayerNorms, the sparsemixer rule,
+    the one-call step with the final LayerNorm and the head's bias (tests/test_native_step.py: the same bits as
+    the kernels called one by one; tests/test_native_accuracy.py: as accurate as torch's path)."""
     from colibri.models import native_step
 
     with colibri.load(ckpt.coli("phimoe", "int8"), ctx_size=64, threads=2) as llm:
         m = llm.model
         for b in m.model.layers:
             assert not is_rms(b.input_layernorm)
-            assert b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm) is None
-        assert native_step._tail(m) is None and native_step._plan(m) is None
-        assert len(list(llm.generate_ids([1, 17, 42], 4, ignore_eos=True))) == 4
+            assert b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm) is not None
+            assert b.mlp.gate.native_routing() is not None
+        assert native_step._tail(m) is not None and native_step._plan(m) is not None
+        assert m.lm_head.bias is not None and m.model.norm.bias is not None
 
 
 def test_names_and_refusals(ckpt, tmp_path) -> None:

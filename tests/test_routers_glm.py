@@ -99,7 +99,7 @@ def test_each_token_routes_independently():
 
 @pytest.mark.parametrize("groups", [(1, 1), (4, 2), (8, 3)])
 def test_bf16_rows_route_natively_as_torch_does(groups):
-    """bf16 rows take the kernels' sigmoid rule in its groups (kernels/moe.c keep_groups): the experts and
+    """bf16 rows take the kernels' sigmoid rule in its groups (kernels/route.c keep_groups): the experts and
     weights of the torch rule on the same values."""
     from colibri.kernels import native
 

@@ -299,6 +299,7 @@ typedef struct {
     const float *w, *cs, *sn;
     float eps;
     void *out;
+    const float *b;  /* LayerNorm's bias (layernorm_rows) */
 } row_op;
 
 /* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for rows r0..r1 of H, in f32, rounded once to x's dtype. */
@@ -337,6 +338,31 @@ static void rmsnorm_rows(const row_op *a, long r0, long r1) {
             else ((float *)a->out)[r * H + i] = v;
         }
     }
+}
+
+/* LayerNorm (Phi-3.5-MoE) of rows r0..r1 in f32: the mean, then the mean square of x - mean (two passes, as
+ * torch's), out = (x - mean) / sqrt(var + eps) * w + b rounded once to x's dtype. */
+static void layernorm_rows(const row_op *a, long r0, long r1) {
+    const void *x = a->x;
+    int bf16 = a->bf16, H = a->H;
+    for (long r = r0; r < r1; r++) {
+        float sum = 0.f, ss = 0.f;
+        for (int i = 0; i < H; i++) sum += ld(x, bf16, r * H + i);
+        const float mean = sum / (float)H;
+        for (int i = 0; i < H; i++) { float d = ld(x, bf16, r * H + i) - mean; ss += d * d; }
+        const float inv = 1.f / sqrtf(ss / (float)H + a->eps);
+        for (int i = 0; i < H; i++) {
+            float v = (ld(x, bf16, r * H + i) - mean) * inv * a->w[i] + a->b[i];
+            if (bf16) ((uint16_t *)a->out)[r * H + i] = f32_to_bf16(v);
+            else ((float *)a->out)[r * H + i] = v;
+        }
+    }
+}
+
+static void layernorm_part(void *p, int id, int n) {
+    long r0, r1;
+    split(((row_op *)p)->R, id, n, &r0, &r1);
+    layernorm_rows((row_op *)p, r0, r1);
 }
 
 /* Rotary embedding (rotate-half convention) of the first `rot` channels of each of the nh heads of rows
@@ -392,6 +418,17 @@ int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float e
     row_op a = {x, bf16, H, 0, 0, 0, R, w, NULL, NULL, eps, out};
     coli_parallel(rmsnorm_part, &a, R * H >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
     return 0;
+}
+
+int coli_layernorm(const void *x, int bf16, long R, int H, const float *w, const float *b, float eps, void *out) {
+    row_op a = {x, bf16, H, 0, 0, 0, R, w, NULL, NULL, eps, out, b};
+    coli_parallel(layernorm_part, &a, R * H >= ROW_OPS_PAR_MIN ? coli_get_threads() : 1);
+    return 0;
+}
+
+/* The input / post-attention norm of an attention block: LayerNorm where the layer has a bias, else RMSNorm. */
+int coli_block_norm(const void *x, long R, int H, const float *w, const float *b, float eps, void *out) {
+    return b ? coli_layernorm(x, 1, R, H, w, b, eps, out) : coli_rmsnorm(x, 1, R, H, w, eps, out);
 }
 
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out) {

@@ -1,7 +1,7 @@
 /* The attention half of a decoder block for a few rows (a decode step, a short prompt chunk) in one
- * call: RMSNorm -> q/k/v projections -> q/k norm -> clip -> rotary [-> q/k norm, q temperature: Llama 4]
+ * call: RMSNorm (LayerNorm: Phi-3.5-MoE) -> q/k/v projections -> q/k norm -> clip -> rotary [-> q/k norm, q temperature: Llama 4]
  * -> KV cache write -> attention
- * over each row's own cache -> o_proj -> residual add -> the post-attention RMSNorm.
+ * over each row's own cache -> o_proj -> residual add -> the post-attention norm.
  *
  * Why: between the dozen kernels of this chain the Python glue cost more than the kernels (a third
  * of a small model's decode step) and let the pool's workers fall asleep. Each stage is the same
@@ -61,7 +61,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                 if (b < (long)Dv * 2)
                     __builtin_prefetch((char *)((uint16_t *)vc[t] + j * vs + (long)pos[t] * Dv) + b, 1, 3);
             }
-    PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
+    PROF(P_RMS_IN, coli_block_norm(h, T, Hd, L->in_w, L->in_b, L->in_eps, xn));
     {
         coli_qw w[3] = {L->wq, L->wk, L->wv};
         int N[3] = {(int)(L->gate ? 2 * nq : nq), (int)nk, (int)nv};
@@ -138,7 +138,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     }
     uint16_t *hn = (uint16_t *)h_out;
     add_bf16(hb, o, (long)T * Hd, hn);
-    PROF(P_RMS_POST, coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out));
+    PROF(P_RMS_POST, coli_block_norm(h_out, T, Hd, L->post_w, L->post_b, L->post_eps, x_out));
 done:
     free(buf);
     return rc;

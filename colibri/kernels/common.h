@@ -91,6 +91,8 @@ typedef struct {
     const float *ctab, *stab;     /* non-NULL: this layer's own rotary tables, f32 [tab_rows, rot] (MiMo-V2-Flash's
                                    * two layer types), in coli_decode_layers instead of the call's */
     long tab_rows;
+    const float *in_b, *post_b;   /* non-NULL: the input / post-attention norms are LayerNorms with these
+                                   * biases, f32 (Phi-3.5-MoE), else RMSNorms */
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the
@@ -112,12 +114,16 @@ int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv
 int coli_mla_attn(int T, const void *q, int H, int W, int R, const void *const *kv, const int *S, float scale,
                   void *out);
 int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);
+int coli_layernorm(const void *x, int bf16, long R, int H, const float *w, const float *b, float eps, void *out);
+int coli_block_norm(const void *x, long R, int H, const float *w, const float *b, float eps, void *out);
+int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int kind,
+               int n_group, int topk_group, const float *bias, float scale, int64_t *idx, float *w);
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
 int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
                    const float *cs, const float *sn, void *h_out, void *x_out);
-enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX };  /* coli_route's rules (moe.c) */
+enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER };  /* coli_route's rules (route.c) */
 #define COLI_MISS (-7)  /* coli_moe_block: a routed expert is not in the layer's table (a cached layer) */
 
 /* The routed experts' activation and biases (NULL: SiLU-GLU without biases). kind ACT_CLAMPED: gpt-oss's

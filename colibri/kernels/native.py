@@ -31,8 +31,9 @@ import torch
 
 log = logging.getLogger("colibri")
 
-_SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "attn.c", "block.c", "mla.c",
-                                                        "step.c", "sample.c", "procs.c", "logprobs.c", "delta.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "route.c", "attn.c", "block.c",
+                                                        "mla.c", "step.c", "sample.c", "procs.c", "logprobs.c",
+                                                        "delta.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("common.h", "rows.h", "rows_q4.h", "attn.h")]
 # -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
 # (the int4 dequantization then gives quant.dequantize's bits).
@@ -44,7 +45,7 @@ _LIBS = ["-lm"]
 # the experts run one module at a time on torch's GEMMs. 64 measured best on the 0.44b int8/int4 models
 # (prefill of 16-64 tokens 1.3-1.7x faster than at 8; /tmp scripts over generate_ids, noisy VM).
 MOE_MAX_ROWS = 64
-MAX_GROUPS = 64  # router groups coli_route keeps apart (moe.c MAX_GROUPS)
+MAX_GROUPS = 64  # router groups coli_route keeps apart (route.c MAX_GROUPS)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -112,7 +113,9 @@ class AttnLayer(ctypes.Structure):
                 ("gate", ctypes.c_int),  # Qwen3-Next: q_proj gives each head's query and its output gate
                 ("v_dim", ctypes.c_int), ("v_scale", ctypes.c_float),  # MiMo-V2-Flash: its values' width and scale
                 # a layer's own rotary tables (f32 [tab_rows, rot]) in coli_decode_layers: MiMo's two layer types
-                ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long)]
+                ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long),
+                # LayerNorm biases (f32 [hidden]) of the input / post-attention norms, or NULL: RMSNorms
+                ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p)]
 
 
 class Tail(ctypes.Structure):
@@ -120,7 +123,7 @@ class Tail(ctypes.Structure):
 
     _fields_ = [("embed", ctypes.c_void_p), ("vocab_in", ctypes.c_long), ("norm_w", ctypes.c_void_p),
                 ("eps", ctypes.c_float), ("head", QW), ("scheme", ctypes.c_int), ("group", ctypes.c_int),
-                ("vocab", ctypes.c_int)]
+                ("vocab", ctypes.c_int), ("norm_b", ctypes.c_void_p), ("head_b", ctypes.c_void_p)]
 
 
 class MoeLayer(ctypes.Structure):
@@ -136,7 +139,7 @@ class MoeLayer(ctypes.Structure):
 # coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
 # softmax probabilities chosen with a bias, renormalised over max(sum, floor) (ERNIE-4.5); the top k of
 # biased logits, softmax over those k (gpt-oss)
-ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX = 0, 1, 2, 3
+ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER = 0, 1, 2, 3, 4
 ACT_SILU, ACT_CLAMPED = 0, 1  # the routed experts' activation (common.h coli_expert_act)
 
 
@@ -190,6 +193,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.coli_attn_rows.restype = i
     lib.coli_rmsnorm.argtypes = [p, i, ctypes.c_long, i, p, ctypes.c_float, p]
     lib.coli_rmsnorm.restype = i
+    lib.coli_layernorm.argtypes = [p, i, ctypes.c_long, i, p, p, ctypes.c_float, p]
+    lib.coli_layernorm.restype = i
     lib.coli_rope.argtypes = [p, i, i, i, i, i, p, p, p]
     lib.coli_rope.restype = i
     lib.coli_gate_mul.argtypes = [p, p, ctypes.c_long]
@@ -540,6 +545,15 @@ def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs:
     if rc != 0:
         raise _step_failed("coli_decode_step", rc, failed)
     return logits, idx, wts
+
+
+def layernorm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] bf16/f32, w and b [H] f32 -> LayerNorm(x) * w + b, in x's dtype (one rounding)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib.coli_layernorm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // x.shape[-1], x.shape[-1],
+                        w.data_ptr(), b.data_ptr(), eps, out.data_ptr())
+    return out
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

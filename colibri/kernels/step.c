@@ -166,7 +166,7 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
     return rc;
 }
 
-/* A model's ends around coli_decode_layers: its bf16 token embedding, final RMSNorm and quantized head
+/* A model's ends around coli_decode_layers: its bf16 token embedding, final norm and quantized head
  * (colibri/models/native_step.py's _Tail). */
 typedef struct {
     const uint16_t *embed; /* bf16 [vocab_in, hidden] */
@@ -175,6 +175,8 @@ typedef struct {
     float eps;
     coli_qw head;          /* [vocab, hidden], int8 or int4 */
     int scheme, group, vocab;
+    const float *norm_b;   /* non-NULL: the final norm is a LayerNorm with this bias, f32 (Phi-3.5-MoE) */
+    const uint16_t *head_b; /* bf16 [vocab] or NULL: the head's bias (Phi-3.5-MoE's lm_head) */
 } coli_tail;
 
 /* The whole forward of a step in one call: h[t] = embed[tokens[t]], every decoder block
@@ -200,9 +202,10 @@ int coli_decode_step(const coli_tail *tl, const int64_t *tokens, int n_layers, c
     int rc = coli_decode_layers(n_layers, attn, moe, T, h, pos, kc, vc, ks, vs, ctab, stab, tab_rows, idx, w, failed);
     if (!rc) PROF(P_TAIL, {
         for (int r = 0; r < R; r++) memcpy(xr + (size_t)r * H, h + rows[r] * H, sizeof(uint16_t) * H);
-        coli_rmsnorm(xr, 1, R, H, tl->norm_w, tl->eps, xn);
+        coli_block_norm(xr, R, H, tl->norm_w, tl->norm_b, tl->eps, xn);
         void *yy = y;
         rc = coli_multi_gemm(xn, 1, R, H, tl->scheme, tl->group, 1, &tl->head, &V, &yy);
+        if (!rc) add_rows(y, tl->head_b, R, V);  /* (the head's own bias add: bf16 + bf16, one rounding) */
         for (long i = 0; !rc && i < (long)R * V; i++) logits[i] = bf16_to_f32(y[i]);
     });
     PROF_COUNT(P_STEPS);

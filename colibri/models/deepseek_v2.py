@@ -88,7 +88,7 @@ class Router(nn.Module):
         self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
 
     def native_routing(self) -> RouteRule:
-        """The native router's softmax rule (kernels/moe.c coli_route): renormalised when norm_topk_prob and
+        """The native router's softmax rule (kernels/route.c coli_route): renormalised when norm_topk_prob and
         k > 1, else times routed_scaling_factor (forward's rule); group_limited_greedy's groups by their best
         probability (keep_groups)."""
         groups = (self.n_group, self.topk_group) if self.method == "group_limited_greedy" else (1, 1)

@@ -56,7 +56,7 @@ class Router(nn.Module):
         self.scaling, self.norm_topk_prob = a.routed_scaling_factor, a.norm_topk_prob
 
     def native_routing(self) -> RouteRule | None:
-        """The native router's sigmoid rule (kernels/moe.c route_select_sigmoid, GLM-4.5's), as (selection
+        """The native router's sigmoid rule (kernels/route.c route_select_sigmoid, GLM-4.5's), as (selection
         bias, weight scale), limited to the best topk_group of n_group groups (keep_groups: a group's two best,
         or its one where a group has one expert, as min(2, per_group) below); else torch's."""
         b = self.e_score_correction_bias

@@ -72,7 +72,7 @@ class Router(nn.Module):
         self.top_k, self.norm_min = top_k, norm_min
 
     def native_routing(self) -> RouteRule | None:
-        """The native router's softmax-with-bias rule (kernels/moe.c route_select_softmax_bias), always
+        """The native router's softmax-with-bias rule (kernels/route.c route_select_softmax_bias), always
         renormalised, over max(sum, norm_min); None where the bias is not an f32 CPU tensor."""
         b = self.e_score_correction_bias
         if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():

@@ -95,7 +95,7 @@ class GroupLimitedRouter(nn.Module):
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
 
     def native_routing(self) -> RouteRule | None:
-        """The native router's sigmoid rule (kernels/moe.c route_select_sigmoid), as (selection bias, weight
+        """The native router's sigmoid rule (kernels/route.c route_select_sigmoid), as (selection bias, weight
         scale), in groups where there are several (keep_groups: the sum of a group's two best)."""
         b = self.e_score_correction_bias
         if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous() \

@@ -88,7 +88,7 @@ class SoftmaxTopKRouter(nn.Module):
         self.top_k = top_k
 
     def native_routing(self) -> RouteRule | None:
-        """The native router's rule (kernels/moe.c route_select_topk_softmax); None where the bias is not an
+        """The native router's rule (kernels/route.c route_select_topk_softmax); None where the bias is not an
         f32 CPU tensor."""
         b = self.bias
         if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():

@@ -56,8 +56,8 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Mean-centred norm with a bias (Phi-3.5-MoE's nn.LayerNorm), in f32 with one rounding back. The native
-    blocks implement RMSNorm only: `is_rms` keeps them off a layer that has this one."""
+    """Mean-centred norm with a bias (Phi-3.5-MoE's nn.LayerNorm), in f32 with one rounding back; bf16 rows on
+    the CPU in the kernels' (kernels/attn.c coli_layernorm), whose attention block computes it too."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -66,12 +66,27 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+        w, b = self.weight, self.bias
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dtype == b.dtype == torch.float32 \
+                and native.available():
+            return native.layernorm(x, w, b, self.eps)
+        return F.layer_norm(x.float(), x.shape[-1:], w.float(), b.float(), self.eps).to(x.dtype)
 
 
 def is_rms(norm: nn.Module) -> bool:
-    """The norm the native kernels compute (they read only `weight` and `eps`)."""
+    """The norm every native block computes (they read only `weight` and `eps`); the attention block also takes
+    a LayerNorm (`block_norm_bias`)."""
     return type(norm) is RMSNorm
+
+
+def block_norm_bias(norm: nn.Module) -> int | None | bool:
+    """What the native attention block takes for an input / post-attention norm: None (an RMSNorm), the
+    pointer to a LayerNorm's f32 bias, or False (neither: the block does not apply)."""
+    if type(norm) is RMSNorm:
+        return None
+    if type(norm) is LayerNorm and norm.bias.dtype == torch.float32 and norm.bias.is_contiguous():
+        return norm.bias.data_ptr()
+    return False
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -488,8 +503,10 @@ class Attention(nn.Module):
                    for p in projs):
             return None
         norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
-        if self.rope.interleaved or a.qk_norm not in (None, "full", "head", "head_post_rope") \
-                or any(not is_rms(n) or n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+        biases = [block_norm_bias(in_norm), block_norm_bias(post_norm)]  # (LayerNorms: Phi-3.5-MoE)
+        if self.rope.interleaved or a.qk_norm not in (None, "full", "head", "head_post_rope") or False in biases \
+                or not all(is_rms(n) for n in norms[2:]) \
+                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None
         sinks = self.sinks.float().contiguous() if a.sinks else None
         self.__dict__["_fused_sinks"] = sinks  # kept alive with the layer
@@ -502,7 +519,8 @@ class Attention(nn.Module):
             {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0,
             self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
-            *(None if p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim, v_scale=a.v_scale)
+            *(None if p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim, v_scale=a.v_scale,
+            in_b=biases[0], post_b=biases[1])
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)

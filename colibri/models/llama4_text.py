@@ -195,7 +195,7 @@ class Llama4Router(nn.Module):
         self.register_buffer("zeros", torch.zeros(num_experts), persistent=False)  # (the kernel's selection bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x)  # bf16 rows: one native call (kernels/moe.c), the sigmoid rule
+        routed = native_route(self, x)  # bf16 rows: one native call (kernels/route.c), the sigmoid rule
         if routed is not None:
             return routed[0], routed[1].to(x.dtype)
         logits = x.float() @ self.weight.T  # [T, E]

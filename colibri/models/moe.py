@@ -228,7 +228,7 @@ class TopKRouter(nn.Module):
         return idx, weights
 
     def native_routing(self) -> RouteRule | None:
-        """The native router's rule for this one (kernels/moe.c coli_route). A router without this method, or
+        """The native router's rule for this one (kernels/route.c coli_route). A router without this method, or
         answering None, routes in torch."""
         return RouteRule(native.ROUTE_SOFTMAX, self.norm_topk_prob)
 
@@ -240,7 +240,7 @@ def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 class RouteRule(NamedTuple):
-    """A router's rule as the kernels run it (kernels/moe.c coli_route), from its `native_routing()`."""
+    """A router's rule as the kernels run it (kernels/route.c coli_route), from its `native_routing()`."""
 
     kind: int  # native.ROUTE_*
     norm: bool  # the k weights renormalised to sum to one (ERNIE: over max(sum, scale))

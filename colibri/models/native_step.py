@@ -28,7 +28,7 @@ from ..kernels import native, native_mla, native_run
 from ..quant import QLinear
 from . import native_mlp
 from .batch import StepBatch
-from .layers import MLP, Attention, DecoderBlock, KVCache, is_rms
+from .layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias
 from .mla import LatentCache, MLAttention
 from .moe import SparseMoE, native_routing, routed_ids
 
@@ -191,25 +191,26 @@ class _Tail:
 
 
 def _tail(model: nn.Module) -> _Tail | None:
-    """Where the ends of the model take the native calls anyway (bf16 embedding rows, f32 RMSNorm weight,
-    a native quantized head without bias, bf16 compute): the same calls in one, else None."""
+    """Where the ends of the model take the native calls anyway (bf16 embedding rows, an f32 RMSNorm or
+    LayerNorm, a native quantized head with a bf16 bias or none, bf16 compute): the same calls in one, else None."""
     emb, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
     w = emb.weight
     if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() \
             or emb.out_dtype != torch.bfloat16:
         return None
-    nw = norm.weight
-    if not is_rms(norm) or nw.dtype != torch.float32 or nw.device.type != "cpu" or not nw.is_contiguous():
+    nw, nb = norm.weight, block_norm_bias(norm)  # (nb: a LayerNorm's bias pointer, None for an RMSNorm)
+    if nb is False or nw.dtype != torch.float32 or nw.device.type != "cpu" or not nw.is_contiguous():
         return None
-    if type(head) is not QLinear or not head.native_plain or head.compute_dtype != torch.bfloat16 \
-            or head.scheme not in ("int8", "int4") or head.qweight.device.type != "cpu":
+    if type(head) is not QLinear or head.path != "native" or head.compute_dtype != torch.bfloat16 \
+            or head.scheme not in ("int8", "int4") or head.qweight.device.type != "cpu" or not native.bias_ok(head):
         return None
     q, sc, mn = native.qw(head)
+    hb = None if head.bias is None else head.bias.data_ptr()
     t = native.Tail(w.data_ptr(), w.shape[0], nw.data_ptr(), float(norm.eps), native.QW(q, sc, mn),
                     8 if head.scheme == "int8" else 4, head.group_size if head.scheme == "int4" else 0,
-                    head.out_features)
-    return _Tail(t, (w, nw, head.qweight, head.scale, getattr(head, "min", None)), (emb, norm, head),
-                 min(head.fused_max_rows, native.MOE_MAX_ROWS))
+                    head.out_features, nb, hb)
+    return _Tail(t, (w, nw, getattr(norm, "bias", None), head.qweight, head.scale, getattr(head, "min", None),
+                     head.bias), (emb, norm, head), min(head.fused_max_rows, native.MOE_MAX_ROWS))
 
 
 def _plan(model: nn.Module) -> _Plan | None:

@@ -4,12 +4,14 @@
   with biases (`attention_bias`), and an lm_head bias (`lm_head_bias`).
 - The router is "sparsemixer" at inference: the first expert is the best logit, weighted by its softmax over
   the logits within a relative `2 * router_jitter_noise` of it; the second the best of the rest, weighted
-  likewise over the rest within that distance of it. Always two experts, never renormalised.
+  likewise over the rest within that distance of it. Always two experts, never renormalised. bf16 rows route
+  in the kernels (kernels/route.c).
 - RoPE is "longrope" with its short factors at every length and the `short_mscale` scale, as transformers'
   phimoe computes it (the released config has equal short and long scales; unequal ones are refused, since
   transformers switches the scale of a whole forward by its longest position).
 
-The native blocks implement RMSNorm only, so layers run through torch around the native int8/int4 experts.
+At int8 / int4 on the CPU the kernels run all of it: the attention block and the one-call step's tail take the
+LayerNorms (with their biases) and the lm_head's bias; bf16 rows route by the kernels' sparsemixer rule.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import Attention, AttentionArgs, DecoderBlock, LayerNorm, Linear, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 FAMILY = "phimoe"
 
@@ -58,7 +61,14 @@ class SparsemixerRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
         self.top_k, self.jitter_eps = 2, jitter_eps
 
+    def native_routing(self) -> RouteRule:
+        """The kernels' rule (kernels/route.c route_select_sparsemixer): bf16 rows route in one native call."""
+        return RouteRule(native.ROUTE_SPARSEMIXER, False, None, self.jitter_eps)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
         scores = x.float() @ self.weight.float().T  # [T, E]
         w1, i1 = self._pick(scores, scores)
         rest = scores.scatter(-1, i1, float("-inf"))  # the first expert out of the running
