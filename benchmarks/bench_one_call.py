@@ -7,7 +7,7 @@ Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
-deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe) gets a random
+deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -149,6 +149,8 @@ SHAPES["phimoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_s
                                         "original_max_position_embeddings": 4096, "short_factor": [1.0] * 32,
                                         "long_factor": [1.0 + i / 4 for i in range(32)], "short_mscale": 1.243,
                                         "long_mscale": 1.243}}
+# Solar Open: GLM-4.5's MoE layers in every layer (one router group), q/k/v biases, RoPE over the whole head
+SHAPES["solar_open"] = {**SHAPES["glm4_moe"], "attention_bias": True}
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]

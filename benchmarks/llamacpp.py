@@ -103,6 +103,11 @@ try:  # (Qwen3-Next's converter expects multi-token-prediction layers, which ran
     qwen.Qwen3_5MoeTextModel.no_mtp = True
 except (ImportError, AttributeError):
     pass
+try:  # (Solar Open's converter looks up its own special tokens by name)
+    from conversion import glm
+    glm.SolarOpenModel.set_vocab = base.TextModel._set_vocab_gpt2
+except (ImportError, AttributeError):
+    pass
 try:  # (Phi-3's and Phi-3.5-MoE's converters read a SentencePiece model unless told GPT-2)
     from conversion import phi
     phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2

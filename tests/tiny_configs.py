@@ -31,6 +31,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_vl_moe_text",
     "glm4v_moe_text",
     "phimoe",
+    "solar_open",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -197,6 +198,11 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                                        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                                        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.5, 15.0],
                                        "short_mscale": 1.2, "long_mscale": 1.2}},
+        # Solar Open: GLM-4.5's MoE layers in every layer (two router groups, one kept), Llama's attention with q/k/v
+        # biases, RoPE over the whole head
+        "solar_open": {"n_routed_experts": 8, "moe_intermediate_size": moe_i, "n_shared_experts": 1, "n_group": 2,
+                       "topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": True, "head_dim": 16,
+                       "attention_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         # Mistral Small 4: DeepSeek-V3's layers, a softmax router (one group, renormalised: the kernels' rule), YaRN,
         # queries scaled past position 16 (the oracle's runs cross it)
         "mistral4": {**mla, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
