@@ -7,7 +7,7 @@ Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
-deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open) gets a random
+deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -151,6 +151,11 @@ SHAPES["phimoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_s
                                         "long_mscale": 1.243}}
 # Solar Open: GLM-4.5's MoE layers in every layer (one router group), q/k/v biases, RoPE over the whole head
 SHAPES["solar_open"] = {**SHAPES["glm4_moe"], "attention_bias": True}
+# Granite 3.x MoE: 32 experts top-4 of 512, the released 3b-a800m's multipliers and tied head
+SHAPES["granitemoe"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
+                        "intermediate_size": 512, "num_local_experts": 32, "embedding_multiplier": 12.0,
+                        "attention_multiplier": 0.015625, "residual_multiplier": 0.22, "logits_scaling": 6.0,
+                        "tie_word_embeddings": True}
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]

@@ -103,12 +103,14 @@ def test_builds_and_reloads(model_type: str, built: dict[str, Path]) -> None:
 def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: dict[str, Path]) -> None:
     legacy, fused = _names(built[model_type]), _names(built_fused[model_type])
     assert all(dt == "F32" for dt, _ in legacy.values())
-    ff = ".feed_forward." if model_type == "llama4_text" else ".mlp."
+    ff = {"llama4_text": ".feed_forward.", "granitemoe": ".block_sparse_moe."}.get(model_type, ".mlp.")
     fused_experts = {k for k in fused if f"{ff}experts.gate_up_proj" in k}
     assert fused_experts, "fused layout must hold [E, ...] expert tensors"
     if model_type in ("gpt_oss", "llama4_text", "mistral4"):
         # gpt-oss and Llama 4 ship fused even through save_pretrained (Mistral 4: transformers has no per-expert form).
         assert legacy == fused
+    elif model_type == "granitemoe":  # fused both ways, under the released names (input_linear / output_linear)
+        assert any(".block_sparse_moe.input_linear.weight" in k for k in legacy) and legacy.keys() != fused.keys()
     elif model_type in H.HUB_EXPERTS_XW:  # fused both ways, the hub's layout transposed (x @ W)
         assert legacy.keys() == fused.keys() and any(legacy[k] != fused[k] for k in fused_experts)
     else:

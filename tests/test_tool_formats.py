@@ -41,6 +41,10 @@ CALLS = [
     ("pythonic", 'Let me check. [get_weather(city="Rome", days=2, code="007")]'),
     ("hunyuan", 'Let me check.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
                 '"code": "007"}}]</tool_calls>'),
+    ("granite", 'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
+                '"code": "007"}}]'),
+    ("granite", 'Let me check. <tool_call>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
+                '"code": "007"}}]'),
     (HARMONY, "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 2, "code": "007"}'),
 ]
@@ -158,6 +162,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect("{{- '<|python_start|>' }}") == detect("format of [func_name1(params_name1=params_value1)]") \
         == "pythonic"
     assert detect("<tool_calls>{{ tool_calls | tojson }}</tool_calls>") == "hunyuan"
+    assert detect("{{- '<|tool_call|>' + message.tool_calls | tojson }}") == "granite"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 
 

@@ -32,6 +32,7 @@ FAMILIES: tuple[str, ...] = (
     "glm4v_moe_text",
     "phimoe",
     "solar_open",
+    "granitemoe",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -198,6 +199,11 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                                        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                                        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.5, 15.0],
                                        "short_mscale": 1.2, "long_mscale": 1.2}},
+        # Granite 3.x MoE: Mixtral's layers, the top-k-then-softmax router, the four multipliers (the released tied
+        # head makes these random models repeat their last token: tests/test_granitemoe.py checks one's logits)
+        "granitemoe": {"num_local_experts": 4, "embedding_multiplier": 1.5, "attention_multiplier": 0.2,
+                       "residual_multiplier": 0.8, "logits_scaling": 1.5,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         # Solar Open: GLM-4.5's MoE layers in every layer (two router groups, one kept), Llama's attention with q/k/v
         # biases, RoPE over the whole head
         "solar_open": {"n_routed_experts": 8, "moe_intermediate_size": moe_i, "n_shared_experts": 1, "n_group": 2,

@@ -144,9 +144,10 @@ static int route_select_softmax_bias(float *p, float *s, int E, int k, const flo
 }
 
 /* gpt-oss's rule: the k largest of logit + bias[e] in descending order (ties: the lower expert first),
- * weighted by the softmax over those k only. p (E logits) is overwritten, s is E floats of scratch. Returns 0,
- * or -5 for NaN logits. */
-static int route_select_topk_softmax(float *p, float *s, int E, int k, const float *bias, int64_t *ix, float *wt) {
+ * weighted by the softmax over those k only, times `scale` (Granite's residual multiplier; 1 for gpt-oss). p (E
+ * logits) is overwritten, s is E floats of scratch. Returns 0, or -5 for NaN logits. */
+static int route_select_topk_softmax(float *p, float *s, int E, int k, const float *bias, float scale, int64_t *ix,
+                                     float *wt) {
     for (int e = 0; e < E; e++) {
         p[e] += bias[e];
         if (p[e] != p[e]) return -5;
@@ -157,7 +158,7 @@ static int route_select_topk_softmax(float *p, float *s, int E, int k, const flo
     const float top = wt[0];  /* the largest (kept: the loop overwrites wt[0] first) */
     float den = 0.f;
     for (int jj = 0; jj < k; jj++) { wt[jj] = expf(wt[jj] - top); den += wt[jj]; }
-    for (int jj = 0; jj < k; jj++) wt[jj] /= den;
+    for (int jj = 0; jj < k; jj++) wt[jj] = wt[jj] / den * scale;
     return 0;
 }
 
@@ -194,7 +195,7 @@ static int route_select_sparsemixer(const float *p, int E, float eps, int64_t *i
 static int route_row(const route_job *j, float *p, float *s, long t) {
     int64_t *ix = j->idx + t * j->k;
     float *wt = j->w + t * j->k;
-    if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, s, j->E, j->k, j->bias, ix, wt);
+    if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
     if (j->kind == ROUTE_SPARSEMIXER) return route_select_sparsemixer(p, j->E, j->scale, ix, wt);
     if (j->kind == ROUTE_SIGMOID)
         return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt, j->n_group, j->topk_group);

@@ -199,7 +199,8 @@ class RoPE(nn.Module):
         inv, self.mscale = rope_inv_freq(dim, base, scaling, max_pos)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.dim, self.interleaved = dim, interleaved
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) [n, d]
+        # (dtype, device) -> (cos, sin) [n, d]
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def all_rows(self, end: int, dtype: torch.dtype, device: torch.device | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,6 +408,7 @@ class AttentionArgs:
     use_rope: bool = True  # False: a NoPE layer (EXAONE's global layers), the rotary table kept for the others
     v_head_dim: int | None = None  # values narrower or wider than q/k's heads (MiMo-V2-Flash); None: head_dim
     v_scale: float = 1.0  # values times this before they are cached (MiMo-V2-Flash)
+    scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim) (Granite: its attention_multiplier)
 
 
 class Attention(nn.Module):
@@ -428,7 +430,7 @@ class Attention(nn.Module):
         if a.sinks:
             self.sinks = nn.Parameter(torch.zeros(a.heads), requires_grad=False)  # [H]
         self.rope = RoPE(a.rotary_dim or a.head_dim, a.rope_theta, a.rope_scaling, a.max_pos)
-        self.scale = a.head_dim**-0.5
+        self.scale = a.head_dim**-0.5 if a.scale is None else a.scale
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """x [T, hidden]: the step's rows; projections run on all rows, attention per sequence."""

@@ -24,6 +24,8 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   `<|python_start|>` and `<|python_end|>`; the arguments Python (or JSON) literals, never evaluated.
 - `hunyuan` (Hunyuan-A13B): a JSON list of `{"name": ..., "arguments": {...}}` between `<tool_calls>` and
   `</tool_calls>`.
+- `granite` (IBM Granite 3.x): a JSON list of `{"name": ..., "arguments": {...}}` after `<|tool_call|>` (3.0's
+  token) or `<tool_call>` (3.1's string), with no closing tag.
 (gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
 arguments do not parse, stays in the text, as does everything around the calls.
 """
@@ -288,6 +290,33 @@ def _hunyuan(text: str, tools: dict[str, dict]) -> Found:
     return calls, spans
 
 
+_GRANITE = ("<|tool_call|>", "<tool_call>")
+
+
+def _granite(text: str, tools: dict[str, dict]) -> Found:
+    """Each marker's JSON list (or one object) of calls, cut out where every call names a known tool with object
+    arguments."""
+    calls, spans = [], []
+    dec = json.JSONDecoder()
+    at = min((i for i in (text.find(m) for m in _GRANITE) if i >= 0), default=-1)
+    while at >= 0:
+        start = at + len(next(m for m in _GRANITE if text.startswith(m, at)))
+        start += len(text[start:]) - len(text[start:].lstrip())
+        end = at + 1
+        try:
+            items, end = dec.raw_decode(text, start)
+        except json.JSONDecodeError:
+            items = None
+        items = items if isinstance(items, list) else [items]
+        got = [call(it["name"], it.get("arguments", {})) for it in items
+               if isinstance(it, dict) and it.get("name") in tools and isinstance(it.get("arguments", {}), dict)]
+        if got and len(got) == len(items):
+            calls += got
+            spans.append((at, end))
+        at = min((i for i in (text.find(m, end) for m in _GRANITE) if i >= 0), default=-1)
+    return calls, spans
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
@@ -334,6 +363,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("pythonic", ("<|python_start|>",), _pythonic, ("<|python_start|>", "<|python_end|>"), _PY_WRAP,
                open_re=_PY_OPEN, maybe_re=_PY_MAYBE),
     ToolFormat("hunyuan", ("<tool_calls>",), _hunyuan, ("<tool_calls>", "</tool_calls>")),
+    ToolFormat("granite", _GRANITE, _granite, _GRANITE),
 )}
 HARMONY = "harmony"  # gpt-oss: server/harmony.py
 NAMES = (*FORMATS, HARMONY)
@@ -359,6 +389,8 @@ def detect(template: str) -> str:
         return "pythonic"
     if "<tool_calls>" in template:
         return "hunyuan"
+    if "<|tool_call|>" in template:
+        return "granite"
     return "hermes"
 
 

@@ -1,0 +1,128 @@
+"""IBM Granite 3.x MoE (`granitemoe`: granite-3.1-1b-a400m, granite-3.1-3b-a800m): Mixtral's layers with a router
+that takes the top-k logits and softmaxes over those k, and Granite's four multipliers, each put where the
+kernels already have a place for it (equal to transformers' order of operations up to float rounding):
+
+- `embedding_multiplier`: the embedding table is stored times it (`prepare`);
+- `attention_multiplier`: the attention's score scale, instead of 1 / sqrt(head_dim);
+- `residual_multiplier`: o_proj is stored times it (`prepare`), and the routed experts' weights are times it
+  (the router's scale), so each block adds multiplier x its output to the residual;
+- `logits_scaling`: lm_head is stored divided by it (`prepare`; a tied head is its own tensor in the container).
+
+Released checkpoints keep the experts fused (`block_sparse_moe.input_linear` [E, 2I, H]: gate rows, then up;
+`output_linear` [E, H, I]) and the router as `block_sparse_moe.router.layer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels import native
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+
+FAMILY = "granitemoe"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    attention_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    raw: dict | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.hidden_size // self.num_attention_heads
+
+
+class TopKSoftmaxRouter(nn.Module):
+    """The top-k logits, softmax over those k, times `scale` (the residual multiplier): kernels/route.c's
+    gpt-oss rule with a zero bias."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, scale: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
+        self.register_buffer("zeros", torch.zeros(num_experts), persistent=False)  # (the kernels' rule's bias)
+        self.top_k, self.scale = top_k, scale
+
+    def native_routing(self) -> RouteRule:
+        return RouteRule(native.ROUTE_TOPK_SOFTMAX, False, self.zeros, self.scale)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
+        logits = x.float() @ self.weight.float().T  # [T, E]
+        top, idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
+        return idx, torch.softmax(top, dim=-1) * self.scale
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        raw = a.raw or {}
+        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             rope_theta(raw, 10000.0), rope_scaling(raw), a.max_position_embeddings,
+                             bias=a.attention_bias, o_bias=a.attention_bias, norm_eps=a.rms_norm_eps,
+                             scale=a.attention_multiplier)
+        blocks = [
+            DecoderBlock(
+                Attention(attn),
+                SparseMoE(TopKSoftmaxRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok,
+                                            a.residual_multiplier),
+                          SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
+                a.hidden_size, a.rms_norm_eps)
+            for i in range(a.num_hidden_layers)
+        ]
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
+        self.args = a
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse Granite MoE configs this file does not implement."""
+    check_act_and_rope(FAMILY, cfg)
+    if cfg.get("head_dim") not in (None, cfg.get("hidden_size", 0) // max(cfg.get("num_attention_heads") or 1, 1)):
+        refuse(FAMILY, "head_dim", cfg["head_dim"], "hidden_size / num_attention_heads, as transformers' Granite")
+    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+        v = cfg.get(key, 1.0)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
+            refuse(FAMILY, key, v, "a number > 0")
+
+
+_RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+            (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+            (".block_sparse_moe.router.layer.", ".mlp.gate."), (".block_sparse_moe.router.", ".mlp.gate."),
+            (".block_sparse_moe.", ".mlp."))
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name: the released fused experts and router, and transformers' own names."""
+    for old, new in _RENAMES:
+        if old in name:
+            return name.replace(old, new)
+    return name
+
+
+def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Fold the multipliers that scale a stored tensor (see the module docstring), in f32."""
+    factor = 1.0
+    if name == "model.embed_tokens.weight":
+        factor = float(cfg.get("embedding_multiplier") or 1.0)
+    elif name == "lm_head.weight":
+        factor = 1.0 / float(cfg.get("logits_scaling") or 1.0)
+    elif name.endswith(".self_attn.o_proj.weight") or name.endswith(".self_attn.o_proj.bias"):
+        factor = float(cfg.get("residual_multiplier") or 1.0)
+    return t if factor == 1.0 else (t.float() * factor).to(t.dtype)
