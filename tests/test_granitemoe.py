@@ -11,7 +11,8 @@ from hf_tiny import hf_logits, load_hf
 import colibri
 from colibri.container import Container
 from colibri.errors import ColibriError
-from colibri.models.granitemoe import TopKSoftmaxRouter, check_config, sanitize
+from colibri.models.granitemoe import check_config, sanitize
+from colibri.models.moe import SoftmaxTopKRouter
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 
@@ -31,7 +32,7 @@ def test_a_tied_head_is_divided_by_logits_scaling_alone(ckpt) -> None:
 
 def test_the_router_softmaxes_its_top_k_and_scales() -> None:
     torch.manual_seed(0)
-    r = TopKSoftmaxRouter(32, 8, 3, 0.25)
+    r = SoftmaxTopKRouter(32, 8, 3, bias=False, scale=0.25)
     r.weight.data = torch.randn(8, 32)
     x = torch.randn(20, 32)
     idx, w = r(x)

@@ -11,14 +11,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..errors import ColibriError
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from .moe import SoftmaxTopKRouter, SparseMoE, SwitchGLU  # (the router lives in moe.py: Granite shares it)
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -76,32 +74,6 @@ def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
-class SoftmaxTopKRouter(nn.Module):
-    """Biased logits, keep the top k, softmax over just those k (not over all experts)."""
-
-    def __init__(self, hidden: int, num_experts: int, top_k: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
-        self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
-        self.top_k = top_k
-
-    def native_routing(self) -> RouteRule | None:
-        """The native router's rule (kernels/route.c route_select_topk_softmax); None where the bias is not an
-        f32 CPU tensor."""
-        b = self.bias
-        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
-            return None
-        return RouteRule(native.ROUTE_TOPK_SOFTMAX, False, b)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
-        if routed is not None:
-            return routed
-        logits = F.linear(x.float(), self.weight.float(), self.bias.float())  # [T, E]
-        top, idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
-        return idx, torch.softmax(top, dim=-1)
 
 
 class Model(CausalLM):

@@ -14,81 +14,42 @@ Released checkpoints keep the experts fused (`block_sparse_moe.input_linear` [E,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..kernels import native
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from . import mixtral
+from .base import check_act_and_rope, refuse
+from .layers import AttentionArgs, rope_theta
+from .moe import SoftmaxTopKRouter
 
 FAMILY = "granitemoe"
 
 
 @dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_local_experts: int
-    num_experts_per_tok: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
+class ModelArgs(mixtral.ModelArgs):
+    """Mixtral's fields with Granite's defaults and multipliers (head_dim: hidden / heads, check_config's rule)."""
+
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     attention_multiplier: float = 1.0
     residual_multiplier: float = 1.0
-    raw: dict | None = None
-
-    def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.hidden_size // self.num_attention_heads
 
 
-class TopKSoftmaxRouter(nn.Module):
-    """The top-k logits, softmax over those k, times `scale` (the residual multiplier): kernels/route.c's
-    gpt-oss rule with a zero bias."""
+class Model(mixtral.Model):
+    @classmethod
+    def attention_args(cls, a: ModelArgs) -> AttentionArgs:
+        return dataclasses.replace(super().attention_args(a), rope_theta=rope_theta(a.raw or {}, 10000.0),
+                                   bias=a.attention_bias, o_bias=a.attention_bias, scale=a.attention_multiplier)
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, scale: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
-        self.register_buffer("zeros", torch.zeros(num_experts), persistent=False)  # (the kernels' rule's bias)
-        self.top_k, self.scale = top_k, scale
-
-    def native_routing(self) -> RouteRule:
-        return RouteRule(native.ROUTE_TOPK_SOFTMAX, False, self.zeros, self.scale)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
-        if routed is not None:
-            return routed
-        logits = x.float() @ self.weight.float().T  # [T, E]
-        top, idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
-        return idx, torch.softmax(top, dim=-1) * self.scale
-
-
-class Model(CausalLM):
-    def __init__(self, a: ModelArgs):
-        raw = a.raw or {}
-        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 10000.0), rope_scaling(raw), a.max_position_embeddings,
-                             bias=a.attention_bias, o_bias=a.attention_bias, norm_eps=a.rms_norm_eps,
-                             scale=a.attention_multiplier)
-        blocks = [
-            DecoderBlock(
-                Attention(attn),
-                SparseMoE(TopKSoftmaxRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok,
-                                            a.residual_multiplier),
-                          SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
-                a.hidden_size, a.rms_norm_eps)
-            for i in range(a.num_hidden_layers)
-        ]
-        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
-        self.args = a
+    @classmethod
+    def router(cls, a: ModelArgs) -> nn.Module:
+        # (its top-k softmax, times the residual multiplier: gpt-oss's rule with no bias)
+        return SoftmaxTopKRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, bias=False,
+                                 scale=a.residual_multiplier)
 
 
 def check_config(cfg: dict) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from .base import BaseArgs, CausalLM
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU, TopKRouter
@@ -31,20 +33,28 @@ class ModelArgs(BaseArgs):
 
 
 class Model(CausalLM):
+    """Mixtral's skeleton; the families built on it (phimoe, granitemoe) swap its attention settings and router."""
+
     def __init__(self, a: ModelArgs):
-        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(a.raw or {}, 1e6), rope_scaling(a.raw or {}), a.max_position_embeddings,
-                             norm_eps=a.rms_norm_eps, sliding_window=a.sliding_window)
         blocks = [
             DecoderBlock(
-                Attention(attn),
-                SparseMoE(TopKRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, True),
-                          SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
+                Attention(self.attention_args(a)),
+                SparseMoE(self.router(a), SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
                 a.hidden_size, a.rms_norm_eps)
             for i in range(a.num_hidden_layers)
         ]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
+
+    @classmethod
+    def attention_args(cls, a: ModelArgs) -> AttentionArgs:
+        return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             rope_theta(a.raw or {}, 1e6), rope_scaling(a.raw or {}), a.max_position_embeddings,
+                             norm_eps=a.rms_norm_eps, sliding_window=a.sliding_window)
+
+    @classmethod
+    def router(cls, a: ModelArgs) -> nn.Module:
+        return TopKRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, True)
 
 
 def sanitize(name: str) -> str | None:

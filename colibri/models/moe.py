@@ -233,6 +233,36 @@ class TopKRouter(nn.Module):
         return RouteRule(native.ROUTE_SOFTMAX, self.norm_topk_prob)
 
 
+class SoftmaxTopKRouter(nn.Module):
+    """Logits (+ a bias: gpt-oss's, loaded; else zeros, Granite), keep the top k, softmax over just those k,
+    times `scale` (Granite's residual multiplier; 1 for gpt-oss)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, bias: bool = True, scale: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
+        else:  # (a buffer: nothing to load; the kernels' rule takes a bias)
+            self.register_buffer("bias", torch.zeros(num_experts), persistent=False)
+        self.top_k, self.scale = top_k, scale
+
+    def native_routing(self) -> RouteRule | None:
+        """The native router's rule (kernels/route.c route_select_topk_softmax); None where the bias is not an
+        f32 CPU tensor."""
+        b = self.bias
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+            return None
+        return RouteRule(native.ROUTE_TOPK_SOFTMAX, False, b, self.scale)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
+        logits = F.linear(x.float(), self.weight.float(), self.bias.float())  # [T, E]
+        top, idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
+        return idx, torch.softmax(top, dim=-1) * self.scale
+
+
 def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
     """Router weight w and rows x the native router takes: bf16 rows on the CPU, an f32 contiguous weight."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.device.type == "cpu" \

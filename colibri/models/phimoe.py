@@ -16,41 +16,29 @@ LayerNorms (with their biases) and the lm_head's bias; bf16 rows route by the ke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..kernels import native
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .layers import Attention, AttentionArgs, DecoderBlock, LayerNorm, Linear, rope_scaling, rope_theta
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from . import mixtral
+from .base import check_act_and_rope, refuse
+from .layers import AttentionArgs, LayerNorm, Linear, rope_scaling
+from .moe import RouteRule, native_route
 
 FAMILY = "phimoe"
 
 
 @dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_local_experts: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    num_experts_per_tok: int = 2
-    rms_norm_eps: float = 1e-5
+class ModelArgs(mixtral.ModelArgs):
+    """Mixtral's fields with Phi's defaults and its own."""
+
     max_position_embeddings: int = 131072
-    sliding_window: int | None = None
     attention_bias: bool = False
     lm_head_bias: bool = False
     router_jitter_noise: float = 0.01
-    raw: dict | None = None
-
-    def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 class SparsemixerRouter(nn.Module):
@@ -83,27 +71,22 @@ class SparsemixerRouter(nn.Module):
         return gates.gather(-1, idx), idx
 
 
-class Model(CausalLM):
+class Model(mixtral.Model):
     def __init__(self, a: ModelArgs):
-        raw = a.raw or {}
-        attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 1e6), rope_scaling(raw), a.max_position_embeddings,
-                             bias=a.attention_bias, o_bias=a.attention_bias, norm_eps=a.rms_norm_eps,
-                             sliding_window=a.sliding_window)
-        blocks = []
-        for i in range(a.num_hidden_layers):
-            block = DecoderBlock(
-                Attention(attn),
-                SparseMoE(SparsemixerRouter(a.hidden_size, a.num_local_experts, a.router_jitter_noise),
-                          SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
-                a.hidden_size, a.rms_norm_eps)
+        super().__init__(a)
+        for block in self.model.layers:
             block.input_layernorm = LayerNorm(a.hidden_size, a.rms_norm_eps)
             block.post_attention_layernorm = LayerNorm(a.hidden_size, a.rms_norm_eps)
-            blocks.append(block)
-        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.model.norm = LayerNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=a.lm_head_bias)
-        self.args = a
+
+    @classmethod
+    def attention_args(cls, a: ModelArgs) -> AttentionArgs:
+        return dataclasses.replace(super().attention_args(a), bias=a.attention_bias, o_bias=a.attention_bias)
+
+    @classmethod
+    def router(cls, a: ModelArgs) -> nn.Module:
+        return SparsemixerRouter(a.hidden_size, a.num_local_experts, a.router_jitter_noise)
 
 
 def check_config(cfg: dict) -> None:
