@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +26,16 @@ class Server:
     def __init__(self, model: Path, *args: str):
         self.port = free_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # The log goes to a file: a pipe nobody reads fills after ~400 logged requests (64 KiB), and the
+        # server's event loop then blocks in its next log write (every request hung, seen in a stress run).
+        self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--model", str(model), "--port",
                                       str(self.port), "--threads", "1", *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
+                raise RuntimeError(f"server exited: {self.output()}")
             try:
                 if self.request("GET", "/health")[0] == 200:
                     return
@@ -55,12 +59,21 @@ class Server:
             return r.status, raw.decode()
         return r.status, json.loads(raw) if raw else {}
 
+    def output(self) -> str:
+        """What the server has printed so far (stdout and stderr)."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
     def stop(self) -> str:
+        """SIGTERM (SIGKILL after 30 s); returns what the server printed."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            _, err = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return err
+            self.proc.wait()
+        out = self.output()
+        self.log.close()
+        return out
