@@ -19,7 +19,7 @@ import torch
 from . import __version__, tiktoken_bpe
 from .container import Container, Writer
 from .errors import ColibriError
-from .models.base import MULTIMODAL, expected_tensors, layer_of, text_model_config
+from .models.base import MULTIMODAL, expected_tensors, family, layer_of, text_model_config
 from .progress import Progress
 from .quant import SCHEMES, can_quantize, layout, quantize
 from .safetensors_reader import SafetensorsFolder
@@ -267,6 +267,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     if model_type in MULTIMODAL and isinstance(cfg.get("text_config"), dict):  # multimodal: its text model
         cfg = text_model_config(cfg)
         model_type = cfg["model_type"]
+    if (flat := getattr(family(model_type), "flat_config", None)) is not None:  # a nested config (DBRX's)
+        cfg = flat(cfg)
     # Types and ranges of every value the family uses, and the family's own refusals (colibri/validate.py).
     fam = check_config(model_type, cfg, str(src / "config.json"))
     n_exp = _num_experts(cfg)
@@ -280,6 +282,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     tok_file = "tokenizer.json" if (src / "tokenizer.json").exists() else tiktoken_bpe.FILE
     check_tokenizer(tokenizer, cfg.get("vocab_size"), cfg, str(src / tok_file))
     st = SafetensorsFolder(src)
+    if (view := getattr(fam, "source_view", None)) is not None:  # tensors split or reshaped as read (DBRX's)
+        st = view(st, cfg)
     sanitize = getattr(fam, "sanitize", lambda n: n)
     names = {n: m for n in st.names() if (m := sanitize(n)) is not None}  # HF name -> canonical name
     embed = next((n for n, m in names.items() if m == "model.embed_tokens.weight"), None)

@@ -99,18 +99,21 @@ class SafetensorsFolder:
         a, b = self.entries[name][1]["data_offsets"]
         return b - a
 
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The tensor, or its `index`-th slice along dim 0 (one expert of a fused [E, ...] tensor)."""
+    def read(self, name: str, index: int | None = None, of: int | None = None) -> torch.Tensor:
+        """The tensor, or its `index`-th slice along dim 0 (one expert of a fused [E, ...] tensor); with `of`,
+        its `index`-th of `of` equal row blocks (one expert of DBRX's [E·I, H])."""
         path, e, base = self.entries[name]
         if e["dtype"] not in DTYPES:
             raise ColibriError(f"tensor {name} has dtype {e['dtype']}, which colibri cannot convert")
         dtype, shape = DTYPES[e["dtype"]], list(e["shape"])
         start, end = e["data_offsets"]
         if index is not None:
-            if not shape or not 0 <= index < shape[0]:
-                raise ColibriError(f"tensor {name} {list(shape)} has no slice {index} along its first dimension")
-            row = (end - start) // shape[0]
-            start, end, shape = start + index * row, start + (index + 1) * row, shape[1:]
+            n = shape[0] if shape and of is None else of
+            if not shape or not n or shape[0] % n or not 0 <= index < n:
+                raise ColibriError(f"tensor {name} {list(shape)} has no slice {index} of {n} along its first dimension")
+            row = (end - start) // n
+            start, end = start + index * row, start + (index + 1) * row
+            shape = shape[1:] if of is None else [shape[0] // n, *shape[1:]]
         buf = torch.empty(end - start, dtype=torch.uint8)
         with open(path, "rb", buffering=0) as fh:
             fh.seek(base + start)

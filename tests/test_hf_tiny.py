@@ -105,8 +105,12 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     assert all(dt == "F32" for dt, _ in legacy.values())
     ff = {"llama4_text": ".feed_forward.", "granitemoe": ".block_sparse_moe."}.get(model_type, ".mlp.")
     fused_experts = {k for k in fused if f"{ff}experts.gate_up_proj" in k}
-    assert fused_experts, "fused layout must hold [E, ...] expert tensors"
-    if model_type in ("gpt_oss", "llama4_text", "mistral4"):
+    if model_type == "dbrx":  # one layout: experts fused as [E·I, H] (w1, v1, w2), q/k/v as Wqkv
+        assert legacy == fused and any(k.endswith(".ffn.experts.mlp.w1") for k in legacy)
+        assert any(k.endswith(".attn.Wqkv.weight") for k in legacy)
+    else:
+        assert fused_experts, "fused layout must hold [E, ...] expert tensors"
+    if model_type in ("gpt_oss", "llama4_text", "mistral4", "dbrx"):
         # gpt-oss and Llama 4 ship fused even through save_pretrained (Mistral 4: transformers has no per-expert form).
         assert legacy == fused
     elif model_type == "granitemoe":  # fused both ways, under the released names (input_linear / output_linear)

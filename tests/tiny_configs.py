@@ -33,6 +33,7 @@ FAMILIES: tuple[str, ...] = (
     "phimoe",
     "solar_open",
     "granitemoe",
+    "dbrx",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -204,6 +205,13 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         "granitemoe": {"num_local_experts": 4, "embedding_multiplier": 1.5, "attention_multiplier": 0.2,
                        "residual_multiplier": 0.8, "logits_scaling": 1.5,
                        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
+        # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
+        "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,
+                 "attn_config": {"kv_n_heads": 2, "clip_qkv": 2.0, "rope_theta": 1e4},
+                 "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2,
+                                "moe_normalize_expert_weights": 1.0},
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         # Solar Open: GLM-4.5's MoE layers in every layer (two router groups, one kept), Llama's attention with q/k/v
         # biases, RoPE over the whole head
         "solar_open": {"n_routed_experts": 8, "moe_intermediate_size": moe_i, "n_shared_experts": 1, "n_group": 2,

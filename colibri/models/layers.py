@@ -56,13 +56,17 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Mean-centred norm with a bias (Phi-3.5-MoE's nn.LayerNorm), in f32 with one rounding back; bf16 rows on
-    the CPU in the kernels' (kernels/attn.c coli_layernorm), whose attention block computes it too."""
+    """Mean-centred norm with a bias (Phi-3.5-MoE's nn.LayerNorm; DBRX's has none: `bias=False`), in f32 with one
+    rounding back; bf16 rows on the CPU in the kernels' (kernels/attn.c coli_layernorm), whose attention block
+    computes it too."""
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        else:  # (a buffer of zeros: nothing to load; the kernels take a bias)
+            self.register_buffer("bias", torch.zeros(dim), persistent=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
