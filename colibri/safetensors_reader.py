@@ -121,3 +121,43 @@ class SafetensorsFolder:
         if got != end - start:
             raise ColibriError(f"{path} is truncated (tensor {name})")
         return buf.view(dtype).view(shape)  # sizes checked at open (_entries)
+
+
+class SplitRows:
+    """A safetensors folder in which some fused tensors read as their row blocks, each under a name of its own
+    (a family's `source_view`: DBRX's Wqkv as q/k/v_proj, Granite's shared input_linear as gate/up_proj); the
+    fused tensors themselves are hidden. `split`: {block's name: (fused tensor's name, first row, end row)}."""
+
+    def __init__(self, st, split: dict[str, tuple[str, int, int]]):
+        self.st, self.split = st, split
+
+    def __getattr__(self, attr):  # folder and the like: as stored
+        return getattr(self.st, attr)
+
+    def names(self) -> list[str]:
+        fused = {src for src, _, _ in self.split.values()}
+        return [n for n in self.st.names() if n not in fused] + list(self.split)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.split:
+            src, a, b = self.split[name]
+            return (b - a, *self.st.shape(src)[1:])
+        return self.st.shape(name)
+
+    def dtype(self, name: str) -> str:
+        return self.st.dtype(self.split[name][0] if name in self.split else name)
+
+    def nbytes(self, name: str) -> int:
+        if name in self.split:
+            src, a, b = self.split[name]
+            return self.st.nbytes(src) * (b - a) // max(self.st.shape(src)[0], 1)
+        return self.st.nbytes(name)
+
+    def read(self, name: str, index: int | None = None, of: int | None = None) -> torch.Tensor:
+        if name not in self.split:
+            return self.st.read(name, index, of) if of is not None else self.st.read(name, index)
+        src, a, b = self.split[name]
+        rows = self.st.shape(src)[0]
+        if b > rows:
+            raise ColibriError(f"{src} has {rows} rows; the config implies at least {b}")
+        return self.st.read(src)[a:b]

@@ -34,6 +34,8 @@ FAMILIES: tuple[str, ...] = (
     "solar_open",
     "granitemoe",
     "dbrx",
+    "granitemoeshared",
+    "granitemoe_swa",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -81,6 +83,9 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
            "norm_topk_prob": True, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
            "qk_rope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4}
     dsa = {"index_topk": 8, "index_head_dim": 16, "index_n_heads": 4}  # (the sparse attention keeps 8 positions)
+    granite = {"num_local_experts": 4, "embedding_multiplier": 1.5, "attention_multiplier": 0.2,
+               "residual_multiplier": 0.8, "logits_scaling": 1.5,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
     family: dict[str, dict[str, Any]] = {
         "mixtral": {"num_local_experts": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         "olmoe": {"num_experts": 8, "norm_topk_prob": False, "clip_qkv": None},
@@ -202,9 +207,13 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                                        "short_mscale": 1.2, "long_mscale": 1.2}},
         # Granite 3.x MoE: Mixtral's layers, the top-k-then-softmax router, the four multipliers (the released tied
         # head makes these random models repeat their last token: tests/test_granitemoe.py checks one's logits)
-        "granitemoe": {"num_local_experts": 4, "embedding_multiplier": 1.5, "attention_multiplier": 0.2,
-                       "residual_multiplier": 0.8, "logits_scaling": 1.5,
-                       "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        "granitemoe": granite,
+        # Granite MoE with a shared expert; Granite's sliding-window MoE (granite-swash): that and sinks, layer 0 full
+        # without RoPE, layers 1-2 sliding over 8 positions with RoPE bases of their own
+        "granitemoeshared": {**granite, "shared_intermediate_size": 64},
+        "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
+                           "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+                           "layer_rope_theta": [0, 1e4, 5e4]},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

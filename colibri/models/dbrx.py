@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
+from ..safetensors_reader import SplitRows
 from . import mixtral
 from .base import check_act_and_rope, refuse
 from .layers import AttentionArgs, LayerNorm
@@ -49,8 +50,8 @@ class Model(mixtral.Model):
         self.model.norm = LayerNorm(a.hidden_size, a.rms_norm_eps, bias=False)
 
     @classmethod
-    def attention_args(cls, a: ModelArgs) -> AttentionArgs:
-        return dataclasses.replace(super().attention_args(a), clip_qkv=a.clip_qkv)
+    def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
+        return dataclasses.replace(super().attention_args(a, i), clip_qkv=a.clip_qkv)
 
     @classmethod
     def router(cls, a: ModelArgs) -> nn.Module:
@@ -125,59 +126,32 @@ def sanitize(name: str) -> str | None:
     return name
 
 
-class _Source:
+class _Source(SplitRows):
     """The checkpoint as the converter reads it: each `Wqkv` as three tensors (its q, k and v row blocks) and the
     fused experts [E·I, H] as [E, I, H], read one expert at a time (the reader's `of` slices)."""
 
     def __init__(self, st, cfg: dict):
-        self.st = st
         hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         q, k = hidden, kv * (hidden // heads)  # rows of q, and of k (= of v)
-        self.n_experts = cfg["num_local_experts"]
-        self.split: dict[str, tuple[str, int, int]] = {}  # q/k/v_proj name -> (Wqkv name, first row, end row)
-        self.experts: set[str] = set()
+        split = {}
         for n in st.names():
             if n.endswith(".attn.Wqkv.weight"):
                 for part, (a, b) in (("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + 2 * k))):
-                    self.split[n.replace(".Wqkv.", f".{part}.")] = (n, a, b)
-            elif re.search(r"\.ffn\.experts\.mlp\.(w1|v1|w2)$", n):
-                self.experts.add(n)
-
-    def __getattr__(self, attr):  # dtype, folder: as stored
-        return getattr(self.st, attr)
-
-    def names(self) -> list[str]:
-        fused = {src for src, _, _ in self.split.values()}
-        return [n for n in self.st.names() if n not in fused] + list(self.split)
+                    split[n.replace(".Wqkv.", f".{part}.")] = (n, a, b)
+        super().__init__(st, split)
+        self.n_experts = cfg["num_local_experts"]
+        self.experts = {n for n in st.names() if re.search(r"\.ffn\.experts\.mlp\.(w1|v1|w2)$", n)}
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name in self.split:
-            src, a, b = self.split[name]
-            return (b - a, *self.st.shape(src)[1:])
-        shape = self.st.shape(name)
+        shape = super().shape(name)
         if name in self.experts:
             return (self.n_experts, shape[0] // self.n_experts, *shape[1:])
         return shape
 
-    def dtype(self, name: str) -> str:
-        return self.st.dtype(self.split[name][0] if name in self.split else name)
-
-    def nbytes(self, name: str) -> int:
-        if name in self.split:
-            src, a, b = self.split[name]
-            return self.st.nbytes(src) * (b - a) // self.st.shape(src)[0]
-        return self.st.nbytes(name)
-
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        if name in self.split:
-            src, a, b = self.split[name]
-            rows = self.st.shape(src)[0]
-            if b > rows:
-                raise ColibriError(f"{src} has {rows} rows; the config implies at least {b}")
-            return self.st.read(src)[a:b]
+    def read(self, name: str, index: int | None = None, of: int | None = None) -> torch.Tensor:
         if name in self.experts and index is not None:
-            return self.st.read(name, index, of=self.n_experts)
-        return self.st.read(name, index)
+            return super().read(name, index, of=self.n_experts)
+        return super().read(name, index, of)
 
 
 def source_view(st, cfg: dict):

@@ -41,8 +41,8 @@ class ModelArgs(mixtral.ModelArgs):
 
 class Model(mixtral.Model):
     @classmethod
-    def attention_args(cls, a: ModelArgs) -> AttentionArgs:
-        return dataclasses.replace(super().attention_args(a), rope_theta=rope_theta(a.raw or {}, 10000.0),
+    def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
+        return dataclasses.replace(super().attention_args(a, i), rope_theta=rope_theta(a.raw or {}, 10000.0),
                                    bias=a.attention_bias, o_bias=a.attention_bias, scale=a.attention_multiplier)
 
     @classmethod

@@ -33,12 +33,13 @@ class ModelArgs(BaseArgs):
 
 
 class Model(CausalLM):
-    """Mixtral's skeleton; the families built on it (phimoe, granitemoe) swap its attention settings and router."""
+    """Mixtral's skeleton; the families built on it (phimoe, granitemoe, dbrx, ...) swap its attention settings and
+    router."""
 
     def __init__(self, a: ModelArgs):
         blocks = [
             DecoderBlock(
-                Attention(self.attention_args(a)),
+                Attention(self.attention_args(a, i)),
                 SparseMoE(self.router(a), SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts)),
                 a.hidden_size, a.rms_norm_eps)
             for i in range(a.num_hidden_layers)
@@ -47,7 +48,8 @@ class Model(CausalLM):
         self.args = a
 
     @classmethod
-    def attention_args(cls, a: ModelArgs) -> AttentionArgs:
+    def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
+        """Layer i's attention settings."""
         return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                              rope_theta(a.raw or {}, 1e6), rope_scaling(a.raw or {}), a.max_position_embeddings,
                              norm_eps=a.rms_norm_eps, sliding_window=a.sliding_window)

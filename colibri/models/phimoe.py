@@ -81,8 +81,8 @@ class Model(mixtral.Model):
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=a.lm_head_bias)
 
     @classmethod
-    def attention_args(cls, a: ModelArgs) -> AttentionArgs:
-        return dataclasses.replace(super().attention_args(a), bias=a.attention_bias, o_bias=a.attention_bias)
+    def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
+        return dataclasses.replace(super().attention_args(a, i), bias=a.attention_bias, o_bias=a.attention_bias)
 
     @classmethod
     def router(cls, a: ModelArgs) -> nn.Module:
