@@ -157,7 +157,9 @@ SHAPES["granitemoe"] = {**{k: v for k, v in BASE.items() if k not in ("moe_inter
                         "attention_multiplier": 0.015625, "residual_multiplier": 0.22, "logits_scaling": 6.0,
                         "tie_word_embeddings": True}
 # Granite's sliding-window MoE: Granite's layers with a shared expert of 1024, sinks, 3 of 4 layers sliding over 128
-SHAPES["granitemoe_swa"] = {**SHAPES["granitemoe"], "shared_intermediate_size": 1024, "sliding_window": 128}
+SHAPES["granitemoe_swa"] = {**SHAPES["granitemoe"], "shared_intermediate_size": 1024, "sliding_window": 128,
+                            "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
+                            + ["sliding_attention"] * 3, "layer_rope_theta": None}
 # DBRX: 32 experts top-4 of 512 under its nested config, q/k/v clamped at the released 8, RoPE base 5e5
 SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
                   "d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 1024,
