@@ -7,7 +7,8 @@ Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
-deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx) gets a random
+deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
+afmoe) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -160,6 +161,10 @@ SHAPES["granitemoe"] = {**{k: v for k, v in BASE.items() if k not in ("moe_inter
 SHAPES["granitemoe_swa"] = {**SHAPES["granitemoe"], "shared_intermediate_size": 1024, "sliding_window": 128,
                             "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
                             + ["sliding_attention"] * 3, "layer_rope_theta": None}
+# Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
+SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
+                   "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,
+                   "layer_types": None, "global_attn_every_n_layers": 4, "mup_enabled": True}
 # DBRX: 32 experts top-4 of 512 under its nested config, q/k/v clamped at the released 8, RoPE base 5e5
 SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
                   "d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 1024,

@@ -36,6 +36,7 @@ FAMILIES: tuple[str, ...] = (
     "dbrx",
     "granitemoeshared",
     "granitemoe_swa",
+    "afmoe",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -214,6 +215,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},
+        # Arcee's AFMoE: norms on both sides of each sublayer, gated attention, layer 1 full without RoPE between two
+        # sliding over 8, layer 0 dense, a sigmoid router with a selection bias, muP's embedding scale
+        "afmoe": {"num_experts": 8, "moe_intermediate_size": moe_i, "num_shared_experts": 1, "num_dense_layers": 1,
+                  "route_scale": 1.5, "head_dim": 16, "sliding_window": 8, "mup_enabled": True,
+                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

@@ -461,7 +461,11 @@ class Attention(nn.Module):
         for r0, r1, start, cache in kv.segs:
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
             outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.sliding_window, sinks))
-        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        return self.out(outs[0] if len(outs) == 1 else torch.cat(outs), x)
+
+    def out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs o [T, H*Dv] (a subclass may gate them by the input x: AFMoE)."""
+        return self.o_proj(o)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> KVCache:
         return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype, self.v_dim, device)
