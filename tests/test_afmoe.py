@@ -1,7 +1,7 @@
 """Arcee's AFMoE (`afmoe`). The oracle, batch, tier, prompt-cache and native-accuracy tests run it with every family
 (tests/tiny_configs.py FAMILIES: norms on both sides of each sublayer, gated attention, a full layer without RoPE
-between sliding ones, a dense first layer, the biased sigmoid router, muP); here its names, its per-layer
-attention settings, its quantized runs (layer by layer, never the fused blocks) and its refusals."""
+between sliding ones, a dense first layer, the biased sigmoid router, muP; test_native_step.py its one-call step);
+here its names and layout, its per-layer attention settings, its quantized runs in the kernels and its refusals."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 
 def test_names() -> None:
     layer = "model.layers.4."
-    for hf, ours in (("post_attention_layernorm.weight", "attn_out_norm.weight"),
+    for hf, ours in (("post_attention_layernorm.weight", "self_attn.out_norm.weight"),
                      ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-                     ("post_mlp_layernorm.weight", "mlp_out_norm.weight"),
+                     ("post_mlp_layernorm.weight", "mlp.out_norm.weight"),
                      ("mlp.router.gate.weight", "mlp.gate.weight"),
                      ("mlp.expert_bias", "mlp.gate.e_score_correction_bias"),
                      ("input_layernorm.weight", "input_layernorm.weight"),
@@ -34,24 +34,44 @@ def test_names() -> None:
         assert sanitize(layer + hf) == layer + ours
 
 
-def test_layers_and_the_stored_embedding(ckpt) -> None:
-    """Full layers attend over everything without RoPE, sliding ones with it; muP's factor is in the stored
-    embedding; no layer takes the fused blocks or the one-call step."""
+def test_layers_and_the_stored_weights(ckpt) -> None:
+    """Full layers attend over everything without RoPE, sliding ones with it; q_proj holds each head's query rows
+    then its gate rows; muP's factor is in the stored embedding."""
     cfg = {"hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4, "vocab_size": 384}
     model, _ = build("afmoe", cfg)
     args = [b.self_attn.a for b in model.model.layers]
     assert [a.sliding_window for a in args] == [1024, 1024, 1024, None] * 2
     assert [a.use_rope for a in args] == [True, True, True, False] * 2
-    assert not native_step.one_call_shape(model.model.layers)
+    assert native_step.one_call_shape(model.model.layers)
     st = load_file(ckpt.hf("afmoe") / "model.safetensors")
     with Container(ckpt.coli("afmoe", "f32")) as c:
         torch.testing.assert_close(c.tensor("model.embed_tokens.weight"), st["model.embed_tokens.weight"] * 8.0,
                                    rtol=1e-6, atol=0)
+        q = c.tensor("model.layers.2.self_attn.q_proj.weight").view(4, 2, 16, 64)  # [heads, query / gate, D, in]
+        hf = "model.layers.2.self_attn."
+        assert torch.equal(q[:, 0], st[hf + "q_proj.weight"].view(4, 16, 64))
+        assert torch.equal(q[:, 1], st[hf + "gate_proj.weight"].view(4, 16, 64))
+        assert "model.layers.2.self_attn.gate_proj.weight" not in c.names()
+
+
+def test_the_native_blocks_take_afmoes_layers(ckpt) -> None:
+    """int8 runs every layer in the kernels: the attention block with the gate and the output norm, the MoE block
+    (the dense layer's too) with the output norm, and the one-call step (test_native_step.py: the same bits as the
+    kernels one by one)."""
+    with colibri.load(ckpt.coli("afmoe", "int8"), ctx_size=64, threads=2) as llm:
+        m = llm.model
+        for b in m.model.layers:
+            layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
+            assert layer is not None and layer.gate == 1 and layer.out_w == b.self_attn.out_norm.weight.data_ptr()
+            assert b.mlp.out_norm is not None
+        plan = native_step._plan(m)
+        assert plan is not None and native_step._tail(m) is not None
+        assert all(plan.moe[i].out_w == m.model.layers[i].mlp.out_norm.weight.data_ptr() for i in range(3))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_runs_follow_transformers(ckpt, scheme: str) -> None:
-    """The per-layer path with quantized projections, experts and the kernels' router (bf16 rows)."""
+    """The kernels' blocks and step with quantized projections and experts, against transformers' f32."""
     ref = hf_logits(load_hf(ckpt.hf("afmoe")), PROMPT)
     with colibri.load(ckpt.coli("afmoe", scheme), ctx_size=64, threads=2) as llm:
         got = llm.logits(PROMPT).float()

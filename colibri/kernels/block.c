@@ -136,6 +136,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         if (rc) goto done;
         add_rows(o, L->bo, T, Hd);
     }
+    if (L->out_w) coli_rmsnorm(o, 1, T, Hd, L->out_w, L->out_eps, o);  /* (row by row: in place is safe) */
     uint16_t *hn = (uint16_t *)h_out;
     add_bf16(hb, o, (long)T * Hd, hn);
     PROF(P_RMS_POST, coli_block_norm(h_out, T, Hd, L->post_w, L->post_b, L->post_eps, x_out));

@@ -93,6 +93,9 @@ typedef struct {
     long tab_rows;
     const float *in_b, *post_b;   /* non-NULL: the input / post-attention norms are LayerNorms with these
                                    * biases, f32 (Phi-3.5-MoE), else RMSNorms */
+    const float *out_w;           /* non-NULL: an RMSNorm (f32 weights, out_eps) of o_proj's output before the
+                                   * residual add (AFMoE's norms after each sublayer) */
+    float out_eps;
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the
@@ -140,7 +143,7 @@ typedef struct {
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    int kind, int n_group, int topk_group, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
-                   const coli_expert_act *act);
+                   const coli_expert_act *act, const float *out_w, float out_eps);
 int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y);
 /* sample.c: one token from a logits row (temperature > 0), u in [0, 1); -1 a row it cannot sample. */
 long coli_sample(const float *x, long V, float temperature, int top_k, float top_p, float min_p, double u);

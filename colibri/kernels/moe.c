@@ -311,11 +311,12 @@ static int moe_scaled_input(const void *x, int T, int H, int I, const int64_t *i
  * coli_route does and run the experts, all in `gate_up`/`down` (a resident layer; a cached layer's table
  * holds the experts in memory, and a route to one it lacks returns COLI_MISS before anything is written), as coli_moe does; add
  * the shared MLP's output when `shared` (bf16 + bf16, as the Python sum), or take it alone where E == 0 (a
- * dense layer); h_out = h + that, in bf16. idx/w receive the routes (for the engine's route hooks). */
+ * dense layer); h_out = h + that (RMS-normed first with out_w / out_eps when out_w: AFMoE), in bf16. idx/w
+ * receive the routes (for the engine's route hooks). */
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    int kind, int n_group, int topk_group, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
-                   const coli_expert_act *act) {
+                   const coli_expert_act *act, const float *out_w, float out_eps) {
     if (E < 1 && !shared) return -3;
     uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
     if (!y) return -2;
@@ -334,6 +335,7 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
         rc = coli_mlp_rows(shared, x, T, H, E > 0 ? s : y);
         if (!rc && E > 0) add_bf16(y, s, (long)T * H, y);
     }
+    if (!rc && out_w) coli_rmsnorm(y, 1, T, H, out_w, out_eps, y);
     if (!rc) add_bf16((const uint16_t *)h, y, (long)T * H, (uint16_t *)h_out);
     free(y);
     return rc;

@@ -115,7 +115,8 @@ class AttnLayer(ctypes.Structure):
                 # a layer's own rotary tables (f32 [tab_rows, rot]) in coli_decode_layers: MiMo's two layer types
                 ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long),
                 # LayerNorm biases (f32 [hidden]) of the input / post-attention norms, or NULL: RMSNorms
-                ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p)]
+                ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p),
+                ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float)]  # (AFMoE: o_proj's output RMSNorm)
 
 
 class Tail(ctypes.Structure):
@@ -133,7 +134,8 @@ class MoeLayer(ctypes.Structure):
                 ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("router", ctypes.c_void_p),
                 ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("scale", ctypes.c_float), ("shared", ctypes.c_void_p), ("kind", ctypes.c_int),
-                ("act", ctypes.c_void_p), ("n_group", ctypes.c_int), ("topk_group", ctypes.c_int)]
+                ("act", ctypes.c_void_p), ("n_group", ctypes.c_int), ("topk_group", ctypes.c_int),
+                ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float)]  # (AFMoE: the output's RMSNorm)
 
 
 # coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
@@ -169,7 +171,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     f = ctypes.c_float
     lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, i, i, i, p, f, p, p]
     lib.coli_route.restype = i
-    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p]
+    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p, p, f]
     lib.coli_moe_block.restype = i
     lib.coli_mlp_rows.argtypes = [p, p, i, i, p]
     lib.coli_mlp_rows.restype = i
@@ -416,11 +418,11 @@ def mlp(m: Mlp, x: torch.Tensor) -> torch.Tensor:
 
 def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch.Tensor, k: int, norm: bool,
               intermediate: int, scheme: str, group_size: int, bias: torch.Tensor | None = None, scale: float = 1.0,
-              kind: int | None = None, shared: Mlp | None = None, groups: tuple[int, int] = (1, 1)
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              kind: int | None = None, shared: Mlp | None = None, groups: tuple[int, int] = (1, 1),
+              out_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_moe_block: route x [T, H] bf16 (the normed rows) as `route` does, run a resident layer's
-    experts (every entry of `tables` set) as `moe` does, plus the `shared` MLP as `mlp` does, add to h
-    [T, H] bf16 -> (h_out, idx, weights)."""
+    experts (every entry of `tables` set) as `moe` does, plus the `shared` MLP as `mlp` does, RMS-norm that with
+    `out_norm` (f32 weights, eps) if given, add to h [T, H] bf16 -> (h_out, idx, weights)."""
     T, H = x.shape
     kind = (ROUTE_SOFTMAX if bias is None else ROUTE_SIGMOID) if kind is None else kind
     idx = torch.empty(T, k, dtype=torch.int64)
@@ -432,7 +434,8 @@ def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch
                              tables.dn,
                              8 if scheme == "int8" else 4, group_size,
                              idx.data_ptr(), wts.data_ptr(), ys.data_ptr(), h_out.data_ptr(),
-                             None if shared is None else ctypes.byref(shared), tables.act_ptr())
+                             None if shared is None else ctypes.byref(shared), tables.act_ptr(),
+                             *((None, 0.0) if out_norm is None else (out_norm[0].data_ptr(), out_norm[1])))
     if rc != 0:
         raise RuntimeError("router: non-finite logits" if rc == -5 else f"coli_moe_block failed ({rc})")
     return h_out, idx, wts

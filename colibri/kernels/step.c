@@ -80,6 +80,8 @@ typedef struct {
     int kind;                      /* coli_route's rule (common.h ROUTE_*) */
     const coli_expert_act *act;    /* the experts' activation and biases, or NULL (SiLU-GLU) */
     int n_group, topk_group;       /* coli_route's group-limited choice (1, 1: none) */
+    const float *out_w;            /* non-NULL: the sublayer output's RMSNorm before the residual add (AFMoE) */
+    float out_eps;
 } coli_moe_layer;
 
 /* Post the read-ahead of the layers' first weights (see pf_job) for the time until the next step. */
@@ -157,7 +159,7 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
             rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind,
                                 m->n_group ? m->n_group : 1, m->topk_group ? m->topk_group : 1, m->bias,
                                 m->scale, m->gate_up, m->down, m->scheme, m->group, idx + (long)l * T * kmax,
-                                w + (long)l * T * kmax, ys, h, m->shared, m->act);
+                                w + (long)l * T * kmax, ys, h, m->shared, m->act, m->out_w, m->out_eps);
         if (rc) *failed = l;
     }
     free(mid);

@@ -1,8 +1,11 @@
 """Arcee's AFMoE (`afmoe`: Trinity Nano / Mini / Large). Llama-like layers with these differences:
 
-- norms on both sides of each sublayer: h + norm(attn(norm(h))), then h + norm(mlp(norm(h))) (`SandwichBlock`;
-  the released `post_attention_layernorm` is the attention output's norm, `pre_mlp_layernorm` the MLP input's);
-- gated attention: the heads' output times sigmoid(gate_proj(x)) before o_proj; q/k RMSNorm per head;
+- norms on both sides of each sublayer: h + norm(attn(norm(h))), then h + norm(mlp(norm(h))). The released
+  `post_attention_layernorm` is the attention output's norm (`self_attn.out_norm` here), `pre_mlp_layernorm` the
+  MLP input's (`post_attention_layernorm` here), `post_mlp_layernorm` the MLP output's (`mlp.out_norm`);
+- gated attention: the heads' output times sigmoid(gate_proj(x)) before o_proj; q/k RMSNorm per head. The
+  converter interleaves gate_proj's rows into q_proj's, each head's query then its gate (`source_view`), the
+  layout of Qwen3-Next's gated attention, whose module and kernels run it;
 - `layer_types`: sliding layers (RoPE, `sliding_window`) and full layers without RoPE (by default every
   `global_attn_every_n_layers`-th layer is full);
 - the first `num_dense_layers` layers dense; the rest routed by sigmoid scores with a selection bias
@@ -10,9 +13,8 @@
   expert `num_shared_experts` experts wide;
 - `mup_enabled`: the embedding times sqrt(hidden_size), stored so (`prepare`).
 
-Its blocks run layer by layer: the projections, experts and router in the kernels (bf16 / int8 / int4 rows), the
-norms, attention and residuals in torch ops. The fused attention and MoE blocks and the one-call step have no
-place for the norms after each sublayer (native_step.one_call_shape takes plain DecoderBlocks only).
+At int8 / int4 on the CPU the kernels run all of it: the attention block and the MoE block take each sublayer's
+output norm (coli_attn_layer.out_w, coli_moe_block's out_w), and so does the one-call step.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from torch import nn
 
-from ..kernels import native
+from ..errors import ColibriError
+from ..safetensors_reader import SplitRows
 from ..validate import is_number
 from . import deepseek_v3
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .batch import LayerKV
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, RMSNorm, rope_scaling, rope_theta
+from .layers import MLP, AttentionArgs, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
+from .qwen3_next import GatedAttention
 
 FAMILY = "afmoe"
 KINDS = ("full_attention", "sliding_attention")
@@ -68,57 +70,28 @@ class ModelArgs(BaseArgs):
             self.layer_types = [KINDS[bool((i + 1) % n)] for i in range(self.num_hidden_layers)]
 
 
-class GatedAttention(Attention):
-    """Attention whose heads' output is gated per channel by sigmoid(gate_proj(x)) before o_proj."""
-
-    def __init__(self, a: AttentionArgs):
-        super().__init__(a)
-        self.gate_proj = Linear(a.hidden, a.heads * a.head_dim)
-
-    def out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)  # [T, H*D]
-        if o.dtype == torch.bfloat16 and o.device.type == "cpu" and native.available():
-            return self.o_proj(native.gate_mul(o, gate))  # (torch's bf16 sigmoid and product: the same bits)
-        return self.o_proj(o * torch.sigmoid(gate))
-
-
-class SandwichBlock(DecoderBlock):
-    """h + attn_out_norm(attn(input_layernorm(h))), then h + mlp_out_norm(mlp(post_attention_layernorm(h)))."""
-
-    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
-        super().__init__(attn, mlp, hidden, eps)
-        self.attn_out_norm = RMSNorm(hidden, eps)
-        self.mlp_out_norm = RMSNorm(hidden, eps)
-
-    def forward(self, h: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        h = h + self.attn_out_norm(self.self_attn(self.input_layernorm(h), kv))
-        x = self.post_attention_layernorm(h)
-        # (routed experts also get the residual: their look-ahead predicts the next layer's routes from it)
-        return h + self.mlp_out_norm(self.mlp(x, h) if self.routed else self.mlp(x))
-
-
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                              rope_theta(raw, 10000.0), rope_scaling(raw), a.max_position_embeddings,
-                             qk_norm="head", norm_eps=a.rms_norm_eps)
+                             qk_norm="head", norm_eps=a.rms_norm_eps, out_norm=True)
         router = SimpleNamespace(n_routed_experts=a.num_experts, hidden_size=a.hidden_size, n_group=1, topk_group=1,
                                  num_experts_per_tok=a.num_experts_per_tok, routed_scaling_factor=a.route_scale,
                                  norm_topk_prob=True)  # (DeepSeek-V3's router, one group)
 
-        def block(i: int) -> SandwichBlock:
+        def block(i: int) -> DecoderBlock:
             sliding = a.layer_types[i] == "sliding_attention"
             attn = GatedAttention(dataclasses.replace(base, sliding_window=a.sliding_window if sliding else None,
                                                       use_rope=sliding))
             if i < a.num_dense_layers:
-                mlp = MLP(a.hidden_size, a.intermediate_size)
+                mlp = MLP(a.hidden_size, a.intermediate_size, out_norm_eps=a.rms_norm_eps)
             else:
                 mlp = SparseMoE(deepseek_v3.Router(router),
                                 SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.num_experts),
                                 MLP(a.hidden_size, a.moe_intermediate_size * a.num_shared_experts),
-                                shared_name="shared_experts")
-            return SandwichBlock(attn, mlp, a.hidden_size, a.rms_norm_eps)
+                                shared_name="shared_experts", out_norm=RMSNorm(a.hidden_size, a.rms_norm_eps))
+            return DecoderBlock(attn, mlp, a.hidden_size, a.rms_norm_eps)
 
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, [block(i) for i in range(a.num_hidden_layers)])
         self.args = a
@@ -140,8 +113,9 @@ def check_config(cfg: dict) -> None:
         refuse(FAMILY, "route_scale", scale, "a number > 0")
 
 
-_RENAMES = ((".post_attention_layernorm.", ".attn_out_norm."), (".pre_mlp_layernorm.", ".post_attention_layernorm."),
-            (".post_mlp_layernorm.", ".mlp_out_norm."), (".mlp.router.gate.", ".mlp.gate."),
+_RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."),
+            (".pre_mlp_layernorm.", ".post_attention_layernorm."), (".post_mlp_layernorm.", ".mlp.out_norm."),
+            (".mlp.router.gate.", ".mlp.gate."),
             (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"))
 
 
@@ -151,6 +125,47 @@ def sanitize(name: str) -> str | None:
         if old in name:
             return name.replace(old, new)
     return name
+
+
+class _Source(SplitRows):
+    """Each layer's q_proj [H·D, in] and gate_proj [H·D, in] read as one q_proj [2·H·D, in]: per head, its D query
+    rows then its D gate rows (Qwen3-Next's layout); gate_proj itself hidden."""
+
+    def __init__(self, st, head_dim: int):
+        super().__init__(st, {})
+        self.head_dim = head_dim
+        self.gates = {n for n in st.names() if n.endswith(".self_attn.gate_proj.weight")}
+
+    def names(self) -> list[str]:
+        return [n for n in self.st.names() if n not in self.gates]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape = self.st.shape(name)
+        return (2 * shape[0], *shape[1:]) if self._gate_of(name) else shape
+
+    def nbytes(self, name: str) -> int:
+        return self.st.nbytes(name) * (2 if self._gate_of(name) else 1)
+
+    def read(self, name: str, index: int | None = None, of: int | None = None) -> torch.Tensor:
+        gate = self._gate_of(name)
+        if gate is None or index is not None:
+            return super().read(name, index, of)
+        q, g = self.st.read(name), self.st.read(gate)
+        if q.shape != g.shape or q.dim() != 2 or q.shape[0] % self.head_dim:
+            raise ColibriError(f"{gate} {list(g.shape)} does not match {name} {list(q.shape)} in heads of "
+                               f"{self.head_dim}")
+        d = self.head_dim
+        return torch.cat([q.view(-1, d, q.shape[1]), g.view(-1, d, g.shape[1])], 1).reshape(-1, q.shape[1])
+
+    def _gate_of(self, name: str) -> str | None:
+        gate = name.replace(".self_attn.q_proj.weight", ".self_attn.gate_proj.weight")
+        return gate if gate != name and gate in self.gates else None
+
+
+def source_view(st, cfg: dict):
+    """The checkpoint with gate_proj's rows inside q_proj (see `_Source`)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return _Source(st, head_dim)
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:

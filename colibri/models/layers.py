@@ -1,4 +1,4 @@
-"""Shared building blocks: weight placeholders, RMSNorm, RoPE, KV cache, attention, dense MLP.
+"""Shared building blocks: weight placeholders, RoPE, KV cache, attention, dense MLP (the norms: norms.py).
 
 Hidden states are 2-D `[T, H]` everywhere: the rows of one step, possibly of several sequences
 (models/batch.py); attention alone splits them per sequence. Placeholders (`Linear`,
@@ -19,6 +19,7 @@ from ..kernels import native
 from . import native_mlp
 from .batch import LayerKV
 from .moe import SparseMoE
+from .norms import LayerNorm, RMSNorm, block_norm_bias, is_rms, out_norm_ptr, rms_norm  # noqa: F401 (re-exported)
 
 
 class Linear(nn.Module):
@@ -43,64 +44,6 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weight).to(self.out_dtype)  # [T, H]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class LayerNorm(nn.Module):
-    """Mean-centred norm with a bias (Phi-3.5-MoE's nn.LayerNorm; DBRX's has none: `bias=False`), in f32 with one
-    rounding back; bf16 rows on the CPU in the kernels' (kernels/attn.c coli_layernorm), whose attention block
-    computes it too."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
-        else:  # (a buffer of zeros: nothing to load; the kernels take a bias)
-            self.register_buffer("bias", torch.zeros(dim), persistent=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dtype == b.dtype == torch.float32 \
-                and native.available():
-            return native.layernorm(x, w, b, self.eps)
-        return F.layer_norm(x.float(), x.shape[-1:], w.float(), b.float(), self.eps).to(x.dtype)
-
-
-def is_rms(norm: nn.Module) -> bool:
-    """The norm every native block computes (they read only `weight` and `eps`); the attention block also takes
-    a LayerNorm (`block_norm_bias`)."""
-    return type(norm) is RMSNorm
-
-
-def block_norm_bias(norm: nn.Module) -> int | None | bool:
-    """What the native attention block takes for an input / post-attention norm: None (an RMSNorm), the
-    pointer to a LayerNorm's f32 bias, or False (neither: the block does not apply)."""
-    if type(norm) is RMSNorm:
-        return None
-    if type(norm) is LayerNorm and norm.bias.dtype == torch.float32 and norm.bias.is_contiguous():
-        return norm.bias.data_ptr()
-    return False
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """w * x / rms(x) over the last dim, normalised in f32 like the reference, one rounding back to x's
-    dtype; bf16 rows on the CPU in one native call instead of six small ops (w f32 [H])."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dtype == torch.float32 and native.available():
-        return native.rmsnorm(x, w, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (w * xf).to(x.dtype)
 
 
 def rotate_half_rows(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -412,6 +355,7 @@ class AttentionArgs:
     use_rope: bool = True  # False: a NoPE layer (EXAONE's global layers), the rotary table kept for the others
     v_head_dim: int | None = None  # values narrower or wider than q/k's heads (MiMo-V2-Flash); None: head_dim
     v_scale: float = 1.0  # values times this before they are cached (MiMo-V2-Flash)
+    out_norm: bool = False  # an RMSNorm of o_proj's output before the residual add (AFMoE: `self_attn.out_norm`)
     scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim) (Granite: its attention_multiplier)
 
 
@@ -426,6 +370,8 @@ class Attention(nn.Module):
         self.v_dim = a.v_head_dim or a.head_dim
         self.v_proj = Linear(a.hidden, a.kv_heads * self.v_dim, a.bias)
         self.o_proj = Linear(a.heads * self.v_dim, a.hidden, a.o_bias)
+        if a.out_norm:
+            self.out_norm = RMSNorm(a.hidden, a.norm_eps)
         if a.qk_norm in ("head", "head_post_rope"):
             self.q_norm, self.k_norm = RMSNorm(a.head_dim, a.norm_eps), RMSNorm(a.head_dim, a.norm_eps)
         elif a.qk_norm == "full":
@@ -464,8 +410,10 @@ class Attention(nn.Module):
         return self.out(outs[0] if len(outs) == 1 else torch.cat(outs), x)
 
     def out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o_proj of the heads' outputs o [T, H*Dv] (a subclass may gate them by the input x: AFMoE)."""
-        return self.o_proj(o)
+        """o_proj of the heads' outputs o [T, H*Dv] (a subclass may gate them by the input x), normed where the
+        layer has an output norm (AFMoE)."""
+        y = self.o_proj(o)
+        return self.out_norm(y) if self.a.out_norm else y
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> KVCache:
         return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype, self.v_dim, device)
@@ -518,6 +466,9 @@ class Attention(nn.Module):
                 or not all(is_rms(n) for n in norms[2:]) \
                 or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
             return None
+        out = out_norm_ptr(self)
+        if out is None:
+            return None
         sinks = self.sinks.float().contiguous() if a.sinks else None
         self.__dict__["_fused_sinks"] = sinks  # kept alive with the layer
         qn = (self.q_norm.weight.data_ptr(), self.k_norm.weight.data_ptr(), self.q_norm.eps) if a.qk_norm \
@@ -530,7 +481,7 @@ class Attention(nn.Module):
             self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
             *(None if p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim, v_scale=a.v_scale,
-            in_b=biases[0], post_b=biases[1])
+            in_b=biases[0], post_b=biases[1], out_w=out[0], out_eps=out[1])
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)
@@ -540,15 +491,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Dense SwiGLU feed-forward (dense layers, shared experts)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, out_norm_eps: float | None = None):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        if out_norm_eps is not None:  # (a dense layer's output RMSNorm: AFMoE's)
+            self.out_norm = RMSNorm(hidden, out_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = native_mlp.run(self, x)  # (bf16 decode rows of native weights: one call)
-        return y if y is not None else self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if y is None:
+            y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        norm = getattr(self, "out_norm", None)
+        return y if norm is None else norm(y)
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: rebuild the kernel's constants
         native_mlp.forget(self)

@@ -19,6 +19,7 @@ from torch import nn
 from ..kernels import native
 from ..quant import QLinear
 from . import native_mlp
+from .norms import out_norm_ptr
 
 
 @dataclass
@@ -305,7 +306,8 @@ class SparseMoE(nn.Module):
     """Router + routed experts (+ an optional shared expert, optionally sigmoid-gated as in Qwen2-MoE)."""
 
     def __init__(self, gate: nn.Module, experts: SwitchGLU, shared: nn.Module | None = None,
-                 shared_gate: nn.Module | None = None, shared_name: str = "shared_expert"):
+                 shared_gate: nn.Module | None = None, shared_name: str = "shared_expert",
+                 out_norm: nn.Module | None = None):
         super().__init__()
         self.gate, self.experts = gate, experts
         self.shared_name = shared_name
@@ -313,6 +315,8 @@ class SparseMoE(nn.Module):
             setattr(self, shared_name, shared)
         if shared_gate is not None:
             self.shared_expert_gate = shared_gate
+        if out_norm is not None:  # (an RMSNorm of the output, routed + shared, before the residual add: AFMoE)
+            self.out_norm = out_norm
 
     def shared_table(self) -> native.Mlp | None | bool:
         """The shared expert's native constants (with its gate), None where the kernel does not run it,
@@ -327,8 +331,10 @@ class SparseMoE(nn.Module):
         ex = self.experts
         rule = native_routing(self.gate)
         shared = self.shared_table()
-        if rule is None or x.shape[0] > native.MOE_MAX_ROWS or not native_router_ok(self.gate.weight, x) \
-                or h.dtype != torch.bfloat16 or (shared is not False and not native_mlp.applies(shared, x)):
+        out = out_norm_ptr(self)
+        if rule is None or out is None or x.shape[0] > native.MOE_MAX_ROWS \
+                or not native_router_ok(self.gate.weight, x) or h.dtype != torch.bfloat16 \
+                or (shared is not False and not native_mlp.applies(shared, x)):
             return None
         tables = ex.full_tables()
         if tables is None:
@@ -337,7 +343,8 @@ class SparseMoE(nn.Module):
         h_out, idx, weights = native.moe_block(tables, x.contiguous(), h.contiguous(), self.gate.weight,
                                                self.gate.top_k, rule.norm, ex.intermediate, tables.scheme,
                                                tables.group_size, rule.bias, rule.scale, rule.kind,
-                                               shared=shared or None, groups=rule.groups)
+                                               shared=shared or None, groups=rule.groups,
+                                               out_norm=None if out[0] is None else (self.out_norm.weight, out[1]))
         if ex.on_route is not None:
             ex.on_route(ex.layer, idx, weights)
         return h_out
@@ -355,7 +362,8 @@ class SparseMoE(nn.Module):
                 if gate is not None:
                     s = torch.sigmoid(gate(x)) * s
             out = out + s
-        return out
+        norm = getattr(self, "out_norm", None)
+        return out if norm is None else norm(out)
 
     def _apply(self, fn, recurse: bool = True):  # the gate moved too: the shared expert's constants go
         shared = getattr(self, self.shared_name, None)

@@ -28,7 +28,7 @@ from ..kernels import native, native_mla, native_run
 from ..quant import QLinear
 from . import native_mlp
 from .batch import StepBatch
-from .layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias
+from .layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias, out_norm_ptr
 from .mla import LatentCache, MLAttention
 from .moe import SparseMoE, native_routing, routed_ids
 
@@ -73,15 +73,17 @@ class _Plan:
 
     def _layer(self, b: DecoderBlock, t: native.MoeTables | None, mlp: native.Mlp | None) -> native.MoeLayer:
         shared = None if mlp is None else ctypes.addressof(mlp)
+        out_w, out_eps = out_norm_ptr(b.mlp)  # (_build checked that the kernels take it)
         if t is None:  # a dense layer: its MLP alone
             return native.MoeLayer(0, 0, self.k, 0, mlp.scheme, mlp.group, None, None, None, None, 1.0, shared,
-                                   native.ROUTE_SOFTMAX, None)
+                                   native.ROUTE_SOFTMAX, None, out_w=out_w, out_eps=out_eps)
         r = native_routing(b.mlp.gate)
         return native.MoeLayer(b.mlp.experts.intermediate, t.n, b.mlp.gate.top_k, int(r.norm),
                                8 if t.scheme == "int8" else 4, t.group_size, b.mlp.gate.weight.data_ptr(),
                                ctypes.addressof(t.gu), ctypes.addressof(t.dn),
                                None if r.bias is None else r.bias.data_ptr(), r.scale, shared, r.kind,
-                               None if t.act_ptr() is None else ctypes.addressof(t.act), *r.groups)
+                               None if t.act_ptr() is None else ctypes.addressof(t.act), *r.groups,
+                               out_w=out_w, out_eps=out_eps)
 
     def routed(self, idx: torch.Tensor) -> torch.Tensor:
         """The routed layers' rows of routes [..., L, T, k] (a dense layer's rows are not written)."""
@@ -160,6 +162,8 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
             keep.append(layer)
             layer = native.AttnLayer(hidden=layer.hidden, rot=layer.rope, mla=ctypes.addressof(layer))
         attn.append(layer)
+        if out_norm_ptr(b.mlp) is None:
+            return None  # an output norm the kernels do not take
         if isinstance(b.mlp, MLP):
             mlp, t = native_mlp.table(b.mlp), None
         else:

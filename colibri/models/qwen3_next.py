@@ -80,17 +80,18 @@ class GatedAttention(Attention):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(T, a.kv_heads, a.head_dim))
         v = self.v_proj(x).view(T, a.kv_heads, a.head_dim)
-        q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
+        if a.use_rope:  # (AFMoE's full layers have none)
+            q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         outs = []
         for r0, r1, start, cache in kv.segs:
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
-            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale))
+            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.sliding_window))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H*D]
         gate = gate.reshape(T, -1)
         if o.dtype == torch.bfloat16 and o.device.type == "cpu" and native.available():
-            return self.o_proj(native.gate_mul(o, gate))  # (the fused block's arithmetic: the same bits)
-        return self.o_proj(o * torch.sigmoid(gate))
+            return self.out(native.gate_mul(o, gate), x)  # (the fused block's arithmetic: the same bits)
+        return self.out(o * torch.sigmoid(gate), x)
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention.fused: kernels/block.c, with its output gate (`_build_native_layer`)."""
