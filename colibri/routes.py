@@ -243,7 +243,7 @@ class LookAhead:
 
     def _hook(self, norm, gate, layer: int, module, args) -> None:
         h = args[0]  # [T, H]
-        self.preds[layer] = gate(norm(h.to(norm.weight.device)))[0].cpu()  # [T, k]
+        self.preds[layer] = gate(norm(h.to(gate.weight.device)))[0].cpu()  # [T, k]
 
     def take(self) -> dict:
         out, self.preds = self.preds, {}

@@ -37,6 +37,7 @@ FAMILIES: tuple[str, ...] = (
     "granitemoeshared",
     "granitemoe_swa",
     "afmoe",
+    "flex_olmo",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -221,6 +222,9 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                   "route_scale": 1.5, "head_dim": 16, "sliding_window": 8, "mup_enabled": True,
                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        # FlexOlmo: OLMoE's layers with the norms after each sublayer only (and a router that does not renormalise)
+        "flex_olmo": {"num_experts": 8, "norm_topk_prob": False,
+                      "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

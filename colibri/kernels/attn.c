@@ -426,8 +426,13 @@ int coli_layernorm(const void *x, int bf16, long R, int H, const float *w, const
     return 0;
 }
 
-/* The input / post-attention norm of an attention block: LayerNorm where the layer has a bias, else RMSNorm. */
+/* The input / post-attention norm of an attention block: LayerNorm where the layer has a bias, else RMSNorm; none
+ * (the rows as they are) where w is NULL (FlexOlmo's blocks norm only their sublayers' outputs). */
 int coli_block_norm(const void *x, long R, int H, const float *w, const float *b, float eps, void *out) {
+    if (!w) {
+        if (out != x) memcpy(out, x, sizeof(uint16_t) * (size_t)R * H);
+        return 0;
+    }
     return b ? coli_layernorm(x, 1, R, H, w, b, eps, out) : coli_rmsnorm(x, 1, R, H, w, eps, out);
 }
 

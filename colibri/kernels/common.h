@@ -65,7 +65,7 @@ typedef struct {
     int hidden, heads, kv_heads, head_dim;
     int scheme, group;            /* of all four projections: 8 (int8) or 4 (int4, group size g) */
     coli_qw wq, wk, wv, wo;
-    const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32 */
+    const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32; NULL: no such norm (FlexOlmo) */
     float in_eps, post_eps;
     int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3), 3 per
                                    * head after the rotary (Hunyuan; Llama 4's L2 norm: weights of ones) */

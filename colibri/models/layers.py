@@ -19,7 +19,16 @@ from ..kernels import native
 from . import native_mlp
 from .batch import LayerKV
 from .moe import SparseMoE
-from .norms import LayerNorm, RMSNorm, block_norm_bias, is_rms, out_norm_ptr, rms_norm  # noqa: F401 (re-exported)
+from .norms import (  # noqa: F401 (LayerNorm, NoNorm, RMSNorm, is_rms, out_norm_ptr: re-exported)
+    LayerNorm,
+    NoNorm,
+    RMSNorm,
+    block_norm_bias,
+    is_rms,
+    norm_weight_ptr,
+    out_norm_ptr,
+    rms_norm,
+)
 
 
 class Linear(nn.Module):
@@ -464,7 +473,8 @@ class Attention(nn.Module):
         biases = [block_norm_bias(in_norm), block_norm_bias(post_norm)]  # (LayerNorms: Phi-3.5-MoE)
         if self.rope.interleaved or a.qk_norm not in (None, "full", "head", "head_post_rope") or False in biases \
                 or not all(is_rms(n) for n in norms[2:]) \
-                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms
+                       if type(n) is not NoNorm):
             return None
         out = out_norm_ptr(self)
         if out is None:
@@ -476,7 +486,7 @@ class Attention(nn.Module):
         return native.AttnLayer(
             a.hidden, a.heads, a.kv_heads, a.head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
             *(native.QW(*native.qw(p)) for p in projs),
-            in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), in_norm.eps, post_norm.eps,
+            norm_weight_ptr(in_norm), norm_weight_ptr(post_norm), in_norm.eps, post_norm.eps,
             {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0,
             self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,

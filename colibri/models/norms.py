@@ -41,6 +41,21 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), x.shape[-1:], w.float(), b.float(), self.eps).to(x.dtype)
 
 
+class NoNorm(nn.Module):
+    """No norm before a sublayer (FlexOlmo norms only the sublayers' outputs): the rows as they are; the native
+    attention block takes it as a NULL weight."""
+
+    eps = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def norm_weight_ptr(norm: nn.Module) -> int | None:
+    """An input / post-attention norm's f32 weights for the native attention block (None: a NoNorm)."""
+    return None if type(norm) is NoNorm else norm.weight.data_ptr()
+
+
 def out_norm_ptr(m: nn.Module) -> tuple[int | None, float] | None:
     """A sublayer's own output RMSNorm (`m.out_norm`: AFMoE's) as the kernels take it: (f32 weights' pointer, eps),
     (None, 0.0) where it has none, None where the kernels cannot take it."""
@@ -60,9 +75,9 @@ def is_rms(norm: nn.Module) -> bool:
 
 
 def block_norm_bias(norm: nn.Module) -> int | None | bool:
-    """What the native attention block takes for an input / post-attention norm: None (an RMSNorm), the
+    """What the native attention block takes for an input / post-attention norm: None (an RMSNorm, or no norm), the
     pointer to a LayerNorm's f32 bias, or False (neither: the block does not apply)."""
-    if type(norm) is RMSNorm:
+    if type(norm) in (RMSNorm, NoNorm):
         return None
     if type(norm) is LayerNorm and norm.bias.dtype == torch.float32 and norm.bias.is_contiguous():
         return norm.bias.data_ptr()

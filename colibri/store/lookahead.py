@@ -37,7 +37,7 @@ class LookAhead:
         if nxt is None:
             return
         norm, gate = nxt
-        idx = gate(norm(h.to(norm.weight.device)))[0]  # [T, k]: the next layer's routes, predicted
+        idx = gate(norm(h.to(gate.weight.device)))[0]  # [T, k]: the next layer's routes, predicted
         if idx.shape[0] == 1:
             ids, track = idx[0].tolist(), True
         else:  # the union, most requested first (the cache caps how many it starts)
