@@ -43,6 +43,7 @@ from hf_tiny import make_tiny_checkpoint  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
+from colibri.engine.threads import DecodeThreads  # noqa: E402
 from colibri.kernels import native  # noqa: E402
 from colibri.models import (  # noqa: E402
     deepseek_v2,
@@ -200,6 +201,11 @@ def _set_mode(llm, mode: str) -> None:
             m.__dict__.pop("_full", None)
             m._tables = None
     native_step.forget(llm.model)
+    # Each mode picks its own decode thread count and native run length: the runner's step timings of one mode
+    # steered the next one (one-call rounds on one thread after per-layer ones: 381.6 instead of ~670 tok/s).
+    runner = llm._runner
+    runner.decode_threads = DecodeThreads(runner.decode_threads.candidates[-1])
+    runner._step_s = {}
 
 
 _APPLIES, _BIAS_OK, _ERNIE_RULE = native_mlp.applies, native.bias_ok, ernie4_5_moe.Router.native_routing
