@@ -113,8 +113,9 @@ class Plan:
         self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
         sanitize = getattr(fam, "sanitize", lambda n: n)
         dropped = []
-        # Multi-token-prediction heads (GLM-4.5, DeepSeek-V3) ship as extra layers past the decoder stack.
-        n_layers, n_mtp = cfg.get("num_hidden_layers", 0), cfg.get("num_nextn_predict_layers") or 0
+        # Multi-token-prediction heads (GLM-4.5, DeepSeek-V3, Hy3) ship as extra layers past the decoder stack.
+        n_layers = cfg.get("num_hidden_layers", 0)
+        n_mtp = cfg.get("num_nextn_predict_layers") or getattr(fam, "MTP_LAYERS", 0)
         for hf in st.names():
             name = sanitize(hf)
             layer = None if name is None else layer_of(name)

@@ -38,6 +38,7 @@ FAMILIES: tuple[str, ...] = (
     "granitemoe_swa",
     "afmoe",
     "flex_olmo",
+    "hy_v3",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -225,6 +226,11 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         # FlexOlmo: OLMoE's layers with the norms after each sublayer only (and a router that does not renormalise)
         "flex_olmo": {"num_experts": 8, "norm_topk_prob": False,
                       "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        # Hy3: GLM's one-group sigmoid router scaled after renormalising, a shared expert, q/k norm; dense layer 1
+        # (mlp_layer_types, not transformers' default layer 0), a head wider than hidden / heads
+        "hy_v3": {"num_experts": 8, "moe_intermediate_size": moe_i, "num_shared_experts": 1, "head_dim": 32,
+                  "router_scaling_factor": 1.7, "mlp_layer_types": ["sparse", "dense", "sparse"],
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

@@ -17,6 +17,7 @@ from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 @dataclass
 class ModelArgs(BaseArgs):
     aliases = {"num_local_experts": "n_routed_experts"}
+    default_theta = 10000.0  # (RoPE's base when the config gives none; Hy3's differs)
 
     hidden_size: int
     intermediate_size: int
@@ -129,7 +130,7 @@ class Model(CausalLM):
 
         def attn(i: int) -> AttentionArgs:
             return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                 rope_theta(raw), rope_scaling(raw), a.max_position_embeddings,
+                                 rope_theta(raw, a.default_theta), rope_scaling(raw), a.max_position_embeddings,
                                  bias=a.attention_bias, qk_norm="head" if a.use_qk_norm else None,
                                  norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim, sliding_window=a.window(i),
                                  use_rope=a.rope_on(i))
