@@ -8,7 +8,7 @@ block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_mo
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
-afmoe, flex_olmo, hy_v3, flint) gets a random
+afmoe, flex_olmo, hy_v3, flint, kolibri1) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -175,6 +175,10 @@ SHAPES["hy_v3"] = {**BASE, "num_experts": 32, "num_shared_experts": 1, "router_s
 # Flint: Qwen3-MoE's layers (32 experts top-4 of 512 beside an ungated shared one of 1024, layers 0 and 1 dense),
 # sinks everywhere, its sliding layers (window 128) rotated and its full ones not
 SHAPES["flint"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 1024, "sliding_window": 128}
+# Kolibri-1: 32 experts top-4 of 512 beside a shared one of 512 in every layer, sliding layers (128) rotated and every
+# fifth full one not, each sublayer's output norm, the router choosing by logit + bias
+SHAPES["kolibri1"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 512, "sliding_window": 128,
+                      "norm_topk_prob": True}
 # DBRX: 32 experts top-4 of 512 under its nested config, q/k/v clamped at the released 8, RoPE base 5e5
 SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
                   "d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 1024,

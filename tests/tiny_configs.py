@@ -40,6 +40,7 @@ FAMILIES: tuple[str, ...] = (
     "flex_olmo",
     "hy_v3",
     "flint",
+    "kolibri1",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -238,6 +239,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                   "head_dim": 16, "norm_topk_prob": True, "sliding_window": 8, "mlp_only_layers": [1],
                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        # Kolibri-1: sliding layers 0 and 2 with RoPE over 8 positions, full layer 1 without RoPE; each sublayer's
+        # output norm; the router choosing by logit + bias, weighting by sigmoid, beside a shared expert
+        "kolibri1": {"num_experts": 8, "moe_intermediate_size": moe_i, "shared_expert_intermediate_size": 64,
+                     "head_dim": 16, "norm_topk_prob": True, "sliding_window": 8,
+                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

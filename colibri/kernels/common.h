@@ -126,7 +126,8 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
 int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
                    const float *cs, const float *sn, void *h_out, void *x_out);
-enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER };  /* coli_route's rules (route.c) */
+enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER,
+       ROUTE_LOGIT_BIAS_SIGMOID };  /* coli_route's rules (route.c) */
 #define COLI_MISS (-7)  /* coli_moe_block: a routed expert is not in the layer's table (a cached layer) */
 
 /* The routed experts' activation and biases (NULL: SiLU-GLU without biases). kind ACT_CLAMPED: gpt-oss's

@@ -141,7 +141,8 @@ class MoeLayer(ctypes.Structure):
 # coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
 # softmax probabilities chosen with a bias, renormalised over max(sum, floor) (ERNIE-4.5); the top k of
 # biased logits, softmax over those k (gpt-oss)
-ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER = 0, 1, 2, 3, 4
+(ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER,
+ ROUTE_LOGIT_BIAS_SIGMOID) = range(6)
 ACT_SILU, ACT_CLAMPED = 0, 1  # the routed experts' activation (common.h coli_expert_act)
 
 
@@ -378,16 +379,16 @@ def moe(tables: MoeTables, x: torch.Tensor, idx: torch.Tensor, weights: torch.Te
     return y
 
 
-def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | None = None,
-          scale: float = 1.0, kind: int | None = None, groups: tuple[int, int] = (1, 1)
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | None = None, scale: float = 1.0,
+          kind: int | None = None, groups: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_route: top-k routing of x [T, H] (bf16/f32 contiguous) by w f32 [E, H] contiguous -> (idx int64
     [T, k], weights f32 [T, k]), largest first. ROUTE_SOFTMAX (the kind without `bias`): softmax, renormalised
     when `norm`; ROUTE_SIGMOID (the kind with `bias`, f32 [E] contiguous): sigmoid scores chosen by score +
     bias, weighted by the scores (renormalised when `norm`) times `scale`; ROUTE_SOFTMAX_BIAS: softmax
-    probabilities chosen by probability + bias, weighted by the probabilities over max(their sum, `scale`).
-    groups (n_group, topk_group): the choice limited to the best topk_group of n_group expert groups first
-    (ROUTE_SOFTMAX: a group's best probability; ROUTE_SIGMOID: the sum of its two best score + bias)."""
+    probabilities chosen by probability + bias, weighted by the probabilities over max(their sum, `scale`);
+    ROUTE_LOGIT_BIAS_SIGMOID: chosen by logit + bias, weighted by sigmoid(logit) (renormalised when `norm`). groups
+    (n_group, topk_group): the choice limited to the best topk_group of n_group groups first (ROUTE_SOFTMAX: a
+    group's best probability; ROUTE_SIGMOID: the sum of its two best score + bias)."""
     T, H = x.shape
     kind = (ROUTE_SOFTMAX if bias is None else ROUTE_SIGMOID) if kind is None else kind
     idx = torch.empty(T, k, dtype=torch.int64)

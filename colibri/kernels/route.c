@@ -162,6 +162,23 @@ static int route_select_topk_softmax(float *p, float *s, int E, int k, const flo
     return 0;
 }
 
+/* Kolibri-1's rule: the k largest of logit + bias[e] in descending order (ties: the lower expert first), weighted
+ * by the sigmoid of their unbiased logits, renormalised (over their sum) when norm, times scale. p (E logits) is
+ * overwritten, s is E floats of scratch. Returns 0, or -5 for NaN logits. */
+static int route_select_biased_logit_sigmoid(float *p, float *s, int E, int k, int norm, const float *bias,
+                                             float scale, int64_t *ix, float *wt) {
+    for (int e = 0; e < E; e++) {
+        if (p[e] != p[e]) return -5;
+        s[e] = p[e];
+        p[e] += bias[e];
+    }
+    if (take_top(p, E, k, ix)) return -5;
+    float sum = 0.f;
+    for (int jj = 0; jj < k; jj++) sum += wt[jj] = 1.f / (1.f + expf(-s[ix[jj]]));
+    for (int jj = 0; jj < k; jj++) wt[jj] = (norm ? wt[jj] / sum : wt[jj]) * scale;
+    return 0;
+}
+
 /* One pick of Phi-3.5-MoE's sparsemixer (transformers' `sparsemixer` at inference): the best logit of p among
  * those not `skip`, weighted by its softmax over the logits within a relative 2 * eps of it, i.e. those e with
  * (best - p[e]) / max(|p[e]|, best) <= 2 * eps (NaN: kept, as torch's comparison). Returns the expert. */
@@ -197,6 +214,8 @@ static int route_row(const route_job *j, float *p, float *s, long t) {
     float *wt = j->w + t * j->k;
     if (j->kind == ROUTE_TOPK_SOFTMAX) return route_select_topk_softmax(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
     if (j->kind == ROUTE_SPARSEMIXER) return route_select_sparsemixer(p, j->E, j->scale, ix, wt);
+    if (j->kind == ROUTE_LOGIT_BIAS_SIGMOID)
+        return route_select_biased_logit_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
     if (j->kind == ROUTE_SIGMOID)
         return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt, j->n_group, j->topk_group);
     if (j->kind == ROUTE_SOFTMAX_BIAS) return route_select_softmax_bias(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
@@ -242,14 +261,15 @@ static void logits_part(void *p, int id, int n) {
  * (ties: the lower expert first), renormalised to sum to one when `norm`, else times `scale`;
  * ROUTE_SIGMOID, route_select_sigmoid's rule;
  * ROUTE_SOFTMAX_BIAS, route_select_softmax_bias's; ROUTE_TOPK_SOFTMAX, route_select_topk_softmax's (the
- * three with a bias [E]); ROUTE_SPARSEMIXER, route_select_sparsemixer's (k 2, `scale` its jitter eps). With n_group > 1 (ROUTE_SOFTMAX and ROUTE_SIGMOID), the choice is limited to the
+ * three with a bias [E]); ROUTE_SPARSEMIXER, route_select_sparsemixer's (k 2, `scale` its jitter eps);
+ * ROUTE_LOGIT_BIAS_SIGMOID, route_select_biased_logit_sigmoid's (with a bias [E]). With n_group > 1 (ROUTE_SOFTMAX and ROUTE_SIGMOID), the choice is limited to the
  * topk_group best of n_group equal groups first (keep_groups: DeepSeek-V2's group_limited_greedy, V3's
  * noaux_tc). idx int64 [T, k], w f32 [T, k].
  * Many rows are split between the threads; a few rows' logits are (the same values either way). Returns 0,
  * -2 (memory), -3 (bad k, kind or groups), -5 (a NaN logit). */
 int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int k, int norm, int kind,
                int n_group, int topk_group, const float *bias, float scale, int64_t *idx, float *w) {
-    if (k < 1 || k > E || kind < ROUTE_SOFTMAX || kind > ROUTE_SPARSEMIXER
+    if (k < 1 || k > E || kind < ROUTE_SOFTMAX || kind > ROUTE_LOGIT_BIAS_SIGMOID
         || (kind != ROUTE_SOFTMAX && kind != ROUTE_SPARSEMIXER && !bias) || (kind == ROUTE_SPARSEMIXER && k != 2))
         return -3;
     if (n_group < 1 || n_group > MAX_GROUPS || E % n_group || topk_group < 1 || topk_group > n_group
