@@ -8,7 +8,7 @@ block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_mo
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
-afmoe, flex_olmo, hy_v3, flint, kolibri1) gets a random
+afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -187,6 +187,8 @@ SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediat
                                  "moe_normalize_expert_weights": 1.0},
                   "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
+# A.X K1: V3/R1's layers and router (8 groups, the best 4 kept) with the MoE block's output norm
+SHAPES["axk1"] = {**SHAPES["deepseek_v3-g8"]}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 

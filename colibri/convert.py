@@ -116,10 +116,13 @@ class Plan:
         # Multi-token-prediction heads (GLM-4.5, DeepSeek-V3, Hy3) ship as extra layers past the decoder stack.
         n_layers = cfg.get("num_hidden_layers", 0)
         n_mtp = cfg.get("num_nextn_predict_layers") or getattr(fam, "MTP_LAYERS", 0)
+        ignored = getattr(fam, "IGNORED", None)  # (names the family drops where its model has no such tensor)
         for hf in st.names():
             name = sanitize(hf)
             layer = None if name is None else layer_of(name)
             if layer is not None and n_layers <= layer < n_layers + n_mtp:
+                name = None
+            if name is not None and ignored is not None and ignored.fullmatch(name) and name not in self.expected:
                 name = None
             if name is None:
                 dropped.append(hf)
