@@ -42,6 +42,7 @@ FAMILIES: tuple[str, ...] = (
     "flint",
     "kolibri1",
     "axk1",
+    "mellum",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -248,6 +249,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         # A.X K1: DeepSeek-V3's layers (2 router groups here) with the MoE output norm; layer 0 dense
         "axk1": {**mla, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "rope_interleave": True},
+        # Mellum 2: Qwen3-MoE's layers; layer 1 sliding over 8 positions with its own RoPE base, layer 0 dense
+        "mellum": {"num_local_experts": 8, "moe_intermediate_size": moe_i, "head_dim": 16, "norm_topk_prob": True,
+                   "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+                   "mlp_layer_types": ["dense", "sparse", "sparse"],
+                   "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e2}}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,
