@@ -1,7 +1,7 @@
 """Decode speed of the families with shared experts, dense layers and attention biases, by path, in one process.
 
     .venv/bin/python benchmarks/bench_one_call.py [--families qwen2_moe ...] [--scheme int8]
-        [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call]
+        [--tokens 64] [--rounds 3] [--prefill 128] [--llamacpp] [--workdir /tmp/colibri-one-call] [--keep-sources]
 
 Each family (qwen2_moe, glm4_moe, dots1, ernie4_5_moe, gpt_oss; deepseek_v2 / v3 with MLA attention, whose
 block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_moe_lite with V3's layers;
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,17 +172,21 @@ SHAPES["flex_olmo"] = {**{k: v for k, v in BASE.items() if k not in ("moe_interm
                        "intermediate_size": 512, "num_experts": 32}
 # Hy3: GLM's MoE layers (32 experts top-4 of 512 beside one shared, one router group, the released scale), layer 0
 # dense, per-head q/k norm over the whole head
-SHAPES["hy_v3"] = {**BASE, "num_experts": 32, "num_shared_experts": 1, "router_scaling_factor": 2.826}
+SHAPES["hy_v3"] = {**BASE, "num_experts": 32, "num_shared_experts": 1, "router_scaling_factor": 2.826,
+                   "mlp_layer_types": ["dense"] + ["sparse"] * 7}
 # Flint: Qwen3-MoE's layers (32 experts top-4 of 512 beside an ungated shared one of 1024, layers 0 and 1 dense),
 # sinks everywhere, its sliding layers (window 128) rotated and its full ones not
-SHAPES["flint"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 1024, "sliding_window": 128}
+SHAPES["flint"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 1024, "sliding_window": 128,
+                   "layer_types": None, "mlp_only_layers": [0, 1]}  # (FlintConfig's patterns)
 # Kolibri-1: 32 experts top-4 of 512 beside a shared one of 512 in every layer, sliding layers (128) rotated and every
 # fifth full one not, each sublayer's output norm, the router choosing by logit + bias
 SHAPES["kolibri1"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 512, "sliding_window": 128,
-                      "norm_topk_prob": True}
+                      "norm_topk_prob": True, "layer_types": None}  # (Kolibri1Config's pattern)
 # Mellum 2: Qwen3-MoE's layers (32 experts top-4 of 512), every other layer sliding over 128 with its own RoPE base
 SHAPES["mellum"] = {**BASE, "num_local_experts": 32, "sliding_window": 128,
-                    "layer_types": ["full_attention", "sliding_attention"] * 4}
+                    "layer_types": ["full_attention", "sliding_attention"] * 4, "mlp_layer_types": ["sparse"] * 8,
+                    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
 # DBRX: 32 experts top-4 of 512 under its nested config, q/k/v clamped at the released 8, RoPE base 5e5
 SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
                   "d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 1024,
@@ -196,7 +201,9 @@ MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 
 
-def _set_mode(llm, mode: str) -> None:
+def _set_mode(llm, mode: str, states: dict) -> None:
+    """Switch the loaded model to `mode`'s path; `states` keeps each mode's decode-thread chooser and native run
+    timings across rounds (the caller's dict, one per model)."""
     native_step.ENABLED = mode == "one-call"
     torch_mlp = mode == "torch-mlp"
     native_mlp.applies = (lambda t, x: False) if torch_mlp else _APPLIES
@@ -216,11 +223,15 @@ def _set_mode(llm, mode: str) -> None:
             m.__dict__.pop("_full", None)
             m._tables = None
     native_step.forget(llm.model)
-    # Each mode picks its own decode thread count and native run length: the runner's step timings of one mode
-    # steered the next one (one-call rounds on one thread after per-layer ones: 381.6 instead of ~670 tok/s).
+    # Each mode keeps its own decode thread count and native run length: one mode's step timings steered the next
+    # one (one-call rounds on one thread after per-layer ones: 381.6 instead of ~670 tok/s). They persist across
+    # rounds: the first round of a mode times both thread counts, the later ones run the choice, as a serving
+    # engine does (a fresh chooser every round made each round pay that exploration: 345.5 vs ~430 tok/s).
     runner = llm._runner
-    runner.decode_threads = DecodeThreads(runner.decode_threads.candidates[-1])
-    runner._step_s = {}
+    states[states.get("current", "one-call")] = (runner.decode_threads, runner._step_s)
+    runner.decode_threads, runner._step_s = states.get(mode) or (DecodeThreads(runner.decode_threads.candidates[-1]),
+                                                                 {})
+    states["current"] = mode
 
 
 _APPLIES, _BIAS_OK, _ERNIE_RULE = native_mlp.applies, native.bias_ok, ernie4_5_moe.Router.native_routing
@@ -280,6 +291,15 @@ def _as_released(fam: str, src: Path) -> None:
         (src / "config.json").write_text(json.dumps({**cfg, "architectures": [released[fam]]}, indent=2))
 
 
+def _source(root: Path, fam: str) -> Path:
+    """The family's random checkpoint folder, written if absent (seeded: the same weights each time)."""
+    src = root / f"{fam}-hf"
+    if not (src / "config.json").exists():
+        make_tiny_checkpoint(fam.split("-")[0], src, **SHAPES[fam])  # (a variant: "family-name")
+        _as_released(fam, src)
+    return src
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -292,6 +312,8 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="also prefill tok/s of an N-token prompt (the default path; llama.cpp's ppN)")
     p.add_argument("--llamacpp-cache", default="/tmp/colibri-bench/llamacpp", help="its build and sdist")
+    p.add_argument("--keep-sources", action="store_true",
+                   help="keep each family's safetensors folder and GGUF files (~2 GB a family; the .coli is kept)")
     a = p.parse_args()
     root = Path(a.workdir)
     print(f"load average before: {os.getloadavg()[0]:.2f}; {a.scheme}, {a.tokens} tokens, {a.rounds} rounds")
@@ -300,27 +322,24 @@ def main() -> None:
     for fam in a.families:
         coli = root / f"{fam}.{a.scheme}.coli"
         if not coli.exists():
-            src = root / f"{fam}-hf"
-            if not (src / "config.json").exists():
-                make_tiny_checkpoint(fam.split("-")[0], src, **SHAPES[fam])  # (a variant: "family-name")
-                _as_released(fam, src)
-            convert(src, coli, a.scheme, progress=False)
+            convert(_source(root, fam), coli, a.scheme, progress=False)
         with colibri.load(coli, threads=a.threads, ctx_size=256) as llm:
             _decode(llm, 16)  # warm-up: the thread-count timing, the kernels' first builds
+            states: dict = {}
             got: dict[str, list[float]] = {m: [] for m in MODES}
             pre: list[float] = []
             for _ in range(a.rounds):
                 for m in MODES:
-                    _set_mode(llm, m)
+                    _set_mode(llm, m, states)
                     got[m].append(_decode(llm, a.tokens))
                     if a.prefill and m == "one-call":
                         pre.append(_prefill(llm, a.prefill))
-            _set_mode(llm, "one-call")
+            _set_mode(llm, "one-call", states)
         med = {m: statistics.median(v) for m, v in got.items()}
         ratios = " ".join(f"{med[m] / med['one-call']:.2f}" for m in MODES[1:])
         peer = ""
         if a.llamacpp:
-            ll, ll_pre = _llamacpp(root / f"{fam}-hf", a.scheme, a.threads, a.tokens, a.prefill or 8,
+            ll, ll_pre = _llamacpp(_source(root, fam), a.scheme, a.threads, a.tokens, a.prefill or 8,
                                    Path(a.llamacpp_cache))
             peer = f"   {ll:>15s}  " + (f"{med['one-call'] / float(ll):.2f}x" if ll[0].isdigit() else "")
         print(f"{fam:12s} " + " ".join(f"{med[m]:16.1f}" for m in MODES) + f"  {ratios:18s}{peer}", flush=True)
@@ -330,6 +349,10 @@ def main() -> None:
                 line += f", llama.cpp pp{a.prefill} {ll_pre}" + \
                     (f": {statistics.median(pre) / float(ll_pre):.2f}x" if ll_pre[0].isdigit() else "")
             print(line, flush=True)
+        if not a.keep_sources:  # (all families' folders and GGUFs took 74 GB of disk in one run)
+            shutil.rmtree(root / f"{fam}-hf", ignore_errors=True)
+            for gguf in root.glob(f"{fam}-hf.*.gguf"):
+                gguf.unlink()
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
