@@ -43,6 +43,7 @@ FAMILIES: tuple[str, ...] = (
     "kolibri1",
     "axk1",
     "mellum",
+    "cohere2_moe",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -255,6 +256,13 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                    "mlp_layer_types": ["dense", "sparse", "sparse"],
                    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e2}}},
+        # Command A MoE: parallel blocks, LayerNorms, interleaved RoPE; layer 0 a dense prefix layer (full, rotated),
+        # layer 1 sliding (rotated), layer 2 full without RoPE; a shared expert averaged in; the head scaled (untied
+        # here: tests/test_cohere2_moe.py ties it)
+        "cohere2_moe": {"num_experts": 8, "intermediate_size": 32, "prefix_dense_intermediate_size": 96, "head_dim": 16,
+                        "num_shared_experts": 1, "sliding_window": 8, "first_k_dense_replace": 1,
+                        "sliding_window_pattern": 2, "logit_scale": 0.5,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

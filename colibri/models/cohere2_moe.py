@@ -1,0 +1,199 @@
+"""Cohere's Command A MoE (`cohere2_moe`): Cohere 2's parallel blocks over Mixtral-style experts.
+
+- Parallel block: h + attn(norm(h)) + mlp(norm(h)), one input norm per layer (a LayerNorm without bias, or an
+  RMSNorm when `rms_norm_eps` is set), no norm between the two.
+- Attention: RoPE on interleaved pairs (the converter moves q/k rows to rotate-half order, as for ERNIE) on the
+  sliding layers and on the dense prefix layers when `prefix_dense_sliding_window_pattern` is 1; the other full
+  layers use none. `layer_types` / `mlp_layer_types`, else transformers' patterns from `first_k_dense_replace`.
+- MoE: the top k logits, weighted by their softmax (gpt-oss's rule: the kernels' top-k softmax with a zero bias)
+  or by their sigmoid, renormalised (`expert_selection_fn`); experts of `intermediate_size`; `num_shared_experts`
+  as one MLP, added or averaged with the routed output ("average": the router's weights and the shared expert's
+  down projection halved).
+- Head: tied to the embedding by default, times `logit_scale` (folded into the stored lm_head).
+
+The blocks run layer by layer (the kernels' one-call step chains sequential blocks); each projection, the router
+and the experts in the native kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels import native
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .layers import MLP, Attention, AttentionArgs, LayerNorm, RMSNorm, rope_scaling, rope_theta, rotate_half_rows
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+
+FAMILY = "cohere2_moe"
+KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int = 128
+    max_position_embeddings: int = 8192
+    layer_norm_eps: float = 1e-5
+    rms_norm_eps: float | None = None
+    attention_bias: bool = False
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int = 4
+    prefix_dense_sliding_window_pattern: int = 1
+    prefix_dense_intermediate_size: int | None = None
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    num_shared_experts: int = 0
+    shared_expert_combination_strategy: str = "average"
+    expert_selection_fn: str = "softmax"
+    norm_topk_prob: bool = True
+    layer_types: list | None = None
+    mlp_layer_types: list | None = None
+    raw: dict | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.layer_types, self.mlp_layer_types = patterns(self.raw or {}, self.num_hidden_layers)
+
+    def averages(self) -> bool:
+        """Whether a sparse layer's output is (routed + shared) / 2."""
+        return bool(self.num_shared_experts) and self.shared_expert_combination_strategy == "average"
+
+    def rotates(self, i: int) -> bool:
+        """transformers' Cohere2MoeAttention: RoPE on sliding layers, and on dense layers while the dense prefix's
+        pattern is 1."""
+        return self.layer_types[i] == "sliding_attention" or (  # type: ignore[index]
+            self.mlp_layer_types[i] == "dense" and self.prefix_dense_sliding_window_pattern == 1)  # type: ignore[index]
+
+
+def patterns(cfg: dict, n: int) -> tuple[list[str], list[str]]:
+    """(layer_types, mlp_layer_types) as transformers' Cohere2MoeConfig decides them."""
+    k = int(cfg.get("first_k_dense_replace") or 0)
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        every = int(cfg.get("sliding_window_pattern", 4))
+        prefix = int(cfg.get("prefix_dense_sliding_window_pattern", 1))
+        kinds = [KINDS[bool((i + 1) % prefix)] for i in range(min(k, n))] + \
+                [KINDS[bool((i + 1) % every)] for i in range(n - min(k, n))]
+    mlps = cfg.get("mlp_layer_types")
+    if mlps is None:
+        mlps = ["dense" if i < k else "sparse" for i in range(n)]
+    return list(kinds), list(mlps)
+
+
+class Router(nn.Module):
+    """The top k logits; weights: their softmax (`softmax`), or their sigmoids renormalised (`sigmoid`)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, fn: str, norm: bool, scale: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
+        self.register_buffer("zero_bias", torch.zeros(num_experts), persistent=False)  # [E] (the kernels take one)
+        self.top_k, self.fn, self.norm, self.scale = top_k, fn, norm, scale
+
+    def native_routing(self) -> RouteRule | None:
+        if self.fn == "softmax":
+            return RouteRule(native.ROUTE_TOPK_SOFTMAX, False, self.zero_bias, self.scale)
+        return RouteRule(native.ROUTE_LOGIT_BIAS_SIGMOID, self.norm, self.zero_bias, self.scale)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
+        top, idx = (x.float() @ self.weight.float().T).topk(self.top_k, dim=-1)  # [T, k], [T, k]
+        if self.fn == "softmax":
+            return idx, top.softmax(-1) * self.scale
+        w = top.sigmoid()
+        return idx, (w / w.sum(-1, keepdim=True) if self.norm else w) * self.scale
+
+
+class ParallelBlock(nn.Module):
+    """Cohere's block: attention and MLP both read the one input norm, and both add to the residual."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.self_attn, self.mlp, self.input_layernorm = attn, mlp, norm
+        self.routed = isinstance(mlp, SparseMoE)
+
+    @property
+    def post_attention_layernorm(self) -> nn.Module:
+        """The norm the MLP reads (the look-ahead applies the next layer's to predict its routes)."""
+        return self.input_layernorm
+
+    def forward(self, h: torch.Tensor, kv) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        y = self.self_attn(x, kv)
+        return h + y + (self.mlp(x, h) if self.routed else self.mlp(x))
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        raw = a.raw or {}
+
+        def norm() -> nn.Module:
+            if a.rms_norm_eps is not None:
+                return RMSNorm(a.hidden_size, a.rms_norm_eps)
+            return LayerNorm(a.hidden_size, a.layer_norm_eps, bias=False)
+
+        def block(i: int) -> ParallelBlock:
+            sliding = a.layer_types[i] == "sliding_attention"  # type: ignore[index]
+            attn = Attention(AttentionArgs(
+                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, rope_theta(raw),  # type: ignore[arg-type]
+                rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
+                sliding_window=a.sliding_window if sliding else None, use_rope=a.rotates(i)))
+            if a.mlp_layer_types[i] == "dense":  # type: ignore[index]
+                mlp: nn.Module = MLP(a.hidden_size, a.prefix_dense_intermediate_size or a.intermediate_size)
+            else:
+                gate = Router(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.expert_selection_fn,
+                              a.norm_topk_prob, 0.5 if a.averages() else 1.0)
+                shared = MLP(a.hidden_size, a.intermediate_size * a.num_shared_experts) if a.num_shared_experts \
+                    else None
+                mlp = SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_experts), shared,
+                                shared_name="shared_experts")
+            return ParallelBlock(attn, mlp, norm())
+
+        super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps or a.layer_norm_eps,
+                         [block(i) for i in range(a.num_hidden_layers)])
+        self.model.norm = norm()
+        self.args = a
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse Cohere 2 MoE configs this file does not implement."""
+    check_act_and_rope(FAMILY, cfg)
+    n = int(cfg.get("num_hidden_layers") or 0)
+    kinds, mlps = patterns(cfg, n)
+    if len(kinds) != n or any(k not in KINDS for k in kinds):
+        refuse(FAMILY, "layer_types", cfg.get("layer_types"), f"{n} entries of {' / '.join(KINDS)}")
+    if len(mlps) != n or any(k not in ("dense", "sparse") for k in mlps):
+        refuse(FAMILY, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" / "sparse"')
+    if "sliding_attention" in kinds and not cfg.get("sliding_window", 4096):
+        refuse(FAMILY, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+    if cfg.get("expert_selection_fn", "softmax") not in ("softmax", "sigmoid"):
+        refuse(FAMILY, "expert_selection_fn", cfg["expert_selection_fn"], "softmax or sigmoid")
+    if cfg.get("shared_expert_combination_strategy", "average") not in ("average", "sum"):
+        refuse(FAMILY, "shared_expert_combination_strategy", cfg["shared_expert_combination_strategy"],
+               "average or sum")
+    if int(cfg.get("head_dim", 128)) % 2:
+        refuse(FAMILY, "head_dim", cfg["head_dim"], "an even number (RoPE pairs)")
+
+
+def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Stored tensors as the engine's layers want them: q/k rows in rotate-half order (Cohere rotates interleaved
+    pairs), the head times `logit_scale`, and "average" folded into the shared expert's down projection."""
+    D = int(cfg.get("head_dim", 128))
+    if name.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.q_proj.bias",
+                      ".self_attn.k_proj.bias")):
+        return rotate_half_rows(t, D)
+    factor = 1.0
+    if name == "lm_head.weight":
+        factor = float(cfg.get("logit_scale", 0.0625))
+    elif ".mlp.shared_experts.down_proj." in name and ModelArgs.from_dict(cfg).averages():
+        factor = 0.5  # (the routed half: the router's scale)
+    return t if factor == 1.0 else (t.float() * factor).to(t.dtype)
