@@ -13,7 +13,7 @@ from transformers import Cohere2MoeConfig
 import colibri
 from colibri.errors import ColibriError
 from colibri.models.base import build
-from colibri.models.cohere2_moe import ModelArgs, ParallelBlock, Router, check_config
+from colibri.models.cohere2_moe import ModelArgs, Router, check_config
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 
@@ -38,7 +38,7 @@ def test_layer_patterns_and_rope_are_transformers(over: dict) -> None:
         t = Cohere2MoeAttention(ref, i)
         assert a.rotates(i) == (t.sliding_window is not None or t.force_rope), i
     model, _ = build("cohere2_moe", kw)
-    assert all(isinstance(b, ParallelBlock) for b in model.model.layers)
+    assert all(b.parallel and b.post_attention_layernorm is b.input_layernorm for b in model.model.layers)
     assert [b.self_attn.a.use_rope for b in model.model.layers] == [a.rotates(i) for i in range(9)]
 
 

@@ -21,7 +21,7 @@ static void clamp_bf16(uint16_t *x, long n, float c) {
  * caches for this layer are kc[t] / vc[t] (bf16 [kv_heads, ctx, head_dim], head stride ks / vs);
  * cos/sin f32 [T, rot] the rows' rotary tables. Writes each row's key and value at its position,
  * then (all rows' keys written: a prompt chunk's rows see their predecessors) h_out = h + attn(h)
- * and x_out = post_norm(h_out), both bf16 [T, hidden]. Returns 0, -1 (T out of range, or a position past
+ * and x_out = post_norm(h_out) (a parallel block's: the input norm of h), both bf16 [T, hidden]. Returns 0, -1 (T out of range, or a position past
  * the temperature table), -2 (memory). */
 
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
@@ -139,7 +139,8 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     if (L->out_w) coli_rmsnorm(o, 1, T, Hd, L->out_w, L->out_eps, o);  /* (row by row: in place is safe) */
     uint16_t *hn = (uint16_t *)h_out;
     add_bf16(hb, o, (long)T * Hd, hn);
-    PROF(P_RMS_POST, coli_block_norm(h_out, T, Hd, L->post_w, L->post_b, L->post_eps, x_out));
+    if (L->parallel) memcpy(x_out, xn, sizeof(uint16_t) * (size_t)T * Hd);
+    else PROF(P_RMS_POST, coli_block_norm(h_out, T, Hd, L->post_w, L->post_b, L->post_eps, x_out));
 done:
     free(buf);
     return rc;

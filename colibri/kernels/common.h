@@ -96,6 +96,8 @@ typedef struct {
     const float *out_w;           /* non-NULL: an RMSNorm (f32 weights, out_eps) of o_proj's output before the
                                    * residual add (AFMoE's norms after each sublayer) */
     float out_eps;
+    int parallel;                 /* 1: x_out is the input norm's output, no post norm (Cohere's parallel block: its
+                                   * MLP reads the attention's input) */
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the

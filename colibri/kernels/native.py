@@ -112,11 +112,11 @@ class AttnLayer(ctypes.Structure):
                 ("temp_floor", ctypes.c_float),
                 ("gate", ctypes.c_int),  # Qwen3-Next: q_proj gives each head's query and its output gate
                 ("v_dim", ctypes.c_int), ("v_scale", ctypes.c_float),  # MiMo-V2-Flash: its values' width and scale
-                # a layer's own rotary tables (f32 [tab_rows, rot]) in coli_decode_layers: MiMo's two layer types
-                ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long),
+                ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long),  # MiMo's own RoPE
                 # LayerNorm biases (f32 [hidden]) of the input / post-attention norms, or NULL: RMSNorms
                 ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p),
-                ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float)]  # (AFMoE: o_proj's output RMSNorm)
+                ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float),  # (AFMoE: o_proj's output RMSNorm)
+                ("parallel", ctypes.c_int)]  # Cohere: the MLP reads the input norm (no post norm)
 
 
 class Tail(ctypes.Structure):

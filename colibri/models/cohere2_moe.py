@@ -11,8 +11,8 @@
   down projection halved).
 - Head: tied to the embedding by default, times `logit_scale` (folded into the stored lm_head).
 
-The blocks run layer by layer (the kernels' one-call step chains sequential blocks); each projection, the router
-and the experts in the native kernels.
+The kernels' attention block hands the MLP its input norm's output (coli_attn_layer.parallel), so the blocks run
+in the one-call step like the sequential ones.
 """
 
 from __future__ import annotations
@@ -24,7 +24,17 @@ from torch import nn
 
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .layers import MLP, Attention, AttentionArgs, LayerNorm, RMSNorm, rope_scaling, rope_theta, rotate_half_rows
+from .layers import (
+    MLP,
+    Attention,
+    AttentionArgs,
+    DecoderBlock,
+    LayerNorm,
+    RMSNorm,
+    rope_scaling,
+    rope_theta,
+    rotate_half_rows,
+)
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 FAMILY = "cohere2_moe"
@@ -113,25 +123,6 @@ class Router(nn.Module):
         return idx, (w / w.sum(-1, keepdim=True) if self.norm else w) * self.scale
 
 
-class ParallelBlock(nn.Module):
-    """Cohere's block: attention and MLP both read the one input norm, and both add to the residual."""
-
-    def __init__(self, attn: nn.Module, mlp: nn.Module, norm: nn.Module):
-        super().__init__()
-        self.self_attn, self.mlp, self.input_layernorm = attn, mlp, norm
-        self.routed = isinstance(mlp, SparseMoE)
-
-    @property
-    def post_attention_layernorm(self) -> nn.Module:
-        """The norm the MLP reads (the look-ahead applies the next layer's to predict its routes)."""
-        return self.input_layernorm
-
-    def forward(self, h: torch.Tensor, kv) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        y = self.self_attn(x, kv)
-        return h + y + (self.mlp(x, h) if self.routed else self.mlp(x))
-
-
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
@@ -141,12 +132,12 @@ class Model(CausalLM):
                 return RMSNorm(a.hidden_size, a.rms_norm_eps)
             return LayerNorm(a.hidden_size, a.layer_norm_eps, bias=False)
 
-        def block(i: int) -> ParallelBlock:
+        def block(i: int) -> DecoderBlock:
             sliding = a.layer_types[i] == "sliding_attention"  # type: ignore[index]
             attn = Attention(AttentionArgs(
                 a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, rope_theta(raw),  # type: ignore[arg-type]
                 rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
-                sliding_window=a.sliding_window if sliding else None, use_rope=a.rotates(i)))
+                sliding_window=a.sliding_window if sliding else None, use_rope=a.rotates(i), parallel=True))
             if a.mlp_layer_types[i] == "dense":  # type: ignore[index]
                 mlp: nn.Module = MLP(a.hidden_size, a.prefix_dense_intermediate_size or a.intermediate_size)
             else:
@@ -156,7 +147,7 @@ class Model(CausalLM):
                     else None
                 mlp = SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_experts), shared,
                                 shared_name="shared_experts")
-            return ParallelBlock(attn, mlp, norm())
+            return DecoderBlock(attn, mlp, a.hidden_size, 0.0, norm=norm())
 
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps or a.layer_norm_eps,
                          [block(i) for i in range(a.num_hidden_layers)])

@@ -366,6 +366,7 @@ class AttentionArgs:
     v_scale: float = 1.0  # values times this before they are cached (MiMo-V2-Flash)
     out_norm: bool = False  # an RMSNorm of o_proj's output before the residual add (AFMoE: `self_attn.out_norm`)
     scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim) (Granite: its attention_multiplier)
+    parallel: bool = False  # the block's MLP reads this layer's input norm, not a post norm (Cohere: DecoderBlock's)
 
 
 class Attention(nn.Module):
@@ -491,7 +492,7 @@ class Attention(nn.Module):
             self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
             *(None if p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim, v_scale=a.v_scale,
-            in_b=biases[0], post_b=biases[1], out_w=out[0], out_eps=out[1])
+            in_b=biases[0], post_b=biases[1], out_w=out[0], out_eps=out[1], parallel=int(a.parallel))
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
         self.__dict__.pop("_fused_layer", None)
@@ -522,14 +523,20 @@ class MLP(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)). `norm` given: a parallel block (Cohere),
+    h + attn(norm(h)) + mlp(norm(h)), its one norm registered under both names (the attention's
+    AttentionArgs.parallel set: the native block hands the MLP the input norm's output)."""
 
-    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float, norm: nn.Module | None = None):
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.parallel = norm is not None
+        if self.parallel and not getattr(getattr(attn, "a", None), "parallel", False):
+            raise ValueError("a parallel block's attention needs AttentionArgs(parallel=True)")
+        self.input_layernorm = norm if norm is not None else RMSNorm(hidden, eps)
+        # (the same module twice: its weight is one parameter, and the look-ahead applies it to predict routes)
+        self.post_attention_layernorm = norm if norm is not None else RMSNorm(hidden, eps)
         self.routed = isinstance(mlp, SparseMoE)
 
     def forward(self, h: torch.Tensor, kv: LayerKV) -> torch.Tensor:
@@ -539,6 +546,9 @@ class DecoderBlock(nn.Module):
                                                self.post_attention_layernorm)
         if out is not None:
             h, x = out
+        elif self.parallel:
+            x = self.input_layernorm(h)
+            h = h + self.self_attn(x, kv)
         else:
             h = h + self.self_attn(self.input_layernorm(h), kv)
             x = self.post_attention_layernorm(h)
