@@ -8,7 +8,7 @@ block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_mo
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
-afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe) gets a random
+afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -192,6 +192,11 @@ SHAPES["mellum"] = {**BASE, "num_local_experts": 32, "sliding_window": 128,
 SHAPES["cohere2_moe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "intermediate_size": 512,
                          "num_experts": 32, "num_shared_experts": 1, "first_k_dense_replace": 1,
                          "prefix_dense_intermediate_size": 2048, "sliding_window": 128, "tie_word_embeddings": True}
+# Laguna: 32 experts top-4 of 512 beside a shared one, layer 0 dense, 3 of 4 layers sliding over 128, the default
+# RoPE per type, a softplus gate per head (layer by layer)
+SHAPES["laguna"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 512, "sliding_window": 128,
+                    "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
+                    "num_attention_heads_per_layer": None, "rope_parameters": None}
 # DBRX: 32 experts top-4 of 512 under its nested config, q/k/v clamped at the released 8, RoPE base 5e5
 SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
                   "d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 1024,

@@ -44,6 +44,7 @@ FAMILIES: tuple[str, ...] = (
     "axk1",
     "mellum",
     "cohere2_moe",
+    "laguna",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -263,6 +264,15 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                         "num_shared_experts": 1, "sliding_window": 8, "first_k_dense_replace": 1,
                         "sliding_window_pattern": 2, "logit_scale": 0.5,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        # Laguna: layer 1 full with half its head rotated and 2 heads, layers 0 and 2 sliding over 8 with 4 heads;
+        # each head's output gated by softplus; layer 0 dense; GLM's router with a selection bias, scaled
+        "laguna": {"num_experts": 8, "moe_intermediate_size": moe_i, "shared_expert_intermediate_size": 64,
+                   "head_dim": 16, "sliding_window": 8, "num_attention_heads_per_layer": [4, 2, 4],
+                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                   "moe_routed_scaling_factor": 1.5,
+                   "rope_parameters": {
+                       "full_attention": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,
