@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import edited_copy, tiny_config_kwargs
+from route_check import assert_native_routes_as_torch
 from transformers import Kolibri1Config
 
 from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.models.base import build
-from colibri.models.kolibri1 import BiasedLogitRouter, ModelArgs, check_config, sanitize
+from colibri.models.kolibri1 import ModelArgs, check_config, sanitize
+from colibri.models.moe import BiasedLogitRouter
 
 
 def _cfg(**over) -> dict:
@@ -42,22 +44,11 @@ def test_the_bias_chooses_by_logit_and_the_weights_are_sigmoids() -> None:
 def test_bf16_rows_route_natively_as_torch_does(norm: bool) -> None:
     """bf16 rows take the kernels' ROUTE_LOGIT_BIAS_SIGMOID rule: the experts and weights of the torch rule on the
     same values."""
-    from colibri.kernels import native
-
-    if not native.available():
-        pytest.skip(f"native kernels: {native.why_unavailable()}")
     g = torch.Generator().manual_seed(5)
     r = BiasedLogitRouter(32, 16, 4, norm)
     r.weight.data = torch.randn(16, 32, generator=g)
     r.e_score_correction_bias.data = torch.randn(16, generator=g) * 2
-    assert r.native_routing() is not None
-    x = torch.randn(64, 32, generator=g).bfloat16()
-    idx, w = r(x)  # native
-    ref_idx, ref_w = r(x.float())  # torch, the same values
-    idx, mine = idx.sort(-1)
-    ref_idx, order = ref_idx.sort(-1)
-    assert torch.equal(idx, ref_idx)
-    torch.testing.assert_close(w.gather(1, mine), ref_w.gather(1, order), rtol=1e-5, atol=1e-6)
+    assert_native_routes_as_torch(r, torch.randn(64, 32, generator=g))
 
 
 @pytest.mark.parametrize("n", [3, 10, 12])

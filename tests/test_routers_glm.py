@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from route_check import assert_native_routes_as_torch
 
 from colibri.models.glm4_moe import GroupLimitedRouter
 
@@ -101,19 +102,8 @@ def test_each_token_routes_independently():
 def test_bf16_rows_route_natively_as_torch_does(groups):
     """bf16 rows take the kernels' sigmoid rule in its groups (kernels/route.c keep_groups): the experts and
     weights of the torch rule on the same values."""
-    from colibri.kernels import native
-
-    if not native.available():
-        pytest.skip(f"native kernels: {native.why_unavailable()}")
     g = torch.Generator().manual_seed(5)
     r = GroupLimitedRouter(32, 16, 4, *groups, True, 2.5)
     r.weight.data = torch.randn(16, 32, generator=g)
     r.e_score_correction_bias.data = torch.randn(16, generator=g) * 0.3
-    assert r.native_routing() is not None
-    x = torch.randn(64, 32, generator=g).bfloat16()
-    idx, w = r(x)  # native
-    ref_idx, ref_w = r(x.float())  # torch, the same values
-    idx, mine = idx.sort(-1)
-    ref_idx, order = ref_idx.sort(-1)
-    assert torch.equal(idx, ref_idx)
-    torch.testing.assert_close(w.gather(1, mine), ref_w.gather(1, order), rtol=1e-5, atol=1e-6)
+    assert_native_routes_as_torch(r, torch.randn(64, 32, generator=g))

@@ -30,7 +30,7 @@ from ..errors import ColibriError
 from ..safetensors_reader import SplitRows
 from ..validate import is_number
 from . import deepseek_v3
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .layers import MLP, AttentionArgs, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 from .qwen3_next import GatedAttention
@@ -121,10 +121,7 @@ _RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."),
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name (each at most one rename: the released norms swap places with ours)."""
-    for old, new in _RENAMES:
-        if old in name:
-            return name.replace(old, new)
-    return name
+    return rename_first(name, _RENAMES)
 
 
 class _Source(SplitRows):

@@ -71,6 +71,14 @@ def refuse(family: str, field: str, value, want: str) -> NoReturn:
     raise ColibriError(f"{family}: {field}={value!r} is not supported ({want})")
 
 
+def rename_first(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """`name` with the first of `renames`' (old, new) substrings it contains replaced (a family's `sanitize` map)."""
+    for old, new in renames:
+        if old in name:
+            return name.replace(old, new)
+    return name
+
+
 def check_act_and_rope(family: str, cfg: dict, act: bool = True) -> None:
     """The refusals most families share: an activation other than silu (`act`), an unimplemented RoPE scaling."""
     if act and cfg.get("hidden_act", "silu") != "silu":

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .layers import (
     MLP,
@@ -35,7 +34,7 @@ from .layers import (
     rope_theta,
     rotate_half_rows,
 )
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from .moe import BiasedLogitRouter, SoftmaxTopKRouter, SparseMoE, SwitchGLU
 
 FAMILY = "cohere2_moe"
 KINDS = ("full_attention", "sliding_attention")
@@ -98,29 +97,12 @@ def patterns(cfg: dict, n: int) -> tuple[list[str], list[str]]:
     return list(kinds), list(mlps)
 
 
-class Router(nn.Module):
-    """The top k logits; weights: their softmax (`softmax`), or their sigmoids renormalised (`sigmoid`)."""
-
-    def __init__(self, hidden: int, num_experts: int, top_k: int, fn: str, norm: bool, scale: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
-        self.register_buffer("zero_bias", torch.zeros(num_experts), persistent=False)  # [E] (the kernels take one)
-        self.top_k, self.fn, self.norm, self.scale = top_k, fn, norm, scale
-
-    def native_routing(self) -> RouteRule | None:
-        if self.fn == "softmax":
-            return RouteRule(native.ROUTE_TOPK_SOFTMAX, False, self.zero_bias, self.scale)
-        return RouteRule(native.ROUTE_LOGIT_BIAS_SIGMOID, self.norm, self.zero_bias, self.scale)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
-        if routed is not None:
-            return routed
-        top, idx = (x.float() @ self.weight.float().T).topk(self.top_k, dim=-1)  # [T, k], [T, k]
-        if self.fn == "softmax":
-            return idx, top.softmax(-1) * self.scale
-        w = top.sigmoid()
-        return idx, (w / w.sum(-1, keepdim=True) if self.norm else w) * self.scale
+def router(hidden: int, num_experts: int, top_k: int, fn: str, norm: bool, scale: float) -> nn.Module:
+    """The top k logits weighted by their softmax (gpt-oss's / Granite's router) or by their sigmoids, renormalised
+    when `norm` (Kolibri-1's with no bias); neither has a tensor to load."""
+    if fn == "softmax":
+        return SoftmaxTopKRouter(hidden, num_experts, top_k, bias=False, scale=scale)
+    return BiasedLogitRouter(hidden, num_experts, top_k, norm, bias=False, scale=scale)
 
 
 class Model(CausalLM):
@@ -141,7 +123,7 @@ class Model(CausalLM):
             if a.mlp_layer_types[i] == "dense":  # type: ignore[index]
                 mlp: nn.Module = MLP(a.hidden_size, a.prefix_dense_intermediate_size or a.intermediate_size)
             else:
-                gate = Router(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.expert_selection_fn,
+                gate = router(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.expert_selection_fn,
                               a.norm_topk_prob, 0.5 if a.averages() else 1.0)
                 shared = MLP(a.hidden_size, a.intermediate_size * a.num_shared_experts) if a.num_shared_experts \
                     else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import olmoe
-from .base import check_act_and_rope
+from .base import check_act_and_rope, rename_first
 from .layers import Attention, NoNorm, RMSNorm
 
 FAMILY = "flex_olmo"
@@ -36,7 +36,4 @@ _RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."), (".post_feed
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released output norms inside their sublayers."""
-    for old, new in _RENAMES:
-        if old in name:
-            return name.replace(old, new)
-    return name
+    return rename_first(name, _RENAMES)

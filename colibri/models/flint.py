@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse
 from .glm4_moe import GroupLimitedRouter
@@ -50,16 +48,6 @@ def default_kinds(n: int) -> list[str]:
     return [KINDS[not (i < 2 or i % 4 == 1 or i == n - 1)] for i in range(n)]
 
 
-class SigmoidRouter(GroupLimitedRouter):
-    """Sigmoid scores, the top k by score: GLM's router with one group, no scale and a zero selection bias that is
-    no checkpoint tensor (a buffer, so the kernels' sigmoid rule runs it as it runs GLM's)."""
-
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
-        super().__init__(hidden, num_experts, top_k, 1, 1, norm_topk_prob, 1.0)
-        del self.e_score_correction_bias
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts), persistent=False)  # [E]
-
-
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         base = qwen3_moe.attention_args(a, False, "head")
@@ -72,7 +60,8 @@ class Model(CausalLM):
         def mlp(i: int):
             if not a.is_sparse(i):
                 return MLP(a.hidden_size, a.intermediate_size)
-            gate = SigmoidRouter(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob)
+            gate = GroupLimitedRouter(a.hidden_size, a.num_experts, a.num_experts_per_tok, 1, 1, a.norm_topk_prob, 1.0,
+                                      bias=False)  # (sigmoid scores, the top k by score: no correction bias)
             return SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.num_experts),
                              MLP(a.hidden_size, a.shared_expert_intermediate_size))
 

@@ -88,10 +88,13 @@ class GroupLimitedRouter(nn.Module):
     sigmoid scores, optionally renormalised over the chosen k, then times `routed_scaling_factor`."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, routed_scaling_factor: float):
+                 norm_topk_prob: bool, routed_scaling_factor: float, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
+        if bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
+        else:  # (no bias to load, Flint's: zeros, so the kernels' sigmoid rule runs it)
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts), persistent=False)
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import mixtral
-from .base import check_act_and_rope, refuse
+from .base import check_act_and_rope, refuse, rename_first
 from .layers import AttentionArgs, rope_theta
 from .moe import SoftmaxTopKRouter
 
@@ -71,10 +71,7 @@ _RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released fused experts and router, and transformers' own names."""
-    for old, new in _RENAMES:
-        if old in name:
-            return name.replace(old, new)
-    return name
+    return rename_first(name, _RENAMES)
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import glm4_moe
-from .base import refuse
+from .base import refuse, rename_first
 
 FAMILY = "hy_v3"
 # The release's multi-token-prediction layer is one extra decoder layer after the stack (transformers ignores
@@ -84,7 +84,4 @@ _HUB_NAMES = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.ga
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release's router is `mlp.router.gate`, its correction bias `mlp.expert_bias`
     (on the MoE block in transformers too; on the router here), its shared expert `mlp.shared_mlp`."""
-    for old, new in _HUB_NAMES:
-        if old in name:
-            return name.replace(old, new)
-    return name
+    return rename_first(name, _HUB_NAMES)

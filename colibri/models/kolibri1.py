@@ -17,14 +17,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from ..kernels import native
 from . import qwen3_moe
-from .base import CausalLM, check_act_and_rope, refuse
+from .base import CausalLM, check_act_and_rope, refuse, rename_first
 from .layers import MLP, Attention, DecoderBlock, RMSNorm
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from .moe import BiasedLogitRouter, SparseMoE, SwitchGLU
 
 FAMILY = "kolibri1"
 KINDS = ("full_attention", "sliding_attention")
@@ -47,34 +43,6 @@ class ModelArgs(qwen3_moe.ModelArgs):
 def default_kinds(n: int) -> list[str]:
     """transformers' Kolibri1Config pattern: every fifth layer full, the rest sliding."""
     return [KINDS[bool((i + 1) % 5)] for i in range(n)]
-
-
-class BiasedLogitRouter(nn.Module):
-    """The top k of logit + `e_score_correction_bias` (a load-balancing offset that only chooses), weighted by the
-    sigmoid of their unbiased logits, renormalised over the k when `norm`."""
-
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
-        self.top_k, self.norm = top_k, norm
-
-    def native_routing(self) -> RouteRule | None:
-        b = self.e_score_correction_bias
-        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
-            return None
-        return RouteRule(native.ROUTE_LOGIT_BIAS_SIGMOID, self.norm, b)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
-        if routed is not None:
-            return routed
-        logits = x.float() @ self.weight.float().T  # [T, E]
-        idx = (logits + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices  # [T, k]
-        weights = logits.gather(1, idx).sigmoid()  # [T, k]
-        if self.norm:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return idx, weights
 
 
 class Model(CausalLM):
@@ -121,7 +89,4 @@ _RENAMES = ((".post_self_attn_layernorm.", ".self_attn.out_norm."), (".post_attn
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: each sublayer's output norm (transformers' and the release's names) is the
     sublayer's `out_norm` here; the release's router bias sits under `moe.router`."""
-    for old, new in _RENAMES:
-        if old in name:
-            return name.replace(old, new)
-    return name
+    return rename_first(name, _RENAMES)

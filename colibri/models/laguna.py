@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear
 from .moe import SparseMoE, SwitchGLU
@@ -172,7 +172,4 @@ _RENAMES = ((".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correcti
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release keeps the router's correction bias with the experts and names its
     shared expert `shared_expert`."""
-    for old, new in _RENAMES:
-        if old in name:
-            return name.replace(old, new)
-    return name
+    return rename_first(name, _RENAMES)

@@ -264,6 +264,38 @@ class SoftmaxTopKRouter(nn.Module):
         return idx, torch.softmax(top, dim=-1) * self.scale
 
 
+class BiasedLogitRouter(nn.Module):
+    """The top k of logit + a selection-only bias (Kolibri-1's `e_score_correction_bias`; none: zeros, Command A's),
+    weighted by the sigmoid of their unbiased logits, renormalised over the k when `norm`, times `scale`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm: bool, bias: bool = True, scale: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
+        if bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)  # [E]
+        else:  # (a buffer: nothing to load; the kernels' rule takes a bias)
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts), persistent=False)
+        self.top_k, self.norm, self.scale = top_k, norm, scale
+
+    def native_routing(self) -> RouteRule | None:
+        """kernels/route.c route_select_biased_logit_sigmoid; None where the bias is not an f32 CPU tensor."""
+        b = self.e_score_correction_bias
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+            return None
+        return RouteRule(native.ROUTE_LOGIT_BIAS_SIGMOID, self.norm, b, self.scale)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
+        logits = x.float() @ self.weight.float().T  # [T, E]
+        idx = (logits + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices  # [T, k]
+        weights = logits.gather(1, idx).sigmoid()  # [T, k]
+        if self.norm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return idx, weights * self.scale
+
+
 def native_router_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
     """Router weight w and rows x the native router takes: bf16 rows on the CPU, an f32 contiguous weight."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.device.type == "cpu" \
