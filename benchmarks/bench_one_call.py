@@ -193,7 +193,7 @@ SHAPES["cohere2_moe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermedi
                          "num_experts": 32, "num_shared_experts": 1, "first_k_dense_replace": 1,
                          "prefix_dense_intermediate_size": 2048, "sliding_window": 128, "tie_word_embeddings": True}
 # Laguna: 32 experts top-4 of 512 beside a shared one, layer 0 dense, 3 of 4 layers sliding over 128, the default
-# RoPE per type, a softplus gate per head (layer by layer)
+# RoPE per type, a softplus gate per head
 SHAPES["laguna"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 512, "sliding_window": 128,
                     "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
                     "num_attention_heads_per_layer": None, "rope_parameters": None}

@@ -7,11 +7,14 @@ head, a dense layer, GLM's scaled router beside a shared expert)."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
 from transformers import LagunaConfig
 
 import colibri
 from colibri.errors import ColibriError
+from colibri.kernels import native
 from colibri.models.base import build
 from colibri.models.laguna import ModelArgs, check_config, sanitize
 
@@ -76,3 +79,17 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
     check_config(_cfg())  # the tiny config itself is fine
     with pytest.raises(ColibriError, match=field):
         check_config(_cfg(**over))
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("per_head", [True, False])
+def test_native_softplus_gate_is_the_torch_layers(per_head: bool) -> None:
+    # The kernels' gate (kernels/block.c, and native.gate_mul on the layer-by-layer path) against GatedAttention's
+    # torch arithmetic: softplus in f32 (past 20 the input itself), cast to bf16, the bf16 product.
+    torch.manual_seed(0)
+    T, H, D = 5, 4, 16
+    o = torch.randn(T, H * D).bfloat16()
+    g = (torch.randn(T, H if per_head else H * D) * 12).bfloat16()  # (some past the threshold of 20, some far below 0)
+    gate = F.softplus(g.float()).bfloat16()
+    want = (o.view(T, H, D) * gate.unsqueeze(-1)).view(T, -1) if per_head else o * gate
+    assert torch.equal(native.gate_mul(o, g, H), want)

@@ -94,7 +94,9 @@ def _spy(real, seen: list[bool]):
     ("kolibri1", {}),  # (output norms, a full layer without RoPE; the router choosing by logit + bias)
     ("axk1", {"q_lora_rank": 32, "kv_lora_rank": 32}),  # (MLA, the MoE block's output norm, two router groups)
     ("mellum", {}),  # (a RoPE base per layer type, a sliding layer, a dense one)
-    ("cohere2_moe", {})])  # (parallel blocks: the MLP reads the attention's input norm; LayerNorms; NoPE layers)
+    ("cohere2_moe", {}),  # (parallel blocks: the MLP reads the attention's input norm; LayerNorms; NoPE layers)
+    # Laguna: the softplus output gate (a head's, a channel's: the block's gate 3 / 2), heads and RoPE per layer
+    ("laguna", {}), ("laguna", {"gating": "per-element"})])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
     """coli_attn_block (norm, q/k/v and their biases, q/k norm, clip, rotary, cache write, attention,

@@ -30,13 +30,14 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     if (T < 1 || T > MAX_T) return -1;
     int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, Dv = L->v_dim > 0 ? L->v_dim : D;
     long nq = (long)nh * D, nk = (long)nkv * D, nv = (long)nkv * Dv, no = (long)nh * Dv;
-    long ng = L->gate ? 3 * nq : 0;  /* the gated query's rows (q and gate per head), then the gates alone */
+    /* gate 1: the gated query's rows (q and gate per head), then the gates alone; 2 / 3: wg's gates */
+    long ng = L->gate == 1 ? 3 * nq : L->gate ? nq : 0;
     if (L->gate && Dv != D) return -1;
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (2 * Hd + 2 * nq + 2 * nk + nv + no + ng));
     if (!buf) return -2;
     uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
     uint16_t *q2 = v + T * nv, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * no;
-    uint16_t *qg = o + (long)T * Hd, *gates = qg + 2 * T * nq;
+    uint16_t *qg = o + (long)T * Hd, *gates = L->gate == 1 ? qg + 2 * T * nq : qg;
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
     float tscale[MAX_T];  /* the rows' attention temperatures (1: none) */
@@ -63,12 +64,12 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             }
     PROF(P_RMS_IN, coli_block_norm(h, T, Hd, L->in_w, L->in_b, L->in_eps, xn));
     {
-        coli_qw w[3] = {L->wq, L->wk, L->wv};
-        int N[3] = {(int)(L->gate ? 2 * nq : nq), (int)nk, (int)nv};
-        void *y[3] = {L->gate ? qg : q, k, v};
-        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 3, w, N, y));
+        coli_qw w[4] = {L->wq, L->wk, L->wv, L->wg};
+        int N[4] = {(int)(L->gate == 1 ? 2 * nq : nq), (int)nk, (int)nv, L->gate == 3 ? nh : (int)nq};
+        void *y[4] = {L->gate == 1 ? qg : q, k, v, gates};
+        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, L->gate >= 2 ? 4 : 3, w, N, y));
         if (rc) goto done;
-        if (L->gate)  /* each head's 2 D rows: its query, then its output gate */
+        if (L->gate == 1)  /* each head's 2 D rows: its query, then its output gate */
             for (long t = 0; t < T; t++)
                 for (int j = 0; j < nh; j++) {
                     memcpy(q + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D, sizeof(uint16_t) * D);
@@ -128,7 +129,8 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         }
         PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
         if (rc) goto done;
-        if (L->gate) coli_gate_mul(ao, gates, T * nq);
+        if (L->gate == 1) coli_gate_mul(ao, gates, T * nq);
+        else if (L->gate) coli_softplus_gate_mul(ao, gates, T, nh, D, L->gate == 3);
     }
     {
         void *y = o;
@@ -149,6 +151,14 @@ done:
 void coli_gate_mul(uint16_t *x, const uint16_t *g, long n) {
     for (long i = 0; i < n; i++) {
         float s = bf16_to_f32(f32_to_bf16(1.f / (1.f + expf(-bf16_to_f32(g[i])))));
+        x[i] = f32_to_bf16(bf16_to_f32(x[i]) * s);
+    }
+}
+
+void coli_softplus_gate_mul(uint16_t *x, const uint16_t *g, long T, int heads, int D, int per_head) {
+    for (long i = 0; i < T * heads * (long)D; i++) {
+        float v = bf16_to_f32(g[per_head ? i / D : i]);
+        float s = bf16_to_f32(f32_to_bf16(v > 20.f ? v : log1pf(expf(v))));
         x[i] = f32_to_bf16(bf16_to_f32(x[i]) * s);
     }
 }

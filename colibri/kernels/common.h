@@ -85,7 +85,8 @@ typedef struct {
     long temp_n;
     float temp_floor;
     int gate;                     /* 1: wq gives each head's query then an output gate (2 D rows a head: Qwen3-Next);
-                                   * the attention output is multiplied by sigmoid(gate) (coli_gate_mul) */
+                                   * the attention output is multiplied by sigmoid(gate) (coli_gate_mul); 2 / 3: wg
+                                   * gives a gate a channel / a head, the output times softplus(gate) (Laguna) */
     int v_dim;                    /* > 0: the values' head width when it is not head_dim (MiMo-V2-Flash) */
     float v_scale;                /* != 0 and != 1: values times it before they are cached, one rounding */
     const float *ctab, *stab;     /* non-NULL: this layer's own rotary tables, f32 [tab_rows, rot] (MiMo-V2-Flash's
@@ -98,11 +99,15 @@ typedef struct {
     float out_eps;
     int parallel;                 /* 1: x_out is the input norm's output, no post norm (Cohere's parallel block: its
                                    * MLP reads the attention's input) */
+    coli_qw wg;                   /* gate 2 / 3: the gate projection [heads * head_dim or heads, hidden] */
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the
  * bf16 product). */
 void coli_gate_mul(uint16_t *x, const uint16_t *g, long n);
+/* x [T, heads * D] times softplus(g) (torch's: g past 20 stays g), g bf16 [T, heads] (per_head) or like x, each
+ * factor rounded to bf16 (the torch layer's f32 softplus cast to bf16, then the bf16 product). */
+void coli_softplus_gate_mul(uint16_t *x, const uint16_t *g, long T, int heads, int D, int per_head);
 
 /* A dense SwiGLU MLP with separate projections: a dense layer, or a MoE layer's shared expert, optionally
  * behind Qwen2-MoE's sigmoid gate (moe.c coli_mlp_rows). */

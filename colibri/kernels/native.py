@@ -116,7 +116,8 @@ class AttnLayer(ctypes.Structure):
                 # LayerNorm biases (f32 [hidden]) of the input / post-attention norms, or NULL: RMSNorms
                 ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p),
                 ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float),  # (AFMoE: o_proj's output RMSNorm)
-                ("parallel", ctypes.c_int)]  # Cohere: the MLP reads the input norm (no post norm)
+                ("parallel", ctypes.c_int),  # Cohere: the MLP reads the input norm (no post norm)
+                ("wg", QW)]  # Laguna: gate 2 / 3, softplus(wg x) a channel / a head times the heads' output
 
 
 class Tail(ctypes.Structure):
@@ -162,48 +163,28 @@ class Mlp(ctypes.Structure):
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.coli_decode_layers.argtypes = [i, p, p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, ctypes.c_long, p, p,
-                                       p]
-    lib.coli_decode_layers.restype = i
-    lib.coli_decode_step.argtypes = [p, p, i, p, p, i, p, p, p, ctypes.c_long, ctypes.c_long, p, p, ctypes.c_long, p, p,
-                                     p, p, i, p]
-    lib.coli_decode_step.restype = i
-    f = ctypes.c_float
-    lib.coli_route.argtypes = [p, i, i, i, p, i, i, i, i, i, i, p, f, p, p]
-    lib.coli_route.restype = i
-    lib.coli_moe_block.argtypes = [p, p, i, i, i, p, i, i, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p, p, f]
-    lib.coli_moe_block.restype = i
-    lib.coli_mlp_rows.argtypes = [p, p, i, i, p]
-    lib.coli_mlp_rows.restype = i
-    lib.coli_attn_block.argtypes = [p, i, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p, p, p]
-    lib.coli_attn_block.restype = i
-    lib.coli_moe.argtypes = [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p, p]
-    lib.coli_moe.restype = i
-    lib.coli_q8_gemm.argtypes = [p, i, i, i, p, p, i, p]
-    lib.coli_q8_gemm.restype = i
-    lib.coli_q4_gemm.argtypes = [p, i, i, i, p, p, p, i, i, p]
-    lib.coli_q4_gemm.restype = i
-    lib.coli_max_rows.restype = i
-    lib.coli_simd.restype = i
-    lib.coli_background_wait.argtypes = []
-    lib.coli_background_wait.restype = None
-    lib.coli_set_threads.argtypes = [i]
-    lib.coli_get_threads.restype = i
-    lib.coli_attn_decode.argtypes = [p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, i, ctypes.c_float, p, p]
-    lib.coli_attn_decode.restype = i
-    lib.coli_attn_rows.argtypes = [i, p, i, i, i, i, i, p, ctypes.c_long, p, ctypes.c_long, p, ctypes.c_float, p, p]
-    lib.coli_attn_rows.restype = i
-    lib.coli_rmsnorm.argtypes = [p, i, ctypes.c_long, i, p, ctypes.c_float, p]
-    lib.coli_rmsnorm.restype = i
-    lib.coli_layernorm.argtypes = [p, i, ctypes.c_long, i, p, p, ctypes.c_float, p]
-    lib.coli_layernorm.restype = i
-    lib.coli_rope.argtypes = [p, i, i, i, i, i, p, p, p]
-    lib.coli_rope.restype = i
-    lib.coli_gate_mul.argtypes = [p, p, ctypes.c_long]
-    lib.coli_gate_mul.restype = None
-    lib.coli_q4_dequant.argtypes = [p, p, p, i, i, i, i, p]
-    lib.coli_q4_dequant.restype = i
+    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    returns_int = {  # name: argument types (None: left undeclared, no arguments)
+        "coli_decode_layers": [i, p, p, i, p, p, p, p, n, n, p, p, n, p, p, p],
+        "coli_decode_step": [p, p, i, p, p, i, p, p, p, n, n, p, p, n, p, p, p, p, i, p],
+        "coli_route": [p, i, i, i, p, i, i, i, i, i, i, p, f, p, p],
+        "coli_moe_block": [p, p, i, i, i, p, i, i, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p, p, f],
+        "coli_mlp_rows": [p, p, i, i, p], "coli_attn_block": [p, i, p, p, p, p, n, n, p, p, p, p],
+        "coli_moe": [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p, p], "coli_q8_gemm": [p, i, i, i, p, p, i, p],
+        "coli_q4_gemm": [p, i, i, i, p, p, p, i, i, p], "coli_max_rows": None, "coli_simd": None,
+        "coli_set_threads": [i], "coli_get_threads": None,
+        "coli_attn_decode": [p, i, i, i, i, i, p, n, p, n, i, f, p, p],
+        "coli_attn_rows": [i, p, i, i, i, i, i, p, n, p, n, p, f, p, p], "coli_rmsnorm": [p, i, n, i, p, f, p],
+        "coli_layernorm": [p, i, n, i, p, p, f, p], "coli_rope": [p, i, i, i, i, i, p, p, p],
+        "coli_q4_dequant": [p, p, p, i, i, i, i, p]}
+    returns_nothing = {"coli_background_wait": [], "coli_gate_mul": [p, p, n],
+                       "coli_softplus_gate_mul": [p, p, n, i, i, i]}
+    for table, res in ((returns_int, i), (returns_nothing, None)):
+        for name, args in table.items():
+            fn = getattr(lib, name)
+            if args is not None:
+                fn.argtypes = args
+            fn.restype = res
 
 
 def lib() -> ctypes.CDLL | None:
@@ -569,10 +550,15 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def gate_mul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(g) for bf16 tensors of one shape (each factor rounded to bf16, as torch's ops): a new tensor."""
-    out = x.contiguous().clone()
-    _lib.coli_gate_mul(out.data_ptr(), g.contiguous().data_ptr(), out.numel())
+def gate_mul(x: torch.Tensor, g: torch.Tensor, softplus_heads: int = 0) -> torch.Tensor:
+    """x * sigmoid(g) for bf16 tensors of one shape, or x [T, H*D] * softplus(g) (`softplus_heads` H; g [T, H]: a gate a
+    head, or like x), each factor rounded to bf16 as torch's ops: a new tensor."""
+    out, g = x.contiguous().clone(), g.contiguous()
+    if softplus_heads:
+        _lib.coli_softplus_gate_mul(out.data_ptr(), g.data_ptr(), x.shape[0], softplus_heads,
+                                    x.shape[1] // softplus_heads, int(g.shape[1] == softplus_heads))
+    else:
+        _lib.coli_gate_mul(out.data_ptr(), g.data_ptr(), out.numel())
     return out
 
 

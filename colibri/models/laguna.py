@@ -9,8 +9,9 @@
   correction bias, renormalised, times `moe_routed_scaling_factor`, beside a shared expert; dense layers where
   `mlp_layer_types` says so (default: layer 0).
 
-The gated attention runs layer by layer (each projection in the kernels, the gate in torch); without soft-capping
-the MoE layers' router is the kernels' sigmoid rule (GLM's), so the MoE block runs fused.
+The kernels' attention block takes the gate (kernels/block.c: the gate projection beside q/k/v, its softplus after
+the heads); without soft-capping the MoE layers' router is the kernels' sigmoid rule (GLM's), so a decode step runs
+in one native call.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear
@@ -77,12 +79,28 @@ class GatedAttention(Attention):
         self.g_proj = Linear(a.hidden, a.heads if per_head else a.heads * a.head_dim)
 
     def out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        gate = F.softplus(self.g_proj(x).float()).to(o.dtype)  # [T, heads] or [T, heads * D]
+        g = self.g_proj(x)  # [T, heads] or [T, heads * D]
+        if o.dtype == torch.bfloat16 and o.device.type == "cpu" and native.available():
+            return super().out(native.gate_mul(o, g, self.a.heads), x)  # (the fused block's arithmetic: its bits)
+        gate = F.softplus(g.float()).to(o.dtype)
         if self.per_head:
             o = (o.view(o.shape[0], -1, self.a.head_dim) * gate.unsqueeze(-1)).view(o.shape)
         else:
             o = o * gate
         return super().out(o, x)
+
+    def fused(self, h: torch.Tensor, kv, in_norm, post_norm):
+        """Attention.fused: kernels/block.c with the gate projection and its softplus (`_build_native_layer`)."""
+        return super().fused(h, kv, in_norm, post_norm)
+
+    def _build_native_layer(self, in_norm, post_norm):
+        layer = super()._build_native_layer(in_norm, post_norm)
+        g, q = self.g_proj, self.q_proj
+        if layer is None or getattr(g, "path", None) != "native" or g.bias is not None \
+                or (g.scheme, g.group_size) != (q.scheme, q.group_size):
+            return None
+        layer.gate, layer.wg = (3 if self.per_head else 2), native.QW(*native.qw(g))
+        return layer
 
 
 class Router(GroupLimitedRouter):
