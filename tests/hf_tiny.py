@@ -211,6 +211,11 @@ def make_tokenizer_files(folder: str | Path) -> Path:
     return folder
 
 
+# 1-D tensors that scale rather than shift (Gemma 4's): drawn around 1 as norms are (around 0 they would all but
+# switch their layer off)
+MULTIPLIERS = ("layer_scalar", "per_expert_scale", "router.scale")
+
+
 @torch.no_grad()
 def _randomize(model: PreTrainedModel, seed: int) -> None:
     """Re-draws every saved tensor from a private generator.
@@ -229,7 +234,7 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
         noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
         if t.dim() >= 2:
             t.copy_(noise * WEIGHT_STD)
-        elif "norm" in name:
+        elif "norm" in name or name.endswith(MULTIPLIERS):
             t.copy_(1.0 + noise * VECTOR_STD)
         else:
             t.copy_(noise * VECTOR_STD)

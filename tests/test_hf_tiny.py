@@ -104,16 +104,17 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     legacy, fused = _names(built[model_type]), _names(built_fused[model_type])
     assert all(dt == "F32" for dt, _ in legacy.values())
     granite = ("granitemoe", "granitemoeshared", "granitemoe_swa")
-    ff = ".feed_forward." if model_type == "llama4_text" else ".block_sparse_moe." if model_type in granite else ".mlp."
+    ff = ".feed_forward." if model_type == "llama4_text" else ".block_sparse_moe." if model_type in granite \
+        else "." if model_type == "gemma4_text" else ".mlp."  # (Gemma 4's experts sit beside its dense MLP)
     fused_experts = {k for k in fused if f"{ff}experts.gate_up_proj" in k}
     if model_type == "dbrx":  # one layout: experts fused as [E·I, H] (w1, v1, w2), q/k/v as Wqkv
         assert legacy == fused and any(k.endswith(".ffn.experts.mlp.w1") for k in legacy)
         assert any(k.endswith(".attn.Wqkv.weight") for k in legacy)
     else:
         assert fused_experts, "fused layout must hold [E, ...] expert tensors"
-    if model_type in ("gpt_oss", "llama4_text", "mistral4", "dbrx", "granitemoe_swa"):
-        # gpt-oss and Llama 4 ship fused even through save_pretrained (Mistral 4, Granite's SWA MoE: transformers has
-        # no other form for them).
+    if model_type in ("gpt_oss", "llama4_text", "mistral4", "dbrx", "granitemoe_swa", "gemma4_text"):
+        # gpt-oss and Llama 4 ship fused even through save_pretrained (Mistral 4, Granite's SWA MoE, Gemma 4:
+        # transformers has no other form for them).
         assert legacy == fused
     elif model_type in granite:  # fused both ways, under the released names (input_linear / output_linear)
         assert any(".block_sparse_moe.input_linear.weight" in k for k in legacy) and legacy.keys() != fused.keys()

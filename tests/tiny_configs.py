@@ -45,6 +45,7 @@ FAMILIES: tuple[str, ...] = (
     "mellum",
     "cohere2_moe",
     "laguna",
+    "gemma4_text",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -273,6 +274,18 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                    "rope_parameters": {
                        "full_attention": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}},
+        # Gemma 4 MoE: a sliding layer over 8 positions (head 16, 2 KV heads, RoPE over the whole head), two full ones
+        # (head 32, 1 KV head, the values k_proj's output, "proportional" RoPE on a quarter of the frequencies), a
+        # dense GELU MLP beside the experts in every layer, soft-capped logits (untied: test_gemma4_text.py ties it)
+        "gemma4_text": {
+            "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": moe_i, "enable_moe_block": True,
+            "head_dim": 16, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1},
+                                                 "2": {"head_dim": 32, "num_key_value_heads": 1}},
+            "attention_k_eq_v": True, "hidden_size_per_layer_input": 0, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "full_attention"], "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

@@ -115,6 +115,15 @@ static void clamped_glu(const float *hg, int I, float alpha, float limit, float 
     }
 }
 
+/* act[i] = gelu(hg[i]) * hg[I + i], GELU's tanh form as torch computes it in f32: 0.5 g (1 + tanh(sqrt(2 / pi)
+ * (g + 0.044715 g^3))). */
+static void gelu_glu(const float *hg, int I, float *act) {
+    for (int i = 0; i < I; i++) {
+        float g = hg[i];
+        act[i] = 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * hg[I + i];
+    }
+}
+
 static void rows_part(void *p, int id, int n) {
     rows_job *j = (rows_job *)p;
     int H = j->H, I = j->I, k = j->k;
@@ -167,6 +176,7 @@ static void rows_part(void *p, int id, int n) {
             } else {
                 if (j->ea->gu_bias) add_bias(hg, j->ea->gu_bias[j->uexp[u]], 2 * I);
                 if (j->ea->kind == ACT_CLAMPED) clamped_glu(hg, I, j->ea->alpha, j->ea->limit, j->act + r * I);
+                else if (j->ea->kind == ACT_GELU_TANH) gelu_glu(hg, I, j->act + r * I);
                 else silu_glu(hg, I, j->act + r * I);
             }
             prep_row(j->scheme, j->bfm, j->act, a, b, (int)r, I, j->g, j->ap, j->asum);

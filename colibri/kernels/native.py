@@ -144,7 +144,7 @@ class MoeLayer(ctypes.Structure):
 # biased logits, softmax over those k (gpt-oss)
 (ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER,
  ROUTE_LOGIT_BIAS_SIGMOID) = range(6)
-ACT_SILU, ACT_CLAMPED = 0, 1  # the routed experts' activation (common.h coli_expert_act)
+ACT_SILU, ACT_CLAMPED, ACT_GELU_TANH = 0, 1, 2  # the routed experts' activation (common.h coli_expert_act)
 
 
 class ExpertAct(ctypes.Structure):

@@ -411,12 +411,17 @@ class Attention(nn.Module):
             q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
         if a.qk_norm == "head_post_rope":
             q, k = self.q_norm(q), self.k_norm(k)
+        return self.attend(q, k, v, kv, x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, x: torch.Tensor) -> torch.Tensor:
+        """The step's q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] (normed and rotated): each sequence's keys and values
+        cached, its rows attending over them, then `out` -> [T, hidden]."""
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
-        sinks = self.sinks if a.sinks else None
+        sinks = self.sinks if self.a.sinks else None
         outs = []
         for r0, r1, start, cache in kv.segs:
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
-            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.sliding_window, sinks))
+            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, self.a.sliding_window, sinks))
         return self.out(outs[0] if len(outs) == 1 else torch.cat(outs), x)
 
     def out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
