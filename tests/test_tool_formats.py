@@ -45,6 +45,7 @@ CALLS = [
                 '"code": "007"}}]'),
     ("granite", 'Let me check. <tool_call>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
                 '"code": "007"}}]'),
+    ("gemma4", 'Let me check.<|tool_call>call:get_weather{city:<|"|>Rome<|"|>,days:2,code:<|"|>007<|"|>}<tool_call|>'),
     (HARMONY, "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 2, "code": "007"}'),
 ]
@@ -74,7 +75,8 @@ def test_each_format_gives_the_call_and_the_text_streamed_or_whole(fmt, text):
 def test_calls_of_unknown_tools_or_broken_arguments_stay_text(fmt):
     text = dict(CALLS)[fmt].replace("get_weather", "launch_rocket")
     assert FORMATS[fmt].parse(text, TOOLS) == (text, [])
-    broken = dict(CALLS)[fmt].replace('"Rome"', '"Rome').replace("</function>", "</func>").replace("</invoke>", "</in")
+    broken = dict(CALLS)[fmt].replace('"Rome"', '"Rome').replace("</function>", "</func>") \
+        .replace("</invoke>", "</in").replace('<|"|>Rome<|"|>', '<|"|>Rome')
     if fmt != "glm45":  # (GLM's values are text: a broken one is just odd text, and its call still parses)
         assert FORMATS[fmt].parse(broken, TOOLS) == (broken, [])
     assert FORMATS[fmt].parse("no calls here", TOOLS) == ("no calls here", [])
@@ -163,6 +165,7 @@ def test_the_format_is_detected_from_the_template():
         == "pythonic"
     assert detect("<tool_calls>{{ tool_calls | tojson }}</tool_calls>") == "hunyuan"
     assert detect("{{- '<|tool_call|>' + message.tool_calls | tojson }}") == "granite"
+    assert detect("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == "gemma4"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 
 
@@ -336,3 +339,19 @@ def test_hunyuan_answer_tags_leave_the_content_streamed_or_whole(size):
     for text, tools, (want_r, want_c, want_calls) in cases:
         r, c, calls = run([text[i:i + size] for i in range(0, len(text), size)], tools)
         assert (r, c.strip(), [x["function"]["name"] for x in calls]) == (want_r, want_c, want_calls), text
+
+
+def test_gemma4_arguments_nest_keep_strings_verbatim_and_read_bare_words():
+    from colibri.server.gemma4_calls import arguments
+
+    body = ('{place:{city:<|"|>Rome, "IT"<|"|>,zip:<|"|>00100<|"|>},days:[1,2.5,-3],flags:[true,null],'
+            '<|"|>odd key<|"|>:x1, empty:{}, none:[]}')
+    assert arguments(body) == {"place": {"city": 'Rome, "IT"', "zip": "00100"}, "days": [1, 2.5, -3],
+                               "flags": [True, None], "odd key": "x1", "empty": {}, "none": []}
+    for bad in ('{city:<|"|>Rome}', "{city Rome}", "{a:1,", "{a:1}}", "[1,2]", "{a:1 b:2}"):
+        assert arguments(bad) is None, bad
+    text = ('<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|> and '
+            '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:3}<tool_call|>')
+    content, calls = FORMATS["gemma4"].parse(text, TOOLS)
+    assert content == "and"
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {"city": "Oslo", "days": 3}]

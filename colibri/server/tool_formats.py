@@ -26,6 +26,8 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   `</tool_calls>`.
 - `granite` (IBM Granite 3.x): a JSON list of `{"name": ..., "arguments": {...}}` after `<|tool_call|>` (3.0's
   token) or `<tool_call>` (3.1's string), with no closing tag.
+- `gemma4` (Gemma 4): `<|tool_call>call:NAME{key:value,...}<tool_call|>` per call, in its own object syntax
+  (strings between `<|"|>` tokens; server/gemma4_calls.py).
 (gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
 arguments do not parse, stays in the text, as does everything around the calls.
 """
@@ -40,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import gemma4_calls
 from .reasoning import held_tail
 
 
@@ -317,6 +320,16 @@ def _granite(text: str, tools: dict[str, dict]) -> Found:
     return calls, spans
 
 
+def _gemma4(text: str, tools: dict[str, dict]) -> Found:
+    calls, spans = [], []
+    for m in gemma4_calls.CALL.finditer(text):
+        args = gemma4_calls.arguments(m.group(2))
+        if m.group(1) in tools and args is not None:
+            calls.append(call(m.group(1), args))
+            spans.append(m.span())
+    return calls, spans
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
@@ -364,6 +377,7 @@ FORMATS = {f.name: f for f in (
                open_re=_PY_OPEN, maybe_re=_PY_MAYBE),
     ToolFormat("hunyuan", ("<tool_calls>",), _hunyuan, ("<tool_calls>", "</tool_calls>")),
     ToolFormat("granite", _GRANITE, _granite, _GRANITE),
+    ToolFormat("gemma4", (gemma4_calls.OPEN,), _gemma4, (gemma4_calls.OPEN, gemma4_calls.CLOSE, gemma4_calls.QUOTE)),
 )}
 HARMONY = "harmony"  # gpt-oss: server/harmony.py
 NAMES = (*FORMATS, HARMONY)
@@ -373,6 +387,8 @@ def detect(template: str) -> str:
     """The tool-call format a chat template teaches (hermes when it shows none)."""
     if "<|channel|>" in template:
         return HARMONY
+    if gemma4_calls.OPEN in template:
+        return "gemma4"
     if "<arg_key>" in template:
         return "glm45"
     if "<function=" in template and "<parameter=" in template:
