@@ -355,3 +355,19 @@ def test_gemma4_arguments_nest_keep_strings_verbatim_and_read_bare_words():
     content, calls = FORMATS["gemma4"].parse(text, TOOLS)
     assert content == "and"
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {"city": "Oslo", "days": 3}]
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 7])
+def test_gemma4_reasoning_is_its_thought_channel(size):
+    from colibri.server.answer import keep_ids
+
+    text = ('<|channel>thought\nThe user wants weather.<channel|>Let me check.'
+            '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|>')
+    r, c, calls = whole(splitter("gemma4", TOOLS, True, False, True), text) if not size else _streamed("gemma4", text,
+                                                                                                       size)
+    assert (r, c.strip()) == ("The user wants weather.", "Let me check.")
+    assert [json.loads(x["function"]["arguments"]) for x in calls] == [{"city": "Rome"}]
+    assert whole(splitter("hermes", None, True, False, True), text)[0] == ""  # (only Gemma's format reads the channel)
+    tok = _tokenizer(["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<turn|>"])
+    assert {tok.tk.id_to_token(i) for i in keep_ids(tok, "gemma4")} \
+        == {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>'}

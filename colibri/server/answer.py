@@ -49,7 +49,7 @@ def splitter(fmt: str, tools: dict[str, dict] | None, think: bool, opened: bool,
         return HarmonySplit(tools, reasoning)
     f = FORMATS[fmt]
     ends = f.opens if tools is not None and f.in_reasoning else ()  # (a call opened in the reasoning ends it)
-    return AnswerSplit(ThinkSplit(opened, ends) if think else None,
+    return AnswerSplit(ThinkSplit(opened, ends, f.think) if think else None,
                        CallStream(f, tools) if tools is not None else None, AnswerTags() if answer_tags else None)
 
 
@@ -63,8 +63,13 @@ def whole(split: AnswerSplit | HarmonySplit, text: str) -> tuple[str, str | None
     return r1 + r2, content, calls
 
 
+def think_tags(fmt: str) -> tuple[str, str]:
+    """The opening and closing text of the format's reasoning."""
+    return (OPEN, CLOSE) if fmt == HARMONY else FORMATS[fmt].think
+
+
 def keep_ids(tok: Tokenizer, fmt: str) -> frozenset[int]:
-    """The special tokens among the format's markers and <think> / </think>: decoding skips special tokens,
-    and the splitters need these ones in the text."""
-    markers = (*(MARKERS if fmt == HARMONY else FORMATS[fmt].markers), OPEN, CLOSE)
+    """The special tokens among the format's markers and its reasoning tags (<think> / </think>): decoding skips
+    special tokens, and the splitters need these ones in the text."""
+    markers = (*(MARKERS if fmt == HARMONY else FORMATS[fmt].markers), *think_tags(fmt))
     return frozenset(i for m in markers if (i := tok.tk.token_to_id(m)) is not None and tok.is_special(i))

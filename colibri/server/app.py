@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import EngineClosedError, QueueFullError, RequestHandle
 from ..errors import ColibriError
-from .answer import keep_ids, splitter, whole
+from .answer import keep_ids, splitter, think_tags, whole
 from .dashboard import router as dashboard_router
 from .metrics import CONTENT_TYPE, Metrics
 from .ollama import router as ollama_router
@@ -227,7 +227,7 @@ async def chat(state: ServerState, req: ChatCompletionRequest, request: Request)
     max_new = state.fit(len(ids), req.max_new, "messages")
     # Reasoning is split off unless JSON is asked for (a JSON grammar writes no <think>).
     think = state.reasoning and forced is None and not req.json_mode
-    opened = think and opens_thinking(text)
+    opened = think and opens_thinking(text, think_tags(state.tool_format))
 
     def sampling(i: int) -> dict:
         kw = req.sampling_kw(i)

@@ -1,4 +1,5 @@
-"""Gemma 4's tool calls: `<|tool_call>call:NAME{key:value,...}<tool_call|>`, in its own object syntax.
+"""Gemma 4's tool calls: `<|tool_call>call:NAME{key:value,...}<tool_call|>`, in its own object syntax (and the
+tags of its reasoning, `THINK`).
 
 Keys are bare words (or strings); strings sit between `<|"|>` tokens, verbatim; numbers, true, false and null are
 bare; objects `{...}` and lists `[...]` nest; items are comma-separated. `parse_value` reads that into Python values
@@ -12,6 +13,7 @@ import re
 from typing import Any
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+THINK = ("<|channel>thought", "<channel|>")  # its reasoning: the thought channel, where other models write <think>
 CALL = re.compile(r"<\|tool_call>\s*call:([^{\s]+)\s*(\{.*?\})\s*<tool_call\|>", re.DOTALL)
 _WORD = re.compile(r"[^,:{}\[\]\s]+")
 

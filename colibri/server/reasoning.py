@@ -21,21 +21,23 @@ class ThinkSplit:
     """push(piece) -> (reasoning, content) that are certain so far; finish() -> the rest. `opened`: the
     prompt itself ends inside a `<think>` (the template opened it). `ends`: text that ends the reasoning
     without a `</think>` and starts the content itself (Kimi-K2-Thinking opens its tool calls inside its
-    reasoning)."""
+    reasoning). `tags`: the reasoning's opening and closing text where the model writes other ones (Gemma 4's
+    thought channel, `<|channel>thought` ... `<channel|>`)."""
 
-    def __init__(self, opened: bool = False, ends: tuple[str, ...] = ()):
+    def __init__(self, opened: bool = False, ends: tuple[str, ...] = (), tags: tuple[str, str] = (OPEN, CLOSE)):
         self.state = "think" if opened else "start"
         self.buf = ""
         self.strip = opened  # the reasoning's and the answer's leading whitespace is dropped
         self.ends = ends
+        self.open, self.close = tags
 
     def push(self, piece: str) -> tuple[str, str]:
         self.buf += piece
         if self.state == "start":
             s = self.buf.lstrip()
-            if s.startswith(OPEN):
-                self.state, self.buf, self.strip = "think", s[len(OPEN):], True
-            elif OPEN.startswith(s):
+            if s.startswith(self.open):
+                self.state, self.buf, self.strip = "think", s[len(self.open):], True
+            elif self.open.startswith(s):
                 return "", ""  # (nothing yet, or part of the tag)
             else:
                 self.state = "content"
@@ -43,14 +45,14 @@ class ThinkSplit:
             if self.strip:
                 self.buf = self.buf.lstrip()
                 self.strip = not self.buf
-            at, tag = min(((i, t) for t in (CLOSE, *self.ends) if (i := self.buf.find(t)) >= 0), default=(-1, ""))
+            at, tag = min(((i, t) for t in (self.close, *self.ends) if (i := self.buf.find(t)) >= 0), default=(-1, ""))
             if at < 0:  # hold a tail that may open a tag, and trailing whitespace (dropped before it)
-                cut = len(self.buf) - max(held_tail(self.buf, t) for t in (CLOSE, *self.ends))
+                cut = len(self.buf) - max(held_tail(self.buf, t) for t in (self.close, *self.ends))
                 cut = len(self.buf[:cut].rstrip())
                 out, self.buf = self.buf[:cut], self.buf[cut:]
                 return out, ""
             # </think> is dropped; an `ends` marker begins the content
-            reasoning, self.buf = self.buf[:at].rstrip(), self.buf[at + (len(CLOSE) if tag == CLOSE else 0):]
+            reasoning, self.buf = self.buf[:at].rstrip(), self.buf[at + (len(self.close) if tag == self.close else 0):]
             self.state, self.strip = "content", True
             return reasoning, self._content()
         return "", self._content()
@@ -70,10 +72,10 @@ class ThinkSplit:
         return "", out
 
 
-def opens_thinking(prompt: str) -> bool:
-    """Whether a rendered prompt ends inside an open `<think>` (DeepSeek-R1-style templates)."""
-    at = prompt.rfind(OPEN)
-    return at >= 0 and CLOSE not in prompt[at:] and not prompt[at + len(OPEN):].strip()
+def opens_thinking(prompt: str, tags: tuple[str, str] = (OPEN, CLOSE)) -> bool:
+    """Whether a rendered prompt ends inside an open `<think>` (DeepSeek-R1-style templates), or the `tags` given."""
+    at = prompt.rfind(tags[0])
+    return at >= 0 and tags[1] not in prompt[at:] and not prompt[at + len(tags[0]):].strip()
 
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"

@@ -340,6 +340,7 @@ class ToolFormat:
     in_reasoning: bool = False  # the model may open its calls inside an unclosed <think> (Kimi-K2-Thinking)
     open_re: re.Pattern | None = None  # a call's start as a pattern, besides `opens` (pythonic's "[name(")
     maybe_re: re.Pattern | None = None  # an end of text that may still grow into open_re's match
+    think: tuple[str, str] = ("<think>", "</think>")  # the reasoning's tags (Gemma 4's thought channel differs)
 
     def parse(self, text: str, tools: dict[str, dict]) -> tuple[str | None, list[dict]]:
         """(content, calls) of an answer: the calls naming known tools cut out of the text; the content
@@ -377,7 +378,9 @@ FORMATS = {f.name: f for f in (
                open_re=_PY_OPEN, maybe_re=_PY_MAYBE),
     ToolFormat("hunyuan", ("<tool_calls>",), _hunyuan, ("<tool_calls>", "</tool_calls>")),
     ToolFormat("granite", _GRANITE, _granite, _GRANITE),
-    ToolFormat("gemma4", (gemma4_calls.OPEN,), _gemma4, (gemma4_calls.OPEN, gemma4_calls.CLOSE, gemma4_calls.QUOTE)),
+    ToolFormat("gemma4", (gemma4_calls.OPEN,), _gemma4,
+               (gemma4_calls.OPEN, gemma4_calls.CLOSE, gemma4_calls.QUOTE, "<|channel>", "<channel|>"),
+               think=gemma4_calls.THINK),
 )}
 HARMONY = "harmony"  # gpt-oss: server/harmony.py
 NAMES = (*FORMATS, HARMONY)
