@@ -8,7 +8,8 @@ block is kernels/mla.c, and deepseek_v3-g8 with V3/R1's 8 router groups; glm4_mo
 llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
-afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text) gets a random
+afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
+lfm2_moe) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -197,7 +198,7 @@ SHAPES["cohere2_moe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermedi
 SHAPES["laguna"] = {**BASE, "num_experts": 32, "shared_expert_intermediate_size": 512, "sliding_window": 128,
                     "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
                     "num_attention_heads_per_layer": None, "rope_parameters": None}
-# Gemma 4 MoE (layer by layer; no llama.cpp converter for it in the vendored tree): 32 experts top-4 of 512 beside
+# Gemma 4 MoE (layer by layer): 32 experts top-4 of 512 beside
 # a dense GELU MLP of 768 in every layer (26B-A4B's proportions), five sliding layers (128) to a full one with heads
 # twice as wide, 2 KV heads and keys as values, the head tied and its logits soft-capped
 SHAPES["gemma4_text"] = {**BASE, "intermediate_size": 768, "num_experts": 32, "top_k_experts": 4,
@@ -207,6 +208,11 @@ SHAPES["gemma4_text"] = {**BASE, "intermediate_size": 768, "num_experts": 32, "t
                          "layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention",
                                                                      "full_attention"],
                          "final_logit_softcapping": 30.0, "tie_word_embeddings": True}
+# LFM2-MoE (layer by layer: conv and attention mixers): 32 experts top-4 of 512, layer 0 dense (2048), attention in
+# layers 2 and 5 of 8 (the release's share), short convolutions of 3 taps in the rest, the head tied
+SHAPES["lfm2_moe"] = {**BASE, "num_experts": 32, "num_dense_layers": 1, "tie_embedding": True,
+                      "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv",
+                                      "conv"]}
 # DBRX: 32 experts top-4 of 512 under its nested config, q/k/v clamped at the released 8, RoPE base 5e5
 SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
                   "d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 1024,

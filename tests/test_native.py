@@ -204,8 +204,8 @@ def test_fused_moe_layer_matches_per_expert_path(scheme: str, dt: torch.dtype, t
 
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("with_sinks", [False, True])
-# 16-position blocks and a tail, one short of a block; Dv 64 / 128 / another
-@pytest.mark.parametrize("D,S", [(64, 37), (128, 300), (96, 21), (64, 5)])
+# 16-position blocks and a tail, one short of a block; Dv 64 / 128 / another; Gemma 4's heads of 256 and 512
+@pytest.mark.parametrize("D,S", [(64, 37), (128, 300), (96, 21), (64, 5), (256, 40), (512, 33)])
 def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bool, D: int, S: int) -> None:
     from colibri.models.layers import attend
 
@@ -228,7 +228,7 @@ def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bo
     assert _rel(y, ref) < 1e-2
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 512])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_attention_rows_of_a_chunk_give_each_rows_own_bits(D: int, with_sinks: bool) -> None:
     """A prompt chunk's rows share passes over the keys and values (ATTN_RB at a time): every row's output

@@ -45,6 +45,7 @@ CALLS = [
                 '"code": "007"}}]'),
     ("granite", 'Let me check. <tool_call>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
                 '"code": "007"}}]'),
+    ("lfm2", 'Let me check.<|tool_call_start|>[get_weather(city="Rome", days=2, code="007")]<|tool_call_end|>'),
     ("gemma4", 'Let me check.<|tool_call>call:get_weather{city:<|"|>Rome<|"|>,days:2,code:<|"|>007<|"|>}<tool_call|>'),
     (HARMONY, "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 2, "code": "007"}'),
@@ -166,6 +167,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect("<tool_calls>{{ tool_calls | tojson }}</tool_calls>") == "hunyuan"
     assert detect("{{- '<|tool_call|>' + message.tool_calls | tojson }}") == "granite"
     assert detect("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == "gemma4"
+    assert detect("List of tools: <|tool_list_start|>[...]<|tool_list_end|> ... <|tool_call_start|>") == "lfm2"
     assert detect("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>") == detect("{{ m.content }}") == "hermes"
 
 
@@ -371,3 +373,12 @@ def test_gemma4_reasoning_is_its_thought_channel(size):
     tok = _tokenizer(["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<turn|>"])
     assert {tok.tk.id_to_token(i) for i in keep_ids(tok, "gemma4")} \
         == {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>'}
+
+
+def test_lfm2_calls_may_come_before_the_text():
+    text = 'Checking.<|tool_call_start|>[get_weather(city="Rome"), get_weather(city="Oslo")]<|tool_call_end|>Done.'
+    content, calls = FORMATS["lfm2"].parse(text, TOOLS)
+    assert content == "Checking.Done."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {"city": "Oslo"}]
+    mixed = text.replace('get_weather(city="Oslo")', 'launch_rocket(city="Oslo")')  # one unknown call: all stay text
+    assert FORMATS["lfm2"].parse(mixed, TOOLS) == (mixed, [])

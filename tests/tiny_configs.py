@@ -46,6 +46,7 @@ FAMILIES: tuple[str, ...] = (
     "cohere2_moe",
     "laguna",
     "gemma4_text",
+    "lfm2_moe",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -286,6 +287,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}},
+        # LFM2-MoE: a conv layer, an attention layer and a conv layer (kernel 3), layer 0's feed-forward dense, the
+        # others experts chosen with a selection bias, renormalised and scaled; the head untied (as the release's is
+        # tied: test_lfm2_moe.py ties it)
+        "lfm2_moe": {"num_experts": 8, "moe_intermediate_size": moe_i, "num_dense_layers": 1,
+                     "layer_types": ["conv", "full_attention", "conv"], "routed_scaling_factor": 1.5,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         # DBRX: Mixtral's layers under a nested config with its own names, LayerNorms without a bias, q/k/v fused
         # and clamped (at 2.0 a few percent of them are), experts fused as [E·I, H]
         "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256,

@@ -26,6 +26,8 @@ Each format is detected from the chat template that teaches it (`detect`), or na
   `</tool_calls>`.
 - `granite` (IBM Granite 3.x): a JSON list of `{"name": ..., "arguments": {...}}` after `<|tool_call|>` (3.0's
   token) or `<tool_call>` (3.1's string), with no closing tag.
+- `lfm2` (LFM2 / LFM2-MoE): pythonic's call list between `<|tool_call_start|>` and `<|tool_call_end|>`, text
+  before or after it;
 - `gemma4` (Gemma 4): `<|tool_call>call:NAME{key:value,...}<tool_call|>` per call, in its own object syntax
   (strings between `<|"|>` tokens; server/gemma4_calls.py).
 (gpt-oss writes its calls in its channels: server/harmony.py.) A call naming no known tool, or whose
@@ -274,6 +276,20 @@ def _pythonic(text: str, tools: dict[str, dict]) -> Found:
     return [], []
 
 
+_LFM2 = re.compile(r"<\|tool_call_start\|>\s*(.*?)\s*<\|tool_call_end\|>", re.DOTALL)
+
+
+def _lfm2(text: str, tools: dict[str, dict]) -> Found:
+    """Each call list between the markers, cut out where every call in it names a known tool."""
+    calls, spans = [], []
+    for m in _LFM2.finditer(text):
+        got = _py_calls(m.group(1), tools)
+        if got:
+            calls += got
+            spans.append(m.span())
+    return calls, spans
+
+
 _HUNYUAN = re.compile(r"<tool_calls>\s*(.*?)\s*</tool_calls>", re.DOTALL)
 
 
@@ -376,6 +392,7 @@ FORMATS = {f.name: f for f in (
                 "<|tool_call_section_end|>"), _KIMI_WRAP, in_reasoning=True),
     ToolFormat("pythonic", ("<|python_start|>",), _pythonic, ("<|python_start|>", "<|python_end|>"), _PY_WRAP,
                open_re=_PY_OPEN, maybe_re=_PY_MAYBE),
+    ToolFormat("lfm2", ("<|tool_call_start|>",), _lfm2, ("<|tool_call_start|>", "<|tool_call_end|>")),
     ToolFormat("hunyuan", ("<tool_calls>",), _hunyuan, ("<tool_calls>", "</tool_calls>")),
     ToolFormat("granite", _GRANITE, _granite, _GRANITE),
     ToolFormat("gemma4", (gemma4_calls.OPEN,), _gemma4,
@@ -404,6 +421,8 @@ def detect(template: str) -> str:
         return "minimax_m2"
     if _MISTRAL in template:
         return "mistral"
+    if "<|tool_call_start|>" in template:
+        return "lfm2"
     if "<|python_start|>" in template or "[func_name1(" in template:
         return "pythonic"
     if "<tool_calls>" in template:

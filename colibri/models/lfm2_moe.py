@@ -1,0 +1,163 @@
+"""Liquid AI's LFM2-MoE (`lfm2_moe`: LFM2-8B-A1B): short gated convolutions and attention layers over routed experts.
+
+- Each layer's mixer by `layer_types`: "full_attention" (GQA with per-head q/k RMSNorm, RoPE) or "conv": in_proj
+  gives B, C and x; B * x runs through a causal depthwise convolution of `conv_L_cache` taps, times C, then
+  out_proj. A conv layer's cache is its last `conv_L_cache - 1` inputs per sequence (linear attention's StateCache,
+  without the delta rule's state).
+- The first `num_dense_layers` feed-forwards are dense SwiGLU (`w1`, `w3`, `w2`), the rest routed experts: sigmoid
+  scores, the top k chosen with `expert_bias` (selection only; none without `use_expert_bias`), renormalised with
+  transformers' +1e-6 when `norm_topk_prob`, times `routed_scaling_factor`.
+- Pre-norm blocks (`operator_norm`, `ffn_norm`), the final norm `embedding_norm`, the head tied by default
+  (`tie_embedding`, the release's name).
+
+The conv layers run in torch around the kernels' projections; the attention layers take the kernels' attention block
+and the MoE layers their MoE block (the router in GLM's sigmoid rule: its 1e-20 where transformers adds 1e-6, on the
+bf16 rows only), layer by layer: the one-call step needs one kind of mixer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
+from .batch import LayerKV
+from .glm4_moe import GroupLimitedRouter
+from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, rope_scaling, rope_theta
+from .linear_attn import Conv1d, StateCache
+from .moe import SparseMoE, SwitchGLU, native_route
+
+FAMILY = "lfm2_moe"
+KINDS = ("conv", "full_attention")
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int = 65536
+    intermediate_size: int = 7168
+    moe_intermediate_size: int = 1792
+    num_key_value_heads: int = 8
+    max_position_embeddings: int = 128_000
+    norm_eps: float = 1e-5
+    conv_bias: bool = False
+    conv_L_cache: int = 3
+    num_dense_layers: int = 2
+    num_experts_per_tok: int = 4
+    num_experts: int = 32
+    use_expert_bias: bool = True
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    layer_types: list | None = None
+    raw: dict | None = None
+
+
+class ShortConv(nn.Module):
+    """The gated short convolution of the module docstring: x [T, hidden] -> [T, hidden] over the step's sequences,
+    each continuing its own `StateCache`."""
+
+    def __init__(self, hidden: int, kernel: int, bias: bool):
+        super().__init__()
+        self.hidden, self.kernel = hidden, kernel
+        self.in_proj = Linear(hidden, 3 * hidden, bias)
+        self.conv = Conv1d(hidden, kernel)  # weight [H, 1, K]
+        if bias:
+            self.conv.bias = nn.Parameter(torch.zeros(hidden), requires_grad=False)
+        self.out_proj = Linear(hidden, hidden, bias)
+
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+        return StateCache(self.hidden, self.kernel, 0, 0, 0, dtype, device)  # (no delta-rule state: [0, 0, 0])
+
+    def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        b, c, u = self.in_proj(x).chunk(3, dim=-1)  # [T, H] x3
+        bx, K = b * u, self.kernel
+        w, bias = self.conv.weight, getattr(self.conv, "bias", None)
+        outs = []
+        for r0, r1, start, cache in kv.segs:
+            cache.resume(start)
+            n = r1 - r0
+            seq = torch.cat([cache.conv, bx[r0:r1].T.to(cache.conv.dtype)], -1)  # [H, K-1+n]: the kept inputs first
+            if start > 0:
+                y = F.conv1d(seq[None].to(w.dtype), w, bias, groups=self.hidden)[0]  # [H, n]
+            else:  # (from zeros: the padded form transformers computes)
+                y = F.conv1d(bx[r0:r1].T[None].to(w.dtype), w, bias, padding=K - 1, groups=self.hidden)[0, :, :n]
+            cache.conv.copy_(seq[:, -(K - 1):])
+            cache.pos = start + n
+            outs.append(y.T.to(x.dtype))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H]
+        return self.out_proj(c * y)
+
+
+class Router(GroupLimitedRouter):
+    """GLM's one-group sigmoid router (its kernel rule on bf16 rows), renormalising with transformers' +1e-6 in
+    torch."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
+        scores = torch.sigmoid(x.float() @ self.weight.float().T)  # [T, E]
+        idx = (scores + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-6)
+        return idx, weights * self.scale
+
+
+class Model(CausalLM):
+    def __init__(self, a: ModelArgs):
+        raw = a.raw or {}
+        H = a.hidden_size
+        attn = AttentionArgs(H, a.num_attention_heads, a.num_key_value_heads, H // a.num_attention_heads,
+                             rope_theta(raw, 1e6), rope_scaling(raw), a.max_position_embeddings, qk_norm="head",
+                             norm_eps=a.norm_eps)
+
+        def block(i: int) -> DecoderBlock:
+            mixer = ShortConv(H, a.conv_L_cache, a.conv_bias) if a.layer_types[i] == "conv" \
+                else Attention(attn)  # type: ignore[index]
+            if i < a.num_dense_layers:
+                return DecoderBlock(mixer, MLP(H, a.intermediate_size), H, a.norm_eps)
+            gate = Router(H, a.num_experts, a.num_experts_per_tok, 1, 1, a.norm_topk_prob, a.routed_scaling_factor,
+                          bias=a.use_expert_bias)
+            return DecoderBlock(mixer, SparseMoE(gate, SwitchGLU(i, H, a.moe_intermediate_size, a.num_experts)),
+                                H, a.norm_eps)
+
+        super().__init__(a.vocab_size, H, a.norm_eps, [block(i) for i in range(a.num_hidden_layers)])
+        self.args = a
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse LFM2-MoE configs this file does not implement."""
+    check_act_and_rope(FAMILY, cfg)
+    n = cfg.get("num_hidden_layers")
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds):
+        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+    if cfg.get("hidden_size", 0) % max(cfg.get("num_attention_heads") or 1, 1):
+        refuse(FAMILY, "num_attention_heads", cfg["num_attention_heads"], "a divisor of hidden_size")
+    k = cfg.get("conv_L_cache", 3)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+        refuse(FAMILY, "conv_L_cache", k, "an integer of at least 2 (a convolution over past inputs)")
+    dense = cfg.get("num_dense_layers", 2)
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < (n or 0):
+        refuse(FAMILY, "num_dense_layers", dense, f"0 to {(n or 1) - 1}: at least one layer of experts")
+
+
+_RENAMES = ((".feed_forward.expert_bias", ".mlp.gate.e_score_correction_bias"),
+            (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+            (".feed_forward.w2.", ".mlp.down_proj."), (".feed_forward.", ".mlp."),
+            (".self_attn.out_proj.", ".self_attn.o_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+            (".self_attn.k_layernorm.", ".self_attn.k_norm."), (".operator_norm.", ".input_layernorm."),
+            (".ffn_norm.", ".post_attention_layernorm."), (".conv.", ".self_attn."),
+            ("model.embedding_norm.", "model.norm."))
+
+
+def sanitize(name: str) -> str | None:
+    """HF name -> canonical name: the feed-forward under `mlp` (the dense one's w1 / w3 / w2 as gate / up / down),
+    a conv layer's mixer under `self_attn` as attention's, the norms under the decoder's names."""
+    return rename_first(name, _RENAMES)

@@ -1,0 +1,78 @@
+"""LFM2-MoE (lfm2_moe): the variants the tiny model does not take (the release's tied head under its own key, biased
+convolutions and projections, no selection bias, no renormalising) against transformers' logits and greedy tokens; a
+prompt read in chunks (each chunk's convolution continuing the state the last one left) and batched against
+transformers; prompt caching off for the convolution states; names and refusals. Its oracle, batch and tier tests run
+with every family's (tests/tiny_configs.py: conv, attention and conv layers, a dense layer 0, biased selection)."""
+
+from __future__ import annotations
+
+import pytest
+from hf_tiny import hf_greedy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+
+import colibri
+from colibri.errors import ColibriError
+from colibri.models.lfm2_moe import check_config, sanitize
+
+PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
+
+
+def _cfg(**over) -> dict:
+    return {"model_type": "lfm2_moe", **tiny_config_kwargs("lfm2_moe"), **over}
+
+
+@pytest.mark.parametrize("over", [
+    {"tie_embedding": True},  # (the release's key for a tied head)
+    {"conv_bias": True, "conv_L_cache": 4},
+    {"use_expert_bias": False, "norm_topk_prob": False, "num_dense_layers": 0}])
+def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
+    hf = load_hf(ckpt.hf("lfm2_moe", **over))
+    ref = hf_logits(hf, PROMPT * 3)
+    with colibri.load(ckpt.coli("lfm2_moe", "f32", **over), ctx_size=64, threads=2) as llm:
+        assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
+        want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
+        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
+
+
+def test_chunked_prompts_and_batches_continue_each_convolution_state(ckpt) -> None:
+    hf = load_hf(ckpt.hf("lfm2_moe"))
+    prompts = [PROMPT * 2, PROMPT[:5], PROMPT[3:] * 3]
+    with colibri.load(ckpt.coli("lfm2_moe", "f32"), ctx_size=96, threads=2, slots=3, prefill_chunk=5) as llm:
+        got = [h.wait() for h in [llm.submit(p, 8, ignore_eos=True) for p in prompts]]
+    assert got == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_prompt_caching_stays_off_and_saved_caches_are_refused(ckpt, tmp_path) -> None:
+    with colibri.load(ckpt.coli("lfm2_moe", "f32"), ctx_size=96, threads=2, slots=1) as llm:
+        assert not llm.slots.rewindable
+        a = llm.submit(PROMPT, 4, ignore_eos=True).wait()
+        h = llm.submit(PROMPT + a, 4, ignore_eos=True)
+        h.wait()
+        assert h.stats.cached_tokens == 0
+        with pytest.raises(ColibriError, match="convolution"):
+            llm.save_prompt_cache(tmp_path / "slot.bin")
+
+
+def test_release_names_map_to_the_canonical_ones() -> None:
+    pairs = {"model.layers.0.conv.conv.weight": "model.layers.0.self_attn.conv.weight",
+             "model.layers.0.conv.in_proj.weight": "model.layers.0.self_attn.in_proj.weight",
+             "model.layers.1.self_attn.out_proj.weight": "model.layers.1.self_attn.o_proj.weight",
+             "model.layers.1.self_attn.q_layernorm.weight": "model.layers.1.self_attn.q_norm.weight",
+             "model.layers.0.feed_forward.w3.weight": "model.layers.0.mlp.up_proj.weight",
+             "model.layers.2.feed_forward.expert_bias": "model.layers.2.mlp.gate.e_score_correction_bias",
+             "model.layers.2.feed_forward.experts.5.w2.weight": "model.layers.2.mlp.experts.5.w2.weight",
+             "model.layers.2.operator_norm.weight": "model.layers.2.input_layernorm.weight",
+             "model.layers.2.ffn_norm.weight": "model.layers.2.post_attention_layernorm.weight",
+             "model.embedding_norm.weight": "model.norm.weight"}
+    assert {k: sanitize(k) for k in pairs} == pairs
+
+
+@pytest.mark.parametrize("over,field", [
+    ({"layer_types": ["conv", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["conv", "sliding_attention", "conv"]}, "layer_types"),
+    ({"conv_L_cache": 1}, "conv_L_cache"),
+    ({"num_dense_layers": 3}, "num_dense_layers"),
+    ({"hidden_act": "gelu"}, "hidden_act")])
+def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None:
+    check_config(_cfg())  # the tiny config itself is fine
+    with pytest.raises(ColibriError, match=field):
+        check_config(_cfg(**over))
