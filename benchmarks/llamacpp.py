@@ -113,6 +113,11 @@ try:  # (Phi-3's and Phi-3.5-MoE's converters read a SentencePiece model unless 
     phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
 except (ImportError, AttributeError):
     pass
+try:  # (Gemma 4's converter wants a SentencePiece-style BPE with byte fallback)
+    from conversion import gemma
+    gemma.Gemma4Model.set_vocab = base.TextModel._set_vocab_gpt2
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
