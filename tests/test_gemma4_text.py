@@ -17,6 +17,7 @@ from transformers import Gemma4TextConfig
 import colibri
 from colibri.convert import convert
 from colibri.errors import ColibriError
+from colibri.kernels import native
 from colibri.models.base import build
 from colibri.models.gemma4_text import ModelArgs, check_config, prepare, sanitize
 
@@ -135,3 +136,30 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
         del cfg["hidden_size_per_layer_input"]
     with pytest.raises(ColibriError, match=field):
         check_config(cfg)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("over", [{}, {"attention_k_eq_v": False}])
+def test_the_fused_attention_block_gives_the_layer_by_layer_bits(ckpt, monkeypatch, scheme: str, over: dict) -> None:
+    """kernels/block.c with keys as values and the values' weightless norm: the bits of the same kernels called one
+    by one, step after step, and every layer took it."""
+    from colibri.models.batch import StepBatch
+    from colibri.models.gemma4_text import Gemma4Attention
+
+    def logits(llm, fused: bool) -> torch.Tensor:
+        taken: list[bool] = []
+        real = Gemma4Attention.fused
+        with monkeypatch.context() as mp:
+            mp.setattr(Gemma4Attention, "fused", lambda self, *a: (taken.append(r := real(self, *a) if fused else None),
+                                                                  r)[1] if fused else None)
+            cache, rows = llm.slots.caches[0], []
+            with torch.inference_mode():  # (one row a step: a prompt chunk's unfused attention is torch's own)
+                for pos in range(len(PROMPT)):
+                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
+                                          torch.tensor([0])))
+        assert not fused or (taken and all(r is not None for r in taken))
+        return torch.cat(rows)
+
+    with colibri.load(ckpt.coli("gemma4_text", scheme, **over), ctx_size=64, threads=2) as llm:
+        assert torch.equal(logits(llm, True), logits(llm, False))

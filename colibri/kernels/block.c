@@ -32,7 +32,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     long nq = (long)nh * D, nk = (long)nkv * D, nv = (long)nkv * Dv, no = (long)nh * Dv;
     /* gate 1: the gated query's rows (q and gate per head), then the gates alone; 2 / 3: wg's gates */
     long ng = L->gate == 1 ? 3 * nq : L->gate ? nq : 0;
-    if (L->gate && Dv != D) return -1;
+    if ((L->gate || L->k_eq_v) && Dv != D) return -1;
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (2 * Hd + 2 * nq + 2 * nk + nv + no + ng));
     if (!buf) return -2;
     uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
@@ -64,10 +64,13 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             }
     PROF(P_RMS_IN, coli_block_norm(h, T, Hd, L->in_w, L->in_b, L->in_eps, xn));
     {
-        coli_qw w[4] = {L->wq, L->wk, L->wv, L->wg};
-        int N[4] = {(int)(L->gate == 1 ? 2 * nq : nq), (int)nk, (int)nv, L->gate == 3 ? nh : (int)nq};
-        void *y[4] = {L->gate == 1 ? qg : q, k, v, gates};
-        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, L->gate >= 2 ? 4 : 3, w, N, y));
+        /* (keys as values: no wv, the gate projection, if any, third) */
+        coli_qw w[4] = {L->wq, L->wk, L->k_eq_v ? L->wg : L->wv, L->wg};
+        int N[4] = {(int)(L->gate == 1 ? 2 * nq : nq), (int)nk, L->k_eq_v ? (L->gate == 3 ? nh : (int)nq) : (int)nv,
+                    L->gate == 3 ? nh : (int)nq};
+        void *y[4] = {L->gate == 1 ? qg : q, k, L->k_eq_v ? (void *)gates : (void *)v, gates};
+        int nw = (L->gate >= 2 ? 4 : 3) - (L->k_eq_v ? 1 : 0);
+        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, nw, w, N, y));
         if (rc) goto done;
         if (L->gate == 1)  /* each head's 2 D rows: its query, then its output gate */
             for (long t = 0; t < T; t++)
@@ -77,7 +80,9 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                 }
         add_rows(q, L->bq, T, nq);  /* as the projection's own bias add: bf16 + bf16, one rounding */
         add_rows(k, L->bk, T, nk);
-        add_rows(v, L->bv, T, nv);
+        if (L->k_eq_v) memcpy(v, k, sizeof(uint16_t) * (size_t)T * nk);  /* the projection's output, before k's norm */
+        else add_rows(v, L->bv, T, nv);
+        if (L->vn_w) coli_rmsnorm(v, 1, (long)T * nkv, Dv, L->vn_w, L->qk_eps, v);  /* (row by row: in place is safe) */
     }
     if (L->qk_norm == 1) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);

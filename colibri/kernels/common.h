@@ -100,6 +100,9 @@ typedef struct {
     int parallel;                 /* 1: x_out is the input norm's output, no post norm (Cohere's parallel block: its
                                    * MLP reads the attention's input) */
     coli_qw wg;                   /* gate 2 / 3: the gate projection [heads * head_dim or heads, hidden] */
+    int k_eq_v;                   /* 1: no wv, the values are wk's output before any q/k norm (Gemma 4's full layers) */
+    const float *vn_w;            /* non-NULL: each value head RMS-normed with these f32 weights [v_dim], eps qk_eps
+                                   * (Gemma 4: ones) */
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the

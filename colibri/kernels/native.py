@@ -117,7 +117,8 @@ class AttnLayer(ctypes.Structure):
                 ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p),
                 ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float),  # (AFMoE: o_proj's output RMSNorm)
                 ("parallel", ctypes.c_int),  # Cohere: the MLP reads the input norm (no post norm)
-                ("wg", QW)]  # Laguna: gate 2 / 3, softplus(wg x) a channel / a head times the heads' output
+                ("wg", QW),  # Laguna: gate 2 / 3, softplus(wg x) a channel / a head times the heads' output
+                ("k_eq_v", ctypes.c_int), ("vn_w", ctypes.c_void_p)]  # Gemma 4: keys as values; the values' norm
 
 
 class Tail(ctypes.Structure):

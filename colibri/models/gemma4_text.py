@@ -14,8 +14,9 @@
   a `per_expert_scale`.
 - Each layer's output times its `layer_scalar`; the logits soft-capped by tanh (`final_logit_softcapping`).
 
-It runs layer by layer: the projections and experts' GEMVs in the kernels, the GELU experts one at a time (the
-kernels' MoE block has SiLU's and gpt-oss's activations only). Per-layer embeddings (Gemma 4 E2B / E4B), shared KV
+It runs layer by layer: the attention in the kernels' attention block (keys as values and the values' norm there
+too), the experts in the kernels' MoE call with a GELU(tanh) activation, the norms, router and dense MLP in torch
+around the kernels' projections. Per-layer embeddings (Gemma 4 E2B / E4B), shared KV
 layers and bidirectional attention are refused.
 """
 
@@ -123,6 +124,16 @@ class Gemma4Attention(Attention):
         v = self.v_norm(k if self.k_eq_v else self.v_proj(x).view(T, a.kv_heads, a.head_dim))
         k = self.k_norm(k)
         return self.attend(self.rope(q, kv.pos), self.rope(k, kv.pos), v, kv, x)
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm):
+        """Attention.fused: kernels/block.c with keys as values and the values' norm (`_build_native_layer`)."""
+        return super().fused(h, kv, in_norm, post_norm)
+
+    def _build_native_layer(self, in_norm, post_norm):
+        layer = super()._build_native_layer(in_norm, post_norm)
+        if layer is not None:
+            layer.k_eq_v, layer.vn_w = int(self.k_eq_v), self.v_norm.weight.data_ptr()
+        return layer
 
 
 class GeluMLP(MLP):

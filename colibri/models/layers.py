@@ -469,11 +469,11 @@ class Attention(nn.Module):
 
     def _build_native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native.AttnLayer | None:
         a = self.a
-        projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        projs = (self.q_proj, self.k_proj, getattr(self, "v_proj", None), self.o_proj)  # (None: keys as values)
         first = projs[0]
         if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
                    and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and native.bias_ok(p)
-                   for p in projs):
+                   for p in projs if p is not None):
             return None
         norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
         biases = [block_norm_bias(in_norm), block_norm_bias(post_norm)]  # (LayerNorms: Phi-3.5-MoE)
@@ -491,12 +491,13 @@ class Attention(nn.Module):
             else (0, 0, 0.0)
         return native.AttnLayer(
             a.hidden, a.heads, a.kv_heads, a.head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
-            *(native.QW(*native.qw(p)) for p in projs),
+            *(native.QW() if p is None else native.QW(*native.qw(p)) for p in projs),
             norm_weight_ptr(in_norm), norm_weight_ptr(post_norm), in_norm.eps, post_norm.eps,
             {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0,
             self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
-            *(None if p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim, v_scale=a.v_scale,
+            *(None if p is None or p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim,
+            v_scale=a.v_scale,
             in_b=biases[0], post_b=biases[1], out_w=out[0], out_eps=out[1], parallel=int(a.parallel))
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
