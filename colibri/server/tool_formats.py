@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import gemma4_calls
-from .reasoning import held_tail
+from .reasoning import CLOSE, OPEN, held_tail
 
 
 def new_call_id(fmt: str | None = None, name: str = "", index: int = 0) -> str:
@@ -356,7 +356,7 @@ class ToolFormat:
     in_reasoning: bool = False  # the model may open its calls inside an unclosed <think> (Kimi-K2-Thinking)
     open_re: re.Pattern | None = None  # a call's start as a pattern, besides `opens` (pythonic's "[name(")
     maybe_re: re.Pattern | None = None  # an end of text that may still grow into open_re's match
-    think: tuple[str, str] = ("<think>", "</think>")  # the reasoning's tags (Gemma 4's thought channel differs)
+    think: tuple[str, str] = (OPEN, CLOSE)  # the reasoning's tags (Gemma 4's thought channel differs)
 
     def parse(self, text: str, tools: dict[str, dict]) -> tuple[str | None, list[dict]]:
         """(content, calls) of an answer: the calls naming known tools cut out of the text; the content
