@@ -163,3 +163,27 @@ def test_the_fused_attention_block_gives_the_layer_by_layer_bits(ckpt, monkeypat
 
     with colibri.load(ckpt.coli("gemma4_text", scheme, **over), ctx_size=64, threads=2) as llm:
         assert torch.equal(logits(llm, True), logits(llm, False))
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_bf16_rows_route_in_the_kernels_by_the_torch_rule() -> None:
+    # bf16 rows: the input normed and scaled in bf16 as transformers does, then the kernels' softmax rule (top k
+    # renormalised) and the per-expert scale; the same as the torch rule on those very values.
+    from colibri.models.gemma4_text import Router
+
+    torch.manual_seed(3)
+    r = Router(64, 16, 4, 1e-6)
+    r.weight.copy_(torch.randn(16, 64) * 0.3)
+    r.scale.copy_(torch.rand(64) + 0.5)
+    r.per_expert_scale.copy_(torch.rand(16) + 0.5)
+    x = torch.randn(40, 64).bfloat16()
+    idx, w = r(x)
+    h = (r.norm(x) * r.scale.to(x.dtype) * r.root).float()  # the kernel's input, as f32
+    probs = torch.softmax(h @ r.weight.T, -1)
+    ref_w, ref_idx = probs.topk(4, -1)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True) * r.per_expert_scale[ref_idx]
+    a, mine = idx.sort(-1)
+    b, theirs = ref_idx.sort(-1)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(w.gather(1, mine), ref_w.gather(1, theirs), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(w, r(x.float())[1])  # (f32 rows: the torch path, without the bf16 roundings)

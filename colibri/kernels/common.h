@@ -117,6 +117,7 @@ void coli_softplus_gate_mul(uint16_t *x, const uint16_t *g, long T, int heads, i
 typedef struct {
     int inter, scheme, group, gated;
     coli_qw gate, up, down, sgate; /* [I, H], [I, H], [H, I]; sgate [1, H] when gated */
+    int act;                       /* ACT_SILU, or ACT_GELU_TANH (Gemma 4's dense MLP) */
 } coli_mlp;
 
 /* Entry points the kernel files call in one another (gemv.c, attn.c, block.c, moe.c). */

@@ -258,7 +258,7 @@ done:
 
 /* ------------------------------------------------------------------- the whole layer */
 
-/* y [T, H] bf16 = m's MLP of x [T, H] bf16: gate and up (one pass over x), act = bf16(silu(gate) * up)
+/* y [T, H] bf16 = m's MLP of x [T, H] bf16: gate and up (one pass over x), act = bf16(silu(gate) * up) (or GELU's)
  * (f32 math, one rounding), down; when gated, y = bf16(sigmoid(sgate . x) * y). The dense layers and shared
  * experts of colibri/models (layers.py MLP, moe.py SparseMoE) run exactly this at bf16 on the CPU, so the
  * per-layer and one-call paths agree bit for bit. Returns 0 or coli_multi_gemm's code. */
@@ -281,7 +281,8 @@ int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y) {
             hg[i] = bf16_to_f32(g[(size_t)t * I + i]);
             hg[I + i] = bf16_to_f32(u[(size_t)t * I + i]);
         }
-        silu_glu(hg, I, hg + 2 * (size_t)I);
+        if (m->act == ACT_GELU_TANH) gelu_glu(hg, I, hg + 2 * (size_t)I);
+        else silu_glu(hg, I, hg + 2 * (size_t)I);
         for (int i = 0; i < I; i++) a[(size_t)t * I + i] = f32_to_bf16(hg[2 * (size_t)I + i]);
     }
     if (!rc) {

@@ -160,7 +160,7 @@ class Mlp(ctypes.Structure):
     """coli_mlp (moe.c): a dense SwiGLU MLP's projections (a dense layer, a shared expert), optionally gated."""
 
     _fields_ = [("inter", ctypes.c_int), ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("gated", ctypes.c_int),
-                ("gate", QW), ("up", QW), ("down", QW), ("sgate", QW)]
+                ("gate", QW), ("up", QW), ("down", QW), ("sgate", QW), ("act", ctypes.c_int)]  # (ACT_SILU / GELU)
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -15,9 +15,9 @@
 - Each layer's output times its `layer_scalar`; the logits soft-capped by tanh (`final_logit_softcapping`).
 
 It runs layer by layer: the attention in the kernels' attention block (keys as values and the values' norm there
-too), the experts in the kernels' MoE call with a GELU(tanh) activation, the norms, router and dense MLP in torch
-around the kernels' projections. Per-layer embeddings (Gemma 4 E2B / E4B), shared KV
-layers and bidirectional attention are refused.
+too), the dense MLP in one native call and the experts in the kernels' MoE call, both with a GELU(tanh) activation,
+the router's softmax rule in the kernels on bf16 rows; the norms between them in torch. Per-layer embeddings (Gemma 4
+E2B / E4B), shared KV layers and bidirectional attention are refused.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
+from . import native_mlp
 from .base import BaseArgs, CausalLM, refuse, text_model_name
 from .batch import LayerKV, StepBatch
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, RMSNorm
-from .moe import SparseMoE, SwitchGLU
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .norms import NoNorm, rms_norm
 
 FAMILY = "gemma4_text"
@@ -137,10 +138,13 @@ class Gemma4Attention(Attention):
 
 
 class GeluMLP(MLP):
-    """The dense half of a layer's feed-forward: GELU(tanh)-gated."""
+    """The dense half of a layer's feed-forward: GELU(tanh)-gated (bf16 decode rows in one native call, as MLP's)."""
+
+    native_act = native.ACT_GELU_TANH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        y = native_mlp.run(self, x)
+        return y if y is not None else self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
 def gelu_glu(h: torch.Tensor) -> torch.Tensor:
@@ -159,7 +163,17 @@ class Router(nn.Module):
         self.norm = WeightlessRMSNorm(hidden, eps)
         self.top_k, self.root = top_k, hidden**-0.5
 
+    def native_routing(self) -> RouteRule:
+        """The kernels' softmax rule (the top k renormalised) over the rows `forward` normed and scaled (this router
+        is never a fused MoE block's: that would hand it the raw rows)."""
+        return RouteRule(native.ROUTE_SOFTMAX, True)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.bfloat16:  # (in x's dtype as transformers scales it; f32 stays the oracle's torch path)
+            routed = native_route(self, self.norm(x) * self.scale.to(x.dtype) * self.root)
+            if routed is not None:
+                idx, weights = routed
+                return idx, weights * self.per_expert_scale.float()[idx]
         h = self.norm(x.float()) * self.scale.float() * self.root
         probs = torch.softmax(h @ self.weight.float().T, dim=-1)  # [T, E]
         weights, idx = probs.topk(self.top_k, dim=-1)

@@ -40,7 +40,7 @@ def _build(mlp: nn.Module, gate: nn.Module | None) -> native.Mlp | None:
         return None
     qws = [native.QW(*native.qw(p)) for p in projs] + ([] if gate else [native.QW()])
     return native.Mlp(first.out_features, 8 if first.scheme == "int8" else 4, first.group_size, int(gate is not None),
-                      *qws)
+                      *qws, getattr(mlp, "native_act", native.ACT_SILU))
 
 
 def forget(mlp: nn.Module) -> None:
