@@ -10,8 +10,9 @@
 - Pre-norm blocks (`operator_norm`, `ffn_norm`), the final norm `embedding_norm`, the head tied by default
   (`tie_embedding`, the release's name).
 
-The conv layers run in torch around the kernels' projections; the attention layers take the kernels' attention block
-and the MoE layers their MoE block (the router in GLM's sigmoid rule: its 1e-20 where transformers adds 1e-6, on the
+Decode rows of the conv layers take kernels/conv.c (the whole block: norm, in_proj, gating, convolution, out_proj,
+residual, post norm), prompts torch; the attention layers take the kernels' attention block and the MoE layers
+their MoE block (the router in GLM's sigmoid rule: its 1e-20 where transformers adds 1e-6, on the
 bf16 rows only), layer by layer: the one-call step needs one kind of mixer.
 """
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import native, native_conv
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .batch import LayerKV
 from .glm4_moe import GroupLimitedRouter
@@ -74,6 +76,10 @@ class ShortConv(nn.Module):
         return StateCache(self.hidden, self.kernel, 0, 0, 0, dtype, device)  # (no delta-rule state: [0, 0, 0])
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if self._native_rows(x, kv):  # bf16 decode rows: the gating and the convolution in one call
+            y = native_conv.conv_rows(self.in_proj(x).contiguous(), self._states(kv), self.conv.weight,
+                                      getattr(self.conv, "bias", None))
+            return self.out_proj(y)
         b, c, u = self.in_proj(x).chunk(3, dim=-1)  # [T, H] x3
         bx, K = b * u, self.kernel
         w, bias = self.conv.weight, getattr(self.conv, "bias", None)
@@ -82,11 +88,14 @@ class ShortConv(nn.Module):
             cache.resume(start)
             n = r1 - r0
             seq = torch.cat([cache.conv, bx[r0:r1].T.to(cache.conv.dtype)], -1)  # [H, K-1+n]: the kept inputs first
-            if start > 0:  # each output the dot of its K inputs with the taps (torch's depthwise conv1d took
-                # ~100 us a decode row on the CPU, this ~10)
-                y = (seq.unfold(1, K, 1).to(w.dtype) * w).sum(-1)  # [H, n, K] x [H, 1, K] -> [H, n]
+            if start > 0:  # the taps summed in order from 0 in f32, as kernels/conv.c does (the same bits); torch's
+                # depthwise conv1d also took ~100 us a decode row
+                win = seq.unfold(1, K, 1)  # [H, n, K]
+                y = torch.zeros(self.hidden, n)
+                for k in range(K):
+                    y = y + win[..., k].float() * w[:, 0, k, None].float()
                 if bias is not None:
-                    y = y + bias[:, None]
+                    y = y + bias[:, None].float()
             else:  # (from zeros: the padded form transformers computes)
                 y = F.conv1d(bx[r0:r1].T[None].to(w.dtype), w, bias, padding=K - 1, groups=self.hidden)[0, :, :n]
             cache.conv.copy_(seq[:, -(K - 1):])
@@ -94,6 +103,46 @@ class ShortConv(nn.Module):
             outs.append(y.T.to(x.dtype))
         y = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H]
         return self.out_proj(c * y)
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/conv.c coli_conv_block) for bf16 decode
+        rows of native weights, with the bits of the layer-by-layer native path; else None."""
+        projs = (self.in_proj, self.out_proj)
+        first = self.in_proj
+        if not self._native_rows(h, kv) or not all(
+                getattr(p, "path", None) == "native" and (p.scheme, p.group_size) == (first.scheme, first.group_size)
+                and p.compute_dtype == torch.bfloat16 and p.bias is None for p in projs) \
+                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (in_norm, post_norm)):
+            return None
+        w = self.__dict__.get("_fused_qw")
+        if w is None:  # (the weights' pointers: rebuilt when the module moves, see _apply)
+            w = self.__dict__["_fused_qw"] = (native.QW * 2)(*(native.QW(*native.qw(p)) for p in projs))
+        return native_conv.conv_block(8 if first.scheme == "int8" else 4, first.group_size, w, h.contiguous(),
+                                      in_norm, post_norm, self._states(kv), self.conv.weight,
+                                      getattr(self.conv, "bias", None))
+
+    def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
+        """Whether kernels/conv.c takes this step: bf16 rows on the CPU, one per sequence, each continuing its state,
+        f32 taps; the f32 oracle path and prompts stay in torch."""
+        bias = getattr(self.conv, "bias", None)
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= native.MOE_MAX_ROWS \
+            and self.conv.weight.dtype == torch.float32 and self.conv.weight.is_contiguous() \
+            and (bias is None or bias.dtype == torch.float32) and native.available() \
+            and all(r1 - r0 == 1 and start > 0 and c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous()
+                    and c.conv.device.type == "cpu" for r0, r1, start, c in kv.segs)
+
+    def _states(self, kv: LayerKV) -> list[int]:
+        """Each row's state pointer, the states checked to continue and then counted one position on."""
+        ptrs = []
+        for _, _, start, cache in kv.segs:
+            cache.resume(start)
+            cache.pos = start + 1
+            ptrs.append(cache.conv.data_ptr())
+        return ptrs
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: the fused call's pointers are stale
+        self.__dict__.pop("_fused_qw", None)
+        return super()._apply(fn, recurse)
 
 
 class Router(GroupLimitedRouter):
