@@ -91,7 +91,7 @@ class ShortConv(nn.Module):
             if start > 0:  # the taps summed in order from 0 in f32, as kernels/conv.c does (the same bits); torch's
                 # depthwise conv1d also took ~100 us a decode row
                 win = seq.unfold(1, K, 1)  # [H, n, K]
-                y = torch.zeros(self.hidden, n)
+                y = torch.zeros(self.hidden, n, device=seq.device)  # (a GPU layer's state is on its GPU)
                 for k in range(K):
                     y = y + win[..., k].float() * w[:, 0, k, None].float()
                 if bias is not None:
