@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from hf_tiny import edited_copy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from test_native_step import _spy
 from transformers import Gemma4TextConfig
 
 import colibri
@@ -149,16 +150,14 @@ def test_the_fused_attention_block_gives_the_layer_by_layer_bits(ckpt, monkeypat
 
     def logits(llm, fused: bool) -> torch.Tensor:
         taken: list[bool] = []
-        real = Gemma4Attention.fused
         with monkeypatch.context() as mp:
-            mp.setattr(Gemma4Attention, "fused", lambda self, *a: (taken.append(r := real(self, *a) if fused else None),
-                                                                  r)[1] if fused else None)
+            mp.setattr(Gemma4Attention, "fused", _spy(Gemma4Attention.fused, taken) if fused else lambda self, *a: None)
             cache, rows = llm.slots.caches[0], []
             with torch.inference_mode():  # (one row a step: a prompt chunk's unfused attention is torch's own)
                 for pos in range(len(PROMPT)):
                     rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
                                           torch.tensor([0])))
-        assert not fused or (taken and all(r is not None for r in taken))
+        assert not fused or (taken and all(taken))
         return torch.cat(rows)
 
     with colibri.load(ckpt.coli("gemma4_text", scheme, **over), ctx_size=64, threads=2) as llm:

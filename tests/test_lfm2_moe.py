@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import hf_greedy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from test_native_step import _spy
 
 import colibri
 from colibri.errors import ColibriError
@@ -90,14 +91,13 @@ def test_decode_rows_in_the_kernels_give_the_torch_bits(ckpt, monkeypatch, schem
 
     def logits(llm, mode: str) -> torch.Tensor:
         taken: list[bool] = []
-        real = ShortConv.fused
         with monkeypatch.context() as mp:
             if mode == "rows":
                 mp.setattr(ShortConv, "fused", lambda self, *a: None)
             elif mode == "torch":
                 mp.setattr(ShortConv, "_native_rows", lambda self, *a: False)
             else:
-                mp.setattr(ShortConv, "fused", lambda self, *a: (taken.append((r := real(self, *a)) is not None), r)[1])
+                mp.setattr(ShortConv, "fused", _spy(ShortConv.fused, taken))
             cache, rows = llm.slots.caches[0], []
             with torch.inference_mode():
                 rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))

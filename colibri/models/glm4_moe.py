@@ -88,7 +88,7 @@ class GroupLimitedRouter(nn.Module):
     sigmoid scores, optionally renormalised over the chosen k, then times `routed_scaling_factor`."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, routed_scaling_factor: float, bias: bool = True):
+                 norm_topk_prob: bool, routed_scaling_factor: float, bias: bool = True, renorm_eps: float = 1e-20):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # [E, H]
         if bias:
@@ -97,6 +97,7 @@ class GroupLimitedRouter(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts), persistent=False)
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
+        self.renorm_eps = renorm_eps  # (the renormalisation's denominator guard: LFM2's transformers code adds 1e-6)
 
     def native_routing(self) -> RouteRule | None:
         """The native router's sigmoid rule (kernels/route.c route_select_sigmoid), as (selection bias, weight
@@ -123,7 +124,7 @@ class GroupLimitedRouter(nn.Module):
         idx = choice.topk(self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, idx)  # [T, k], unbiased
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(-1, keepdim=True) + self.renorm_eps)
         return idx, weights * self.scale
 
 

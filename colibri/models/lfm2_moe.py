@@ -30,7 +30,7 @@ from .batch import LayerKV
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, rope_scaling, rope_theta
 from .linear_attn import Conv1d, StateCache
-from .moe import SparseMoE, SwitchGLU, native_route
+from .moe import SparseMoE, SwitchGLU
 
 FAMILY = "lfm2_moe"
 KINDS = ("conv", "full_attention")
@@ -145,22 +145,6 @@ class ShortConv(nn.Module):
         return super()._apply(fn, recurse)
 
 
-class Router(GroupLimitedRouter):
-    """GLM's one-group sigmoid router (its kernel rule on bf16 rows), renormalising with transformers' +1e-6 in
-    torch."""
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
-        if routed is not None:
-            return routed
-        scores = torch.sigmoid(x.float() @ self.weight.float().T)  # [T, E]
-        idx = (scores + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices  # [T, k]
-        weights = scores.gather(1, idx)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-6)
-        return idx, weights * self.scale
-
-
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
@@ -174,8 +158,8 @@ class Model(CausalLM):
                 else Attention(attn)  # type: ignore[index]
             if i < a.num_dense_layers:
                 return DecoderBlock(mixer, MLP(H, a.intermediate_size), H, a.norm_eps)
-            gate = Router(H, a.num_experts, a.num_experts_per_tok, 1, 1, a.norm_topk_prob, a.routed_scaling_factor,
-                          bias=a.use_expert_bias)
+            gate = GroupLimitedRouter(H, a.num_experts, a.num_experts_per_tok, 1, 1, a.norm_topk_prob,
+                                      a.routed_scaling_factor, bias=a.use_expert_bias, renorm_eps=1e-6)
             return DecoderBlock(mixer, SparseMoE(gate, SwitchGLU(i, H, a.moe_intermediate_size, a.num_experts)),
                                 H, a.norm_eps)
 
