@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe) gets a random
+lfm2_moe, granitemoehybrid) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -164,6 +164,13 @@ SHAPES["granitemoe"] = {**{k: v for k, v in BASE.items() if k not in ("moe_inter
 SHAPES["granitemoe_swa"] = {**SHAPES["granitemoe"], "shared_intermediate_size": 1024, "sliding_window": 128,
                             "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
                             + ["sliding_attention"] * 3, "layer_rope_theta": None}
+# Granite 4.0-H (layer by layer: Mamba-2 and attention mixers): Granite's layers with a shared expert of 1024 under
+# Mamba-2 layers (32 heads of 64 channels, one group of 128 states, 4 taps) and attention in layers 3 and 7, no RoPE
+SHAPES["granitemoehybrid"] = {**SHAPES["granitemoe"], "shared_intermediate_size": 1024,
+                              "position_embedding_type": "nope",
+                              "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+                              "mamba_n_heads": 32, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+                              "mamba_d_conv": 4, "mamba_chunk_size": 256}
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

@@ -118,6 +118,17 @@ try:  # (Gemma 4's converter wants a SentencePiece-style BPE with byte fallback)
     gemma.Gemma4Model.set_vocab = base.TextModel._set_vocab_gpt2
 except (ImportError, AttributeError):
     pass
+try:  # (Granite 4.0-H's converter finds attention layers by the releases' "attention"; transformers 5 saves them
+    # as "full_attention")
+    from conversion import granite
+    _attn_layers = granite.GraniteHybridModel.get_attn_layers
+    def _attn_layers_v5(self):
+        kinds = self.hparams.get("layer_types") or []
+        self.hparams["layer_types"] = ["attention" if k == "full_attention" else k for k in kinds]
+        return _attn_layers(self)
+    granite.GraniteHybridModel.get_attn_layers = _attn_layers_v5
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

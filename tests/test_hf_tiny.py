@@ -103,7 +103,7 @@ def test_builds_and_reloads(model_type: str, built: dict[str, Path]) -> None:
 def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: dict[str, Path]) -> None:
     legacy, fused = _names(built[model_type]), _names(built_fused[model_type])
     assert all(dt == "F32" for dt, _ in legacy.values())
-    granite = ("granitemoe", "granitemoeshared", "granitemoe_swa")
+    granite = ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid")
     ff = ".feed_forward." if model_type in ("llama4_text", "lfm2_moe") \
         else ".block_sparse_moe." if model_type in granite \
         else "." if model_type == "gemma4_text" else ".mlp."  # (Gemma 4's experts sit beside its dense MLP)

@@ -47,6 +47,7 @@ FAMILIES: tuple[str, ...] = (
     "laguna",
     "gemma4_text",
     "lfm2_moe",
+    "granitemoehybrid",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -222,6 +223,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         # Granite MoE with a shared expert; Granite's sliding-window MoE (granite-swash): that and sinks, layer 0 full
         # without RoPE, layers 1-2 sliding over 8 positions with RoPE bases of their own
         "granitemoeshared": {**granite, "shared_intermediate_size": 64},
+        # Granite 4.0-H: Mamba-2, attention (no RoPE, as the releases) and Mamba-2 layers over the shared-expert MoE;
+        # 4 heads of 32 channels in 2 groups of 16 states, prompts in SSD chunks of 8 (so they span several)
+        "granitemoehybrid": {**granite, "shared_intermediate_size": 48, "position_embedding_type": "nope",
+                             "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                             "mamba_n_heads": 4, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
+                             "mamba_chunk_size": 8},
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},

@@ -86,5 +86,5 @@ def _fits(saved, views: dict[str, torch.Tensor]) -> bool:
 
 def _check_rewindable(pool: SlotPool) -> None:
     if not pool.rewindable:
-        raise ColibriError("this model's linear-attention or convolution layers keep a state, not K/V positions: "
-                           "prompt cache files do not apply to it")
+        raise ColibriError("this model's linear-attention, convolution or Mamba layers keep a state, not K/V "
+                           "positions: prompt cache files do not apply to it")

@@ -1,0 +1,66 @@
+"""ctypes side of kernels/mamba.c: Mamba-2 decode rows (colibri/models/mamba2.py)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+
+_declared = False
+MAX_STATE = 1024  # states a group mamba.c keeps on its stack
+
+
+def _lib() -> ctypes.CDLL:
+    global _declared
+    lib = native.lib()
+    if not _declared:
+        i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+        lib.coli_mamba_rows.argtypes = [i, i, i, i, i, i, p, p, p, p, p, p, p, p, p, f, p]
+        lib.coli_mamba_rows.restype = i
+        lib.coli_mamba_block.argtypes = [i, i, i, i, i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p, p, p, p, f, p, p]
+        lib.coli_mamba_block.restype = i
+        _declared = True
+    return lib
+
+
+def _params(m) -> tuple:
+    """The mixer's f32 parameters' pointers, in the kernels' order (conv weight, conv bias or NULL, dt_bias, A_log,
+    D, norm weight)."""
+    bias = getattr(m.conv1d, "bias", None)
+    return (m.conv1d.weight.data_ptr(), None if bias is None else bias.data_ptr(), m.dt_bias.data_ptr(),
+            m.A_log.data_ptr(), m.D.data_ptr(), m.norm.weight.data_ptr())
+
+
+def _ptrs(xs: list[int]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(xs))(*xs)
+
+
+def mamba_rows(m, zxbcdt: torch.Tensor, conv: list[int], ssm: list[int]) -> torch.Tensor:
+    """coli_mamba_rows: zxbcdt bf16 [T, I + C + H] contiguous (in_proj's output); conv / ssm: each row's state
+    pointers (bf16 [C, K-1], f32 [H, P, N]; updated in place); m: the Mamba2Mixer -> its gated-normed output, bf16
+    [T, I]."""
+    a = m.a
+    out = torch.empty(zxbcdt.shape[0], a.inner, dtype=torch.bfloat16)
+    rc = _lib().coli_mamba_rows(zxbcdt.shape[0], a.heads, a.head_dim, a.state, a.groups, a.conv_kernel,
+                                zxbcdt.data_ptr(), _ptrs(conv), _ptrs(ssm), *_params(m), a.eps, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mamba_rows failed ({rc})")
+    return out
+
+
+def mamba_block(m, scheme: int, group: int, w: ctypes.Array, h: torch.Tensor, in_norm, post_norm, conv: list[int],
+                ssm: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """coli_mamba_block: h bf16 [T, hidden] contiguous; w: QW [2] (in_proj, out_proj); the norms' f32 weights and
+    eps -> (h + the layer's output, the post-attention norm of that), bf16 [T, hidden]."""
+    a = m.a
+    T, hidden = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    rc = _lib().coli_mamba_block(T, hidden, a.heads, a.head_dim, a.state, a.groups, a.conv_kernel, scheme, group, w,
+                                 h.data_ptr(), in_norm.weight.data_ptr(), in_norm.eps, post_norm.weight.data_ptr(),
+                                 post_norm.eps, _ptrs(conv), _ptrs(ssm), *_params(m), a.eps, h_out.data_ptr(),
+                                 x_out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mamba_block failed ({rc})")
+    return h_out, x_out
