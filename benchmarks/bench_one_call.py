@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid) gets a random
+lfm2_moe, granitemoehybrid, jamba) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -171,6 +171,12 @@ SHAPES["granitemoehybrid"] = {**SHAPES["granitemoe"], "shared_intermediate_size"
                               "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
                               "mamba_n_heads": 32, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
                               "mamba_d_conv": 4, "mamba_chunk_size": 256}
+# Jamba (layer by layer: Mamba and attention mixers): attention in layer 4 of 8, 16 experts top-2 in the odd layers,
+# dense MLPs in the even ones (all 1024 wide: Jamba's experts are its MLP's width), Mamba of 16 states over 2048
+# channels (dt rank 64), no RoPE
+SHAPES["jamba"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
+                   "intermediate_size": 1024, "num_experts": 16, "num_experts_per_tok": 2, "attn_layer_period": 8,
+                   "attn_layer_offset": 4, "expert_layer_period": 2, "expert_layer_offset": 1}
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

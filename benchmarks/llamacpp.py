@@ -118,6 +118,11 @@ try:  # (Gemma 4's converter wants a SentencePiece-style BPE with byte fallback)
     gemma.Gemma4Model.set_vocab = base.TextModel._set_vocab_gpt2
 except (ImportError, AttributeError):
     pass
+try:  # (Jamba's converter reads a SentencePiece model or Llama's tokenizer files)
+    from conversion import jamba
+    jamba.JambaModel.set_vocab = base.TextModel._set_vocab_gpt2
+except (ImportError, AttributeError):
+    pass
 try:  # (Granite 4.0-H's converter finds attention layers by the releases' "attention"; transformers 5 saves them
     # as "full_attention")
     from conversion import granite

@@ -104,7 +104,7 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     legacy, fused = _names(built[model_type]), _names(built_fused[model_type])
     assert all(dt == "F32" for dt, _ in legacy.values())
     granite = ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid")
-    ff = ".feed_forward." if model_type in ("llama4_text", "lfm2_moe") \
+    ff = ".feed_forward." if model_type in ("llama4_text", "lfm2_moe", "jamba") \
         else ".block_sparse_moe." if model_type in granite \
         else "." if model_type == "gemma4_text" else ".mlp."  # (Gemma 4's experts sit beside its dense MLP)
     fused_experts = {k for k in fused if f"{ff}experts.gate_up_proj" in k}
@@ -126,6 +126,7 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
         per_expert = (
             ".block_sparse_moe.experts.0.w1.weight" if model_type in ("mixtral", "minimax_m2", "phimoe")
             else ".feed_forward.experts.0.w1.weight" if model_type == "lfm2_moe"
+            else ".feed_forward.experts.0.gate_proj.weight" if model_type == "jamba"
             else ".mlp.experts.0.gate_proj.weight"
         )
         assert any(per_expert in k for k in legacy)

@@ -48,6 +48,7 @@ FAMILIES: tuple[str, ...] = (
     "gemma4_text",
     "lfm2_moe",
     "granitemoehybrid",
+    "jamba",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -229,6 +230,10 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                              "layer_types": ["linear_attention", "full_attention", "linear_attention"],
                              "mamba_n_heads": 4, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
                              "mamba_chunk_size": 8},
+        # Jamba: Mamba + dense, Mamba + experts, attention (no RoPE) + dense, Mamba + experts; 4 experts top-2 of
+        # intermediate_size's width (its experts' too), Mamba of 8 states over 128 channels (dt rank 4)
+        "jamba": {"num_hidden_layers": 4, "num_experts": 4, "attn_layer_period": 4, "attn_layer_offset": 2,
+                  "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4},
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},

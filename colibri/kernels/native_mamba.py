@@ -1,4 +1,5 @@
-"""ctypes side of kernels/mamba.c: Mamba-2 decode rows (colibri/models/mamba2.py)."""
+"""ctypes side of kernels/mamba.c and mamba1.c: Mamba-2 decode rows (colibri/models/mamba2.py) and the first
+Mamba's convolution and scan steps for decode rows (colibri/models/mamba1.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def _lib() -> ctypes.CDLL:
         lib.coli_mamba_rows.restype = i
         lib.coli_mamba_block.argtypes = [i, i, i, i, i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p, p, p, p, f, p, p]
         lib.coli_mamba_block.restype = i
+        lib.coli_mamba1_conv.argtypes = [i, i, i, p, p, p, p, p]
+        lib.coli_mamba1_conv.restype = i
+        lib.coli_mamba1_scan.argtypes = [i, i, i, p, p, ctypes.c_long, p, ctypes.c_long, p, p, p, p, p, p]
+        lib.coli_mamba1_scan.restype = i
         _declared = True
     return lib
 
@@ -64,3 +69,32 @@ def mamba_block(m, scheme: int, group: int, w: ctypes.Array, h: torch.Tensor, in
     if rc != 0:
         raise RuntimeError(f"coli_mamba_block failed ({rc})")
     return h_out, x_out
+
+
+def mamba1_conv(xz: torch.Tensor, conv: list[int], w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """coli_mamba1_conv: xz bf16 [T, 2I] contiguous (in_proj's x, z); conv: each row's bf16 [I, K-1] kept inputs
+    (moved on); w f32 [I, 1, K], b f32 [I] or None -> u = silu(conv(x)), bf16 [T, I]."""
+    T, inner = xz.shape[0], w.shape[0]
+    u = torch.empty(T, inner, dtype=torch.bfloat16)
+    rc = _lib().coli_mamba1_conv(T, inner, w.shape[-1], xz.data_ptr(), _ptrs(conv), w.data_ptr(),
+                                 None if b is None else b.data_ptr(), u.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mamba1_conv failed ({rc})")
+    return u
+
+
+def mamba1_scan(dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, u: torch.Tensor, xz: torch.Tensor,
+                ssm: list[int], A: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """coli_mamba1_scan: dt, u bf16 [T, I] contiguous, B, C bf16 [T, N] (unit column stride), xz in_proj's output
+    (the gate z its second half); ssm: each row's f32 [I, N] state (moved on); A = -exp(A_log), D f32 ->
+    (S C + D u) * silu(z), bf16 [T, I]."""
+    T, inner = u.shape
+    if any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (B, C)):
+        raise ValueError("mamba1_scan: bf16 B and C with unit column stride")
+    y = torch.empty(T, inner, dtype=torch.bfloat16)
+    rc = _lib().coli_mamba1_scan(T, inner, A.shape[1], dt.data_ptr(), B.data_ptr(), B.stride(0), C.data_ptr(),
+                                 C.stride(0), u.data_ptr(), xz.data_ptr(), _ptrs(ssm), A.data_ptr(), D.data_ptr(),
+                                 y.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mamba1_scan failed ({rc})")
+    return y
