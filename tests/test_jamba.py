@@ -96,31 +96,45 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 @pytest.mark.parametrize("scheme,over", [("int8", {}), ("int4", {}), ("int8", {"mamba_conv_bias": False,
                                                                               "mamba_d_state": 20})])
 def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch, scheme: str, over: dict) -> None:
-    """kernels/mamba1.c (the convolution and the scan step of bf16 decode rows) agrees with the torch form to bf16
-    rounding and picks the same tokens, step after step; every Mamba layer of every decode step took it."""
+    """kernels/mamba1.c on bf16 decode rows, step after step, three ways: the whole block (coli_mamba1_block), the
+    mixer from in_proj's output (coli_mamba1_rows: the same bits), and the convolution and scan step alone with
+    the modules between (where x_proj or dt_proj is not a native QLinear); each agrees with the torch form to bf16
+    rounding and picks the same tokens, and every Mamba layer of every decode step took the call asked for."""
     from colibri.kernels import native_mamba
     from colibri.models import mamba1
     from colibri.models.batch import StepBatch
 
-    def logits(llm, native_on: bool) -> torch.Tensor:
+    def logits(llm, mode: str) -> torch.Tensor:
         taken: list[bool] = []
         with monkeypatch.context() as mp:
-            mp.setattr(mamba1, "NATIVE", native_on)
-            mp.setattr(mamba1.native_mamba, "mamba1_scan", _spy(native_mamba.mamba1_scan, taken))
+            mp.setattr(mamba1, "NATIVE", mode != "torch")
+            if mode == "calls":
+                mp.setattr(mamba1, "_native_linear", lambda p: False)
+                mp.setattr(mamba1.native_mamba, "mamba1_scan", _spy(native_mamba.mamba1_scan, taken))
+            elif mode == "rows":
+                mp.setattr(mamba1.Mamba1Mixer, "fused", lambda self, *a: None)
+                mp.setattr(mamba1.native_mamba, "mamba1_rows", _spy(native_mamba.mamba1_rows, taken))
+            else:
+                mp.setattr(mamba1.Mamba1Mixer, "fused", _spy(mamba1.Mamba1Mixer.fused, taken))
             cache, rows = llm.slots.caches[0], []
             with torch.inference_mode():
                 rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
                 for pos in range(4, len(PROMPT)):
                     rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
                                           torch.tensor([0])))
-        n = sum(isinstance(b.self_attn, mamba1.Mamba1Mixer) for b in llm.model.model.layers)
-        assert len(taken) == (n * (len(PROMPT) - 4) if native_on else 0)
+        n, steps = sum(isinstance(b.self_attn, mamba1.Mamba1Mixer) for b in llm.model.model.layers), len(PROMPT) - 4
+        if mode in ("calls", "rows"):
+            assert len(taken) == n * steps
+        elif mode == "block":  # (the prompt's rows take torch: the spy sees its layers decline)
+            assert taken == [False] * n + [True] * n * steps
         return torch.cat(rows).float()
 
     with colibri.load(ckpt.coli("jamba", scheme, **over), ctx_size=64, threads=2) as llm:
-        got, ref = logits(llm, True), logits(llm, False)
-        assert torch.equal(got.argmax(-1), ref.argmax(-1))
-        assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+        ref, rows = logits(llm, "torch"), logits(llm, "rows")
+        assert torch.equal(rows, logits(llm, "block"))
+        for got in (rows, logits(llm, "calls")):
+            assert torch.equal(got.argmax(-1), ref.argmax(-1))
+            assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")

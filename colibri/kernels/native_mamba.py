@@ -26,6 +26,11 @@ def _lib() -> ctypes.CDLL:
         lib.coli_mamba1_conv.restype = i
         lib.coli_mamba1_scan.argtypes = [i, i, i, p, p, ctypes.c_long, p, ctypes.c_long, p, p, p, p, p, p]
         lib.coli_mamba1_scan.restype = i
+        lib.coli_mamba1_rows.argtypes = [i, i, i, i, i, p, p, p, p, p, p, p, p, p, p, p, f, p, p, p, p]
+        lib.coli_mamba1_rows.restype = i
+        lib.coli_mamba1_block.argtypes = [i, i, i, i, i, i, p, p, p, p, p, f, p, f, p, p, p, p, p, p, p, f, p, p, p,
+                                          p, p]
+        lib.coli_mamba1_block.restype = i
         _declared = True
     return lib
 
@@ -98,3 +103,50 @@ def mamba1_scan(dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, u: torch.Ten
     if rc != 0:
         raise RuntimeError(f"coli_mamba1_scan failed ({rc})")
     return y
+
+
+def _qws(projs) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+    """Native QLinears' weight pointers, schemes (8 / 4) and group sizes, as the kernels take them."""
+    n = len(projs)
+    return ((native.QW * n)(*(native.QW(*native.qw(p)) for p in projs)),
+            (ctypes.c_int * n)(*(8 if p.scheme == "int8" else 4 for p in projs)),
+            (ctypes.c_int * n)(*(p.group_size for p in projs)))
+
+
+def _mamba1_params(m) -> tuple:
+    """(conv weight, conv bias or NULL, dt/B/C norm weights or NULLs, their eps, dt_proj's bias, A, D)."""
+    a, bias = m.a, getattr(m.conv1d, "bias", None)
+    norms = (m.dt_layernorm, m.b_layernorm, m.c_layernorm) if a.inner_norms else (None, None, None)
+    return (m.conv1d.weight.data_ptr(), None if bias is None else bias.data_ptr(),
+            *(None if n is None else n.weight.data_ptr() for n in norms), a.eps,
+            m.native_f32("dt_bias").data_ptr(), m.native_f32("A").data_ptr(), m.D.data_ptr())
+
+
+def mamba1_rows(m, xz: torch.Tensor, conv: list[int], ssm: list[int]) -> torch.Tensor:
+    """coli_mamba1_rows: xz bf16 [T, 2I] contiguous (in_proj's output); conv / ssm: each row's states (moved on); m:
+    the Mamba1Mixer, its x_proj and dt_proj native QLinears -> (S C + D u) * silu(z), bf16 [T, I]."""
+    a = m.a
+    w, sch, grp = m.__dict__.get("_rows_qw") or m.__dict__.setdefault("_rows_qw", _qws((m.x_proj, m.dt_proj)))
+    y = torch.empty(xz.shape[0], a.inner, dtype=torch.bfloat16)
+    rc = _lib().coli_mamba1_rows(xz.shape[0], a.inner, a.state, a.dt_rank, a.conv_kernel, sch, grp, w, xz.data_ptr(),
+                                 _ptrs(conv), _ptrs(ssm), *_mamba1_params(m), y.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mamba1_rows failed ({rc})")
+    return y
+
+
+def mamba1_block(m, h: torch.Tensor, in_norm, post_norm, conv: list[int], ssm: list[int]) \
+        -> tuple[torch.Tensor, torch.Tensor]:
+    """coli_mamba1_block: h bf16 [T, hidden] contiguous; m's in_proj, x_proj, dt_proj and out_proj native
+    QLinears; the norms' f32 weights and eps -> (h + the layer's output, the post-attention norm of that)."""
+    a = m.a
+    T, hidden = h.shape
+    w, sch, grp = m.__dict__.get("_block_qw") or m.__dict__.setdefault(
+        "_block_qw", _qws((m.in_proj, m.x_proj, m.dt_proj, m.out_proj)))
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    rc = _lib().coli_mamba1_block(T, hidden, a.inner, a.state, a.dt_rank, a.conv_kernel, sch, grp, w, h.data_ptr(),
+                                  in_norm.weight.data_ptr(), in_norm.eps, post_norm.weight.data_ptr(), post_norm.eps,
+                                  _ptrs(conv), _ptrs(ssm), *_mamba1_params(m), h_out.data_ptr(), x_out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_mamba1_block failed ({rc})")
+    return h_out, x_out

@@ -30,6 +30,11 @@ from .linear_attn import Conv1d, StateCache
 NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
 
 
+def _native_linear(p) -> bool:
+    """A native int8 / int4 QLinear computing in bf16 (the kernels' GEMMs take its weights)."""
+    return getattr(p, "path", None) == "native" and p.compute_dtype == torch.bfloat16
+
+
 @dataclass
 class Mamba1Args:
     hidden: int
@@ -121,26 +126,49 @@ class Mamba1Mixer(nn.Module):
         return torch.stack(ys)
 
     def _native(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        """bf16 decode rows: the convolution and the scan step in kernels/mamba1.c, x_proj, the norms and dt_proj
-        between them as in the torch path."""
+        """bf16 decode rows: kernels/mamba1.c from in_proj's output to the gated output (x_proj and dt_proj in it
+        when they are native QLinears; else the convolution and the scan step there, the modules between)."""
         a = self.a
         xz = self.in_proj(x).contiguous()  # [T, 2I]
+        conv, ssm = self._states(kv)
+        if all(_native_linear(p) for p in (self.x_proj, self.dt_proj)):
+            return self.out_proj(native_mamba.mamba1_rows(self, xz, conv, ssm))
+        u = native_mamba.mamba1_conv(xz, conv, self.conv1d.weight, getattr(self.conv1d, "bias", None))
+        dt, B, C = self.x_proj(u).split([a.dt_rank, a.state, a.state], -1)
+        if a.inner_norms:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        y = native_mamba.mamba1_scan(self.dt_proj(dt).to(torch.bfloat16).contiguous(), B.to(torch.bfloat16),
+                                     C.to(torch.bfloat16), u, xz, ssm, self.native_f32("A"), self.D)
+        return self.out_proj(y)
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/mamba1.c coli_mamba1_block) for bf16
+        decode rows when all four projections are native (in_proj and out_proj without bias), with the bits of
+        the layer-by-layer native path; else None."""
+        if not self._native_rows(h, kv) or self.in_proj.bias is not None or self.out_proj.bias is not None \
+                or not all(_native_linear(p) for p in (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)) \
+                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (in_norm, post_norm)):
+            return None
+        return native_mamba.mamba1_block(self, h.contiguous(), in_norm, post_norm, *self._states(kv))
+
+    def native_f32(self, what: str) -> torch.Tensor:
+        """What the kernels take in f32, computed once (dropped when the module moves, see _apply): "A" = -exp(A_log)
+        [I, N], "dt_bias" dt_proj's bias [I]."""
+        t = self.__dict__.get("_f32_" + what)
+        if t is None:
+            src = -self.A_log.float().exp() if what == "A" else self.dt_proj.bias.float()
+            t = self.__dict__["_f32_" + what] = src.contiguous()
+        return t
+
+    def _states(self, kv: LayerKV) -> tuple[list[int], list[int]]:
+        """Each row's conv and ssm state pointers, the states checked to continue and then counted one position on."""
         conv, ssm = [], []
         for _, _, start, cache in kv.segs:
             cache.resume(start)
             cache.pos = start + 1
             conv.append(cache.conv.data_ptr())
             ssm.append(cache.ssm.data_ptr())
-        u = native_mamba.mamba1_conv(xz, conv, self.conv1d.weight, getattr(self.conv1d, "bias", None))
-        dt, B, C = self.x_proj(u).split([a.dt_rank, a.state, a.state], -1)
-        if a.inner_norms:
-            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        A = self.__dict__.get("_A")
-        if A is None:  # (-exp(A_log), once: dropped when the module moves, see _apply)
-            A = self.__dict__["_A"] = -self.A_log.float().exp().contiguous()
-        y = native_mamba.mamba1_scan(self.dt_proj(dt).to(torch.bfloat16).contiguous(), B.to(torch.bfloat16),
-                                     C.to(torch.bfloat16), u, xz, ssm, A, self.D)
-        return self.out_proj(y)
+        return conv, ssm
 
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
         """Whether kernels/mamba1.c takes this step: bf16 rows on the CPU, one per sequence, each continuing its
@@ -152,6 +180,7 @@ class Mamba1Mixer(nn.Module):
             and all(r1 - r0 == 1 and start > 0 and c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous()
                     and c.conv.device.type == "cpu" for r0, r1, start, c in kv.segs)
 
-    def _apply(self, fn, recurse: bool = True):  # moved parameters: the cached A is stale
-        self.__dict__.pop("_A", None)
+    def _apply(self, fn, recurse: bool = True):  # moved parameters: the cached A and weight pointers are stale
+        for k in ("_f32_A", "_f32_dt_bias", "_rows_qw", "_block_qw"):
+            self.__dict__.pop(k, None)
         return super()._apply(fn, recurse)
