@@ -224,22 +224,23 @@ def plot(rep: dict, path: str) -> None:
 
 
 class LookAhead:
-    """What the store's look-ahead predicts: layer L+1's router applied to layer L's residual after
-    attention (the input of L's post-attention norm), per row. `take()` after each forward."""
+    """What the store's look-ahead predicts: the next MoE layer's router (L+1's, or past the dense layers
+    between) applied to MoE layer L's residual after attention (the input of L's post-attention norm), per
+    row, keyed by the predicted layer (store/lookahead.py). `take()` after each forward."""
 
     def __init__(self, model):
         import functools
 
+        from .store.lookahead import is_routed  # (here: reading a trace needs no torch)
+
         self.preds: dict[int, object] = {}
         self.handles = []
         blocks = model.model.layers
-        for L in range(len(blocks) - 1):
-            nxt = blocks[L + 1]
-            norm, gate = getattr(nxt, "post_attention_layernorm", None), getattr(nxt.mlp, "gate", None)
-            here = getattr(blocks[L], "post_attention_layernorm", None)
-            if norm is None or gate is None or here is None or not hasattr(nxt.mlp, "experts"):
-                continue
-            self.handles.append(here.register_forward_pre_hook(functools.partial(self._hook, norm, gate, L + 1)))
+        routed = [L for L, b in enumerate(blocks) if is_routed(b)]
+        for L, N in zip(routed, routed[1:]):
+            here, nxt = blocks[L].post_attention_layernorm, blocks[N]
+            self.handles.append(here.register_forward_pre_hook(
+                functools.partial(self._hook, nxt.post_attention_layernorm, nxt.mlp.gate, N)))
 
     def _hook(self, norm, gate, layer: int, module, args) -> None:
         h = args[0]  # [T, H]

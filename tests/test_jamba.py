@@ -161,3 +161,21 @@ def test_the_scan_step_is_the_recurrence(T: int, N: int) -> None:
         torch.testing.assert_close(S[t][..., 0], want, rtol=2e-6, atol=1e-6)
         out = (want @ C[t].float() + u[t].float() * D) * torch.nn.functional.silu(xz[t, inner:].float())
         torch.testing.assert_close(y[t].float(), out, rtol=8e-3, atol=1e-5)
+
+
+def test_experts_are_read_ahead_past_the_dense_layers_between(ckpt) -> None:
+    """Jamba's MoE layers alternate with dense ones: layer 1's residual predicts layer 3's experts (the next MoE
+    layer's router, store/lookahead.py), which are read ahead from disk; the tokens stay those of the all-RAM run."""
+    from test_tiers import configs
+
+    from colibri.api import Engine
+    from colibri.store.lookahead import LookAhead
+
+    path = ckpt.coli("jamba", "f32")
+    with Engine(path, ctx_size=64, threads=2) as llm:
+        want = list(llm.generate_ids(PROMPT, 12, temperature=0, ignore_eos=True))
+    with Engine(path, ctx_size=64, threads=2, **configs(path)["disk-unbudgeted"]) as llm:
+        assert {L: nxt[0] for L, nxt in LookAhead(llm.store.source, llm.model.model.layers).next.items()} == {1: 3}
+        assert list(llm.generate_ids(PROMPT, 12, temperature=0, ignore_eos=True)) == want
+        s = llm.store_stats()
+    assert s["prefetch_issued"] > 0 and s["pred_total"] > 0 and s["misses"] > 0

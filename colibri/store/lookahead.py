@@ -1,7 +1,8 @@
 """Look-ahead: predict the experts the next MoE layer will need and start reading them now.
 
-Layer L's residual after attention `h` [T, H], put through layer L+1's own norm and router,
-names the experts L+1's rows are likely routed to (the residual changes little in one layer).
+Layer L's residual after attention `h` [T, H], put through the next MoE layer's own norm and router
+(L+1's, or past the dense layers between: Llama 4 Maverick's and Jamba's alternate), names the experts
+that layer's rows are likely routed to (the residual changes little in a layer or two).
 The MoE layer of L calls `LookAhead(L, h)` once its own experts are claimed and their reads
 started (so a prefetch never evicts what L needs now); the reads then overlap L's compute.
 
@@ -24,24 +25,29 @@ class LookAhead:
 
     def __init__(self, source: Experts, blocks: nn.ModuleList):
         self.source = source
-        # layer L -> (norm, router) of layer L + 1, for every L + 1 with cached experts
-        self.next: dict[int, tuple[nn.Module, nn.Module]] = {}
-        for L in range(len(blocks) - 1):
-            nxt = blocks[L + 1]
-            norm, gate = getattr(nxt, "post_attention_layernorm", None), getattr(nxt.mlp, "gate", None)
-            if L + 1 in source.cached and norm is not None and gate is not None:
-                self.next[L] = (norm, gate)
+        # MoE layer L -> (the next MoE layer N, N's norm and router), for every such N with cached experts
+        self.next: dict[int, tuple[int, nn.Module, nn.Module]] = {}
+        routed = [(L, b.post_attention_layernorm, b.mlp.gate) for L, b in enumerate(blocks) if is_routed(b)]
+        for (L, *_), (N, norm, gate) in zip(routed, routed[1:]):
+            if N in source.cached:
+                self.next[L] = (N, norm, gate)
 
     def __call__(self, layer: int, h: torch.Tensor) -> None:
         nxt = self.next.get(layer)
         if nxt is None:
             return
-        norm, gate = nxt
-        idx = gate(norm(h.to(gate.weight.device)))[0]  # [T, k]: the next layer's routes, predicted
+        target, norm, gate = nxt
+        idx = gate(norm(h.to(gate.weight.device)))[0]  # [T, k]: the next MoE layer's routes, predicted
         if idx.shape[0] == 1:
             ids, track = idx[0].tolist(), True
         else:  # the union, most requested first (the cache caps how many it starts)
             counts = torch.bincount(idx.reshape(-1))
             order = torch.argsort(counts, descending=True, stable=True)
             ids, track = order[: int((counts > 0).sum())].tolist(), False
-        self.source.prefetch(layer + 1, ids, track)
+        self.source.prefetch(target, ids, track)
+
+
+def is_routed(block: nn.Module) -> bool:
+    """Whether a decoder block routes its rows to experts through a router the look-ahead can apply."""
+    return getattr(block, "post_attention_layernorm", None) is not None \
+        and getattr(getattr(block, "mlp", None), "gate", None) is not None and hasattr(block.mlp, "experts")
