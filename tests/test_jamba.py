@@ -165,7 +165,8 @@ def test_the_scan_step_is_the_recurrence(T: int, N: int) -> None:
 
 def test_experts_are_read_ahead_past_the_dense_layers_between(ckpt) -> None:
     """Jamba's MoE layers alternate with dense ones: layer 1's residual predicts layer 3's experts (the next MoE
-    layer's router, store/lookahead.py), which are read ahead from disk; the tokens stay those of the all-RAM run."""
+    layer's router, store/lookahead.py), predictions the cache scores against layer 3's fetches (and reads ahead
+    where its reader has idle places: timing, so not asserted); the tokens stay those of the all-RAM run."""
     from test_tiers import configs
 
     from colibri.api import Engine
@@ -178,4 +179,4 @@ def test_experts_are_read_ahead_past_the_dense_layers_between(ckpt) -> None:
         assert {L: nxt[0] for L, nxt in LookAhead(llm.store.source, llm.model.model.layers).next.items()} == {1: 3}
         assert list(llm.generate_ids(PROMPT, 12, temperature=0, ignore_eos=True)) == want
         s = llm.store_stats()
-    assert s["prefetch_issued"] > 0 and s["pred_total"] > 0 and s["misses"] > 0
+    assert s["pred_total"] >= 11 * 2 and s["misses"] > 0  # (layer 3's top-2, for every decode step at least)
