@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid, jamba) gets a random
+lfm2_moe, granitemoehybrid, jamba, nemotron_h) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -177,6 +177,15 @@ SHAPES["granitemoehybrid"] = {**SHAPES["granitemoe"], "shared_intermediate_size"
 SHAPES["jamba"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "head_dim")},
                    "intermediate_size": 1024, "num_experts": 16, "num_experts_per_tok": 2, "attn_layer_period": 8,
                    "attn_layer_offset": 4, "expert_layer_period": 2, "expert_layer_offset": 1}
+# Nemotron-H (layer by layer, one sublayer a layer): Mamba-2 / experts / Mamba-2 / experts / attention / experts /
+# Mamba-2 / experts (Nemotron 3 Nano's mix in 8 layers); 32 ungated relu^2 experts top-4 of 512 beside a shared one of
+# 1024, one router group; Mamba-2 of 32 heads x 64 in 8 groups of 128 states; attention heads of 64, no RoPE
+SHAPES["nemotron_h"] = {**{k: v for k, v in BASE.items() if k not in ("intermediate_size",)},
+                        "layers_block_type": ["linear_attention", "moe", "linear_attention", "moe", "full_attention",
+                                              "moe", "linear_attention", "moe"],
+                        "n_routed_experts": 32, "moe_shared_expert_intermediate_size": 1024, "n_group": 1,
+                        "topk_group": 1, "mamba_num_heads": 32, "mamba_head_dim": 64, "n_groups": 8,
+                        "ssm_state_size": 128, "chunk_size": 256}
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

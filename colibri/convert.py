@@ -38,8 +38,10 @@ FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat
 
 
 def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Default expert layout: gate_up = [gate rows; up rows] ([2I, H]), down [H, I]."""
-    gate_up = parts["gate_up"] if "gate_up" in parts else torch.cat([parts["gate"], parts["up"]], 0)
+    """Default expert layout: gate_up = [gate rows; up rows] ([2I, H]) (an ungated expert's up rows alone, [I, H]),
+    down [H, I]."""
+    gate_up = parts["gate_up"] if "gate_up" in parts else parts["up"] if "gate" not in parts \
+        else torch.cat([parts["gate"], parts["up"]], 0)
     return {"gate_up.weight": gate_up, "down.weight": parts["down"]}
 
 
@@ -194,8 +196,8 @@ class Plan:
         out = {}
         for name, (kind, shape) in self.expected.items():
             if kind == "experts":
-                _, inter, hidden = shape
-                weights = {f"{name}.*.gate_up.weight": (2 * inter, hidden), f"{name}.*.down.weight": (hidden, inter)}
+                _, inter, hidden, rows = shape
+                weights = {f"{name}.*.gate_up.weight": (rows * inter, hidden), f"{name}.*.down.weight": (hidden, inter)}
             elif kind == "linear" and name != "lm_head.weight":  # lm_head: int8 by policy, not a fallback
                 weights = {name: shape}
             else:
@@ -229,8 +231,8 @@ def stored_tensors(name: str, w: torch.Tensor, scheme: str, group_size: int, sta
 
 
 def _check_expert(prefix: str, e: int, record: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
-    _, inter, hidden = shape
-    want = {"gate_up.weight": (2 * inter, hidden), "down.weight": (hidden, inter)}
+    _, inter, hidden, rows = shape
+    want = {"gate_up.weight": (rows * inter, hidden), "down.weight": (hidden, inter)}
     for part, expect in want.items():
         got = tuple(record[part].shape)
         if got != expect:
@@ -366,8 +368,8 @@ def expected_data_bytes(plan: Plan) -> int:
         if kind != "experts":
             total += nbytes(name, kind, shape)
             continue
-        n_exp, inter, hidden = shape
-        per = nbytes(f"{name}.0.gate_up.weight", "linear", (2 * inter, hidden))
+        n_exp, inter, hidden, rows = shape
+        per = nbytes(f"{name}.0.gate_up.weight", "linear", (rows * inter, hidden))
         per += nbytes(f"{name}.0.down.weight", "linear", (hidden, inter))
         total += n_exp * per
     return total

@@ -379,7 +379,7 @@ def check_model(meta: dict, tensors: dict, records: dict) -> None:
         if kind != "experts":
             _storage(name, tensors.get(name), shape, kind, float_code, tensors.get)
             continue
-        n_exp, inter, hidden = shape
+        n_exp, inter, hidden, rows = shape
         for e in range(n_exp):
             rec = records.get(f"{name}.{e}")
             if rec is None:
@@ -389,10 +389,10 @@ def check_model(meta: dict, tensors: dict, records: dict) -> None:
             def member(full: str, members=members, prefix=f"{name}.{e}.") -> dict | None:
                 return tensors.get(members[full[len(prefix):]]) if full[len(prefix):] in members else None
 
-            for part, pshape in (("gate_up.weight", (2 * inter, hidden)), ("down.weight", (hidden, inter))):
+            for part, pshape in (("gate_up.weight", (rows * inter, hidden)), ("down.weight", (hidden, inter))):
                 full = f"{name}.{e}.{part}"
                 _storage(full, member(full), pshape, "linear", float_code, member)
-            for part, size in (("gate_up.bias", 2 * inter), ("down.bias", hidden)):
+            for part, size in (("gate_up.bias", rows * inter), ("down.bias", hidden)):
                 b = member(f"{name}.{e}.{part}")
                 if b is not None and (b["dtype"] != "f32" or b["shape"] != [size]):
                     raise fail(f"tensor {name}.{e}.{part}: {b['dtype']} {b['shape']}, the model expects f32 [{size}]")

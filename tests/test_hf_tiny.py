@@ -106,8 +106,10 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     granite = ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid")
     ff = ".feed_forward." if model_type in ("llama4_text", "lfm2_moe", "jamba") \
         else ".block_sparse_moe." if model_type in granite \
-        else "." if model_type == "gemma4_text" else ".mlp."  # (Gemma 4's experts sit beside its dense MLP)
-    fused_experts = {k for k in fused if f"{ff}experts.gate_up_proj" in k}
+        else "." if model_type == "gemma4_text" else ".mixer." if model_type == "nemotron_h" \
+        else ".mlp."  # (Gemma 4's experts sit beside its dense MLP)
+    fused_name = "up_proj" if model_type == "nemotron_h" else "gate_up_proj"  # (Nemotron-H's experts have no gate)
+    fused_experts = {k for k in fused if f"{ff}experts.{fused_name}" in k}
     if model_type == "dbrx":  # one layout: experts fused as [E·I, H] (w1, v1, w2), q/k/v as Wqkv
         assert legacy == fused and any(k.endswith(".ffn.experts.mlp.w1") for k in legacy)
         assert any(k.endswith(".attn.Wqkv.weight") for k in legacy)
@@ -122,11 +124,12 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     elif model_type in H.HUB_EXPERTS_XW:  # fused both ways, the hub's layout transposed (x @ W)
         assert legacy.keys() == fused.keys() and any(legacy[k] != fused[k] for k in fused_experts)
     else:
-        assert not any("gate_up_proj" in k for k in legacy)
+        assert not any("gate_up_proj" in k or k.endswith("experts.up_proj") for k in legacy)
         per_expert = (
             ".block_sparse_moe.experts.0.w1.weight" if model_type in ("mixtral", "minimax_m2", "phimoe")
             else ".feed_forward.experts.0.w1.weight" if model_type == "lfm2_moe"
             else ".feed_forward.experts.0.gate_proj.weight" if model_type == "jamba"
+            else ".mixer.experts.0.up_proj.weight" if model_type == "nemotron_h"
             else ".mlp.experts.0.gate_proj.weight"
         )
         assert any(per_expert in k for k in legacy)

@@ -20,7 +20,7 @@ N = 8
 # cannot keep a prefix: tests/test_qwen3_next.py, tests/test_lfm2_moe.py, tests/test_granitemoehybrid.py and
 # tests/test_jamba.py show caching stays off)
 CACHEABLE = [m for m in SUPPORTED if m not in ("qwen3_next", "qwen3_5_moe_text", "lfm2_moe",
-                                         "granitemoehybrid", "jamba")]
+                                         "granitemoehybrid", "jamba", "nemotron_h")]
 
 
 def run(llm, prompt: list[int], n: int = N, **kw) -> tuple[list[int], int]:

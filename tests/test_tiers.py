@@ -30,7 +30,8 @@ FAMILIES = ["olmoe", "qwen2_moe", "mixtral", "qwen3_moe", "glm4_moe", "deepseek_
             "mistral4", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "qwen3_vl_moe_text",
             "glm4v_moe_text", "phimoe", "solar_open", "granitemoe", "dbrx",
             "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
-            "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba"]
+            "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba",
+            "nemotron_h"]
 _REF: dict[Path, tuple[list[int], torch.Tensor]] = {}
 
 

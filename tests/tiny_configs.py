@@ -49,6 +49,7 @@ FAMILIES: tuple[str, ...] = (
     "lfm2_moe",
     "granitemoehybrid",
     "jamba",
+    "nemotron_h",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -234,6 +235,15 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         # intermediate_size's width (its experts' too), Mamba of 8 states over 128 channels (dt rank 4)
         "jamba": {"num_hidden_layers": 4, "num_experts": 4, "attn_layer_period": 4, "attn_layer_offset": 2,
                   "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4},
+        # Nemotron-H: one sublayer a layer: Mamba-2, experts, attention (no RoPE), dense MLP, Mamba-2, experts; 8
+        # ungated relu^2 experts top-2 in 2 groups (1 kept) with a selection bias beside a shared one; Mamba-2 of 4
+        # heads of 32 in 2 groups of 16 states, prompts in SSD chunks of 8
+        "nemotron_h": {"num_hidden_layers": 6, "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 32,
+                       "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention",
+                                             "moe"],
+                       "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 8,
+                       "moe_intermediate_size": moe_i, "moe_shared_expert_intermediate_size": 48, "n_group": 2,
+                       "topk_group": 1, "routed_scaling_factor": 1.5},
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},

@@ -143,9 +143,10 @@ enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROU
 
 /* The routed experts' activation and biases (NULL: SiLU-GLU without biases). kind ACT_CLAMPED: gpt-oss's
  * (up + 1) * gate * sigmoid(alpha * gate), gate clamped from above at limit, up to [-limit, limit]; ACT_GELU_TANH:
- * gelu(gate) * up with GELU's tanh approximation (Gemma 4). The bias tables hold per expert a bf16 [2I] (gate_up) /
- * [H] (down) pointer, or NULL. */
-enum { ACT_SILU, ACT_CLAMPED, ACT_GELU_TANH };
+ * gelu(gate) * up with GELU's tanh approximation (Gemma 4); ACT_RELU2: no gate, relu(up)^2 (Nemotron-H: gate_up holds
+ * the I up rows alone). The bias tables hold per expert a bf16 [2I] (gate_up; [I] ungated) / [H] (down) pointer, or
+ * NULL. */
+enum { ACT_SILU, ACT_CLAMPED, ACT_GELU_TANH, ACT_RELU2 };
 typedef struct {
     int kind;
     float alpha, limit;

@@ -124,6 +124,17 @@ static void gelu_glu(const float *hg, int I, float *act) {
     }
 }
 
+/* Nemotron-H's ungated activation of one row: act[i] = relu(hg[i])^2 (hg: the I up rows alone). */
+static void relu2(const float *hg, int I, float *act) {
+    for (int i = 0; i < I; i++) {
+        float u = hg[i] > 0.f ? hg[i] : 0.f;
+        act[i] = u * u;
+    }
+}
+
+/* gate_up's rows per intermediate channel under an activation: 1 where it has no gate. */
+#define GU_ROWS(ea) ((ea) && (ea)->kind == ACT_RELU2 ? 1 : 2)
+
 static void rows_part(void *p, int id, int n) {
     rows_job *j = (rows_job *)p;
     int H = j->H, I = j->I, k = j->k;
@@ -170,13 +181,15 @@ static void rows_part(void *p, int id, int n) {
                    j->bf16, 1, H, j->xsrt + r * H);
             prep_row(j->scheme, j->bfm, j->xsrt, a, b, (int)r, H, j->g, j->xp, j->xsum);
         } else {
-            float *hg = j->hgu + r * 2 * I;
+            int G = GU_ROWS(j->ea);
+            float *hg = j->hgu + r * G * I;
             if (!j->ea) {
                 silu_glu(hg, I, j->act + r * I);
             } else {
-                if (j->ea->gu_bias) add_bias(hg, j->ea->gu_bias[j->uexp[u]], 2 * I);
+                if (j->ea->gu_bias) add_bias(hg, j->ea->gu_bias[j->uexp[u]], G * I);
                 if (j->ea->kind == ACT_CLAMPED) clamped_glu(hg, I, j->ea->alpha, j->ea->limit, j->act + r * I);
                 else if (j->ea->kind == ACT_GELU_TANH) gelu_glu(hg, I, j->act + r * I);
+                else if (j->ea->kind == ACT_RELU2) relu2(hg, I, j->act + r * I);
                 else silu_glu(hg, I, j->act + r * I);
             }
             prep_row(j->scheme, j->bfm, j->act, a, b, (int)r, I, j->g, j->ap, j->asum);
@@ -222,14 +235,15 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
         if (r == 0 || e != uexp[nu - 1]) { uexp[nu] = e; uoff[nu++] = r; }
     }
     uoff[nu] = Q;
-    size_t nf = (size_t)Q * H + (size_t)Q * 2 * I + (size_t)Q * I + (size_t)Q * H;
+    int G = GU_ROWS(ea);  /* gate_up's rows per intermediate channel: 2 (gate, up), 1 (up alone: ACT_RELU2) */
+    size_t nf = (size_t)Q * H + (size_t)Q * G * I + (size_t)Q * I + (size_t)Q * H;
     /* prepared activations (int4: nibble-ordered or bf16 copies + group sums; int8 in bf16: q8_prep) */
     size_t nxp = (size_t)Q * (H > Q8_STRIDE(H) ? H : Q8_STRIDE(H)), nxs = scheme == 4 ? (size_t)Q * H / g : 0;
     size_t nap = (size_t)Q * (I > Q8_STRIDE(I) ? I : Q8_STRIDE(I)), nas = scheme == 4 ? (size_t)Q * I / g : 0;
     size_t n4 = nxp + nxs + nap + nas;
     buf = (float *)coli_alloc(sizeof(float) * (nf + n4 + 1));
     if (!buf) { rc = -2; goto done; }
-    float *xsrt = buf, *hgu = xsrt + (size_t)Q * H, *act = hgu + (size_t)Q * 2 * I;
+    float *xsrt = buf, *hgu = xsrt + (size_t)Q * H, *act = hgu + (size_t)Q * G * I;
     float *ysrt = act + (size_t)Q * I;
     float *xp = ysrt + (size_t)Q * H, *xsum = xp + nxp, *ap = xsum + nxs, *asum = ap + nap;
     int bfm = scheme == 4 ? (BF_MODE(bf16, H, g) < BF_MODE(bf16, I, g) ? BF_MODE(bf16, H, g) : BF_MODE(bf16, I, g))
@@ -237,13 +251,13 @@ int coli_moe(const void *x, int bf16, int T, int H, int I, int k, const int64_t 
     for (int p = 0; p < P; p++) inv[p] = -1;
     for (int r = 0; r < Q; r++) inv[order[r]] = r;
 
-    long bytes = (long)nu * 3 * H * I * (scheme == 4 ? 1 : 2) / 2;
+    long bytes = (long)nu * (G + 1) * H * I * (scheme == 4 ? 1 : 2) / 2;
     int nt = n_threads_for(bytes), nr = Q >= ROWS_PAR_MIN ? nt : 1;
     rows_job rj = {0, scheme, g, bfm, bf16, k, H, I, nu, Q, T, order, uoff, inv, uexp, x, weights, hgu, ysrt,
                    xsrt, xp, xsum, act, ap, asum, ys, y, ea, idx};
     PROF(P_GATHER, coli_parallel(rows_part, &rj, nr));
-    /* gate+up: rows (u, o) for o < 2I, flattened so the threads split all experts' rows evenly */
-    moe_job j1 = {scheme, g, H, 2 * I, nu, uexp, uoff, gate_up, xsrt, xp, xsum, hgu, bfm};
+    /* gate+up: rows (u, o) for o < G I, flattened so the threads split all experts' rows evenly */
+    moe_job j1 = {scheme, g, H, G * I, nu, uexp, uoff, gate_up, xsrt, xp, xsum, hgu, bfm};
     PROF(P_GATE_UP, coli_parallel(moe_part, &j1, nt));
     rj.stage = 1;
     PROF(P_SILU, coli_parallel(rows_part, &rj, nr));

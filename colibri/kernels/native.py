@@ -145,7 +145,8 @@ class MoeLayer(ctypes.Structure):
 # biased logits, softmax over those k (gpt-oss)
 (ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER,
  ROUTE_LOGIT_BIAS_SIGMOID) = range(6)
-ACT_SILU, ACT_CLAMPED, ACT_GELU_TANH = 0, 1, 2  # the routed experts' activation (common.h coli_expert_act)
+ACT_SILU, ACT_CLAMPED, ACT_GELU_TANH, ACT_RELU2 = 0, 1, 2, 3  # the routed experts' activation (common.h
+# coli_expert_act; ACT_RELU2: no gate, gate_up holds the up rows alone)
 
 
 class ExpertAct(ctypes.Structure):

@@ -22,7 +22,7 @@ SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek
              "mistral4", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "qwen3_vl_moe_text",
              "glm4v_moe_text", "phimoe", "solar_open", "granitemoe", "dbrx",
              "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
-             "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba")
+             "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h")
 # model_types whose checkpoints are another family's layout: Kimi-K2 is DeepSeek-V3's
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 # released multimodal model_types -> the family of the text model the converter keeps (its config under
@@ -174,7 +174,8 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]
         elif isinstance(mod, Embedding):
             out[f"{mname}.weight"] = ("embedding", (mod.num_embeddings, mod.dim))
         elif isinstance(mod, SwitchGLU):
-            out[mname] = ("experts", (mod.num_experts, mod.intermediate, mod.hidden))
+            # (E, I, H, gate_up's rows per channel: 2, or 1 for ungated experts)
+            out[mname] = ("experts", (mod.num_experts, mod.intermediate, mod.hidden, 2 if mod.gated else 1))
     for pname, p in model.named_parameters():
         out[pname] = ("param", tuple(p.shape))
     return out

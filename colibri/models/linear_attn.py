@@ -77,6 +77,18 @@ class StateCache:
                                f"from position {start} (its state cannot be rewound)")
 
 
+def step_states(kv: LayerKV) -> tuple[list[int], list[int]]:
+    """For a step of one decode row a sequence: each row's conv and ssm state pointers (for the kernels), the states
+    checked to continue and then counted one position on."""
+    conv, ssm = [], []
+    for _, _, start, cache in kv.segs:
+        cache.resume(start)
+        cache.pos = start + 1
+        conv.append(cache.conv.data_ptr())
+        ssm.append(cache.ssm.data_ptr())
+    return conv, ssm
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

@@ -25,7 +25,7 @@ from torch import nn
 from ..kernels import native, native_mamba
 from .batch import LayerKV
 from .layers import Linear, RMSNorm
-from .linear_attn import Conv1d, StateCache
+from .linear_attn import Conv1d, StateCache, step_states
 
 NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
 
@@ -130,7 +130,7 @@ class Mamba1Mixer(nn.Module):
         when they are native QLinears; else the convolution and the scan step there, the modules between)."""
         a = self.a
         xz = self.in_proj(x).contiguous()  # [T, 2I]
-        conv, ssm = self._states(kv)
+        conv, ssm = step_states(kv)
         if all(_native_linear(p) for p in (self.x_proj, self.dt_proj)):
             return self.out_proj(native_mamba.mamba1_rows(self, xz, conv, ssm))
         u = native_mamba.mamba1_conv(xz, conv, self.conv1d.weight, getattr(self.conv1d, "bias", None))
@@ -149,7 +149,7 @@ class Mamba1Mixer(nn.Module):
                 or not all(_native_linear(p) for p in (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)) \
                 or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (in_norm, post_norm)):
             return None
-        return native_mamba.mamba1_block(self, h.contiguous(), in_norm, post_norm, *self._states(kv))
+        return native_mamba.mamba1_block(self, h.contiguous(), in_norm, post_norm, *step_states(kv))
 
     def native_f32(self, what: str) -> torch.Tensor:
         """What the kernels take in f32, computed once (dropped when the module moves, see _apply): "A" = -exp(A_log)
@@ -160,20 +160,13 @@ class Mamba1Mixer(nn.Module):
             t = self.__dict__["_f32_" + what] = src.contiguous()
         return t
 
-    def _states(self, kv: LayerKV) -> tuple[list[int], list[int]]:
-        """Each row's conv and ssm state pointers, the states checked to continue and then counted one position on."""
-        conv, ssm = [], []
-        for _, _, start, cache in kv.segs:
-            cache.resume(start)
-            cache.pos = start + 1
-            conv.append(cache.conv.data_ptr())
-            ssm.append(cache.ssm.data_ptr())
-        return conv, ssm
 
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
         """Whether kernels/mamba1.c takes this step: bf16 rows on the CPU, one per sequence, each continuing its
         state, f32 parameters; the f32 oracle path and prompts stay in torch."""
-        params = (self.conv1d.weight, getattr(self.conv1d, "bias", None), self.A_log, self.D)
+        norms = (self.dt_layernorm, self.b_layernorm, self.c_layernorm) if self.a.inner_norms else ()
+        params = (self.conv1d.weight, getattr(self.conv1d, "bias", None), self.A_log, self.D,
+                  *(n.weight for n in norms))
         return NATIVE and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= native.MOE_MAX_ROWS \
             and self.a.state <= native_mamba.MAX_STATE and native.available() \
             and all(p is None or (p.dtype == torch.float32 and p.is_contiguous()) for p in params) \

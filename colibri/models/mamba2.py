@@ -26,7 +26,7 @@ from torch import nn
 from ..kernels import native, native_mamba
 from .batch import LayerKV
 from .layers import Linear
-from .linear_attn import Conv1d, StateCache
+from .linear_attn import Conv1d, StateCache, step_states
 
 NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
 
@@ -132,7 +132,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         a = self.a
         if self._native_rows(x, kv):  # bf16 decode rows: convolution, state and gated norm in one call
-            return self.out_proj(native_mamba.mamba_rows(self, self.in_proj(x).contiguous(), *self._states(kv)))
+            return self.out_proj(native_mamba.mamba_rows(self, self.in_proj(x).contiguous(), *step_states(kv)))
         z, xbc, dt = self.in_proj(x).split([a.inner, a.conv_dim, a.heads], -1)  # [T, I], [T, C], [T, H]
         outs = []
         for r0, r1, start, cache in kv.segs:
@@ -189,7 +189,7 @@ class Mamba2Mixer(nn.Module):
         if w is None:  # (the weights' pointers: rebuilt when the module moves, see _apply)
             w = self.__dict__["_fused_qw"] = (native.QW * 2)(*(native.QW(*native.qw(p)) for p in projs))
         return native_mamba.mamba_block(self, 8 if first.scheme == "int8" else 4, first.group_size, w,
-                                        h.contiguous(), in_norm, post_norm, *self._states(kv))
+                                        h.contiguous(), in_norm, post_norm, *step_states(kv))
 
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
         """Whether kernels/mamba.c takes this step: bf16 rows on the CPU, one per sequence, each continuing its
@@ -202,15 +202,6 @@ class Mamba2Mixer(nn.Module):
             and all(r1 - r0 == 1 and start > 0 and c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous()
                     and c.conv.device.type == "cpu" for r0, r1, start, c in kv.segs)
 
-    def _states(self, kv: LayerKV) -> tuple[list[int], list[int]]:
-        """Each row's conv and ssm state pointers, the states checked to continue and then counted one position on."""
-        conv, ssm = [], []
-        for _, _, start, cache in kv.segs:
-            cache.resume(start)
-            cache.pos = start + 1
-            conv.append(cache.conv.data_ptr())
-            ssm.append(cache.ssm.data_ptr())
-        return conv, ssm
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the fused call's pointers are stale
         self.__dict__.pop("_fused_qw", None)

@@ -51,13 +51,20 @@ def silu_glu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def relu2(h: torch.Tensor) -> torch.Tensor:
+    """Nemotron-H's ungated experts: relu(up)^2 of the up rows alone."""
+    return F.relu(h).square()
+
+
 class SwitchGLU(nn.Module):
     """The routed experts of one layer: `forward(x [T, H], idx [T, k], weights [T, k]) -> [T, H]`."""
 
     def __init__(self, layer: int, hidden: int, intermediate: int, num_experts: int,
                  act: Callable[[torch.Tensor], torch.Tensor] = silu_glu,
-                 native_act: tuple[int, float, float] | None = None):
+                 native_act: tuple[int, float, float] | None = None, gated: bool = True):
         super().__init__()
+        # gate_up's rows: [gate; up] ([2I, H]), or up alone ([I, H]) for an ungated activation (Nemotron-H's)
+        self.gated = gated
         self.layer, self.hidden, self.intermediate, self.num_experts = layer, hidden, intermediate, num_experts
         self.act = act
         # The native kernels' form of `act` (kernels/native.py ACT_*: kind, alpha, limit); None: torch's only
