@@ -105,25 +105,54 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_ungated_experts_in_the_kernels_agree_with_torch(ckpt, monkeypatch, scheme: str) -> None:
-    """kernels/moe.c's ACT_RELU2 (gate_up holding the up rows alone) against the experts' torch form over the same
-    quantized weights, 24 prompt rows and 8 decode steps: logits to the kernels' rounding (their int8 activations:
-    docs/QUANT.md), the top token of nearly every row the same; the kernel ran for both MoE layers of every step."""
-    from colibri.models import moe
+    """The MoE layers in one native call each (kernels/moe.c coli_moe_block: the router, the ungated experts under
+    ACT_RELU2 with gate_up holding the up rows alone, the ungated shared expert) against the experts' and the shared
+    expert's torch forms over the same quantized weights, 24 prompt rows and 8 decode steps: logits to the kernels'
+    rounding (their int8 activations: docs/QUANT.md), the top token of nearly every row the same; the fused call ran
+    for both MoE layers of every step."""
+    from colibri.models import moe, nemotron_h
 
     def run(native_on: bool) -> tuple[torch.Tensor, int]:
         calls: list[int] = []
-        real = moe.native.moe
+        real = moe.native.moe_block
         with monkeypatch.context() as mp:
-            mp.setattr(moe.native, "moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+            mp.setattr(moe.native, "moe_block", lambda *a, **k: calls.append(1) or real(*a, **k))
             if not native_on:
+                mp.setattr(moe.SparseMoE, "fused", lambda self, x, h: None)
                 mp.setattr(moe.SwitchGLU, "_native",
                            lambda self, x, idx, w, fetched: self._experts(x, idx, w, fetched))
-            with colibri.load(ckpt.coli("nemotron_h", scheme), ctx_size=64, threads=2) as llm:
+                mp.setattr(nemotron_h.native_mlp, "run", lambda *a: None)
+            # (a shared expert 64 wide: int4's groups of 32 divide its down_proj's inputs, so it stays int4)
+            with colibri.load(ckpt.coli("nemotron_h", scheme, moe_shared_expert_intermediate_size=64), ctx_size=64,
+                              threads=2) as llm:
                 list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True))
                 logits = llm.logits(PROMPT * 2).float()
         return logits, len(calls)
 
     (got, n), (ref, none) = run(True), run(False)
-    assert n >= 2 * (1 + 7 + 1) and none == 0  # (two MoE layers: the prompt, 7 decode steps, the 24 rows)
+    assert n >= 2 * (1 + 7 + 1) and none == 0, (n, none)  # (two MoE layers: the prompt, 7 decode steps, 24 rows)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_ungated_mlp_in_the_kernels_gives_the_torch_bits(ckpt, monkeypatch, scheme: str) -> None:
+    """coli_mlp_rows under ACT_RELU2 (the dense layer and the shared expert: up, relu^2 rounded once, down) gives the
+    bits of Relu2MLP's torch form over the same native QLinears, for 1 to 5 bf16 rows."""
+    from colibri.models import nemotron_h
+
+    with colibri.load(ckpt.coli("nemotron_h", scheme, moe_shared_expert_intermediate_size=64), ctx_size=64,
+                      threads=2) as llm:
+        mlps = [b.mixer for b in llm.model.model.layers if b.kind == "mlp"]
+        mlps += [b.mixer.shared_experts for b in llm.model.model.layers if b.kind == "moe"]
+        g = torch.Generator().manual_seed(0)
+        for m in mlps:
+            for T in (1, 5):
+                x = torch.randn(T, 64, generator=g).to(torch.bfloat16)
+                with torch.inference_mode():
+                    y = nemotron_h.native_mlp.run(m, x)
+                    with monkeypatch.context() as mp:
+                        mp.setattr(nemotron_h.native_mlp, "run", lambda *a: None)
+                        ref = m(x)
+                assert y is not None and torch.equal(y, ref)

@@ -284,13 +284,21 @@ int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y) {
     float *hg = (float *)malloc(sizeof(float) * 3 * (size_t)I);  /* one row's [gate | up], then its act */
     int rc = g && hg ? 0 : -2;
     uint16_t *u = g + n, *a = u + n, *sg = a + n;
+    int ungated = m->act == ACT_RELU2;  /* (Nemotron-H: no gate projection, relu(up)^2) */
     if (!rc) {
         coli_qw w[3] = {m->gate, m->up, m->sgate};
         int N[3] = {I, I, 1};
         void *o[3] = {g, u, sg};
-        PROF(P_GATE_UP, rc = coli_multi_gemm(x, 1, T, H, m->scheme, m->group, m->gated ? 3 : 2, w, N, o));
+        PROF(P_GATE_UP, rc = coli_multi_gemm(x, 1, T, H, m->scheme, m->group, (m->gated ? 3 : 2) - ungated,
+                                             w + ungated, N + ungated, o + ungated));
     }
-    for (int t = 0; t < T && !rc; t++) {
+    for (int t = 0; t < T && !rc && ungated; t++)
+        for (int i = 0; i < I; i++) {
+            float v = bf16_to_f32(u[(size_t)t * I + i]);
+            v = v > 0.f ? v : 0.f;
+            a[(size_t)t * I + i] = f32_to_bf16(v * v);
+        }
+    for (int t = 0; t < T && !rc && !ungated; t++) {
         for (int i = 0; i < I; i++) {
             hg[i] = bf16_to_f32(g[(size_t)t * I + i]);
             hg[I + i] = bf16_to_f32(u[(size_t)t * I + i]);

@@ -30,7 +30,10 @@ def table(mlp: nn.Module, gate: nn.Module | None = None) -> native.Mlp | None:
 
 
 def _build(mlp: nn.Module, gate: nn.Module | None) -> native.Mlp | None:
-    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")] + ([gate] if gate else [])
+    act = getattr(mlp, "native_act", native.ACT_SILU)
+    ungated = act == native.ACT_RELU2  # (up_proj and down_proj alone: Nemotron-H's relu^2 MLP)
+    names = ("up_proj", "down_proj") if ungated else ("gate_proj", "up_proj", "down_proj")
+    projs = [getattr(mlp, n, None) for n in names] + ([gate] if gate else [])
     first = projs[0]
     if not all(isinstance(p, QLinear) and p.native_plain and p.compute_dtype == torch.bfloat16
                and p.qweight.device.type == "cpu" and p.scheme == first.scheme and p.group_size == first.group_size
@@ -38,9 +41,10 @@ def _build(mlp: nn.Module, gate: nn.Module | None) -> native.Mlp | None:
         return None
     if gate is not None and gate.out_features != 1:
         return None
-    qws = [native.QW(*native.qw(p)) for p in projs] + ([] if gate else [native.QW()])
+    qws = ([native.QW()] if ungated else []) + [native.QW(*native.qw(p)) for p in projs] \
+        + ([] if gate else [native.QW()])
     return native.Mlp(first.out_features, 8 if first.scheme == "int8" else 4, first.group_size, int(gate is not None),
-                      *qws, getattr(mlp, "native_act", native.ACT_SILU))
+                      *qws, act)
 
 
 def forget(mlp: nn.Module) -> None:

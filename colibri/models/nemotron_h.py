@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
+from . import native_mlp
 from .base import BaseArgs, CausalLM, refuse
 from .batch import LayerKV
 from .glm4_moe import GroupLimitedRouter
@@ -84,7 +85,11 @@ class ModelArgs(BaseArgs):
 
 
 class Relu2MLP(nn.Module):
-    """The ungated feed-forward of the dense layers and the shared expert: down(relu(up x)^2)."""
+    """The ungated feed-forward of the dense layers and the shared expert: down(relu(up x)^2); bf16 decode rows of
+    native weights in one call (kernels/moe.c coli_mlp_rows, ACT_RELU2: the bits of this torch form), which the MoE
+    block's fused call also runs for the shared expert."""
+
+    native_act = native.ACT_RELU2
 
     def __init__(self, hidden: int, intermediate: int, bias: bool):
         super().__init__()
@@ -92,7 +97,12 @@ class Relu2MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        y = native_mlp.run(self, x)
+        return y if y is not None else self.down_proj(F.relu(self.up_proj(x)).square())
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: rebuild the kernel's constants
+        native_mlp.forget(self)
+        return super()._apply(fn, recurse)
 
 
 class _NoState:
@@ -130,7 +140,7 @@ class SublayerBlock(nn.Module):
             return h + self.mixer(self.norm(h), kv)
         x = self.norm(h)
         if self.routed:
-            out = self.mixer.fused(x, h)  # (declines while the shared expert is ungated: the unfused path below)
+            out = self.mixer.fused(x, h)  # (router, experts, shared expert and residual in one call; else below)
             return out if out is not None else h + self.mixer(x, h)
         return h + self.mixer(x)
 
