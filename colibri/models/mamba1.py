@@ -160,7 +160,6 @@ class Mamba1Mixer(nn.Module):
             t = self.__dict__["_f32_" + what] = src.contiguous()
         return t
 
-
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
         """Whether kernels/mamba1.c takes this step: bf16 rows on the CPU, one per sequence, each continuing its
         state, f32 parameters; the f32 oracle path and prompts stay in torch."""

@@ -202,7 +202,6 @@ class Mamba2Mixer(nn.Module):
             and all(r1 - r0 == 1 and start > 0 and c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous()
                     and c.conv.device.type == "cpu" for r0, r1, start, c in kv.segs)
 
-
     def _apply(self, fn, recurse: bool = True):  # moved weights: the fused call's pointers are stale
         self.__dict__.pop("_fused_qw", None)
         return super()._apply(fn, recurse)
