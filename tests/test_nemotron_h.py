@@ -27,7 +27,8 @@ def _cfg(**over) -> dict:
 @pytest.mark.parametrize("over", [
     {"layers_block_type": None, "hybrid_override_pattern": "ME*-ME", "mamba_n_groups": 1, "mamba_d_conv": 3},
     {"use_bias": True, "mlp_bias": True, "use_conv_bias": False, "n_group": 1, "norm_topk_prob": False},
-    {"time_step_min": 0.5}])  # (clamps most of the tiny model's prompt steps; decode steps are not clamped)
+    {"time_step_min": 0.5},  # (clamps most of the tiny model's prompt steps; decode steps are not clamped)
+    {"moe_latent_size": 32, "mlp_bias": True}])  # (Nemotron 3 Super's latent experts, projections biased)
 def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
     hf = load_hf(ckpt.hf("nemotron_h", **over))
     ref = hf_logits(hf, PROMPT * 3)
@@ -91,7 +92,7 @@ def test_release_names_and_layer_kinds() -> None:
     ({"num_hidden_layers": 5}, "num_hidden_layers"),
     ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
     ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
-    ({"moe_latent_size": 32}, "moe_latent_size"),
+    ({"moe_latent_size": 0}, "moe_latent_size"),
     ({"n_group": 3}, "n_group"),
     ({"n_groups": 3}, "n_groups"),
     ({"conv_kernel": 1}, "conv_kernel"),
@@ -156,3 +157,29 @@ def test_the_ungated_mlp_in_the_kernels_gives_the_torch_bits(ckpt, monkeypatch, 
                         mp.setattr(nemotron_h.native_mlp, "run", lambda *a: None)
                         ref = m(x)
                 assert y is not None and torch.equal(y, ref)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_latent_experts_run_in_the_kernels(ckpt, monkeypatch) -> None:
+    """Nemotron 3 Super's latent MoE: the routed experts (over the 32-wide latent rows) in the MoE kernel, between
+    the projections in their modules; the logits of 24 prompt rows and the decode steps agree with the experts' torch
+    form to the kernels' rounding, the top token of nearly every row the same."""
+    from colibri.models import moe
+
+    def run(native_on: bool) -> tuple[torch.Tensor, int]:
+        calls: list[int] = []
+        real = moe.native.moe
+        with monkeypatch.context() as mp:
+            mp.setattr(moe.native, "moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+            if not native_on:
+                mp.setattr(moe.SwitchGLU, "_native",
+                           lambda self, x, idx, w, fetched: self._experts(x, idx, w, fetched))
+            with colibri.load(ckpt.coli("nemotron_h", "int8", moe_latent_size=32), ctx_size=64, threads=2) as llm:
+                list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True))
+                logits = llm.logits(PROMPT * 2).float()
+        return logits, len(calls)
+
+    (got, n), (ref, none) = run(True), run(False)
+    assert n >= 2 * (1 + 7 + 1) and none == 0
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()

@@ -13,8 +13,8 @@ M / * / - / E read too):
 Each layer is a `SublayerBlock` whose one module, `mixer`, answers as `self_attn` (a state or a KV cache) or as
 `mlp` (the look-ahead's router) by kind. The Mamba layers' states keep prompt caching off (linear_attn.py); their
 decode rows take kernels/mamba.c, the experts kernels/moe.c, layer by layer (no one-call step: its layers are not
-decoder blocks). Latent MoE projections (`moe_latent_size`: Nemotron 3 Super) are refused; multi-token-prediction
-weights are dropped.
+decoder blocks). Nemotron 3 Super's latent MoE (`moe_latent_size`: the routed experts between two projections,
+`LatentMoE`) runs the experts alone in the kernels; multi-token-prediction weights are dropped.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class ModelArgs(BaseArgs):
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     layer_norm_epsilon: float = 1e-5
+    moe_latent_size: int | None = None
     raw: dict | None = None
 
 
@@ -103,6 +104,25 @@ class Relu2MLP(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # moved weights: rebuild the kernel's constants
         native_mlp.forget(self)
         return super()._apply(fn, recurse)
+
+
+class LatentMoE(SparseMoE):
+    """Nemotron 3 Super's MoE: the router and the shared expert read the rows, the routed experts a latent
+    projection of them (`fc1_latent_proj`, hidden -> `moe_latent_size`), their sum projected back (`fc2_latent_proj`).
+    The kernels' MoE block has no place for the projections: the experts run alone in the kernels."""
+
+    def __init__(self, gate: nn.Module, experts: SwitchGLU, shared: nn.Module, hidden: int, latent: int, bias: bool):
+        super().__init__(gate, experts, shared, shared_name="shared_experts")
+        self.fc1_latent_proj = Linear(hidden, latent, bias)
+        self.fc2_latent_proj = Linear(latent, hidden, bias)
+
+    def fused(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
+        idx, weights = self.gate(x)  # [T, k]
+        y = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), idx, weights, resid))  # [T, H]
+        return y + self.shared_experts(x)
 
 
 class _NoState:
@@ -162,10 +182,13 @@ class Model(CausalLM):
                 return Relu2MLP(H, a.intermediate_size, a.mlp_bias)
             gate = GroupLimitedRouter(H, a.n_routed_experts, a.num_experts_per_tok, a.n_group, a.topk_group,
                                       a.norm_topk_prob, a.routed_scaling_factor)
-            experts = SwitchGLU(i, H, a.moe_intermediate_size, a.n_routed_experts, act=relu2,
+            latent = a.moe_latent_size or H
+            experts = SwitchGLU(i, latent, a.moe_intermediate_size, a.n_routed_experts, act=relu2,
                                 native_act=(native.ACT_RELU2, 0.0, 0.0), gated=False)
-            return SparseMoE(gate, experts, Relu2MLP(H, a.moe_shared_expert_intermediate_size, a.mlp_bias),
-                             shared_name="shared_experts")
+            shared = Relu2MLP(H, a.moe_shared_expert_intermediate_size, a.mlp_bias)
+            if a.moe_latent_size:
+                return LatentMoE(gate, experts, shared, H, latent, a.mlp_bias)
+            return SparseMoE(gate, experts, shared, shared_name="shared_experts")
 
         kinds = layer_kinds(a.raw or {})
         super().__init__(a.vocab_size, H, eps, [SublayerBlock(sub(i, k), k, H, eps) for i, k in enumerate(kinds)])
@@ -186,8 +209,9 @@ def check_config(cfg: dict) -> None:
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if cfg.get(key, want) != want:
             refuse(FAMILY, key, cfg[key], f"only {want}")
-    if cfg.get("moe_latent_size") is not None:
-        refuse(FAMILY, "moe_latent_size", cfg["moe_latent_size"], "none (latent MoE projections: not implemented)")
+    latent = cfg.get("moe_latent_size")
+    if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int) or latent < 1):
+        refuse(FAMILY, "moe_latent_size", latent, "none or a positive integer")
     experts, groups = cfg.get("n_routed_experts", 8), cfg.get("n_group", 1)
     if not isinstance(groups, int) or groups < 1 or experts % groups or cfg.get("topk_group", 1) > groups:
         refuse(FAMILY, "n_group", groups, f"a divisor of n_routed_experts ({experts}), at least topk_group")
