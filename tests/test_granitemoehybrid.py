@@ -1,7 +1,7 @@
 """Granite 4.0-H (granitemoehybrid): the variants the tiny model does not take (RoPE on, one Mamba group, a clamped
 time step, biased projections without a conv bias, one SSD chunk a prompt) against transformers' logits and greedy
-tokens; the chunked SSD form against the recurrence; prompts read in chunks and batched (each continuing its Mamba
-state) against transformers; prompt caching off; the release's names and layer kinds; refusals. Its oracle, batch,
+tokens; the chunked SSD form against the recurrence; the release's names and layer kinds; refusals (chunked prompts,
+batches and prompt caching off: tests/test_state_models.py). Its oracle, batch,
 tier and kernel-accuracy tests run with every family's (tests/tiny_configs.py: Mamba, attention and Mamba layers,
 2 groups, prompts over several SSD chunks)."""
 
@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hf_tiny import hf_greedy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
 from test_native_step import _spy
 
 import colibri
@@ -59,25 +59,6 @@ def test_chunked_form_is_the_recurrence(n: int, chunk: int) -> None:
     y = ssd_chunked(x, dt, A, B, C, S1, chunk)
     assert torch.allclose(y, torch.stack(ys), atol=1e-5, rtol=1e-5)
     assert torch.allclose(S1, S, atol=1e-5, rtol=1e-5)
-
-
-def test_chunked_prompts_and_batches_continue_each_mamba_state(ckpt) -> None:
-    hf = load_hf(ckpt.hf("granitemoehybrid"))
-    prompts = [PROMPT * 2, PROMPT[:5], PROMPT[3:] * 3]
-    with colibri.load(ckpt.coli("granitemoehybrid", "f32"), ctx_size=96, threads=2, slots=3, prefill_chunk=5) as llm:
-        got = [h.wait() for h in [llm.submit(p, 8, ignore_eos=True) for p in prompts]]
-    assert got == [hf_greedy(hf, p, 8) for p in prompts]
-
-
-def test_prompt_caching_stays_off_and_saved_caches_are_refused(ckpt, tmp_path) -> None:
-    with colibri.load(ckpt.coli("granitemoehybrid", "f32"), ctx_size=96, threads=2, slots=1) as llm:
-        assert not llm.slots.rewindable
-        a = llm.submit(PROMPT, 4, ignore_eos=True).wait()
-        h = llm.submit(PROMPT + a, 4, ignore_eos=True)
-        h.wait()
-        assert h.stats.cached_tokens == 0
-        with pytest.raises(ColibriError, match="state"):
-            llm.save_prompt_cache(tmp_path / "slot.bin")
 
 
 def test_release_names_and_layer_kinds() -> None:

@@ -1,14 +1,14 @@
 """Jamba (jamba): the variants the tiny model does not take (attention first and experts in every layer, biased
-projections without a conv bias, an explicit dt rank, a wider state) against transformers' logits and greedy tokens;
-prompts read in chunks and batched (each continuing its Mamba state) against transformers; prompt caching off; a
-slot's bytes; the release's names; refusals. Its oracle, batch, tier and kernel-accuracy tests run with every
+projections without a conv bias, an explicit dt rank, a wider state) against transformers' logits and greedy tokens; a
+slot's bytes; the release's names; refusals (chunked prompts, batches and prompt caching off:
+tests/test_state_models.py). Its oracle, batch, tier and kernel-accuracy tests run with every
 family's (tests/tiny_configs.py: Mamba + dense, Mamba + experts, attention + dense, Mamba + experts)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import hf_greedy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
 from test_native_step import _spy
 
 import colibri
@@ -34,25 +34,6 @@ def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
         assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
         want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
         assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
-
-
-def test_chunked_prompts_and_batches_continue_each_mamba_state(ckpt) -> None:
-    hf = load_hf(ckpt.hf("jamba"))
-    prompts = [PROMPT * 2, PROMPT[:5], PROMPT[3:] * 3]
-    with colibri.load(ckpt.coli("jamba", "f32"), ctx_size=96, threads=2, slots=3, prefill_chunk=5) as llm:
-        got = [h.wait() for h in [llm.submit(p, 8, ignore_eos=True) for p in prompts]]
-    assert got == [hf_greedy(hf, p, 8) for p in prompts]
-
-
-def test_prompt_caching_stays_off_and_saved_caches_are_refused(ckpt, tmp_path) -> None:
-    with colibri.load(ckpt.coli("jamba", "f32"), ctx_size=96, threads=2, slots=1) as llm:
-        assert not llm.slots.rewindable
-        a = llm.submit(PROMPT, 4, ignore_eos=True).wait()
-        h = llm.submit(PROMPT + a, 4, ignore_eos=True)
-        h.wait()
-        assert h.stats.cached_tokens == 0
-        with pytest.raises(ColibriError, match="Mamba"):
-            llm.save_prompt_cache(tmp_path / "slot.bin")
 
 
 def test_a_slot_counts_its_mamba_states() -> None:

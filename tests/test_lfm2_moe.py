@@ -1,14 +1,14 @@
 """LFM2-MoE (lfm2_moe): the variants the tiny model does not take (the release's tied head under its own key, biased
-convolutions and projections, no selection bias, no renormalising) against transformers' logits and greedy tokens; a
-prompt read in chunks (each chunk's convolution continuing the state the last one left) and batched against
-transformers; prompt caching off for the convolution states; names and refusals. Its oracle, batch and tier tests run
-with every family's (tests/tiny_configs.py: conv, attention and conv layers, a dense layer 0, biased selection)."""
+convolutions and projections, no selection bias, no renormalising) against transformers' logits and greedy tokens;
+names and refusals (chunked prompts, batches and prompt caching off: tests/test_state_models.py). Its oracle, batch
+and tier tests run with every family's (tests/tiny_configs.py: conv, attention and conv layers, a dense layer 0,
+biased selection)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import hf_greedy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
 from test_native_step import _spy
 
 import colibri
@@ -34,25 +34,6 @@ def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
         assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
         want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
         assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
-
-
-def test_chunked_prompts_and_batches_continue_each_convolution_state(ckpt) -> None:
-    hf = load_hf(ckpt.hf("lfm2_moe"))
-    prompts = [PROMPT * 2, PROMPT[:5], PROMPT[3:] * 3]
-    with colibri.load(ckpt.coli("lfm2_moe", "f32"), ctx_size=96, threads=2, slots=3, prefill_chunk=5) as llm:
-        got = [h.wait() for h in [llm.submit(p, 8, ignore_eos=True) for p in prompts]]
-    assert got == [hf_greedy(hf, p, 8) for p in prompts]
-
-
-def test_prompt_caching_stays_off_and_saved_caches_are_refused(ckpt, tmp_path) -> None:
-    with colibri.load(ckpt.coli("lfm2_moe", "f32"), ctx_size=96, threads=2, slots=1) as llm:
-        assert not llm.slots.rewindable
-        a = llm.submit(PROMPT, 4, ignore_eos=True).wait()
-        h = llm.submit(PROMPT + a, 4, ignore_eos=True)
-        h.wait()
-        assert h.stats.cached_tokens == 0
-        with pytest.raises(ColibriError, match="convolution"):
-            llm.save_prompt_cache(tmp_path / "slot.bin")
 
 
 def test_release_names_map_to_the_canonical_ones() -> None:

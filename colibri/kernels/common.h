@@ -346,6 +346,17 @@ static inline void split(long total, int id, int n, long *a, long *b) {
     *b = total * (id + 1) / n;
 }
 
+/* One channel of a causal depthwise convolution taking its next input x: the K taps w over [the K-1 kept inputs st,
+ * x], summed in f32 from tap 0 (the order the torch forms sum in), and st moved on to end with x. */
+static inline float conv_step(uint16_t *st, const float *w, uint16_t x, int K) {
+    float s = 0.f;
+    for (int k = 0; k < K - 1; k++) s += bf16_to_f32(st[k]) * w[k];
+    s += bf16_to_f32(x) * w[K - 1];
+    for (int k = 0; k + 1 < K - 1; k++) st[k] = st[k + 1];
+    if (K > 1) st[K - 2] = x;
+    return s;
+}
+
 static inline float ld(const void *p, int bf16, long i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }

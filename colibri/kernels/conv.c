@@ -14,15 +14,9 @@ int coli_conv_rows(int T, int H, int K, const uint16_t *bcx, void *const *state,
         const uint16_t *b = bcx + (long)t * 3 * H, *c = b + H, *x = c + H;
         uint16_t *st = (uint16_t *)state[t];
         for (int ch = 0; ch < H; ch++) {
-            uint16_t *s = st + (long)ch * (K - 1);
             uint16_t bx = f32_to_bf16(bf16_to_f32(b[ch]) * bf16_to_f32(x[ch]));
-            const float *wc = w + (long)ch * K;
-            float acc = 0.f;
-            for (int k = 0; k < K - 1; k++) acc += bf16_to_f32(s[k]) * wc[k];
-            acc += bf16_to_f32(bx) * wc[K - 1];
+            float acc = conv_step(st + (long)ch * (K - 1), w + (long)ch * K, bx, K);
             if (bias) acc += bias[ch];
-            for (int k = 0; k < K - 2; k++) s[k] = s[k + 1];
-            s[K - 2] = bx;
             out[(long)t * H + ch] = f32_to_bf16(bf16_to_f32(c[ch]) * bf16_to_f32(f32_to_bf16(acc)));
         }
     }

@@ -37,13 +37,7 @@ static void conv_part(void *p, int id, int n) {
         int t = (int)(i / C), c = (int)(i % C);
         uint16_t *st = j->conv[t] + (long)c * (K - 1);
         const float *w = j->conv_w + (long)c * K;
-        uint16_t x = j->qkv[(long)t * j->sq + c];
-        float s = 0.f;
-        for (int k = 0; k < K - 1; k++) s += w[k] * bf16_to_f32(st[k]);
-        s += w[K - 1] * bf16_to_f32(x);
-        for (int k = 0; k + 1 < K - 1; k++) st[k] = st[k + 1];
-        if (K > 1) st[K - 2] = x;
-        j->y[i] = silu(s);
+        j->y[i] = silu(conv_step(st, w, j->qkv[(long)t * j->sq + c], K));
     }
 }
 

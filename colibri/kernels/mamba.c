@@ -41,16 +41,9 @@ static void conv_part(void *p, int id, int n) {
     split((long)j->T * C, id, n, &a, &b);
     for (long i = a; i < b; i++) {
         int t = (int)(i / C), c = (int)(i % C);
-        uint16_t *st = j->conv[t] + (long)c * (K - 1);
-        const float *w = j->conv_w + (long)c * K;
-        uint16_t x = j->in[(long)t * row_len(j) + I + c];
-        float s = 0.f;
-        for (int k = 0; k < K - 1; k++) s += w[k] * bf16_to_f32(st[k]);
-        s += w[K - 1] * bf16_to_f32(x);
-        if (j->conv_b) s += j->conv_b[c];
-        for (int k = 0; k + 1 < K - 1; k++) st[k] = st[k + 1];
-        st[K - 2] = x;
-        j->u[i] = silu(s);
+        float s = conv_step(j->conv[t] + (long)c * (K - 1), j->conv_w + (long)c * K,
+                            j->in[(long)t * row_len(j) + I + c], K);
+        j->u[i] = silu(j->conv_b ? s + j->conv_b[c] : s);
     }
 }
 

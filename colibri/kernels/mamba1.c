@@ -36,15 +36,8 @@ static void conv_part(void *p, int id, int n) {
         float sums[64];
         for (int q = 0; q < m; q++) {
             int c = c0 + q;
-            uint16_t *st = j->conv[t] + (long)c * (K - 1), x = j->xz[(long)t * 2 * I + c];
-            const float *w = j->w + (long)c * K;
-            float s = 0.f;
-            for (int k = 0; k < K - 1; k++) s += bf16_to_f32(st[k]) * w[k];
-            s += bf16_to_f32(x) * w[K - 1];
-            if (j->b) s += j->b[c];
-            for (int k = 0; k + 1 < K - 1; k++) st[k] = st[k + 1];
-            st[K - 2] = x;
-            sums[q] = s;
+            float s = conv_step(j->conv[t] + (long)c * (K - 1), j->w + (long)c * K, j->xz[(long)t * 2 * I + c], K);
+            sums[q] = j->b ? s + j->b[c] : s;
         }
         for (int q = 0; q < m; q++) j->out[i0 + q] = f32_to_bf16(silu_v(sums[q]));
         i0 += m;

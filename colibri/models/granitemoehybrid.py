@@ -23,14 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from . import granitemoe, granitemoeshared
-from .base import refuse, rename_first
+from .base import LEGACY_KINDS, refuse, rename_first
 from .layers import AttentionArgs
 from .mamba2 import Mamba2Args, Mamba2Mixer
 
 FAMILY = "granitemoehybrid"
 source_view = granitemoeshared.source_view
 KINDS = ("linear_attention", "full_attention")
-_OLD_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 def time_step_limit(cfg: dict) -> list | None:
@@ -48,7 +47,7 @@ def layer_kinds(cfg: dict) -> list:
     kinds = cfg.get("layer_types", cfg.get("layers_block_type"))
     if kinds is None:
         return ["linear_attention"] * (cfg.get("num_hidden_layers") or 0)
-    return [_OLD_KINDS.get(k, k) for k in kinds] if isinstance(kinds, list) else kinds
+    return [LEGACY_KINDS.get(k, k) for k in kinds] if isinstance(kinds, list) else kinds
 
 
 @dataclass

@@ -29,7 +29,7 @@ from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .batch import LayerKV
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, rope_scaling, rope_theta
-from .linear_attn import Conv1d, StateCache
+from .linear_attn import Conv1d, StateCache, block_weights
 from .moe import SparseMoE, SwitchGLU
 
 FAMILY = "lfm2_moe"
@@ -107,16 +107,10 @@ class ShortConv(nn.Module):
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/conv.c coli_conv_block) for bf16 decode
         rows of native weights, with the bits of the layer-by-layer native path; else None."""
-        projs = (self.in_proj, self.out_proj)
         first = self.in_proj
-        if not self._native_rows(h, kv) or not all(
-                getattr(p, "path", None) == "native" and (p.scheme, p.group_size) == (first.scheme, first.group_size)
-                and p.compute_dtype == torch.bfloat16 and p.bias is None for p in projs) \
-                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (in_norm, post_norm)):
+        if not self._native_rows(h, kv) \
+                or (w := block_weights(self, (first, self.out_proj), in_norm, post_norm)) is None:
             return None
-        w = self.__dict__.get("_fused_qw")
-        if w is None:  # (the weights' pointers: rebuilt when the module moves, see _apply)
-            w = self.__dict__["_fused_qw"] = (native.QW * 2)(*(native.QW(*native.qw(p)) for p in projs))
         return native_conv.conv_block(8 if first.scheme == "int8" else 4, first.group_size, w, h.contiguous(),
                                       in_norm, post_norm, self._states(kv), self.conv.weight,
                                       getattr(self.conv, "bias", None))

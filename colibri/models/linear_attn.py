@@ -15,6 +15,7 @@ turns prompt caching off for such models; saved slots are refused).
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,21 @@ def step_states(kv: LayerKV) -> tuple[list[int], list[int]]:
         conv.append(cache.conv.data_ptr())
         ssm.append(cache.ssm.data_ptr())
     return conv, ssm
+
+
+def block_weights(m: nn.Module, projs: tuple, in_norm: nn.Module, post_norm: nn.Module) -> ctypes.Array | None:
+    """The projections' weight pointers for a state layer's whole native block (coli_delta_block, coli_conv_block,
+    coli_mamba_block), kept on `m` (its `_apply` drops them when it moves): None unless every projection is a native
+    bf16 QLinear without a bias, of the first one's scheme and group size, and both norms' weights f32 contiguous."""
+    first = projs[0]
+    if not all(getattr(p, "path", None) == "native" and (p.scheme, p.group_size) == (first.scheme, first.group_size)
+               and p.compute_dtype == torch.bfloat16 and p.bias is None for p in projs) \
+            or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (in_norm, post_norm)):
+        return None
+    w = m.__dict__.get("_fused_qw")
+    if w is None:
+        w = m.__dict__["_fused_qw"] = (native.QW * len(projs))(*(native.QW(*native.qw(p)) for p in projs))
+    return w
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -229,20 +245,10 @@ class GatedDeltaNet(nn.Module):
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/delta.c coli_delta_block) for
         bf16 decode rows of native weights, with the bits of the layer-by-layer native path; else None."""
-        if not FUSED or not self._native_rows(h, kv):
-            return None
         projs = (*self.projections(), self.out_proj)
-        first = projs[0]
-        norms = (in_norm.weight, post_norm.weight)
-        if not all(getattr(p, "path", None) == "native" and p.scheme == first.scheme
-                   and p.group_size == first.group_size and p.compute_dtype == torch.bfloat16 and p.bias is None
-                   for p in projs) \
-                or any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        if not FUSED or not self._native_rows(h, kv) or (w := block_weights(self, projs, in_norm, post_norm)) is None:
             return None
-        w = self.__dict__.get("_fused_qw")
-        if w is None:  # (the weights' pointers: rebuilt when the module moves, see _apply)
-            w = self.__dict__["_fused_qw"] = (native.QW * len(projs))(*(native.QW(*native.qw(p)) for p in projs))
-        a = self.a
+        first, a = projs[0], self.a
         for _, _, start, cache in kv.segs:
             cache.resume(start)
         out = native_delta.delta_block(

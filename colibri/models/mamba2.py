@@ -26,7 +26,7 @@ from torch import nn
 from ..kernels import native, native_mamba
 from .batch import LayerKV
 from .layers import Linear
-from .linear_attn import Conv1d, StateCache, step_states
+from .linear_attn import Conv1d, StateCache, block_weights, step_states
 
 NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
 
@@ -178,16 +178,10 @@ class Mamba2Mixer(nn.Module):
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/mamba.c coli_mamba_block) for bf16
         decode rows of native weights, with the bits of the layer-by-layer native path; else None."""
-        projs = (self.in_proj, self.out_proj)
         first = self.in_proj
-        if not self._native_rows(h, kv) or not all(
-                getattr(p, "path", None) == "native" and (p.scheme, p.group_size) == (first.scheme, first.group_size)
-                and p.compute_dtype == torch.bfloat16 and p.bias is None for p in projs) \
-                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (in_norm, post_norm)):
+        if not self._native_rows(h, kv) \
+                or (w := block_weights(self, (first, self.out_proj), in_norm, post_norm)) is None:
             return None
-        w = self.__dict__.get("_fused_qw")
-        if w is None:  # (the weights' pointers: rebuilt when the module moves, see _apply)
-            w = self.__dict__["_fused_qw"] = (native.QW * 2)(*(native.QW(*native.qw(p)) for p in projs))
         return native_mamba.mamba_block(self, 8 if first.scheme == "int8" else 4, first.group_size, w,
                                         h.contiguous(), in_norm, post_norm, *step_states(kv))
 

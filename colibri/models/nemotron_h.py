@@ -27,7 +27,7 @@ from torch import nn
 
 from ..kernels import native
 from . import native_mlp
-from .base import BaseArgs, CausalLM, refuse
+from .base import LEGACY_KINDS, BaseArgs, CausalLM, refuse
 from .batch import LayerKV
 from .glm4_moe import GroupLimitedRouter
 from .layers import Attention, AttentionArgs, Linear, RMSNorm
@@ -38,7 +38,6 @@ from .moe import SparseMoE, SwitchGLU, relu2
 FAMILY = "nemotron_h"
 MIXERS, FFNS = ("linear_attention", "full_attention"), ("moe", "mlp")
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-_OLD_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 def layer_kinds(cfg: dict) -> list | object:
@@ -46,7 +45,7 @@ def layer_kinds(cfg: dict) -> list | object:
     kinds = cfg.get("layers_block_type", cfg.get("layer_types"))
     if kinds is None and isinstance(cfg.get("hybrid_override_pattern"), str):
         return [_PATTERN.get(c, c) for c in cfg["hybrid_override_pattern"]]
-    return [_OLD_KINDS.get(k, k) for k in kinds] if isinstance(kinds, list) else kinds
+    return [LEGACY_KINDS.get(k, k) for k in kinds] if isinstance(kinds, list) else kinds
 
 
 @dataclass
