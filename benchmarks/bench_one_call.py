@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid, jamba, nemotron_h) gets a random
+lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -186,6 +186,16 @@ SHAPES["nemotron_h"] = {**{k: v for k, v in BASE.items() if k not in ("intermedi
                         "n_routed_experts": 32, "moe_shared_expert_intermediate_size": 1024, "n_group": 1,
                         "topk_group": 1, "mamba_num_heads": 32, "mamba_head_dim": 64, "n_groups": 8,
                         "ssm_state_size": 128, "chunk_size": 256}
+# LongCat-Flash (layer by layer: two MLA sublayers, dense MLPs of 2048 and a shortcut MoE a layer): 4 layers, so 8
+# attention sublayers as the other shapes; 32 routed experts of 512 and 16 zero-computation ones, top-6 (the release's
+# 512 + 256 top-12, halved twice), V3's MLA widths (llama.cpp: no converter)
+SHAPES["longcat_flash"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items()
+                              if k not in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                                           "norm_topk_prob", "num_hidden_layers", "intermediate_size",
+                                           "moe_intermediate_size", "num_experts_per_tok")},
+                           "num_hidden_layers": 8, "num_layers": 4, "ffn_hidden_size": 2048,
+                           "expert_ffn_hidden_size": 512, "n_routed_experts": 32, "zero_expert_num": 16, "moe_topk": 6,
+                           "routed_scaling_factor": 6.0}
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

@@ -50,6 +50,7 @@ FAMILIES: tuple[str, ...] = (
     "granitemoehybrid",
     "jamba",
     "nemotron_h",
+    "longcat_flash",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -244,6 +245,14 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                        "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 8,
                        "moe_intermediate_size": moe_i, "moe_shared_expert_intermediate_size": 48, "n_group": 2,
                        "topk_group": 1, "routed_scaling_factor": 1.5},
+        # LongCat-Flash: 3 layers of two MLA sublayers (q LoRA) with dense MLPs and a shortcut MoE of 8 routed and 4
+        # zero-computation experts, top-3 by score + selection bias, scaled (transformers counts 2 x 3 layers)
+        "longcat_flash": {"num_hidden_layers": 6, "num_layers": 3, "ffn_hidden_size": 96,
+                          "expert_ffn_hidden_size": moe_i, "n_routed_experts": 8, "zero_expert_num": 4, "moe_topk": 3,
+                          "routed_scaling_factor": 1.5,
+                          "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                          "head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4,
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},

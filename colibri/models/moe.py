@@ -130,13 +130,16 @@ class SwitchGLU(nn.Module):
         T, k = idx.shape
         ys = x.new_empty(T * k, self.hidden)  # one output row per (token, slot)
         if T == 1:
-            slot = {e: j for j, e in enumerate(idx[0].tolist())}
+            slots: dict[int, list[int]] = {}  # expert -> its slots (two where a route repeats one: LongCat's)
+            for j, e in enumerate(idx[0].tolist()):
+                slots.setdefault(e, []).append(j)
             if fetched is None:
-                fetched = self.source.fetch(self.layer, list(slot))  # the cached claimed, the rest being read
+                fetched = self.source.fetch(self.layer, list(slots))  # the cached claimed, the rest being read
                 self._look_ahead(resid)
             for e, w in fetched:
-                j = slot[e]
-                ys[j : j + 1] = w.down(self.act(w.gate_up(x)))
+                y = w.down(self.act(w.gate_up(x)))  # [1, H]
+                for j in slots[e]:
+                    ys[j : j + 1] = y
         else:
             flat = idx.reshape(-1)  # [T*k]
             order = flat.argsort(stable=True)
@@ -203,7 +206,7 @@ class SwitchGLU(nn.Module):
 
 def routed_ids(idx: torch.Tensor) -> list[int]:
     """The experts a step's routes idx [T, k] need, in the order a layer fetches them (one row: its own order)."""
-    return idx[0].tolist() if idx.shape[0] == 1 else torch.unique(idx).tolist()
+    return list(dict.fromkeys(idx[0].tolist())) if idx.shape[0] == 1 else torch.unique(idx).tolist()
 
 
 def _native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:

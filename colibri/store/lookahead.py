@@ -25,18 +25,20 @@ class LookAhead:
 
     def __init__(self, source: Experts, blocks: nn.ModuleList):
         self.source = source
-        # MoE layer L -> (the next MoE layer N, N's norm and router), for every such N with cached experts
-        self.next: dict[int, tuple[int, nn.Module, nn.Module]] = {}
-        routed = [(L, b.post_attention_layernorm, b.mlp.gate) for L, b in enumerate(blocks) if is_routed(b)]
-        for (L, *_), (N, norm, gate) in zip(routed, routed[1:]):
+        # MoE layer L -> (the next MoE layer N, N's norm and router, its routed experts' count), for every such N
+        # with cached experts (a router may name more ids: LongCat's zero-computation experts, nothing to read)
+        self.next: dict[int, tuple[int, nn.Module, nn.Module, int]] = {}
+        routed = [(L, b.post_attention_layernorm, b.mlp.gate, b.mlp.experts.num_experts)
+                  for L, b in enumerate(blocks) if is_routed(b)]
+        for (L, *_), (N, norm, gate, n) in zip(routed, routed[1:]):
             if N in source.cached:
-                self.next[L] = (N, norm, gate)
+                self.next[L] = (N, norm, gate, n)
 
     def __call__(self, layer: int, h: torch.Tensor) -> None:
         nxt = self.next.get(layer)
         if nxt is None:
             return
-        target, norm, gate = nxt
+        target, norm, gate, n = nxt
         idx = gate(norm(h.to(gate.weight.device)))[0]  # [T, k]: the next MoE layer's routes, predicted
         if idx.shape[0] == 1:
             ids, track = idx[0].tolist(), True
@@ -44,7 +46,7 @@ class LookAhead:
             counts = torch.bincount(idx.reshape(-1))
             order = torch.argsort(counts, descending=True, stable=True)
             ids, track = order[: int((counts > 0).sum())].tolist(), False
-        self.source.prefetch(target, ids, track)
+        self.source.prefetch(target, [e for e in ids if e < n], track)
 
 
 def is_routed(block: nn.Module) -> bool:
