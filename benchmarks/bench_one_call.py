@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash) gets a random
+lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -196,6 +196,12 @@ SHAPES["longcat_flash"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items()
                            "num_hidden_layers": 8, "num_layers": 4, "ffn_hidden_size": 2048,
                            "expert_ffn_hidden_size": 512, "n_routed_experts": 32, "zero_expert_num": 16, "moe_topk": 6,
                            "routed_scaling_factor": 6.0}
+# MiniMax-Text-01 / M1 (layer by layer: lightning and softmax attention): seven lightning layers then one full one (the
+# release's ratio), 32 experts top-2 of 512 (Mixtral's router), the release's residual weights (alpha 3.5566, beta 1)
+SHAPES["minimax"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size",)}, "intermediate_size": 512,
+                     "num_local_experts": 32, "num_experts_per_tok": 2, "block_size": 256,
+                     "layer_types": ["linear_attention"] * 7 + ["full_attention"],
+                     **{f"{k}_alpha_factor": 3.5565588200778455 for k in ("full_attn", "linear_attn", "mlp")}}
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

@@ -214,6 +214,8 @@ def make_tokenizer_files(folder: str | Path) -> Path:
 # 1-D tensors that scale rather than shift (Gemma 4's): drawn around 1 as norms are (around 0 they would all but
 # switch their layer off)
 MULTIPLIERS = ("layer_scalar", "per_expert_scale", "router.scale")
+# tables transformers derives from the config and saves (MiniMax's lightning decay): kept as built
+DERIVED = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 
 @torch.no_grad()
@@ -229,7 +231,7 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
     state = model.state_dict()
     for name in sorted(state):
         t = state[name]
-        if not t.is_floating_point():
+        if not t.is_floating_point() or name.endswith(DERIVED):
             continue
         noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
         if t.dim() >= 2:
@@ -432,7 +434,7 @@ def hf_greedy_with_logits(
     ``generate``: it never stops at eos and applies no logits processors.
     """
     x = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
-    cache = DynamicCache(config=model.config)
+    cache = _cache(model)
     out: list[int] = []
     steps: list[torch.Tensor] = []
     pos = 0
@@ -446,6 +448,15 @@ def hf_greedy_with_logits(
         steps.append(last)
         x = torch.tensor([[tok]])
     return out, torch.stack(steps) if steps else torch.empty(0, model.config.vocab_size)
+
+
+def _cache(model: PreTrainedModel):
+    """An empty cache of the kind the model takes (MiniMax's: its own class, for the lightning states)."""
+    if model.config.model_type == "minimax":
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+        return MiniMaxCache()
+    return DynamicCache(config=model.config)
 
 
 def hf_greedy(model: PreTrainedModel, ids: list[int] | torch.Tensor, n: int) -> list[int]:

@@ -16,10 +16,10 @@ from colibri.models.base import SUPPORTED
 P1 = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 P2 = [1, 88, 5, 61, 9, 12]
 N = 8
-# (Qwen3-Next's linear-attention states and the short-convolution and Mamba states cannot keep a prefix:
+# (Qwen3-Next's linear-attention states and the short-convolution, Mamba and lightning states cannot keep a prefix:
 # tests/test_qwen3_next.py and tests/test_state_models.py show caching stays off)
 CACHEABLE = [m for m in SUPPORTED if m not in ("qwen3_next", "qwen3_5_moe_text", "lfm2_moe",
-                                         "granitemoehybrid", "jamba", "nemotron_h")]
+                                         "granitemoehybrid", "jamba", "nemotron_h", "minimax")]
 
 
 def run(llm, prompt: list[int], n: int = N, **kw) -> tuple[list[int], int]:

@@ -51,6 +51,7 @@ FAMILIES: tuple[str, ...] = (
     "jamba",
     "nemotron_h",
     "longcat_flash",
+    "minimax",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -253,6 +254,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                           "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                           "head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4,
                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        # MiniMax-Text-01 / M1: lightning attention, full attention (RoPE over the whole head), lightning; 4 experts
+        # top-2 of 32 (Mixtral's router); prompts in lightning blocks of 8; weighted residuals over the normed stream
+        "minimax": {"num_local_experts": 4, "intermediate_size": moe_i, "head_dim": 16, "block_size": 8,
+                    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                    "full_attn_alpha_factor": 1.5, "linear_attn_alpha_factor": 1.3, "linear_attn_beta_factor": 0.9,
+                    "mlp_alpha_factor": 1.2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},
