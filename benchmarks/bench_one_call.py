@@ -201,7 +201,8 @@ SHAPES["longcat_flash"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items()
 SHAPES["minimax"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size",)}, "intermediate_size": 512,
                      "num_local_experts": 32, "num_experts_per_tok": 2, "block_size": 256,
                      "layer_types": ["linear_attention"] * 7 + ["full_attention"],
-                     **{f"{k}_alpha_factor": 3.5565588200778455 for k in ("full_attn", "linear_attn", "mlp")}}
+                     **{f"{k}_alpha_factor": 3.5565588200778455 for k in ("full_attn", "linear_attn", "mlp")},
+                     **{f"{k}_beta_factor": 1.0 for k in ("full_attn", "linear_attn", "mlp")}}
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

@@ -134,6 +134,29 @@ try:  # (Granite 4.0-H's converter finds attention layers by the releases' "atte
     granite.GraniteHybridModel.get_attn_layers = _attn_layers_v5
 except (ImportError, AttributeError):
     pass
+try:  # (MiniMax-Text-01's converter reads the original checkpoint's config names and its tokenizer's remote code;
+    # transformers' port saves its own names and the lightning layers' decay tables, which llama.cpp recomputes)
+    from conversion import minimax
+    _mm = minimax.MiniMaxText01Model
+    _mm_params, _mm_tensors = _mm.set_gguf_parameters, _mm.modify_tensors
+    def _mm_params_v5(self):
+        h = self.hparams
+        for kind, old in (("full_attn", "full_attention"), ("linear_attn", "linear_attention"), ("mlp", "mlp")):
+            for w in ("alpha", "beta"):
+                h.setdefault(f"layernorm_{old}_{w}", h.get(f"{kind}_{w}_factor", 1.0))
+        h.setdefault("rotary_dim", h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"])
+        return _mm_params(self)
+    def _mm_tensors_v5(self, data, name, bid):
+        if name.endswith(("slope_rate", "query_decay", "key_decay", "diagonal_decay")):
+            return []
+        return _mm_tensors(self, data, name, bid)
+    _mm.set_gguf_parameters, _mm.modify_tensors = _mm_params_v5, _mm_tensors_v5
+    _mm._get_suppress_tokens = lambda self: None
+    base.ModelBase.register("MiniMaxForCausalLM")(_mm)
+    import conversion
+    conversion.TEXT_MODEL_MAP["MiniMaxForCausalLM"] = "minimax"
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -109,18 +109,25 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
-def test_the_moe_block_runs_in_the_kernels(ckpt, monkeypatch) -> None:
-    """bf16 int8 decode rows: each MoE layer in kernels/moe.c's block with alpha x as its residual (every layer of
-    every decode step took it), against the experts in torch ops to bf16 rounding, the same top token each step."""
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_decode_rows_run_in_the_kernels(ckpt, monkeypatch, scheme: str) -> None:
+    """bf16 decode rows: each lightning layer's mixing half in kernels/lightning.c (in_norm to post_norm, the weighted
+    residual between) and each MoE layer in kernels/moe.c's block with alpha x as its residual (the spies count every
+    layer of every decode step; the prompt's rows take the blocked form in torch), against the torch path (lightning in
+    torch ops, the experts in torch ops) to bf16 rounding, with the same top token at every step."""
     from colibri.models import moe
     from colibri.models.batch import StepBatch
+    from colibri.models.lightning import LightningAttention
 
     def logits(llm, native_path: bool) -> torch.Tensor:
         taken: list[bool] = []
+        mixed: list[bool] = []
         with monkeypatch.context() as mp:
             if native_path:
                 mp.setattr(SparseMoE, "fused", _spy(SparseMoE.fused, taken))
+                mp.setattr(LightningAttention, "fused", _spy(LightningAttention.fused, mixed))
             else:
+                mp.setattr(LightningAttention, "fused", lambda *a: None)
                 mp.setattr(moe.native, "MOE_MAX_ROWS", 0)
             cache, rows = llm.slots.caches[0], []
             with torch.inference_mode():
@@ -130,9 +137,10 @@ def test_the_moe_block_runs_in_the_kernels(ckpt, monkeypatch) -> None:
                                           torch.tensor([0])))
         if native_path:
             assert taken == [True] * (3 * (len(PROMPT) - 3))  # (the prompt's 4 rows take it too)
+            assert mixed == [False] * 2 + [True] * (2 * (len(PROMPT) - 4))  # (two lightning layers)
         return torch.cat(rows).float()
 
-    with colibri.load(ckpt.coli("minimax", "int8"), ctx_size=64, threads=2) as llm:
+    with colibri.load(ckpt.coli("minimax", scheme), ctx_size=64, threads=2) as llm:
         got, ref = logits(llm, True), logits(llm, False)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()

@@ -9,7 +9,8 @@ The heads' outputs are RMS-normed together, gated by sigmoid(output_gate x) and 
 
 Prompts run transformers' blocked form (`block_size` positions at a time: the block's own scores under the decay
 mask, plus the decayed state; then one state update), decode rows the recurrence, both in f32 from a state that
-may already hold a prefix (a chunked prompt continues where the last chunk left). A state cannot be rewound, so
+may already hold a prefix (a chunked prompt continues where the last chunk left). bf16 decode rows of native weights
+take the block's whole mixing half in one call (kernels/lightning.c, `fused`). A state cannot be rewound, so
 prompt caching stays off for the model (linear_attn.py's `StateCache`).
 """
 
@@ -21,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import native, native_lightning
 from .batch import LayerKV
 from .layers import Linear, RMSNorm
-from .linear_attn import StateCache
+from .linear_attn import StateCache, block_weights, step_states
 
 NORM_EPS = 1e-6  # (transformers' MiniMaxRMSNorm default: the heads' norm is built without rms_norm_eps)
 
@@ -95,3 +97,29 @@ class LightningAttention(nn.Module):
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
         return StateCache(0, 2, self.a.heads, self.a.head_dim, self.a.head_dim, dtype, device)
+
+    @property
+    def slope_flat(self) -> torch.Tensor:
+        return self.slope.view(-1)  # [H] (the buffer is contiguous)
+
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm: RMSNorm, post_norm: RMSNorm, alpha: float, beta: float
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(alpha x + beta self(x), post_norm of that) with x = in_norm(h), in one native call (kernels/lightning.c)
+        for bf16 CPU decode rows (one a sequence) of native projections; None where it does not apply."""
+        a = self.a
+        if h.dtype != torch.bfloat16 or h.device.type != "cpu" or h.shape[0] > native.MOE_MAX_ROWS \
+                or a.head_dim > native_lightning.MAX_D or any(r1 - r0 != 1 for r0, r1, _, _ in kv.segs) \
+                or not native.available() or self.norm.weight.dtype != torch.float32 \
+                or self.slope.dtype != torch.float32:
+            return None
+        w = block_weights(self, (self.qkv_proj, self.output_gate, self.out_proj), in_norm, post_norm)
+        if w is None:
+            return None
+        _, ssm = step_states(kv)
+        p = self.qkv_proj
+        return native_lightning.lightning_block(self, 8 if p.scheme == "int8" else 4, p.group_size, w,
+                                                h.contiguous(), in_norm, post_norm, alpha, beta, ssm)
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: the block's pointers go
+        self.__dict__.pop("_fused_qw", None)
+        return super()._apply(fn, recurse)

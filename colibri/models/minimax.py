@@ -9,8 +9,9 @@ Each layer keeps the *normed* stream as its residual, weighted (transformers' Mi
 with (alpha_a, beta_a) = `linear_attn_alpha_factor` / `_beta_factor` or `full_attn_...` by the layer's kind, and
 (alpha_m, beta_m) = `mlp_alpha_factor` / `mlp_beta_factor`. The lightning layers' states keep prompt caching off.
 The decay tables transformers saves as buffers (`slope_rate`, `query_decay`, `key_decay`, `diagonal_decay`) are
-dropped at conversion: they follow from the config and are rebuilt. The blocks run layer by layer; the experts take
-kernels/moe.c (the whole MoE block in one call where `mlp_beta_factor` is 1).
+dropped at conversion: they follow from the config and are rebuilt. The blocks run layer by layer: a lightning layer's
+bf16 decode rows in kernels/lightning.c (the input norm to the post norm in one call), the experts in kernels/moe.c
+(the whole MoE block in one call where `mlp_beta_factor` is 1).
 """
 
 from __future__ import annotations
@@ -86,9 +87,15 @@ class Block(nn.Module):
         (self.alpha, self.beta), (self.mlp_alpha, self.mlp_beta) = attn_w, mlp_w
 
     def forward(self, h: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        h = x * self.alpha + self.self_attn(x, kv) * self.beta
-        x = self.post_attention_layernorm(h)
+        fused = getattr(self.self_attn, "fused", None) if isinstance(self.self_attn, LightningAttention) else None
+        out = None if fused is None else fused(h, kv, self.input_layernorm, self.post_attention_layernorm,
+                                               self.alpha, self.beta)
+        if out is not None:  # (the lightning layers' decode rows: kernels/lightning.c)
+            h, x = out
+        else:
+            x = self.input_layernorm(h)
+            h = x * self.alpha + self.self_attn(x, kv) * self.beta
+            x = self.post_attention_layernorm(h)
         if self.mlp_beta == 1.0:  # alpha x + moe(x): the kernels' MoE block with alpha x as its residual
             out = self.mlp.fused(x, x * self.mlp_alpha)
             if out is not None:
