@@ -193,9 +193,12 @@ SHAPES["longcat_flash"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items()
                               if k not in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                                            "norm_topk_prob", "num_hidden_layers", "intermediate_size",
                                            "moe_intermediate_size", "num_experts_per_tok")},
-                           "num_hidden_layers": 8, "num_layers": 4, "ffn_hidden_size": 2048,
-                           "expert_ffn_hidden_size": 512, "n_routed_experts": 32, "zero_expert_num": 16, "moe_topk": 6,
-                           "routed_scaling_factor": 6.0}
+                           "num_hidden_layers": 8, "num_layers": 4, "n_routed_experts": 32, "zero_expert_num": 16,
+                           "routed_scaling_factor": 6.0,
+                           # (each width under both its names: transformers' aliases would take the tiny model's)
+                           **{k: 2048 for k in ("ffn_hidden_size", "intermediate_size")},
+                           **{k: 512 for k in ("expert_ffn_hidden_size", "moe_intermediate_size")},
+                           **{k: 6 for k in ("moe_topk", "num_experts_per_tok")}}
 # MiniMax-Text-01 / M1 (layer by layer: lightning and softmax attention): seven lightning layers then one full one (the
 # release's ratio), 32 experts top-2 of 512 (Mixtral's router), the release's residual weights (alpha 3.5566, beta 1)
 SHAPES["minimax"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size",)}, "intermediate_size": 512,
