@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax) gets a random
+lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -206,6 +206,14 @@ SHAPES["minimax"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermed
                      "layer_types": ["linear_attention"] * 7 + ["full_attention"],
                      **{f"{k}_alpha_factor": 3.5565588200778455 for k in ("full_attn", "linear_attn", "mlp")},
                      **{f"{k}_beta_factor": 1.0 for k in ("full_attn", "linear_attn", "mlp")}}
+# Kimi-Linear (layer by layer: KDA and MLA without RoPE): three KDA layers (16 heads of 128 -- as many as the MLA's,
+# as released and as llama.cpp's loader assumes -- 4 taps) then an MLA one,
+# twice (the release's 3:1); MLA with V3's widths at this size and no q LoRA (as released); layer 0 dense, then 32
+# experts top-4 of 512 beside one shared (one router group)
+SHAPES["kimi_linear"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items() if k != "q_lora_rank"}, "q_lora_rank": None,
+                         "num_local_experts": 32, "linear_num_heads": 16, "linear_head_dim": 128,
+                         "linear_conv_kernel_dim": 4,
+                         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2}
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

@@ -157,6 +157,31 @@ try:  # (MiniMax-Text-01's converter reads the original checkpoint's config name
     conversion.TEXT_MODEL_MAP["MiniMaxForCausalLM"] = "minimax"
 except (ImportError, AttributeError):
     pass
+try:  # (Kimi-Linear's converter reads the released `linear_attn_config` and the config's own names; transformers
+    # saves its flat fields)
+    from conversion import kimi_linear
+    _kl_params = kimi_linear.KimiLinearModel.set_gguf_parameters
+    def _kl_params_v5(self):
+        h = self.hparams
+        if "linear_attn_config" not in h and h.get("layer_types"):
+            kinds = h["layer_types"]
+            h["linear_attn_config"] = {
+                "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "linear_attention"],
+                "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "full_attention"],
+                "head_dim": h.get("linear_head_dim", 128), "num_heads": h.get("linear_num_heads", 32),
+                "short_conv_kernel_size": h.get("linear_conv_kernel_dim", 4)}
+        h.setdefault("first_k_dense_replace", (h.get("mlp_layer_types") or ["dense"]).count("dense"))
+        h.setdefault("moe_router_activation_func", "sigmoid")  # (as released; transformers' router is sigmoid)
+        return _kl_params(self)
+    kimi_linear.KimiLinearModel.set_gguf_parameters = _kl_params_v5
+    _kl_tensors = kimi_linear.KimiLinearModel.modify_tensors
+    def _kl_tensors_v5(self, data, name, bid):  # (the dense layers' MLP under the released `mlp.`)
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            name = name.replace(f".block_sparse_moe.{part}.", f".mlp.{part}.")
+        return _kl_tensors(self, data, name, bid)
+    kimi_linear.KimiLinearModel.modify_tensors = _kl_tensors_v5
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -126,7 +126,8 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     else:
         assert not any("gate_up_proj" in k or k.endswith("experts.up_proj") for k in legacy)
         per_expert = (
-            ".block_sparse_moe.experts.0.w1.weight" if model_type in ("mixtral", "minimax_m2", "phimoe", "minimax")
+            ".block_sparse_moe.experts.0.w1.weight" if model_type in ("mixtral", "minimax_m2", "phimoe", "minimax",
+                                                                      "kimi_linear")
             else ".feed_forward.experts.0.w1.weight" if model_type == "lfm2_moe"
             else ".feed_forward.experts.0.gate_proj.weight" if model_type == "jamba"
             else ".mixer.experts.0.up_proj.weight" if model_type == "nemotron_h"

@@ -1,8 +1,8 @@
 """The families whose layers keep a per-sequence state instead of K/V positions (LFM2's short convolutions, the
-Mamba-2 layers of Granite 4.0-H and Nemotron-H, Jamba's Mamba, MiniMax's lightning attention): a prompt read in chunks
-and a batch of three continue each sequence's states and give transformers' greedy tokens; prompt caching stays off
-and prompt cache files are refused (a state cannot be rewound: engine/kv.py `SlotPool.rewindable`). (Qwen3-Next's in
-tests/test_qwen3_next.py.)"""
+Mamba-2 layers of Granite 4.0-H and Nemotron-H, Jamba's Mamba, MiniMax's lightning attention, Kimi-Linear's KDA): a
+prompt read in chunks and a batch of three continue each sequence's states and give transformers' greedy tokens;
+prompt caching stays off and prompt cache files are refused (a state cannot be rewound: engine/kv.py
+`SlotPool.rewindable`). (Qwen3-Next's in tests/test_qwen3_next.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import colibri
 from colibri.errors import ColibriError
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
-FAMILIES = ["lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h", "minimax"]
+FAMILIES = ["lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h", "minimax", "kimi_linear"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

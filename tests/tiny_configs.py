@@ -52,6 +52,7 @@ FAMILIES: tuple[str, ...] = (
     "nemotron_h",
     "longcat_flash",
     "minimax",
+    "kimi_linear",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -260,6 +261,12 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                     "layer_types": ["linear_attention", "full_attention", "linear_attention"],
                     "full_attn_alpha_factor": 1.5, "linear_attn_alpha_factor": 1.3, "linear_attn_beta_factor": 0.9,
                     "mlp_alpha_factor": 1.2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        # Kimi-Linear: KDA, MLA without RoPE (q LoRA), KDA, KDA; layer 0 dense, then DeepSeek-V3's MoE (8 experts top-2
+        # in 2 groups, 1 kept, a shared expert); KDA of 2 heads of 16 with a 4-tap convolution
+        "kimi_linear": {**mla, "num_hidden_layers": 4, "num_local_experts": 8, "n_group": 2, "topk_group": 1,
+                        "routed_scaling_factor": 1.5, "linear_head_dim": 16, "linear_num_heads": 2,
+                        "linear_conv_kernel_dim": 4,
+                        "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},
