@@ -159,29 +159,41 @@ def test_the_mla_layer_runs_unrotated_in_the_native_block(ckpt, monkeypatch) -> 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_kda_decode_rows_in_the_kernel_agree_with_the_torch_path(ckpt, monkeypatch, scheme: str) -> None:
-    """bf16 rows: each KDA layer from its projections to o_proj's input in kernels/kda.c (the spy counts three layers a
-    step, a prompt's rows a position at a time), against the torch path to bf16 rounding, the states kept alike."""
+def test_kda_rows_in_the_kernel_agree_with_the_torch_path(ckpt, monkeypatch, scheme: str) -> None:
+    """bf16 rows, three ways: each KDA layer's decode rows as the whole block in one call (coli_kda_block: in_norm to
+    post_norm), from its projections to o_proj's input (coli_kda_rows: the same bits), and in torch; a prompt's rows a
+    position at a time in coli_kda_rows. The kernels agree with torch to bf16 rounding (logits, states) and pick the
+    same token wherever rounding cannot flip it; every KDA layer of every step took the call asked for."""
     from colibri.kernels import native_kda
     from colibri.models import kda
     from colibri.models.batch import StepBatch
 
-    def run(llm, native_path: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        taken: list[bool] = []
+    def run(llm, mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        rows_taken: list[bool] = []
+        block_taken: list[bool] = []
         with monkeypatch.context() as mp:
-            mp.setattr(kda, "NATIVE", native_path)
-            mp.setattr(kda.native_kda, "kda_rows", _spy(native_kda.kda_rows, taken))
+            mp.setattr(kda, "NATIVE", mode != "torch")
+            mp.setattr(kda, "FUSED", mode == "block")
+            mp.setattr(kda.native_kda, "kda_rows", _spy(native_kda.kda_rows, rows_taken))
+            mp.setattr(kda.KimiDeltaAttention, "fused", _spy(kda.KimiDeltaAttention.fused, block_taken))
             cache, rows = llm.slots.caches[0], []
             with torch.inference_mode():
                 rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
                 for pos in range(4, len(PROMPT)):
                     rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
                                           torch.tensor([0])))
-        assert len(taken) == (3 * len(PROMPT) if native_path else 0)  # (the prompt's rows one position a call)
+        steps = len(PROMPT) - 4
+        if mode == "rows":
+            assert len(rows_taken) == 3 * len(PROMPT)  # (the prompt's rows one position a call, then decode rows)
+        elif mode == "block":  # (the prompt's rows decline the block and take the rows kernel a position a call)
+            assert block_taken == [False] * 3 + [True] * 3 * steps and len(rows_taken) == 3 * 4
         return torch.cat(rows).float(), [c.ssm.clone() for c in cache if hasattr(c, "ssm")]
 
-    with colibri.load(ckpt.coli("kimi_linear", scheme), ctx_size=64, threads=2) as llm:
-        (got, s_got), (ref, s_ref) = run(llm, True), run(llm, False)
+    over = {"linear_head_dim": 32} if scheme == "int4" else {}  # (int4: the gates' low-rank inputs 32 wide)
+    with colibri.load(ckpt.coli("kimi_linear", scheme, **over), ctx_size=64, threads=2) as llm:
+        (got, s_got), (ref, s_ref) = run(llm, "rows"), run(llm, "torch")
+        block, s_block = run(llm, "block")
+    assert torch.equal(block, got) and all(torch.equal(a, b) for a, b in zip(s_block, s_got))
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
     sure = top2_margins(ref) > 2 * (got - ref).abs().max(-1).values
     assert sure.sum() >= len(PROMPT) // 2 and torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])

@@ -103,3 +103,45 @@ int coli_kda_rows(int T, int H, int D, int K, const void *qkv, const void *f, co
     coli_parallel(head_part, &j, n_threads_for((long)T * H * D * D * 12));
     return 0;
 }
+
+/* h bf16 [T, hidden] (one decode row per sequence) -> h_out = h + o_proj(kda rows(projections of x)) with x =
+ * in_norm(h), and x_out = post_norm(h_out), both bf16 [T, hidden]. w: q, k, v, b, f_a, g_a (from x), f_b (from
+ * f_a's output), g_b (from g_a's), o_proj (scheme 8 or 4, group g). The calls the layer-by-layer native path makes,
+ * in its order: the same bits. */
+int coli_kda_block(int T, int hidden, int H, int D, int K, int scheme, int g, const coli_qw *w, const void *h,
+                   const float *in_w, float in_eps, const float *post_w, float post_eps, void *const *conv,
+                   float *const *ssm, const float *conv_w, const float *dt_bias, const float *A_log,
+                   const float *norm_w, float eps, void *h_out, void *x_out) {
+    if (T < 1 || T > MAX_T || H < 1 || D < 1 || D > KDA_MAX_D) return -1;
+    long HD = (long)H * D;
+    size_t n = (size_t)T * (hidden + 3 * HD + H + 2 * D + 2 * HD + HD + hidden);
+    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * n);
+    if (!buf) return -2;
+    uint16_t *xn = buf, *qkv = xn + (long)T * hidden, *b = qkv + (long)T * 3 * HD, *fa = b + (long)T * H;
+    uint16_t *ga = fa + (long)T * D, *f = ga + (long)T * D, *gate = f + (long)T * HD, *o = gate + (long)T * HD;
+    uint16_t *y = o + (long)T * HD;
+    coli_rmsnorm(h, 1, T, hidden, in_w, in_eps, xn);
+    /* q, k, v into one [T, 3HD] buffer: three outputs of HD rows each, row-strided by the kernels' y layout */
+    uint16_t *q = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * 3 * HD);
+    if (!q) { free(buf); return -2; }
+    int ns1[4] = {(int)HD, (int)HD, (int)HD, H}, ns2[2] = {D, D}, nhd = (int)HD, rc;
+    void *o1[4] = {q, q + (long)T * HD, q + 2L * T * HD, b}, *o2[2] = {fa, ga}, *of = f, *og = gate, *oy = y;
+    rc = coli_multi_gemm(xn, 1, T, hidden, scheme, g, 4, w, ns1, o1);
+    if (!rc) rc = coli_multi_gemm(xn, 1, T, hidden, scheme, g, 2, w + 4, ns2, o2);
+    if (!rc) rc = coli_multi_gemm(fa, 1, T, D, scheme, g, 1, w + 6, &nhd, &of);
+    if (!rc) rc = coli_multi_gemm(ga, 1, T, D, scheme, g, 1, w + 7, &nhd, &og);
+    if (!rc) {
+        for (int t = 0; t < T; t++)  /* [q; k; v] per row, as torch.cat(..., -1) lays them */
+            for (int c3 = 0; c3 < 3; c3++)
+                memcpy(qkv + (long)t * 3 * HD + c3 * HD, q + (long)c3 * T * HD + (long)t * HD, sizeof(uint16_t) * HD);
+        rc = coli_kda_rows(T, H, D, K, qkv, f, b, gate, conv, ssm, conv_w, dt_bias, A_log, norm_w, eps, o);
+    }
+    if (!rc) rc = coli_multi_gemm(o, 1, T, (int)HD, scheme, g, 1, w + 8, &hidden, &oy);
+    if (!rc) {
+        add_bf16((const uint16_t *)h, y, (long)T * hidden, (uint16_t *)h_out);
+        coli_rmsnorm(h_out, 1, T, hidden, post_w, post_eps, x_out);
+    }
+    free(q);
+    free(buf);
+    return rc;
+}

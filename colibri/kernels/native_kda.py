@@ -19,6 +19,8 @@ def _lib() -> ctypes.CDLL:
         i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         lib.coli_kda_rows.argtypes = [i, i, i, i, p, p, p, p, p, p, p, p, p, p, f, p]
         lib.coli_kda_rows.restype = i
+        lib.coli_kda_block.argtypes = [i, i, i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p, p, f, p, p]
+        lib.coli_kda_block.restype = i
         _declared = True
     return lib
 
@@ -41,3 +43,19 @@ def kda_rows(m, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch
     if rc != 0:
         raise RuntimeError(f"coli_kda_rows failed ({rc})")
     return out
+
+
+def kda_block(m, scheme: int, group: int, w: ctypes.Array, h: torch.Tensor, in_norm, post_norm, conv: list[int],
+              ssm: list[int], conv_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """coli_kda_block: h bf16 [T, hidden] contiguous, one decode row per sequence; w: QW [9] (q, k, v, b, f_a, g_a,
+    f_b, g_b, o_proj) -> (h + the layer's output, the post-attention norm of that), bf16 [T, hidden]."""
+    a = m.a
+    T, hidden = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    rc = _lib().coli_kda_block(T, hidden, a.heads, a.head_dim, a.conv_kernel, scheme, group, w, h.data_ptr(),
+                               in_norm.weight.data_ptr(), in_norm.eps, post_norm.weight.data_ptr(), post_norm.eps,
+                               _ptrs(conv), _ptrs(ssm), conv_w.data_ptr(), m.dt_bias.data_ptr(), m.A_log.data_ptr(),
+                               m.o_norm.weight.data_ptr(), m.o_norm.eps, h_out.data_ptr(), x_out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"coli_kda_block failed ({rc})")
+    return h_out, x_out

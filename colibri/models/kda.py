@@ -9,8 +9,9 @@ heads' outputs are RMS-normed per head, times their weight, times sigmoid(g_b_pr
 
 The state (conv inputs and S [H, D, D] in f32) stands in for a KV cache, so prompt caching stays off. Every
 position takes the recurrence in f32 (prompts too: transformers' chunked form is the same sums in another order); a
-decay per channel has no cheap chunked form that stays stable without FLA's sub-chunks. bf16 decode rows of native
-weights take everything between the projections and o_proj in one call (kernels/kda.c).
+decay per channel has no cheap chunked form that stays stable without FLA's sub-chunks. bf16 rows of native weights
+take everything between the projections and o_proj in kernels/kda.c (decode rows in one call, a prompt's rows a
+position a call), and decode rows the whole block from the input norm to the post norm (`fused`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from torch import nn
 from ..kernels import native, native_kda
 from .batch import LayerKV
 from .layers import Linear
-from .linear_attn import Conv1d, StateCache, step_states
+from .linear_attn import Conv1d, StateCache, block_weights, step_states
 
 NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
+FUSED = True  # False: the native decode rows layer by layer, not the whole block in one call (tests)
 
 
 @dataclass
@@ -119,6 +121,22 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, a.heads, a.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(T, -1))
 
+    def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/kda.c coli_kda_block) for bf16 decode
+        rows of native weights, with the bits of the layer-by-layer native path; else None."""
+        a, T = self.a, h.shape[0]
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_a_proj, self.f_b_proj,
+                 self.g_b_proj, self.o_proj)
+        if not FUSED or T > native.MOE_MAX_ROWS or not self._native_rows(h, kv) \
+                or any(r1 - r0 != 1 for r0, r1, _, _ in kv.segs) \
+                or (w := block_weights(self, projs, in_norm, post_norm)) is None:
+            return None
+        conv, ssm = step_states(kv)
+        first = projs[0]
+        return native_kda.kda_block(self, 8 if first.scheme == "int8" else 4, first.group_size, w, h.contiguous(),
+                                    in_norm, post_norm, conv, ssm,
+                                    self._conv_weight().view(3 * a.heads * a.head_dim, -1))
+
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
         """Whether kernels/kda.c takes this step: bf16 CPU rows, bf16 conv states, f32 parameters (the f32 oracle path
         stays in torch)."""
@@ -136,8 +154,9 @@ class KimiDeltaAttention(nn.Module):
                                                       self.v_conv1d.weight))  # [3 H D, 1, K]
         return w
 
-    def _apply(self, fn, recurse: bool = True):  # moved weights: the concatenated conv goes
+    def _apply(self, fn, recurse: bool = True):  # moved weights: the concatenated conv and the block's pointers go
         self.__dict__.pop("_conv_w", None)
+        self.__dict__.pop("_fused_qw", None)
         return super()._apply(fn, recurse)
 
     def _sequence(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: StateCache) -> torch.Tensor:
