@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
-from test_native_step import _spy
+from test_native_step import _spy, prompt_then_decode
 
 import colibri
 from colibri.errors import ColibriError
@@ -118,7 +118,6 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
     block declines, the rows' call runs)."""
     from colibri.kernels import native_mamba
     from colibri.models import mamba2
-    from colibri.models.batch import StepBatch
     from colibri.models.mamba2 import Mamba2Mixer
 
     def logits(llm, mode: str) -> torch.Tensor:
@@ -131,12 +130,7 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
                 mp.setattr(Mamba2Mixer, "_native_rows", lambda self, *a: False)
             else:
                 mp.setattr(Mamba2Mixer, "fused", _spy(Mamba2Mixer.fused, taken))
-            cache, rows = llm.slots.caches[0], []
-            with torch.inference_mode():
-                rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
-                for pos in range(4, len(PROMPT)):
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
-                                          torch.tensor([0])))
+            logits = prompt_then_decode(llm, PROMPT)
         n = sum(isinstance(b.self_attn, Mamba2Mixer) for b in llm.model.model.layers)
         # (the prompt's rows take torch; every later step's Mamba layers the block, unless biases stop it, or the
         # rows' call)
@@ -144,7 +138,7 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
         assert mode != "block" or (len(taken) == n * (steps + 1) and not any(taken[:n])
                                    and all(taken[n:]) != bool(over.get("mamba_proj_bias")))
         assert mode != "rows" or len(taken) == n * steps
-        return torch.cat(rows).float()
+        return logits
 
     with colibri.load(ckpt.coli("granitemoehybrid", scheme, **over), ctx_size=64, threads=2) as llm:
         rows, ref = logits(llm, "rows"), logits(llm, "torch")

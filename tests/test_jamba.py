@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
-from test_native_step import _spy
+from test_native_step import _spy, prompt_then_decode
 
 import colibri
 from colibri.errors import ColibriError
@@ -83,7 +83,6 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
     rounding and picks the same tokens, and every Mamba layer of every decode step took the call asked for."""
     from colibri.kernels import native_mamba
     from colibri.models import mamba1
-    from colibri.models.batch import StepBatch
 
     def logits(llm, mode: str) -> torch.Tensor:
         taken: list[bool] = []
@@ -97,18 +96,13 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
                 mp.setattr(mamba1.native_mamba, "mamba1_rows", _spy(native_mamba.mamba1_rows, taken))
             else:
                 mp.setattr(mamba1.Mamba1Mixer, "fused", _spy(mamba1.Mamba1Mixer.fused, taken))
-            cache, rows = llm.slots.caches[0], []
-            with torch.inference_mode():
-                rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
-                for pos in range(4, len(PROMPT)):
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
-                                          torch.tensor([0])))
+            logits = prompt_then_decode(llm, PROMPT)
         n, steps = sum(isinstance(b.self_attn, mamba1.Mamba1Mixer) for b in llm.model.model.layers), len(PROMPT) - 4
         if mode in ("calls", "rows"):
             assert len(taken) == n * steps
         elif mode == "block":  # (the prompt's rows take torch: the spy sees its layers decline)
             assert taken == [False] * n + [True] * n * steps
-        return torch.cat(rows).float()
+        return logits
 
     with colibri.load(ckpt.coli("jamba", scheme, **over), ctx_size=64, threads=2) as llm:
         ref, rows = logits(llm, "torch"), logits(llm, "rows")

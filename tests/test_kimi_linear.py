@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import edited_copy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs, top2_margins
-from test_native_step import _spy
+from test_native_step import _spy, prompt_then_decode
 
 import colibri
 from colibri.errors import ColibriError
@@ -131,21 +131,16 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 def test_the_mla_layer_runs_unrotated_in_the_native_block(ckpt, monkeypatch) -> None:
     """bf16 int8 decode rows: the MLA layer in kernels/mla.c's block with cos 1 / sin 0 tables (the spy counts it at
     every step), against the layer in torch to bf16 rounding, the same top token wherever rounding cannot flip it."""
-    from colibri.models.batch import StepBatch
 
     def logits(llm, native_path: bool) -> torch.Tensor:
         taken: list[bool] = []
         with monkeypatch.context() as mp:
             mp.setattr(kimi_linear.NoPEMLAttention, "fused",
                        _spy(MLAttention.fused, taken) if native_path else (lambda *a: None))
-            cache, rows = llm.slots.caches[0], []
-            with torch.inference_mode():
-                for pos in range(len(PROMPT)):
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
-                                          torch.tensor([0])))
+            out = prompt_then_decode(llm, PROMPT, first=1)  # (every position a one-row step)
         if native_path:
             assert taken == [True] * len(PROMPT)
-        return torch.cat(rows).float()
+        return out
 
     with colibri.load(ckpt.coli("kimi_linear", "int8"), ctx_size=64, threads=2) as llm:
         got, ref = logits(llm, True), logits(llm, False)
@@ -166,7 +161,6 @@ def test_kda_rows_in_the_kernel_agree_with_the_torch_path(ckpt, monkeypatch, sch
     same token wherever rounding cannot flip it; every KDA layer of every step took the call asked for."""
     from colibri.kernels import native_kda
     from colibri.models import kda
-    from colibri.models.batch import StepBatch
 
     def run(llm, mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         rows_taken: list[bool] = []
@@ -176,18 +170,13 @@ def test_kda_rows_in_the_kernel_agree_with_the_torch_path(ckpt, monkeypatch, sch
             mp.setattr(kda, "FUSED", mode == "block")
             mp.setattr(kda.native_kda, "kda_rows", _spy(native_kda.kda_rows, rows_taken))
             mp.setattr(kda.KimiDeltaAttention, "fused", _spy(kda.KimiDeltaAttention.fused, block_taken))
-            cache, rows = llm.slots.caches[0], []
-            with torch.inference_mode():
-                rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
-                for pos in range(4, len(PROMPT)):
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
-                                          torch.tensor([0])))
+            logits = prompt_then_decode(llm, PROMPT)
         steps = len(PROMPT) - 4
         if mode == "rows":
             assert len(rows_taken) == 3 * len(PROMPT)  # (the prompt's rows one position a call, then decode rows)
         elif mode == "block":  # (the prompt's rows decline the block and take the rows kernel a position a call)
             assert block_taken == [False] * 3 + [True] * 3 * steps and len(rows_taken) == 3 * 4
-        return torch.cat(rows).float(), [c.ssm.clone() for c in cache if hasattr(c, "ssm")]
+        return logits, [c.ssm.clone() for c in llm.slots.caches[0] if hasattr(c, "ssm")]
 
     over = {"linear_head_dim": 32} if scheme == "int4" else {}  # (int4: the gates' low-rank inputs 32 wide)
     with colibri.load(ckpt.coli("kimi_linear", scheme, **over), ctx_size=64, threads=2) as llm:

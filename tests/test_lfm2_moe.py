@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
-from test_native_step import _spy
+from test_native_step import _spy, prompt_then_decode
 
 import colibri
 from colibri.errors import ColibriError
@@ -67,7 +67,6 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 def test_decode_rows_in_the_kernels_give_the_torch_bits(ckpt, monkeypatch, scheme: str, over: dict) -> None:
     """kernels/conv.c, as the whole conv block (coli_conv_block) or the gating and convolution alone
     (coli_conv_rows), gives the bits of ShortConv's torch form, step after step; every conv layer took the block."""
-    from colibri.models.batch import StepBatch
     from colibri.models.lfm2_moe import ShortConv
 
     def logits(llm, mode: str) -> torch.Tensor:
@@ -79,16 +78,11 @@ def test_decode_rows_in_the_kernels_give_the_torch_bits(ckpt, monkeypatch, schem
                 mp.setattr(ShortConv, "_native_rows", lambda self, *a: False)
             else:
                 mp.setattr(ShortConv, "fused", _spy(ShortConv.fused, taken))
-            cache, rows = llm.slots.caches[0], []
-            with torch.inference_mode():
-                rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
-                for pos in range(4, len(PROMPT)):  # (a prompt's first chunk is torch's conv1d on every path)
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
-                                          torch.tensor([0])))
+            logits = prompt_then_decode(llm, PROMPT)
         n_conv = sum(isinstance(b.self_attn, ShortConv) for b in llm.model.model.layers)
         # (the chunk's rows are not decode rows: its conv layers take torch, every later step's the block)
         assert mode != "block" or (len(taken) > n_conv and not any(taken[:n_conv]) and all(taken[n_conv:]))
-        return torch.cat(rows)
+        return logits
 
     with colibri.load(ckpt.coli("lfm2_moe", scheme, **over), ctx_size=64, threads=2) as llm:
         rows = logits(llm, "rows")  # (biased projections: the block declines, the rows' call takes the convolution)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
-from test_native_step import _spy
+from test_native_step import _spy, prompt_then_decode
 
 import colibri
 from colibri.container import Container
@@ -171,7 +171,6 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
     dense MLPs and the experts in the kernels; against the same model in torch (MLA unfused, experts and MLPs in torch
     ops) to bf16 rounding, with the same top token at every step."""
     from colibri.models import moe, native_mlp
-    from colibri.models.batch import StepBatch
 
     def logits(llm, native_path: bool) -> torch.Tensor:
         taken: list[bool] = []
@@ -182,15 +181,10 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
                 mp.setattr(MLAttention, "fused", lambda *a: None)
                 mp.setattr(native_mlp, "run", lambda *a, **k: None)
                 mp.setattr(moe.native, "MOE_MAX_ROWS", 0)
-            cache, rows = llm.slots.caches[0], []
-            with torch.inference_mode():
-                rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
-                for pos in range(4, len(PROMPT)):
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
-                                          torch.tensor([0])))
+            logits = prompt_then_decode(llm, PROMPT)
         if native_path:
             assert taken == [True] * (2 * 3 * (len(PROMPT) - 3))  # (the prompt's 4 rows take it too)
-        return torch.cat(rows).float()
+        return logits
 
     with colibri.load(ckpt.coli("longcat_flash", scheme, **over), ctx_size=64, threads=2) as llm:
         got, ref = logits(llm, True), logits(llm, False)

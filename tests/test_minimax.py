@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
-from test_native_step import _spy
+from test_native_step import _spy, prompt_then_decode
 
 import colibri
 from colibri.container import Container
@@ -116,7 +116,6 @@ def test_decode_rows_run_in_the_kernels(ckpt, monkeypatch, scheme: str) -> None:
     layer of every decode step; the prompt's rows take the blocked form in torch), against the torch path (lightning in
     torch ops, the experts in torch ops) to bf16 rounding, with the same top token at every step."""
     from colibri.models import moe
-    from colibri.models.batch import StepBatch
     from colibri.models.lightning import LightningAttention
 
     def logits(llm, native_path: bool) -> torch.Tensor:
@@ -129,16 +128,11 @@ def test_decode_rows_run_in_the_kernels(ckpt, monkeypatch, scheme: str) -> None:
             else:
                 mp.setattr(LightningAttention, "fused", lambda *a: None)
                 mp.setattr(moe.native, "MOE_MAX_ROWS", 0)
-            cache, rows = llm.slots.caches[0], []
-            with torch.inference_mode():
-                rows.append(llm.model(torch.tensor(PROMPT[:4]), StepBatch.single(cache, 0, 4), torch.tensor([3])))
-                for pos in range(4, len(PROMPT)):
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
-                                          torch.tensor([0])))
+            logits = prompt_then_decode(llm, PROMPT)
         if native_path:
             assert taken == [True] * (3 * (len(PROMPT) - 3))  # (the prompt's 4 rows take it too)
             assert mixed == [False] * 2 + [True] * (2 * (len(PROMPT) - 4))  # (two lightning layers)
-        return torch.cat(rows).float()
+        return logits
 
     with colibri.load(ckpt.coli("minimax", scheme), ctx_size=64, threads=2) as llm:
         got, ref = logits(llm, True), logits(llm, False)

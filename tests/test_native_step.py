@@ -50,6 +50,20 @@ def _spy(real, seen: list[bool]):
     return spy
 
 
+def prompt_then_decode(llm, prompt: list[int], first: int = 4) -> torch.Tensor:
+    """Logits f32 [1 + len(prompt) - first, V] on slot 0: the last of the prompt's first `first` rows (one step),
+    then each later token as a decode step (what the kernel tests compare path against path)."""
+    from colibri.models.batch import StepBatch
+
+    cache, rows = llm.slots.caches[0], []
+    with torch.inference_mode():
+        rows.append(llm.model(torch.tensor(prompt[:first]), StepBatch.single(cache, 0, first),
+                              torch.tensor([first - 1])))
+        for pos in range(first, len(prompt)):  # (a prompt's first rows take torch on every path where it differs)
+            rows.append(llm.model(torch.tensor([prompt[pos]]), StepBatch.single(cache, pos, 1), torch.tensor([0])))
+    return torch.cat(rows).float()
+
+
 @pytest.mark.parametrize("model_type,overrides", [
     ("olmoe", {"clip_qkv": 0.5}), ("qwen3_moe", {}), ("mixtral", {"sliding_window": 5}), ("minimax_m2", {}),
     # q/k/v biases, a gated shared expert, a dense layer (int4 needs a shared width of 32s)
