@@ -6,22 +6,10 @@ import ctypes
 
 import torch
 
-from . import native
+from .declare import declared
 
-_declared = False
-
-
-def _lib() -> ctypes.CDLL:
-    global _declared
-    lib = native.lib()
-    if not _declared:
-        i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        lib.coli_conv_rows.argtypes = [i, i, i, p, p, p, p, p]
-        lib.coli_conv_rows.restype = i
-        lib.coli_conv_block.argtypes = [i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p]
-        lib.coli_conv_block.restype = i
-        _declared = True
-    return lib
+_lib = declared({"coli_conv_rows": "iiippppp",
+                 "coli_conv_block": "iiiiipppfpfppppp"})
 
 
 def _states(ptrs: list[int]) -> ctypes.Array:

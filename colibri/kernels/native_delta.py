@@ -6,24 +6,12 @@ import ctypes
 
 import torch
 
-from . import native
+from .declare import declared
 
-_declared = False
 MAX_DIM = 1024  # head widths delta.c keeps on its stack
 
-
-def _lib() -> ctypes.CDLL:
-    global _declared
-    lib = native.lib()
-    if not _declared:
-        i, p = ctypes.c_int, ctypes.c_void_p
-        lib.coli_delta_rows.argtypes = [i, i, i, i, i, i, p, p, p, p, p, p, p, p, ctypes.c_float, p]
-        lib.coli_delta_rows.restype = i
-        f = ctypes.c_float
-        lib.coli_delta_block.argtypes = [i, i, i, i, i, i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p, p, f, p, p]
-        lib.coli_delta_block.restype = i
-        _declared = True
-    return lib
+_lib = declared({"coli_delta_rows": "iiiiiippppppppfp",
+                 "coli_delta_block": "iiiiiiiiiipppfpfppppppfpp"})
 
 
 def delta_rows(shape: tuple[int, int, int, int, int], parts: tuple[torch.Tensor, ...], conv: list[int],

@@ -6,23 +6,12 @@ import ctypes
 
 import torch
 
-from . import native
+from .declare import declared
 
 MAX_D = 256  # head width kda.c keeps on its stack (KDA_MAX_D)
-_declared = False
 
-
-def _lib() -> ctypes.CDLL:
-    global _declared
-    lib = native.lib()
-    if not _declared:
-        i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        lib.coli_kda_rows.argtypes = [i, i, i, i, p, p, p, p, p, p, p, p, p, p, f, p]
-        lib.coli_kda_rows.restype = i
-        lib.coli_kda_block.argtypes = [i, i, i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p, p, f, p, p]
-        lib.coli_kda_block.restype = i
-        _declared = True
-    return lib
+_lib = declared({"coli_kda_rows": "iiiippppppppppfp",
+                 "coli_kda_block": "iiiiiiipppfpfppppppfpp"})
 
 
 def _ptrs(xs: list[int]) -> ctypes.Array:

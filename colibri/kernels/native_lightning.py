@@ -7,21 +7,11 @@ import ctypes
 
 import torch
 
-from . import native
+from .declare import declared
 
 MAX_D = 512  # head width lightning.c keeps on its stack (LA_MAX_D)
-_declared = False
 
-
-def _lib() -> ctypes.CDLL:
-    global _declared
-    lib = native.lib()
-    if not _declared:
-        i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        lib.coli_lightning_block.argtypes = [i, i, i, i, i, i, p, p, p, f, p, f, f, f, p, p, p, f, p, p]
-        lib.coli_lightning_block.restype = i
-        _declared = True
-    return lib
+_lib = declared({"coli_lightning_block": "iiiiiipppfpfffpppfpp"})
 
 
 def lightning_block(m, scheme: int, group: int, w: ctypes.Array, h: torch.Tensor, in_norm, post_norm, alpha: float,

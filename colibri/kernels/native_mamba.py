@@ -8,31 +8,16 @@ import ctypes
 import torch
 
 from . import native
+from .declare import declared
 
-_declared = False
 MAX_STATE = 1024  # states a group mamba.c keeps on its stack
 
-
-def _lib() -> ctypes.CDLL:
-    global _declared
-    lib = native.lib()
-    if not _declared:
-        i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        lib.coli_mamba_rows.argtypes = [i, i, i, i, i, i, p, p, p, p, p, p, p, p, p, f, p]
-        lib.coli_mamba_rows.restype = i
-        lib.coli_mamba_block.argtypes = [i, i, i, i, i, i, i, i, i, p, p, p, f, p, f, p, p, p, p, p, p, p, p, f, p, p]
-        lib.coli_mamba_block.restype = i
-        lib.coli_mamba1_conv.argtypes = [i, i, i, p, p, p, p, p]
-        lib.coli_mamba1_conv.restype = i
-        lib.coli_mamba1_scan.argtypes = [i, i, i, p, p, ctypes.c_long, p, ctypes.c_long, p, p, p, p, p, p]
-        lib.coli_mamba1_scan.restype = i
-        lib.coli_mamba1_rows.argtypes = [i, i, i, i, i, p, p, p, p, p, p, p, p, p, p, p, f, p, p, p, p]
-        lib.coli_mamba1_rows.restype = i
-        lib.coli_mamba1_block.argtypes = [i, i, i, i, i, i, p, p, p, p, p, f, p, f, p, p, p, p, p, p, p, f, p, p, p,
-                                          p, p]
-        lib.coli_mamba1_block.restype = i
-        _declared = True
-    return lib
+_lib = declared({"coli_mamba_rows": "iiiiiipppppppppfp",
+                 "coli_mamba_block": "iiiiiiiiipppfpfppppppppfpp",
+                 "coli_mamba1_conv": "iiippppp",
+                 "coli_mamba1_scan": "iiipplplpppppp",
+                 "coli_mamba1_rows": "iiiiipppppppppppfpppp",
+                 "coli_mamba1_block": "iiiiiipppppfpfpppppppfppppp"})
 
 
 def _params(m) -> tuple:
