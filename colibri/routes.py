@@ -26,11 +26,19 @@ from .errors import ColibriError
 from .trace import RouteTrace, read_trace
 
 
+def choices(tr: RouteTrace, layer: int, E: int = 0) -> np.ndarray:
+    """Each expert's count of (token, slot) choices in `layer` [E]; a slot of weight exactly 0 is no choice (LongCat's
+    zero-computation experts reach the experts as weight-0 repeats of a real one)."""
+    ids, w = tr.ids[layer], tr.w.get(layer)
+    live = None if w is None or w.shape != ids.shape else (w.ravel() != 0).astype(np.int64)
+    return np.bincount(ids.ravel(), weights=live, minlength=E).astype(np.int64)
+
+
 def layer_stats(tr: RouteTrace, layer: int, top: int = 5) -> dict:
     ids = tr.ids[layer]  # [N, k]
     N, k = ids.shape
     E = max(tr.experts.get(layer, 0), int(ids.max()) + 1 if ids.size else 0)
-    counts = np.bincount(ids.ravel(), minlength=E)  # [E]
+    counts = choices(tr, layer, E)  # [E]
     share = counts / max(N, 1)  # share of tokens that chose each expert (sums to k)
     p = counts / max(counts.sum(), 1)
     nz = p[p > 0]
@@ -88,7 +96,7 @@ def unusual_tokens(tr: RouteTrace, n: int = 8) -> list[dict]:
     rarest = {}
     for lay in tr.layers:
         ids = tr.ids[lay]
-        counts = np.bincount(ids.ravel(), minlength=tr.experts.get(lay, 0))
+        counts = choices(tr, lay, tr.experts.get(lay, 0))
         logp = np.log2(np.maximum(counts, 1) / counts.sum())  # every chosen expert has count >= 1
         lp = logp[ids]  # [N, k]
         score += lp.mean(1)

@@ -124,6 +124,17 @@ def test_statistics_on_a_known_trace():
     assert rep["unusual"][0]["pos"] == 5  # the rare (2, 3) in layer 0
 
 
+def test_weight_zero_slots_are_not_counted_as_choices():
+    """LongCat's zero-computation experts reach the routing hook as weight-0 repeats of a real expert: the load counts
+    the real choices only (and a repeat adds no pair)."""
+    recs = [{"format": "colibri-route-trace", "version": 1, "experts": {"0": 4}}]
+    for t, (ids, w) in enumerate([((0, 1), (0.6, 0.4)), ((2, 2), (0.7, 0.0)), ((3, 3), (0.0, 0.0))]):
+        recs.append({"step": t, "rows": [["r", t, 10 + t, f"t{t}"]], "ids": {"0": [list(ids)]}, "w": {"0": [list(w)]}})
+    rep = analyse(RouteTrace.from_records(recs))["layers"]["0"]
+    assert rep["load"] == [round(1 / 3, 5), round(1 / 3, 5), round(1 / 3, 5), 0.0]
+    assert rep["unused"] == 1 and [p["experts"] for p in rep["pairs"]] == [[0, 1]]
+
+
 def test_routes_cli_text_json_and_plot(ckpt, capsys, tmp_path):
     model = str(ckpt.coli("qwen3_moe", "f32"))
     text, trace, png = tmp_path / "in.txt", tmp_path / "t.jsonl", tmp_path / "r.png"
