@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import tiny_config_kwargs
+from oracle_check import matches_transformers
 from test_native_step import _spy, prompt_then_decode
 
 import colibri
@@ -34,12 +35,7 @@ def _cfg(**over) -> dict:
     {"time_step_limit": [0.0, 0.5]},  # (clamps most of the tiny model's steps, in prompts only, as transformers)
     {"mamba_conv_bias": False, "mamba_proj_bias": True, "mamba_d_conv": 3}])
 def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
-    hf = load_hf(ckpt.hf("granitemoehybrid", **over))
-    ref = hf_logits(hf, PROMPT * 3)
-    with colibri.load(ckpt.coli("granitemoehybrid", "f32", **over), ctx_size=64, threads=2) as llm:
-        assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
-        want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
-        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
+    matches_transformers(ckpt, "granitemoehybrid", over, PROMPT)
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 4), (7, 4), (8, 4), (13, 5), (9, 64)])

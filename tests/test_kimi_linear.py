@@ -6,9 +6,12 @@ Its oracle, batch, tier and kernel-accuracy tests run with every family's (tests
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from hf_tiny import edited_copy, hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs, top2_margins
+from hf_tiny import edited_copy, hf_logits, load_hf, tiny_config_kwargs, top2_margins
+from oracle_check import matches_transformers
 from test_native_step import _spy, prompt_then_decode
 
 import colibri
@@ -40,13 +43,10 @@ def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
     if "linear_attn_config" in over:
         assert hf.config.layer_types == ["linear_attention", "linear_attention", "full_attention",
                                          "linear_attention"]
-    ref = hf_logits(hf, PROMPT * 3)
-    with colibri.load(ckpt.coli("kimi_linear", "f32", **over), ctx_size=64, threads=2) as llm:
-        assert [type(b.self_attn).__name__ for b in llm.model.model.layers] == [
-            "NoPEMLAttention" if k == "full_attention" else "KimiDeltaAttention" for k in hf.config.layer_types]
-        assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < BOUND
-        want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
-        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
+    model, _ = build("kimi_linear", json.loads((ckpt.hf("kimi_linear", **over) / "config.json").read_text()))
+    assert [type(b.self_attn).__name__ for b in model.model.layers] == [
+        "NoPEMLAttention" if k == "full_attention" else "KimiDeltaAttention" for k in hf.config.layer_types]
+    matches_transformers(ckpt, "kimi_linear", over, PROMPT, BOUND, hf=hf)
 
 
 def test_the_released_config_reads_as_transformers_reads_it(ckpt, tmp_path) -> None:
@@ -156,8 +156,8 @@ def test_the_mla_layer_runs_unrotated_in_the_native_block(ckpt, monkeypatch) -> 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_kda_rows_in_the_kernel_agree_with_the_torch_path(ckpt, monkeypatch, scheme: str) -> None:
     """bf16 rows, three ways: each KDA layer's decode rows as the whole block in one call (coli_kda_block: in_norm to
-    post_norm), from its projections to o_proj's input (coli_kda_rows: the same bits), and in torch; a prompt's rows a
-    position at a time in coli_kda_rows. The kernels agree with torch to bf16 rounding (logits, states) and pick the
+    post_norm), from its projections to o_proj's input (coli_kda_rows: the same bits), and in torch; a prompt's rows in
+    one coli_kda_rows call a layer. The kernels agree with torch to bf16 rounding (logits, states) and pick the
     same token wherever rounding cannot flip it; every KDA layer of every step took the call asked for."""
     from colibri.kernels import native_kda
     from colibri.models import kda
@@ -173,9 +173,9 @@ def test_kda_rows_in_the_kernel_agree_with_the_torch_path(ckpt, monkeypatch, sch
             logits = prompt_then_decode(llm, PROMPT)
         steps = len(PROMPT) - 4
         if mode == "rows":
-            assert len(rows_taken) == 3 * len(PROMPT)  # (the prompt's rows one position a call, then decode rows)
-        elif mode == "block":  # (the prompt's rows decline the block and take the rows kernel a position a call)
-            assert block_taken == [False] * 3 + [True] * 3 * steps and len(rows_taken) == 3 * 4
+            assert len(rows_taken) == 3 * (1 + steps)  # (the prompt's rows in one call a layer, then decode rows)
+        elif mode == "block":  # (the prompt's rows decline the block and take the rows kernel)
+            assert block_taken == [False] * 3 + [True] * 3 * steps and len(rows_taken) == 3
         return logits, [c.ssm.clone() for c in llm.slots.caches[0] if hasattr(c, "ssm")]
 
     over = {"linear_head_dim": 32} if scheme == "int4" else {}  # (int4: the gates' low-rank inputs 32 wide)
@@ -201,3 +201,24 @@ def test_kda_rows_in_a_batch_give_each_sequence_its_tokens_alone(ckpt) -> None:
     with colibri.load(path, ctx_size=96, threads=2, slots=1) as llm:
         alone = [llm.submit(p, 8, ignore_eos=True).wait() for p in prompts]
     assert together == alone
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_a_prompts_rows_in_one_call_are_its_positions_one_by_one(ckpt) -> None:
+    """coli_kda_rows' sequential mode (one state's rows in order inside the call) gives the bits of the same rows in
+    one-row calls: outputs and states."""
+    from colibri.kernels import native_kda
+
+    with colibri.load(ckpt.coli("kimi_linear", "int8"), ctx_size=96, threads=2) as llm:
+        m = llm.model.model.layers[0].self_attn
+        g = torch.Generator().manual_seed(0)
+        HD, n = m.a.heads * m.a.head_dim, 20
+        q, k, v, f, gate = ((torch.randn(n, HD, generator=g) * 0.5).to(torch.bfloat16) for _ in range(5))
+        b = torch.randn(n, m.a.heads, generator=g).to(torch.bfloat16)
+        w = m._conv_weight().view(3 * HD, -1)
+        a, c = m.make_cache(96, torch.bfloat16), m.make_cache(96, torch.bfloat16)
+        whole = native_kda.kda_rows(m, q, k, v, f, b, gate, [a.conv.data_ptr()], [a.ssm.data_ptr()], w, seq=True)
+        one = torch.cat([native_kda.kda_rows(m, *(t[i : i + 1] for t in (q, k, v, f, b, gate)), [c.conv.data_ptr()],
+                                             [c.ssm.data_ptr()], w) for i in range(n)])
+    assert torch.equal(whole, one) and torch.equal(a.ssm, c.ssm) and torch.equal(a.conv, c.conv)
+    assert a.ssm.abs().sum() > 0  # (the state moved)

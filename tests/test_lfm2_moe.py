@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import tiny_config_kwargs
+from oracle_check import matches_transformers
 from test_native_step import _spy, prompt_then_decode
 
 import colibri
@@ -28,12 +29,7 @@ def _cfg(**over) -> dict:
     {"conv_bias": True, "conv_L_cache": 4},
     {"use_expert_bias": False, "norm_topk_prob": False, "num_dense_layers": 0}])
 def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
-    hf = load_hf(ckpt.hf("lfm2_moe", **over))
-    ref = hf_logits(hf, PROMPT * 3)
-    with colibri.load(ckpt.coli("lfm2_moe", "f32", **over), ctx_size=64, threads=2) as llm:
-        assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
-        want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
-        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
+    matches_transformers(ckpt, "lfm2_moe", over, PROMPT)
 
 
 def test_release_names_map_to_the_canonical_ones() -> None:

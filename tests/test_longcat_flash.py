@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import hf_logits, load_hf, tiny_config_kwargs
+from oracle_check import matches_transformers
 from test_native_step import _spy, prompt_then_decode
 
 import colibri
@@ -44,7 +45,7 @@ def _hf_routes(hf) -> list[torch.Tensor]:
 def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
     hf = load_hf(ckpt.hf("longcat_flash", **over))
     routes = _hf_routes(hf)
-    ref = hf_logits(hf, PROMPT * 3)
+    hf_logits(hf, PROMPT * 3)  # (the routes of the prompt the oracle compares over)
     n = over.get("n_routed_experts", 8)
     zero = torch.cat([r >= n for r in routes])  # [rows x layers, k]
     if over.get("zero_expert_num", 4):
@@ -52,10 +53,7 @@ def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
         assert zero.all(-1).any() == (n == 4)  # (and, with 12 zero experts of 16, rows of zero experts alone)
     else:
         assert not zero.any()
-    with colibri.load(ckpt.coli("longcat_flash", "f32", **over), ctx_size=64, threads=2) as llm:
-        assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
-        want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
-        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
+    matches_transformers(ckpt, "longcat_flash", over, PROMPT, hf=hf)
 
 
 class _Experts(torch.nn.Module):

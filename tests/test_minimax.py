@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import tiny_config_kwargs
+from oracle_check import matches_transformers
 from test_native_step import _spy, prompt_then_decode
 
 import colibri
@@ -35,12 +36,7 @@ def _cfg(**over) -> dict:
                                              "linear_attention"]},
     {"layer_types": None}])  # (transformers' default: full attention in the even layers)
 def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
-    hf = load_hf(ckpt.hf("minimax", **over))
-    ref = hf_logits(hf, PROMPT * 3)
-    with colibri.load(ckpt.coli("minimax", "f32", **over), ctx_size=64, threads=2) as llm:
-        assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
-        want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
-        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
+    matches_transformers(ckpt, "minimax", over, PROMPT)
 
 
 @pytest.mark.parametrize("T,block", [(1, 4), (7, 3), (12, 4), (9, 16)])

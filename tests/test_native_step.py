@@ -43,8 +43,8 @@ def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.T
 
 
 def _spy(real, seen: list[bool]):
-    def spy(*a):
-        r = real(*a)
+    def spy(*a, **kw):
+        r = real(*a, **kw)
         seen.append(r is not None)
         return r
     return spy

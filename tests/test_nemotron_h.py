@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import tiny_config_kwargs
+from oracle_check import matches_transformers
 
 import colibri
 from colibri.errors import ColibriError
@@ -30,12 +31,7 @@ def _cfg(**over) -> dict:
     {"time_step_min": 0.5},  # (clamps most of the tiny model's prompt steps; decode steps are not clamped)
     {"moe_latent_size": 32, "mlp_bias": True}])  # (Nemotron 3 Super's latent experts, projections biased)
 def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
-    hf = load_hf(ckpt.hf("nemotron_h", **over))
-    ref = hf_logits(hf, PROMPT * 3)
-    with colibri.load(ckpt.coli("nemotron_h", "f32", **over), ctx_size=64, threads=2) as llm:
-        assert (llm.logits(PROMPT * 3).float() - ref).abs().max() < 1e-4
-        want, _ = hf_greedy_with_logits(hf, PROMPT, 8)
-        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == want
+    matches_transformers(ckpt, "nemotron_h", over, PROMPT)
 
 
 def test_a_slot_counts_its_states_and_kv() -> None:

@@ -10,7 +10,7 @@ from .declare import declared
 
 MAX_D = 256  # head width kda.c keeps on its stack (KDA_MAX_D)
 
-_lib = declared({"coli_kda_rows": "iiiippppppppppfp",
+_lib = declared({"coli_kda_rows": "iiiiippppppppppppfp",
                  "coli_kda_block": "iiiiiiipppfpfppppppfpp"})
 
 
@@ -18,17 +18,19 @@ def _ptrs(xs: list[int]) -> ctypes.Array:
     return (ctypes.c_void_p * len(xs))(*xs)
 
 
-def kda_rows(m, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv: list[int],
-             ssm: list[int], conv_w: torch.Tensor) -> torch.Tensor:
-    """coli_kda_rows: qkv bf16 [T, 3 H D], f [T, H D] (f_b_proj's output), b [T, H], gate [T, H D] (g_b_proj's), all
-    contiguous; conv / ssm: each row's state pointers (bf16 [3 H D, K-1], f32 [H, D, D]; updated in place); conv_w f32
-    [3 H D, K] contiguous; m: the KimiDeltaAttention -> o_proj's input, bf16 [T, H D]."""
+def kda_rows(m, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+             gate: torch.Tensor, conv: list[int], ssm: list[int], conv_w: torch.Tensor, seq: bool = False
+             ) -> torch.Tensor:
+    """coli_kda_rows: q, k, v, f (f_b_proj's output) bf16 [T, H D], b [T, H], gate [T, H D] (g_b_proj's), all
+    contiguous; conv / ssm: each row's state pointers (bf16 [3 H D, K-1], f32 [H, D, D]; updated in place), or with
+    `seq` one sequence's, its T rows consecutive positions; conv_w f32 [3 H D, K] contiguous; m: the
+    KimiDeltaAttention -> o_proj's input, bf16 [T, H D]."""
     a = m.a
-    out = torch.empty(qkv.shape[0], a.heads * a.head_dim, dtype=torch.bfloat16)
-    rc = _lib().coli_kda_rows(qkv.shape[0], a.heads, a.head_dim, a.conv_kernel, qkv.data_ptr(), f.data_ptr(),
-                              b.data_ptr(), gate.data_ptr(), _ptrs(conv), _ptrs(ssm), conv_w.data_ptr(),
-                              m.dt_bias.data_ptr(), m.A_log.data_ptr(), m.o_norm.weight.data_ptr(), m.o_norm.eps,
-                              out.data_ptr())
+    out = torch.empty(q.shape[0], a.heads * a.head_dim, dtype=torch.bfloat16)
+    rc = _lib().coli_kda_rows(q.shape[0], int(seq), a.heads, a.head_dim, a.conv_kernel, q.data_ptr(), k.data_ptr(),
+                              v.data_ptr(), f.data_ptr(), b.data_ptr(), gate.data_ptr(), _ptrs(conv), _ptrs(ssm),
+                              conv_w.data_ptr(), m.dt_bias.data_ptr(), m.A_log.data_ptr(), m.o_norm.weight.data_ptr(),
+                              m.o_norm.eps, out.data_ptr())
     if rc != 0:
         raise RuntimeError(f"coli_kda_rows failed ({rc})")
     return out

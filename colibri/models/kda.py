@@ -10,8 +10,8 @@ heads' outputs are RMS-normed per head, times their weight, times sigmoid(g_b_pr
 The state (conv inputs and S [H, D, D] in f32) stands in for a KV cache, so prompt caching stays off. Every
 position takes the recurrence in f32 (prompts too: transformers' chunked form is the same sums in another order); a
 decay per channel has no cheap chunked form that stays stable without FLA's sub-chunks. bf16 rows of native weights
-take everything between the projections and o_proj in kernels/kda.c (decode rows in one call, a prompt's rows a
-position a call), and decode rows the whole block from the input norm to the post norm (`fused`).
+take everything between the projections and o_proj in kernels/kda.c (decode rows in one call, a prompt's rows in
+order inside the call), and decode rows the whole block from the input norm to the post norm (`fused`).
 """
 
 from __future__ import annotations
@@ -92,22 +92,25 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         a, T = self.a, x.shape[0]
-        qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)  # [T, 3 H D]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H D] each
         if self._native_rows(x, kv):  # bf16 rows: conv, gates, delta rule and gated norm in kernels/kda.c
-            parts = (qkv.contiguous(), self.f_b_proj(self.f_a_proj(x)).contiguous(), self.b_proj(x).contiguous(),
-                     self.g_b_proj(self.g_a_proj(x)).contiguous())
+            parts = tuple(t.contiguous() for t in (q, k, v, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
+                                                   self.g_b_proj(self.g_a_proj(x))))
             w = self._conv_weight().view(3 * a.heads * a.head_dim, -1)
             if T <= native.MOE_MAX_ROWS and all(r1 - r0 == 1 for r0, r1, _, _ in kv.segs):  # decode rows: one call
                 conv, ssm = step_states(kv)
                 return self.o_proj(native_kda.kda_rows(self, *parts, conv, ssm, w))
             o = torch.empty(T, a.heads * a.head_dim, dtype=x.dtype)
-            for r0, r1, start, cache in kv.segs:  # a prompt's rows: one call a position, in order
+            step = native.MOE_MAX_ROWS
+            for r0, r1, start, cache in kv.segs:  # a prompt's rows: in order, up to MOE_MAX_ROWS a call
                 cache.resume(start)
-                for t in range(r0, r1):
-                    o[t : t + 1] = native_kda.kda_rows(self, *(p[t : t + 1] for p in parts), [cache.conv.data_ptr()],
-                                                       [cache.ssm.data_ptr()], w)
+                for t in range(r0, r1, step):
+                    e = min(t + step, r1)
+                    o[t:e] = native_kda.kda_rows(self, *(p[t:e] for p in parts), [cache.conv.data_ptr()],
+                                                 [cache.ssm.data_ptr()], w, seq=True)
                 cache.pos = start + r1 - r0
             return self.o_proj(o)
+        qkv = torch.cat((q, k, v), -1)  # [T, 3 H D]
         f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # [T, H*D]
         f = f.view(T, a.heads, a.head_dim)
         g = -self.A_log.float().view(a.heads, 1).exp() * torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
