@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear) gets a random
+lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear, bailing_hybrid) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -214,6 +214,13 @@ SHAPES["kimi_linear"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items() if k 
                          "num_local_experts": 32, "linear_num_heads": 16, "linear_head_dim": 128,
                          "linear_conv_kernel_dim": 4,
                          "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2}
+# Ling 3.0 hybrid (layer by layer: KDA with full-rank gates and the bounded decay, MLA with a gate per head): three
+# KDA layers (16 heads of 128, 4 taps) then a gated MLA one, twice (groups of 4; the release's are 6); MLA with V3's
+# widths at this size and no q LoRA (as released); layer 0 dense, then 32 experts top-4 of 512 beside one shared
+SHAPES["bailing_hybrid"] = {**{k: v for k, v in SHAPES["deepseek_v3"].items()
+                               if k not in ("q_lora_rank", "n_routed_experts", "head_dim")},
+                            "num_experts": 32, "head_dim": 128, "layer_group_size": 4,
+                            "num_mtp_layers": 0}  # (none: llama.cpp's loader would want its weights)
 # Arcee's AFMoE: 32 experts top-4 of 512 beside one shared, layer 0 dense, 3 of 4 layers sliding over 128, muP
 SHAPES["afmoe"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"}, "moe_intermediate_size": 512,
                    "num_experts": 32, "num_shared_experts": 1, "num_dense_layers": 1, "sliding_window": 128,

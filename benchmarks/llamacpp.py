@@ -182,6 +182,28 @@ try:  # (Kimi-Linear's converter reads the released `linear_attn_config` and the
     kimi_linear.KimiLinearModel.modify_tensors = _kl_tensors_v5
 except (ImportError, AttributeError):
     pass
+try:  # (Ling 3.0: llama.cpp converts the release, BailingMoeV3ForCausalLM; transformers' port saves the release's
+    # tensor names under its own architecture, with its flat config: the KDA width as linear_head_dim, no switches)
+    from conversion import bailingmoe3
+    _b3 = bailingmoe3.BailingMoeV3Model
+    _b3_params = _b3.set_gguf_parameters
+    def _b3_params_v5(self):
+        h = self.hparams
+        h.setdefault("no_kda_lora", True)
+        h.setdefault("gated_attention_proj_granularity_type", "head_wise")
+        h["head_dim"] = h.get("linear_head_dim", h["head_dim"])
+        h.setdefault("short_conv_kernel_size", h.get("linear_conv_kernel_dim", 4))
+        h.setdefault("moe_shared_expert_intermediate_size",
+                     h["moe_intermediate_size"] * h.get("num_shared_experts", 1))
+        h.setdefault("norm_topk_prob", h.get("moe_renormalize", True))
+        h.setdefault("score_function", "sigmoid")  # (the port's router; the release's config names it)
+        return _b3_params(self)
+    _b3.set_gguf_parameters = _b3_params_v5
+    base.ModelBase.register("BailingHybridForCausalLM")(_b3)
+    import conversion
+    conversion.TEXT_MODEL_MAP["BailingHybridForCausalLM"] = "bailingmoe3"
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -15,8 +15,9 @@ LOGIT_BOUND = 1e-4
 # Qwen3-Next's summation order moves more: transformers' own eager and sdpa attention differ by 1.1e-4 on its
 # tiny model, its own cached decode and full forward by 1.6e-4 (its linear-attention state carries every
 # position's rounding); ours differ from its eager forward by ~1e-4 (the first token exactly, 0.0).
-# Kimi-Linear's KDA likewise (transformers' prompts take its chunked form, ours the recurrence).
-BOUNDS = {"qwen3_next": 3e-4, "qwen3_5_moe_text": 3e-4, "kimi_linear": 3e-4}
+# Kimi-Linear's KDA likewise (transformers' prompts take its chunked form, ours the recurrence); Ling's hybrid more
+# (its bounded decay keeps more of each state: tests/test_bailing_hybrid.py measures transformers' own f32 error).
+BOUNDS = {"qwen3_next": 3e-4, "qwen3_5_moe_text": 3e-4, "kimi_linear": 3e-4, "bailing_hybrid": 1e-3}
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)

@@ -19,7 +19,8 @@ N = 8
 # (Qwen3-Next's linear-attention states and the short-convolution, Mamba and lightning states cannot keep a prefix:
 # tests/test_qwen3_next.py and tests/test_state_models.py show caching stays off)
 CACHEABLE = [m for m in SUPPORTED if m not in ("qwen3_next", "qwen3_5_moe_text", "lfm2_moe",
-                                         "granitemoehybrid", "jamba", "nemotron_h", "minimax", "kimi_linear")]
+                                         "granitemoehybrid", "jamba", "nemotron_h", "minimax", "kimi_linear",
+                                         "bailing_hybrid")]
 
 
 def run(llm, prompt: list[int], n: int = N, **kw) -> tuple[list[int], int]:

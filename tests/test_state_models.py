@@ -13,7 +13,7 @@ import colibri
 from colibri.errors import ColibriError
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
-FAMILIES = ["lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h", "minimax", "kimi_linear"]
+FAMILIES = ["lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h", "minimax", "kimi_linear", "bailing_hybrid"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -53,6 +53,7 @@ FAMILIES: tuple[str, ...] = (
     "longcat_flash",
     "minimax",
     "kimi_linear",
+    "bailing_hybrid",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -267,6 +268,13 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                         "routed_scaling_factor": 1.5, "linear_head_dim": 16, "linear_num_heads": 2,
                         "linear_conv_kernel_dim": 4,
                         "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
+        # Ling 3.0 hybrid: KDA (full-rank gates, bounded decay), KDA, MLA (no q LoRA, a gate per head), KDA: groups
+        # of 3; layer 0 dense, then DeepSeek-V3's MoE (8 experts top-2 in 2 groups, 1 kept, a shared expert); KDA of
+        # the 4 heads x 16 (head_dim), a 4-tap convolution
+        "bailing_hybrid": {**{k: v for k, v in mla.items() if k not in ("n_routed_experts", "q_lora_rank")},
+                           "num_experts": 8, "num_hidden_layers": 4, "layer_group_size": 3, "n_group": 2,
+                           "topk_group": 1, "routed_scaling_factor": 1.5, "head_dim": 16, "kda_lower_bound": -3.0,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         "granitemoe_swa": {**granite, "shared_intermediate_size": 64, "sliding_window": 8,
                            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                            "layer_rope_theta": [0, 1e4, 5e4]},

@@ -58,6 +58,8 @@ typedef struct {
     coli_qw kvb;                  /* kv_b_proj [H * (Dn + Dv), R] (head h: Dn K rows, Dv V rows), ... */
     int kvb_scheme, kvb_group;    /* ... int8 (8) or int4 (4, groups of kvb_group) */
     const uint16_t *bqa, *bkva, *bo; /* bf16 biases or NULL: wq's, wkva's, wo's (attention_bias) */
+    int gated;                    /* 1: each head's output times sigmoid(wg x) [H] before o_proj (Ling 3.0) */
+    coli_qw wg;                   /* g_proj [H, hidden], read with wq and wkva */
 } coli_mla_layer;
 
 /* One attention layer's constants for block.c (built once by colibri/kernels/native.py's AttnLayer). */

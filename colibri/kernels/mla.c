@@ -1,7 +1,8 @@
 /* The attention half of a DeepSeek (MLA) decoder block for a few rows in one call: RMSNorm -> q (q_proj,
  * or q_a_proj -> norm -> q_b_proj) and the latent kv_a projection -> the latent's norm and the shared rope
  * key into the latent cache -> each head's query folded into latent space (q_nope W_uk) -> one-"head"
- * attention over the cache -> the latent context unfolded per head (W_uv) -> o_proj -> residual add ->
+ * attention over the cache -> the latent context unfolded per head (W_uv) -> (a sigmoid gate per head, Ling
+ * 3.0's) -> o_proj -> residual add ->
  * the post-attention RMSNorm. The absorbed form of colibri/models/mla.py, whose docstring derives it.
  *
  * Why: layer by layer from Python, the absorbed attention was ~25 torch ops a layer (bmm, cat, matmul,
@@ -193,19 +194,19 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
     int Hd = L->hidden, H = L->heads, Dn = L->nope, Dr = L->rope, Dv = L->vdim, R = L->kv_lora, ql = L->q_lora;
     int Dq = Dn + Dr, W = R + Dr;
     long nq = (long)H * Dq;
-    size_t n = (size_t)T * (Hd + ql + ql + nq + W + (long)H * W + (long)H * R + (long)H * Dv + Hd);
+    size_t n = (size_t)T * (Hd + ql + ql + nq + W + (long)H * W + (long)H * R + (long)H * Dv + Hd + H);
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * n);
     if (!buf) return -2;
     uint16_t *xn = buf, *qa = xn + (long)T * Hd, *qan = qa + (long)T * ql, *q = qan + (long)T * ql;
     uint16_t *kva = q + T * nq, *qf = kva + (long)T * W, *ctx = qf + (long)T * H * W, *av = ctx + (long)T * H * R;
-    uint16_t *o = av + (long)T * H * Dv;
+    uint16_t *o = av + (long)T * H * Dv, *gates = o + (long)T * Hd;  /* gates [T, H]: g_proj's (gated) */
     int rc = 0;
     PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
-    {   /* q_proj or q_a_proj, and kv_a_proj_with_mqa: both read the normed rows */
-        coli_qw w[2] = {L->wq, L->wkva};
-        int N[2] = {ql ? ql : (int)nq, W};
-        void *y[2] = {ql ? qa : q, kva};
-        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, 2, w, N, y));
+    {   /* q_proj or q_a_proj, kv_a_proj_with_mqa (and g_proj): all read the normed rows */
+        coli_qw w[3] = {L->wq, L->wkva, L->wg};
+        int N[3] = {ql ? ql : (int)nq, W, H};
+        void *y[3] = {ql ? qa : q, kva, gates};
+        PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, L->gated ? 3 : 2, w, N, y));
         if (rc) goto done;
         add_rows(ql ? qa : q, L->bqa, T, ql ? ql : nq);
         add_rows(kva, L->bkva, T, W);
@@ -248,6 +249,11 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         rc = -2;
         goto done;
     }
+    if (L->gated)  /* each head's output times sigmoid(its gate), both rounded to bf16 as torch's bf16 ops */
+        for (long r = 0; r < (long)T * H; r++) {
+            float s = bf16_to_f32(f32_to_bf16(1.f / (1.f + expf(-bf16_to_f32(gates[r])))));
+            for (int d = 0; d < Dv; d++) av[r * Dv + d] = f32_to_bf16(bf16_to_f32(av[r * Dv + d]) * s);
+        }
     {
         void *y = o;
         PROF(P_O, rc = coli_multi_gemm(av, 1, T, H * Dv, L->scheme, L->group, 1, &L->wo, &Hd, &y));

@@ -19,7 +19,8 @@ class MlaLayer(ctypes.Structure):
         + [(n, ctypes.c_float) for n in ("in_eps", "post_eps", "lora_eps")] \
         + [("interleaved", ctypes.c_int), ("scale", ctypes.c_float)] \
         + [("kvb", native.QW), ("kvb_scheme", ctypes.c_int), ("kvb_group", ctypes.c_int)] \
-        + [(n, ctypes.c_void_p) for n in ("bqa", "bkva", "bo")]
+        + [(n, ctypes.c_void_p) for n in ("bqa", "bkva", "bo")] \
+        + [("gated", ctypes.c_int), ("wg", native.QW)]
 
 
 _declared = False

@@ -6,6 +6,8 @@ conv over the three, no bias, its last K-1 inputs kept), q and k L2-normalised (
 
 with g = -exp(A_log[h]) softplus(f_b_proj(f_a_proj x) + dt_bias) [H, D] and beta = sigmoid(b_proj x) [H]. The
 heads' outputs are RMS-normed per head, times their weight, times sigmoid(g_b_proj(g_a_proj x)), then o_proj.
+Ling 3.0's variant (`bailing_hybrid`) takes f and the gate from one full projection each (f_proj, g_proj) and may
+bound the decay: g = lower_bound sigmoid(exp(A_log[h]) (f + dt_bias)) (`KDAArgs.lower_bound` < 0).
 
 The state (conv inputs and S [H, D, D] in f32) stands in for a KV cache, so prompt caching stays off. Every
 position takes the recurrence in f32 (prompts too: transformers' chunked form is the same sums in another order); a
@@ -38,6 +40,9 @@ class KDAArgs:
     head_dim: int
     conv_kernel: int
     eps: float  # the output norm's (rms_norm_eps)
+    low_rank: bool = True  # f and the output gate through [D]-wide pairs (Kimi), else one projection each (Ling)
+    lower_bound: float = 0.0  # < 0: Ling's bounded decay lower_bound sigmoid(exp(A_log) (f + dt)); 0: Kimi's softplus
+    a_log_shape: tuple[int, ...] | None = None  # A_log as the checkpoint stores it: Kimi's [1, 1, H, 1] by default
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -78,11 +83,14 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = Linear(a.hidden, HD), Linear(a.hidden, HD), Linear(a.hidden, HD)
         # (the checkpoint's three convolutions; one conv over their concatenation, as transformers runs them)
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (Conv1d(HD, a.conv_kernel) for _ in range(3))
-        self.f_a_proj, self.f_b_proj = Linear(a.hidden, a.head_dim), Linear(a.head_dim, HD)
+        if a.low_rank:
+            self.f_a_proj, self.f_b_proj = Linear(a.hidden, a.head_dim), Linear(a.head_dim, HD)
+            self.g_a_proj, self.g_b_proj = Linear(a.hidden, a.head_dim), Linear(a.head_dim, HD)
+        else:
+            self.f_proj, self.g_proj = Linear(a.hidden, HD), Linear(a.hidden, HD)
         self.dt_bias = nn.Parameter(torch.zeros(HD), requires_grad=False)  # [H*D]
-        self.A_log = nn.Parameter(torch.zeros(1, 1, a.heads, 1), requires_grad=False)  # (transformers' shape)
+        self.A_log = nn.Parameter(torch.zeros(a.a_log_shape or (1, 1, a.heads, 1)), requires_grad=False)  # H values
         self.b_proj = Linear(a.hidden, a.heads)
-        self.g_a_proj, self.g_b_proj = Linear(a.hidden, a.head_dim), Linear(a.head_dim, HD)
         self.o_norm = GatedHeadNorm(a.head_dim, a.eps)
         self.o_proj = Linear(HD, a.hidden)
 
@@ -94,8 +102,7 @@ class KimiDeltaAttention(nn.Module):
         a, T = self.a, x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H D] each
         if self._native_rows(x, kv):  # bf16 rows: conv, gates, delta rule and gated norm in kernels/kda.c
-            parts = tuple(t.contiguous() for t in (q, k, v, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
-                                                   self.g_b_proj(self.g_a_proj(x))))
+            parts = tuple(t.contiguous() for t in (q, k, v, self._f(x), self.b_proj(x), self._gate(x)))
             w = self._conv_weight().view(3 * a.heads * a.head_dim, -1)
             if T <= native.MOE_MAX_ROWS and all(r1 - r0 == 1 for r0, r1, _, _ in kv.segs):  # decode rows: one call
                 conv, ssm = step_states(kv)
@@ -111,9 +118,12 @@ class KimiDeltaAttention(nn.Module):
                 cache.pos = start + r1 - r0
             return self.o_proj(o)
         qkv = torch.cat((q, k, v), -1)  # [T, 3 H D]
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # [T, H*D]
-        f = f.view(T, a.heads, a.head_dim)
-        g = -self.A_log.float().view(a.heads, 1).exp() * torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
+        f = (self._f(x).float() + self.dt_bias.float()).view(T, a.heads, a.head_dim)
+        rate = self.A_log.float().view(a.heads, 1).exp()  # [H, 1]
+        if a.lower_bound:  # (Ling's bounded decay)
+            g = a.lower_bound * torch.sigmoid(rate * f)
+        else:
+            g = -rate * torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
         beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H] (in x's dtype first, as transformers)
         outs = []
         for r0, r1, start, cache in kv.segs:
@@ -121,15 +131,22 @@ class KimiDeltaAttention(nn.Module):
             outs.append(self._sequence(qkv[r0:r1], g[r0:r1], beta[r0:r1], cache))
             cache.pos = start + r1 - r0
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(x.dtype)  # [T, H, D]
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, a.heads, a.head_dim)
+        gate = self._gate(x).view(T, a.heads, a.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(T, -1))
+
+    def _f(self, x: torch.Tensor) -> torch.Tensor:  # [T, H D]: the decay's input before dt_bias
+        return self.f_b_proj(self.f_a_proj(x)) if self.a.low_rank else self.f_proj(x)
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:  # [T, H D]: the output gate before its sigmoid
+        return self.g_b_proj(self.g_a_proj(x)) if self.a.low_rank else self.g_proj(x)
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/kda.c coli_kda_block) for bf16 decode
         rows of native weights, with the bits of the layer-by-layer native path; else None."""
         a, T = self.a, h.shape[0]
-        projs = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_a_proj, self.f_b_proj,
-                 self.g_b_proj, self.o_proj)
+        low = (self.f_a_proj, self.g_a_proj, self.f_b_proj, self.g_b_proj) if a.low_rank else (self.f_proj,
+                                                                                               self.g_proj)
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *low, self.o_proj)
         if not FUSED or T > native.MOE_MAX_ROWS or not self._native_rows(h, kv) \
                 or any(r1 - r0 != 1 for r0, r1, _, _ in kv.segs) \
                 or (w := block_weights(self, projs, in_norm, post_norm)) is None:

@@ -146,7 +146,11 @@ class MLAttention(nn.Module):
                 outs.append(self._absorbed(qn, qp, latent, start))
             else:
                 outs.append(self._expanded(qn, qp, latent[: start + r1 - r0], start))
-        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # [T, hidden]
+        return self.o_proj(self.out_gate(x, outs[0] if len(outs) == 1 else torch.cat(outs)))  # [T, hidden]
+
+    def out_gate(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The heads' output o [T, H Dv] as o_proj takes it: o itself; a family's gate over it (Ling 3.0's)."""
+        return o
 
     def q_scale(self, kv: LayerKV, T: int) -> torch.Tensor | None:
         """A factor [T] f32 for each row's query, or None (1): a family's position-dependent temperature."""
