@@ -9,7 +9,7 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear, bailing_hybrid) gets a random
+lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear, bailing_hybrid, axk2) gets a random
 checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
 top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
 initialisation), converted once. The same loaded model
@@ -280,6 +280,9 @@ SHAPES["dbrx"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediat
 SHAPES["deepseek_v3-g8"] = {**SHAPES["deepseek_v3"], "n_group": 8, "topk_group": 4}
 # A.X K1: V3/R1's layers and router (8 groups, the best 4 kept) with the MoE block's output norm
 SHAPES["axk1"] = {**SHAPES["deepseek_v3-g8"]}
+# A.X K2 (Light): V3.2's shape at this size, no router groups, gated norms of rank 16 (llama.cpp: no converter)
+SHAPES["axk2"] = {**{k: v for k, v in SHAPES["deepseek_v32"].items() if k not in ("n_group", "topk_group")},
+                  "gated_norm_rank": 16}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 

@@ -54,6 +54,7 @@ FAMILIES: tuple[str, ...] = (
     "minimax",
     "kimi_linear",
     "bailing_hybrid",
+    "axk2",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -368,6 +369,8 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         # DeepSeek-V3.2: V3's layers plus the sparse attention's indexer, keeping 8 positions (the oracle's runs
         # of 36+ tokens select)
         "deepseek_v32": {**mla, **dsa, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
+        # A.X K2 (Light): V3.2's layers with gated norms (rank 8) and a gated query, no router groups
+        "axk2": {**mla, **dsa, "routed_scaling_factor": 2.5, "gated_norm_rank": 8},
         # GLM-5: V3.2's layers, the indexer's RoPE interleaved, layer 1 sharing layer 0's selection (8 positions)
         "glm_moe_dsa": {**mla, **dsa, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "v_head_dim": 32,
                         "indexer_types": ["full", "shared", "full"]},

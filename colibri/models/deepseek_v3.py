@@ -47,6 +47,8 @@ class ModelArgs(v2.ModelArgs):
 class Router(nn.Module):
     """Sigmoid scores, bias-corrected group-limited selection: `x [T, H] -> (idx [T, k], weights [T, k])`."""
 
+    MASKED = float("-inf")  # what an expert outside the kept groups scores for the choice (A.X K2's: 0.0)
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         E = a.n_routed_experts
@@ -60,7 +62,8 @@ class Router(nn.Module):
         bias, weight scale), limited to the best topk_group of n_group groups (keep_groups: a group's two best,
         or its one where a group has one expert, as min(2, per_group) below); else torch's."""
         b = self.e_score_correction_bias
-        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous() \
+                or (self.n_group > 1 and self.MASKED != float("-inf")):  # (the kernel drops the other groups)
             return None
         return RouteRule(native.ROUTE_SIGMOID, self.norm_topk_prob, b, self.scaling, (self.n_group, self.topk_group))
 
@@ -76,7 +79,7 @@ class Router(nn.Module):
         group_score = grouped.topk(min(2, per_group), -1).values.sum(-1)  # [T, G]: sum of the two best
         keep = torch.zeros_like(group_score, dtype=torch.bool)
         keep.scatter_(1, group_score.topk(self.topk_group, -1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(per_group, 1), float("-inf"))
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, 1), self.MASKED)
         idx = choice.topk(self.top_k, -1).indices  # [T, k]
         weights = scores.gather(1, idx)  # [T, k]
         if self.norm_topk_prob:

@@ -128,8 +128,7 @@ class MLAttention(nn.Module):
         """x [T, hidden]: the step's rows; projections run on all rows, attention per sequence."""
         a, T = self.a, x.shape[0]
         Dn, R = a.qk_nope_head_dim, a.kv_lora_rank
-        q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(T, a.heads, Dn + a.qk_rope_head_dim)
+        q = self.query(x).view(T, a.heads, Dn + a.qk_rope_head_dim)
         q_nope, q_pe = q[..., :Dn], self.rope(q[..., Dn:], kv.pos)  # [T, H, Dn], [T, H, Dr]
         if (s := self.q_scale(kv, T)) is not None:  # [T] (Mistral 4's long-context scaling)
             s = s.to(q.device, q.dtype)[:, None, None]
@@ -147,6 +146,10 @@ class MLAttention(nn.Module):
             else:
                 outs.append(self._expanded(qn, qp, latent[: start + r1 - r0], start))
         return self.o_proj(self.out_gate(x, outs[0] if len(outs) == 1 else torch.cat(outs)))  # [T, hidden]
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """The heads' queries [T, H (Dn + Dr)] before RoPE: q_proj, or the q LoRA."""
+        return self.q_proj(x) if self.a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def out_gate(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The heads' output o [T, H Dv] as o_proj takes it: o itself; a family's gate over it (Ling 3.0's)."""
