@@ -9,12 +9,15 @@ import json
 
 import pytest
 import torch
-from hf_tiny import edited_copy, hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import edited_copy, hf_logits, load_hf, tiny_config_kwargs, top2_margins
 from oracle_check import matches_transformers
+from test_native_step import _spy, prompt_then_decode
 
 import colibri
 from colibri.errors import ColibriError
+from colibri.kernels import native
 from colibri.models import axk2
+from colibri.models import deepseek_v32 as v32
 from colibri.models.base import build
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
@@ -123,3 +126,55 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
     axk2.check_config(_cfg())  # the tiny config itself is fine
     with pytest.raises(ColibriError, match=field):
         axk2.check_config(_cfg(**over))
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_the_gated_layers_run_in_the_native_block(ckpt, monkeypatch) -> None:
+    """int8, bf16 decode rows: every layer's attention in kernels/mla.c's block with the gated norms, the gated query
+    and the output gate (the spy counts each layer at every step up to index_topk positions), against the layers in
+    torch to bf16 rounding, the same top token wherever rounding cannot flip it."""
+
+    def logits(llm, native_path: bool) -> torch.Tensor:
+        taken: list[bool] = []
+        with monkeypatch.context() as mp:
+            mp.setattr(axk2.GatedQueryAttention, "fused",
+                       _spy(v32.DSAttention.fused, taken) if native_path else (lambda *a: None))
+            out = prompt_then_decode(llm, PROMPT, first=1)  # (every position a one-row step)
+        if native_path:  # (while a sequence holds at most index_topk positions: past that, DSA selects in torch)
+            topk = llm.model.model.layers[0].self_attn.topk
+            assert taken == [i + 1 <= topk for i in range(len(PROMPT)) for _ in llm.model.model.layers]
+        return out
+
+    with colibri.load(ckpt.coli("axk2", "int8"), ctx_size=64, threads=2) as llm:
+        got, ref = logits(llm, True), logits(llm, False)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    sure = top2_margins(ref) > 2 * (got - ref).abs().max(-1).values
+    assert sure.sum() >= len(PROMPT) // 2 and torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_each_gated_layer_in_the_block_is_the_torch_layer(ckpt, scheme: str) -> None:
+    """Layer by layer on the same input rows (a prompt of 6): the native block's (h + attention, post norm)
+    against the torch layer's to bf16 rounding, for a dense layer (plain post norm) and the MoE layers (gated); with
+    the norms' gates off in the block the layers differ far more (so the comparison sees them). (End to end at int4
+    a router's near tie can flip an expert at a position: the layer-level check is the exact one.)"""
+    from colibri.models.batch import LayerKV
+
+    over = {"q_lora_rank": 32} if scheme == "int4" else {}  # (int4: q_b_proj reads 2 q_lora, in groups of 32)
+    g = torch.Generator().manual_seed(0)
+    with colibri.load(ckpt.coli("axk2", scheme, **over), ctx_size=64, threads=2) as llm:
+        for b in llm.model.model.layers:
+            m, h = b.self_attn, (torch.randn(6, 64, generator=g) * 2).to(torch.bfloat16)  # (6 positions: a prompt)
+            args = (b.input_layernorm, b.post_attention_layernorm)
+            kv = [LayerKV([(0, 6, 0, m.make_cache(64, torch.bfloat16))], 0) for _ in range(3)]
+            h_ref = h + m(b.input_layernorm(h), kv[0])
+            x_ref = b.post_attention_layernorm(h_ref)
+            m.__dict__.pop("_fused_layer", None)
+            h_got, x_got = m.fused(h, kv[1], *args)
+            m._native_layer(*args).gate_rank = 0
+            h_off, x_off = m.fused(h, kv[2], *args)
+            m.__dict__.pop("_fused_layer", None)
+            for got, ref, off in ((h_got, h_ref, h_off), (x_got, x_ref, x_off)):
+                err = (got.float() - ref.float()).abs().max()
+                assert err <= 0.02 * ref.float().abs().max() and (off.float() - ref.float()).abs().max() > 4 * err

@@ -60,6 +60,12 @@ typedef struct {
     const uint16_t *bqa, *bkva, *bo; /* bf16 biases or NULL: wq's, wkva's, wo's (attention_bias) */
     int gated;                    /* 1: each head's output times sigmoid(wg x) [H] before o_proj (Ling 3.0) */
     coli_qw wg;                   /* g_proj [H, hidden], read with wq and wkva */
+    int qgate;                    /* 1 (A.X K2): wqb reads [norm(qa), qa] (2 q_lora) and gives each head its Dq query
+                                   * rows, then Dv gate rows: the heads' output times sigmoid(gate) before o_proj */
+    int gate_rank;                /* > 0 (A.X K2): the input norm, and the post norm where post_gd.q is set, gated:
+                                   * y = norm(x), y sigmoid(W_up silu(W_down y)) */
+    coli_qw in_gd, in_gu, post_gd, post_gu; /* those norms' W_down [rank, hidden] and W_up [hidden, rank] */
+    int gd_scheme, gd_group, gu_scheme, gu_group; /* theirs (W_up's rank may be too narrow for int4 groups) */
 } coli_mla_layer;
 
 /* One attention layer's constants for block.c (built once by colibri/kernels/native.py's AttnLayer). */

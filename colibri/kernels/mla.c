@@ -2,7 +2,7 @@
  * or q_a_proj -> norm -> q_b_proj) and the latent kv_a projection -> the latent's norm and the shared rope
  * key into the latent cache -> each head's query folded into latent space (q_nope W_uk) -> one-"head"
  * attention over the cache -> the latent context unfolded per head (W_uv) -> (a sigmoid gate per head, Ling
- * 3.0's) -> o_proj -> residual add ->
+ * 3.0's, or per channel from the query's projection, A.X K2's, whose norms are gated too) -> o_proj -> residual add ->
  * the post-attention RMSNorm. The absorbed form of colibri/models/mla.py, whose docstring derives it.
  *
  * Why: layer by layer from Python, the absorbed attention was ~25 torch ops a layer (bmm, cat, matmul,
@@ -188,20 +188,46 @@ static void unfold_part(void *p, int id, int n) {
  * cos/sin f32 [T, Dr]. Writes each row's latent at its position, then (all rows written: a prompt chunk's
  * rows see their predecessors) h_out = h + attn(h) and x_out = post_norm(h_out), bf16 [T, hidden].
  * Returns 0, -1 (T out of range), -2 (memory), or a projection's error. */
+/* A.X K2's gated norm on rows already RMS-normed, in place: x = x sigmoid(W_up silu(W_down x)), rounded as torch's
+ * bf16 ops (silu's output, W_up's, then the product in f32 once). */
+static int norm_gate(const coli_mla_layer *L, const coli_qw *gd, const coli_qw *gu, uint16_t *x, int T) {
+    int r = L->gate_rank, Hd = L->hidden;
+    uint16_t *t1 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (r + Hd)), *t2 = t1 + (long)T * r;
+    if (!t1) return -2;
+    void *y1 = t1, *y2 = t2;
+    int rc = coli_multi_gemm(x, 1, T, Hd, L->gd_scheme, L->gd_group, 1, gd, &r, &y1);
+    if (!rc) {
+        for (long i = 0; i < (long)T * r; i++) {
+            float v = bf16_to_f32(t1[i]);
+            t1[i] = f32_to_bf16(v / (1.f + expf(-v)));
+        }
+        rc = coli_multi_gemm(t1, 1, T, r, L->gu_scheme, L->gu_group, 1, gu, &Hd, &y2);
+    }
+    if (!rc)
+        for (long i = 0; i < (long)T * Hd; i++)
+            x[i] = f32_to_bf16(bf16_to_f32(x[i]) / (1.f + expf(-bf16_to_f32(t2[i]))));
+    free(t1);
+    return rc;
+}
+
 int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
                    const float *cs, const float *sn, void *h_out, void *x_out) {
     if (T < 1 || T > MAX_T || L->rope > 512) return -1;
     int Hd = L->hidden, H = L->heads, Dn = L->nope, Dr = L->rope, Dv = L->vdim, R = L->kv_lora, ql = L->q_lora;
     int Dq = Dn + Dr, W = R + Dr;
     long nq = (long)H * Dq;
-    size_t n = (size_t)T * (Hd + ql + ql + nq + W + (long)H * W + (long)H * R + (long)H * Dv + Hd + H);
+    long nqg = L->qgate ? (long)H * (Dq + Dv) : 0;  /* A.X K2: [norm(qa), qa], q with its gates, the gates */
+    size_t n = (size_t)T * (Hd + ql + ql + nq + W + (long)H * W + (long)H * R + (long)H * Dv + Hd + H
+                            + (L->qgate ? 2 * ql + nqg + (long)H * Dv : 0));
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * n);
     if (!buf) return -2;
     uint16_t *xn = buf, *qa = xn + (long)T * Hd, *qan = qa + (long)T * ql, *q = qan + (long)T * ql;
     uint16_t *kva = q + T * nq, *qf = kva + (long)T * W, *ctx = qf + (long)T * H * W, *av = ctx + (long)T * H * R;
     uint16_t *o = av + (long)T * H * Dv, *gates = o + (long)T * Hd;  /* gates [T, H]: g_proj's (gated) */
+    uint16_t *qcat = gates + (long)T * H, *qg = qcat + (long)T * 2 * ql, *og = qg + (long)T * nqg;
     int rc = 0;
     PROF(P_RMS_IN, coli_rmsnorm(h, 1, T, Hd, L->in_w, L->in_eps, xn));
+    if (L->gate_rank && (rc = norm_gate(L, &L->in_gd, &L->in_gu, xn, T))) goto done;
     {   /* q_proj or q_a_proj, kv_a_proj_with_mqa (and g_proj): all read the normed rows */
         coli_qw w[3] = {L->wq, L->wkva, L->wg};
         int N[3] = {ql ? ql : (int)nq, W, H};
@@ -211,7 +237,21 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         add_rows(ql ? qa : q, L->bqa, T, ql ? ql : nq);
         add_rows(kva, L->bkva, T, W);
     }
-    if (ql) {
+    if (ql && L->qgate) {  /* one projection of [norm(qa), qa]: per head Dq query rows, then Dv gate rows */
+        coli_rmsnorm(qa, 1, T, ql, L->qa_w, L->lora_eps, qan);
+        for (int t = 0; t < T; t++) {
+            memcpy(qcat + (long)t * 2 * ql, qan + (long)t * ql, sizeof(uint16_t) * ql);
+            memcpy(qcat + (long)t * 2 * ql + ql, qa + (long)t * ql, sizeof(uint16_t) * ql);
+        }
+        void *y = qg;
+        int N = (int)nqg;
+        PROF(P_QKV, rc = coli_multi_gemm(qcat, 1, T, 2 * ql, L->scheme, L->group, 1, &L->wqb, &N, &y));
+        if (rc) goto done;
+        for (long th = 0; th < (long)T * H; th++) {
+            memcpy(q + th * Dq, qg + th * (Dq + Dv), sizeof(uint16_t) * Dq);
+            memcpy(og + th * Dv, qg + th * (Dq + Dv) + Dq, sizeof(uint16_t) * Dv);
+        }
+    } else if (ql) {
         coli_rmsnorm(qa, 1, T, ql, L->qa_w, L->lora_eps, qan);
         void *y = q;
         int N = (int)nq;
@@ -249,6 +289,9 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
         rc = -2;
         goto done;
     }
+    if (L->qgate)  /* each output channel times sigmoid(its gate), the product in f32 once (torch's f32 gate) */
+        for (long i = 0; i < (long)T * H * Dv; i++)
+            av[i] = f32_to_bf16(bf16_to_f32(av[i]) / (1.f + expf(-bf16_to_f32(og[i]))));
     if (L->gated)  /* each head's output times sigmoid(its gate), both rounded to bf16 as torch's bf16 ops */
         for (long r = 0; r < (long)T * H; r++) {
             float s = bf16_to_f32(f32_to_bf16(1.f / (1.f + expf(-bf16_to_f32(gates[r])))));
@@ -262,6 +305,7 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
     }
     add_bf16((const uint16_t *)h, o, (long)T * Hd, (uint16_t *)h_out);
     PROF(P_RMS_POST, coli_rmsnorm(h_out, 1, T, Hd, L->post_w, L->post_eps, x_out));
+    if (L->gate_rank && L->post_gd.q) rc = norm_gate(L, &L->post_gd, &L->post_gu, (uint16_t *)x_out, T);
 done:
     free(buf);
     return rc;

@@ -20,7 +20,9 @@ class MlaLayer(ctypes.Structure):
         + [("interleaved", ctypes.c_int), ("scale", ctypes.c_float)] \
         + [("kvb", native.QW), ("kvb_scheme", ctypes.c_int), ("kvb_group", ctypes.c_int)] \
         + [(n, ctypes.c_void_p) for n in ("bqa", "bkva", "bo")] \
-        + [("gated", ctypes.c_int), ("wg", native.QW)]
+        + [("gated", ctypes.c_int), ("wg", native.QW), ("qgate", ctypes.c_int), ("gate_rank", ctypes.c_int)] \
+        + [(n, native.QW) for n in ("in_gd", "in_gu", "post_gd", "post_gu")] \
+        + [(n, ctypes.c_int) for n in ("gd_scheme", "gd_group", "gu_scheme", "gu_group")]
 
 
 _declared = False

@@ -12,8 +12,9 @@ shared expert) with three changes:
 
 MoE layers by `mlp_layer_types`, else from `first_k_dense_replace` (1) at every `moe_layer_freq`. Names: the
 release's (`self_attn.q_b_proj` for the query-and-gate projection, the norms' `W_down` / `W_up`); transformers'
-in-memory `q_gate_proj` and `mlp.fc1` / `mlp.fc2` map onto them. The gated norms and query keep these layers out of
-the kernels' attention blocks: attention runs in torch, the MoE blocks natively.
+in-memory `q_gate_proj` and `mlp.fc1` / `mlp.fc2` map onto them. bf16 rows of native weights take kernels/mla.c's
+block with both gates (`qgate`, `gate_rank`): the gated norms, the gated query and the output gate in the call, and
+so the one-call step where V3.2's takes it (a context within `index_topk`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import native
 from . import deepseek_v3 as v3
 from . import deepseek_v32 as v32
 from .base import refuse, rename_first
@@ -84,6 +86,30 @@ class GatedQueryAttention(v32.DSAttention):
         m = self.a
         self.q_b_proj = Linear(2 * m.q_lora_rank, m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim))
         self._gate: torch.Tensor | None = None  # [T, H Dv]: this forward's output gates (query -> out_gate)
+
+    fused = v32.DSAttention.fused  # (DecoderBlock takes a class's own `fused` only)
+
+    def _build_native_layer(self, in_norm, post_norm):
+        """kernels/mla.c's block with the gated query (`qgate`) and the gated norms (`gate_rank`): the RMSNorm
+        parts as V3's, the gates' low-rank weights beside them; None where a gate's weights are not native."""
+        gated_post = isinstance(post_norm, GatedRMSNorm)
+        if not isinstance(in_norm, GatedRMSNorm):
+            return None
+        layer = super()._build_native_layer(in_norm.norm, post_norm.norm if gated_post else post_norm)
+        gates = (in_norm, post_norm) if gated_post else (in_norm,)
+        downs, ups = [g.W_down for g in gates], [g.W_up for g in gates]
+        if layer is None or not all(getattr(p, "path", None) == "native" and p.bias is None
+                                    and p.compute_dtype == torch.bfloat16 for p in downs + ups) \
+                or any(len({(p.scheme, p.group_size) for p in ps}) > 1 for ps in (downs, ups)):
+            return None
+        qw = lambda p: native.QW(*native.qw(p))  # noqa: E731
+        layer.qgate, layer.gate_rank = 1, in_norm.W_down.out_features
+        layer.in_gd, layer.in_gu = qw(in_norm.W_down), qw(in_norm.W_up)
+        if gated_post:
+            layer.post_gd, layer.post_gu = qw(post_norm.W_down), qw(post_norm.W_up)
+        layer.gd_scheme, layer.gd_group = 8 if downs[0].scheme == "int8" else 4, downs[0].group_size
+        layer.gu_scheme, layer.gu_group = 8 if ups[0].scheme == "int8" else 4, ups[0].group_size
+        return layer
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         m, T = self.a, x.shape[0]

@@ -28,14 +28,13 @@ import torch
 from ..kernels import native
 from . import deepseek_v3 as v3
 from . import kimi_linear
-from .base import CausalLM, check_act_and_rope, refuse, rename_first
+from .base import CausalLM, refuse, rename_first
 from .deepseek_v2 import moe_block
 from .kda import KDAArgs, KimiDeltaAttention
 from .layers import MLP, DecoderBlock, Linear
 from .mla import MLAArgs, MLAttention
 
 FAMILY = "bailing_hybrid"
-KINDS = kimi_linear.KINDS
 
 
 @dataclass
@@ -116,21 +115,9 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse Ling hybrid configs this file does not implement (transformers' port is the reference)."""
-    check_act_and_rope(FAMILY, cfg)
-    n = cfg.get("num_hidden_layers")
     if not isinstance(cfg.get("layer_group_size", 6), int) or cfg.get("layer_group_size", 6) < 1:
         refuse(FAMILY, "layer_group_size", cfg.get("layer_group_size"), "a whole number of layers >= 1")
-    kinds = layer_kinds(cfg, n) if isinstance(n, int) and n > 0 else None
-    if kinds is not None and (len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
-    mlp = cfg.get("mlp_layer_types")
-    if mlp is not None and (not isinstance(mlp, list) or len(mlp) != n or any(k not in ("dense", "sparse")
-                                                                              for k in mlp)):
-        refuse(FAMILY, "mlp_layer_types", mlp, f"{n} entries of dense / sparse")
-    n_exp = next((cfg[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in cfg), 0)
-    groups = next((cfg[k] for k in ("num_expert_group", "n_group") if k in cfg), 1) or 1
-    if n_exp and n_exp % groups:
-        refuse(FAMILY, "n_group", groups, f"a divisor of the {n_exp} experts")
+    kimi_linear.check_layers(FAMILY, cfg, layer_kinds)
     if cfg.get("kda_safe_gate", True) and cfg.get("kda_lower_bound", -5.0) >= 0:
         refuse(FAMILY, "kda_lower_bound", cfg["kda_lower_bound"], "a negative bound (the bounded decay's)")
     if cfg.get("linear_conv_kernel_dim", cfg.get("short_conv_kernel_size", 4)) < 2:

@@ -109,21 +109,27 @@ class Model(CausalLM):
         self.args = a
 
 
-def check_config(cfg: dict) -> None:
-    """Refuse Kimi-Linear configs this file does not implement (transformers' port is the reference)."""
-    check_act_and_rope(FAMILY, cfg)
+def check_layers(family: str, cfg: dict, kinds_of) -> None:
+    """The refusals the KDA hybrids share (this one and Ling's): the activation and RoPE, the attention kinds
+    (`kinds_of(cfg, n)`), the MLP kinds, router groups that divide the experts."""
+    check_act_and_rope(family, cfg)
     n = cfg.get("num_hidden_layers")
-    kinds = layer_kinds(cfg, n) if isinstance(n, int) and n > 0 else None
+    kinds = kinds_of(cfg, n) if isinstance(n, int) and n > 0 else None
     if kinds is not None and (len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(family, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     mlp = cfg.get("mlp_layer_types")
     if mlp is not None and (not isinstance(mlp, list) or len(mlp) != n or any(k not in ("dense", "sparse")
                                                                               for k in mlp)):
-        refuse(FAMILY, "mlp_layer_types", mlp, f"{n} entries of dense / sparse")
+        refuse(family, "mlp_layer_types", mlp, f"{n} entries of dense / sparse")
     n_exp = next((cfg[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in cfg), 0)
     groups = next((cfg[k] for k in ("num_expert_group", "n_group") if k in cfg), 1) or 1
     if n_exp and n_exp % groups:
-        refuse(FAMILY, "n_group", groups, f"a divisor of the {n_exp} experts")
+        refuse(family, "n_group", groups, f"a divisor of the {n_exp} experts")
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse Kimi-Linear configs this file does not implement (transformers' port is the reference)."""
+    check_layers(FAMILY, cfg, layer_kinds)
     if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         refuse(FAMILY, "moe_router_activation_func", cfg["moe_router_activation_func"], "sigmoid")
     lin = cfg.get("linear_attn_config") or {}
