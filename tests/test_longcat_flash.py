@@ -188,3 +188,57 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
         got, ref = logits(llm, True), logits(llm, False)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("scheme,over", [("int8", {}), ("int4", {"q_lora_rank": 32, "kv_lora_rank": 32}),
+                                         ("int8", {"zero_expert_num": 8, "num_experts_per_tok": 4})])  # (mixed)
+def test_the_moe_in_one_call_gives_the_bits_of_the_torch_glue(ckpt, monkeypatch, scheme: str, over: dict) -> None:
+    """bf16 rows of a resident layer: the MoE in one kernels/moe.c call (coli_zero_moe: router, zero slots, experts,
+    identity term) gives exactly the logits of the router and the experts called apart with the zero slots in torch
+    between them; the call took every MoE layer of every step, and zero slots were among its routes."""
+    from colibri.kernels import native_zero
+
+    calls: list[tuple] = []
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(out)
+        return out
+
+    def run(llm, native_path: bool) -> tuple[torch.Tensor, list]:
+        routes: list = []
+        with monkeypatch.context() as mp:
+            mp.setattr(native_zero, "zero_moe", spy)
+            mp.setattr(lc, "NATIVE", native_path)
+            for b in llm.model.model.layers:  # (what the routing log and trace receive)
+                mp.setattr(b.mlp.experts, "on_route", lambda layer, i, w: routes.append((layer, i.tolist(),
+                                                                                         w.tolist())))
+            return prompt_then_decode(llm, PROMPT), routes
+
+    real = native_zero.zero_moe
+    with colibri.load(ckpt.coli("longcat_flash", scheme, **over), ctx_size=64, threads=2) as llm:
+        got, got_routes = run(llm, True)
+        n = len(calls)
+        ref, ref_routes = run(llm, False)
+    assert n == len(calls) == 3 * (len(PROMPT) - 3) and all(c is not None for c in calls)
+    assert any(bool((c[2] == 0).any()) for c in calls)  # (zero slots: weight-0 repeats of a real expert)
+    assert torch.equal(got, ref) and got_routes == ref_routes and len(got_routes) == n
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_the_routers_native_rule_is_its_torch_rule() -> None:
+    """bf16 rows: the kernels' softmax-with-bias rule without renormalising (times the scale) picks the experts and
+    weights the router's torch rule picks (f32 rows take torch's)."""
+    args = lc.ModelArgs.from_dict(_cfg(hidden_size=32, n_routed_experts=24, zero_expert_num=8, moe_topk=5,
+                                       routed_scaling_factor=3.0))
+    router = lc.Router(args)
+    g = torch.Generator().manual_seed(0)
+    router.weight.data = torch.randn(32, 32, generator=g)
+    router.e_score_correction_bias.data = torch.rand(32, generator=g) * 0.05
+    x = torch.randn(6, 32, generator=g).to(torch.bfloat16)
+    assert router.native_routing() is not None
+    idx, w = router(x)
+    want_idx, want_w = router(x.float())  # (the torch rule: the same bf16 values, in f32)
+    assert torch.equal(idx.sort(-1).values, want_idx.sort(-1).values)
+    torch.testing.assert_close(w.gather(1, idx.argsort(-1)), want_w.gather(1, want_idx.argsort(-1)))

@@ -162,6 +162,9 @@ typedef struct {
     int input_scaled;  /* coli_moe_block (k == 1): the score scales the expert's input, the outputs summed
                         * unweighted (Llama 4); coli_moe takes the rows scaled already and ignores it */
 } coli_expert_act;
+int coli_zero_moe(const void *x, int T, int H, int I, const float *W, int E, int Z, int k, int norm, int kind,
+                  const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme, int g,
+                  int64_t *idx, float *w, float *ys, void *y);
 int coli_moe_block(const void *x, const void *h, int T, int H, int I, const float *W, int E, int k, int norm,
                    int kind, int n_group, int topk_group, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,

@@ -373,3 +373,43 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
     free(y);
     return rc;
 }
+
+/* LongCat-Flash's MoE (models/longcat_flash.py ZeroExpertMoE) for a few bf16 rows: route x over the E routed + Z
+ * zero-computation experts by `kind` (W [E + Z, H]); each zero slot becomes a weight-0 repeat of its row's first
+ * routed expert (the step's first where a row has none, else expert 0) and its weight goes to the row's identity
+ * term; the routed experts run as coli_moe does, and y = their sum + bf16(identity x), in bf16. idx / w receive the
+ * routes as the experts saw them. Returns coli_moe's codes, or COLI_MISS before anything is written where the
+ * tables lack a routed expert (a cached layer). */
+int coli_zero_moe(const void *x, int T, int H, int I, const float *W, int E, int Z, int k, int norm, int kind,
+                  const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme, int g,
+                  int64_t *idx, float *w, float *ys, void *y) {
+    if (T < 1 || T > MAX_T || E < 1 || Z < 0) return -3;
+    int rc = coli_route(x, 1, T, H, W, E + Z, k, norm, kind, 1, 1, bias, scale, idx, w);
+    if (rc) return rc;
+    int64_t step_first = 0;
+    for (int p = 0; p < T * k; p++)
+        if (idx[p] < E) { step_first = idx[p]; break; }
+    float ident[MAX_T];
+    for (int t = 0; t < T; t++) {
+        int64_t first = step_first, *it = idx + (long)t * k;
+        for (int j = 0; j < k; j++)
+            if (it[j] < E) { first = it[j]; break; }
+        ident[t] = 0.f;
+        for (int j = 0; j < k; j++)
+            if (it[j] >= E) {
+                ident[t] += w[(long)t * k + j];
+                it[j] = first;
+                w[(long)t * k + j] = 0.f;
+            }
+    }
+    for (int p = 0; p < T * k; p++)
+        if (!gate_up[idx[p]].q) return COLI_MISS;
+    rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y, NULL);
+    if (rc) return rc;
+    const uint16_t *xb = (const uint16_t *)x;
+    uint16_t *yb = (uint16_t *)y;
+    for (int t = 0; t < T; t++)  /* (the torch path's bf16(ident * x), then the bf16 sum) */
+        for (long c = (long)t * H; c < (long)(t + 1) * H; c++)
+            yb[c] = f32_to_bf16(bf16_to_f32(yb[c]) + bf16_to_f32(f32_to_bf16(ident[t] * bf16_to_f32(xb[c]))));
+    return 0;
+}

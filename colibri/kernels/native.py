@@ -369,7 +369,8 @@ def route(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool, bias: torch.Tens
     [T, k], weights f32 [T, k]), largest first. ROUTE_SOFTMAX (the kind without `bias`): softmax, renormalised
     when `norm`; ROUTE_SIGMOID (the kind with `bias`, f32 [E] contiguous): sigmoid scores chosen by score +
     bias, weighted by the scores (renormalised when `norm`) times `scale`; ROUTE_SOFTMAX_BIAS: softmax
-    probabilities chosen by probability + bias, weighted by the probabilities over max(their sum, `scale`);
+    probabilities chosen by probability + bias, weighted by the probabilities over max(their sum, `scale`) when
+    `norm`, else times `scale`;
     ROUTE_LOGIT_BIAS_SIGMOID: chosen by logit + bias, weighted by sigmoid(logit) (renormalised when `norm`). groups
     (n_group, topk_group): the choice limited to the best topk_group of n_group groups first (ROUTE_SOFTMAX: a
     group's best probability; ROUTE_SIGMOID: the sum of its two best score + bias)."""

@@ -123,9 +123,10 @@ static int route_select_sigmoid(float *p, float *s, int E, int k, int norm, cons
 
 /* Softmax probabilities chosen by probability + a selection-only bias (ERNIE-4.5's moe_statics): the k
  * largest s + bias[e] in descending order (ties: the lower expert first), weighted by their unbiased
- * probabilities over max(their sum, norm_min) -- ernie4_5_moe.py's Router. p (E logits) is overwritten, s
- * is E floats of scratch. Returns 0, or -5 for NaN logits. */
-static int route_select_softmax_bias(float *p, float *s, int E, int k, const float *bias, float norm_min,
+ * probabilities over max(their sum, norm_min) -- ernie4_5_moe.py's Router; without `norm`, times norm_min as a
+ * scale instead (LongCat-Flash's). p (E logits) is overwritten, s is E floats of scratch. Returns 0, or -5 for
+ * NaN logits. */
+static int route_select_softmax_bias(float *p, float *s, int E, int k, int norm, const float *bias, float norm_min,
                                      int64_t *ix, float *wt) {
     float mx = -INFINITY;
     for (int e = 0; e < E; e++) {
@@ -138,6 +139,10 @@ static int route_select_softmax_bias(float *p, float *s, int E, int k, const flo
     if (take_top(p, E, k, ix)) return -5;
     float sum = 0.f;
     for (int jj = 0; jj < k; jj++) sum += wt[jj] = s[ix[jj]];
+    if (!norm) {
+        for (int jj = 0; jj < k; jj++) wt[jj] *= norm_min;
+        return 0;
+    }
     float d = sum > norm_min ? sum : norm_min;
     for (int jj = 0; jj < k; jj++) wt[jj] /= d;
     return 0;
@@ -218,7 +223,8 @@ static int route_row(const route_job *j, float *p, float *s, long t) {
         return route_select_biased_logit_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
     if (j->kind == ROUTE_SIGMOID)
         return route_select_sigmoid(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt, j->n_group, j->topk_group);
-    if (j->kind == ROUTE_SOFTMAX_BIAS) return route_select_softmax_bias(p, s, j->E, j->k, j->bias, j->scale, ix, wt);
+    if (j->kind == ROUTE_SOFTMAX_BIAS)
+        return route_select_softmax_bias(p, s, j->E, j->k, j->norm, j->bias, j->scale, ix, wt);
     int rc = route_select(p, j->E, j->k, j->norm, ix, wt, j->n_group, j->topk_group);
     if (!rc && !j->norm && j->scale != 1.f)  /* DeepSeek-V2's routed_scaling_factor (not renormalised) */
         for (int jj = 0; jj < j->k; jj++) wt[jj] *= j->scale;

@@ -18,7 +18,8 @@ The checkpoint's `mlp.router.classifier` is the MoE's gate, its norms `.0` / `.1
 `input_layernorm_1`, `post_attention_layernorm` (the MoE's: the look-ahead applies it), `post_attention_layernorm_1`;
 the multi-token-prediction module (`model.mtp.*`) is dropped, and so are the placeholder gate/up weights transformers
 saves for the zero experts (`source_view`). The blocks run layer by layer (not the one-call step's shape): MLA and the
-MLPs natively for bf16 decode rows, the experts in kernels/moe.c.
+MLPs natively for bf16 decode rows, the MoE in one kernels/moe.c call (coli_zero_moe: router, zero slots, experts,
+identity) for a resident layer's rows, else the experts there with the router and zero slots around them.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels import native, native_zero
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .batch import LayerKV
 from .layers import MLP, RMSNorm, rope_scaling, rope_theta
 from .mla import LatentCache, MLAArgs, MLAttention
-from .moe import SparseMoE, SwitchGLU
+from .moe import RouteRule, SparseMoE, SwitchGLU, native_route, native_router_ok, native_routing
 
 FAMILY = "longcat_flash"
+NATIVE = True  # False: the MoE's bf16 rows take the torch glue around the native experts (tests compare the two)
 DEFAULT_THETA = 1e7  # transformers' LongcatFlashConfig.default_theta
 
 
@@ -82,7 +85,17 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E), requires_grad=False)  # [E + Z]
         self.top_k, self.scaling = a.num_experts_per_tok, a.routed_scaling_factor
 
+    def native_routing(self) -> RouteRule | None:
+        """The kernels' softmax-with-bias rule (route.c, ERNIE's), not renormalised: times the scale."""
+        b = self.e_score_correction_bias
+        if b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous():
+            return None
+        return RouteRule(native.ROUTE_SOFTMAX_BIAS, False, b, float(self.scaling))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = native_route(self, x)  # (bf16 rows: f32 stays the oracle's)
+        if routed is not None:
+            return routed
         scores = torch.softmax(x.float() @ self.weight.T, dim=-1)  # [T, E + Z]
         idx = (scores + self.e_score_correction_bias).topk(self.top_k, -1).indices  # [T, k]: the bias only chooses
         return idx, scores.gather(1, idx) * self.scaling
@@ -94,9 +107,32 @@ class ZeroExpertMoE(SparseMoE):
     row with no real expert repeats the step's first, or expert 0), so routing logs show such slots at weight 0."""
 
     def fused(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
-        return None  # (the kernels' block routes among the routed experts only)
+        return None  # (the kernels' MoE block adds a residual LongCat's shortcut does not take: `native` instead)
+
+    def native(self, x: torch.Tensor, resid: torch.Tensor | None) -> torch.Tensor | None:
+        """The layer in one native call (kernels/moe.c coli_zero_moe: the router, the zero slots, the experts, the
+        identity term) for a few bf16 rows of a resident layer; None where it does not apply."""
+        ex, rule = self.experts, native_routing(self.gate)
+        if not NATIVE or rule is None or x.shape[0] > native.MOE_MAX_ROWS \
+                or not native_router_ok(self.gate.weight, x):
+            return None
+        tables = ex.full_tables()
+        if tables is None:
+            return None
+        if resid is not None:
+            ex._look_ahead(resid)  # the next layer's reads start first, as on the torch path
+        out = native_zero.zero_moe(tables, x.contiguous(), self.gate.weight, ex.num_experts, self.gate.top_k,
+                                   rule.norm, rule.kind, rule.bias, rule.scale, ex.intermediate)
+        if out is None:
+            return None
+        if ex.on_route is not None:
+            ex.on_route(ex.layer, out[1], out[2])
+        return out[0]
 
     def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.native(x, resid)
+        if out is not None:
+            return out
         idx, weights = self.gate(x)  # [T, k] over routed + zero ids
         real = idx < self.experts.num_experts  # [T, k]
         ident = torch.where(real, 0.0, weights.float()).sum(-1, keepdim=True)  # [T, 1]: the zero experts' weight
