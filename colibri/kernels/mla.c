@@ -2,8 +2,8 @@
  * or q_a_proj -> norm -> q_b_proj) and the latent kv_a projection -> the latent's norm and the shared rope
  * key into the latent cache -> each head's query folded into latent space (q_nope W_uk) -> one-"head"
  * attention over the cache -> the latent context unfolded per head (W_uv) -> (a sigmoid gate per head, Ling
- * 3.0's, or per channel from the query's projection, A.X K2's, whose norms are gated too) -> o_proj -> residual add ->
- * the post-attention RMSNorm. The absorbed form of colibri/models/mla.py, whose docstring derives it.
+ * 3.0's, or per channel from the query's projection, A.X K2's, whose norms are gated too) -> o_proj -> residual
+ * add -> the post-attention RMSNorm. The absorbed form of colibri/models/mla.py, whose docstring derives it.
  *
  * Why: layer by layer from Python, the absorbed attention was ~25 torch ops a layer (bmm, cat, matmul,
  * softmax, masks), 60% of a DeepSeek-shaped decode step against 22% for the experts. Projections and
@@ -183,11 +183,6 @@ static void unfold_part(void *p, int id, int n) {
     }
 }
 
-/* T rows of bf16 hidden states h [T, hidden]; row t sits at position pos[t] of the sequence whose latent
- * cache for this layer is cache[t] (bf16 [ctx, R + Dr]: the normed latent, then the rotated rope key);
- * cos/sin f32 [T, Dr]. Writes each row's latent at its position, then (all rows written: a prompt chunk's
- * rows see their predecessors) h_out = h + attn(h) and x_out = post_norm(h_out), bf16 [T, hidden].
- * Returns 0, -1 (T out of range), -2 (memory), or a projection's error. */
 /* A.X K2's gated norm on rows already RMS-normed, in place: x = x sigmoid(W_up silu(W_down x)), rounded as torch's
  * bf16 ops (silu's output, W_up's, then the product in f32 once). */
 static int norm_gate(const coli_mla_layer *L, const coli_qw *gd, const coli_qw *gu, uint16_t *x, int T) {
@@ -210,6 +205,11 @@ static int norm_gate(const coli_mla_layer *L, const coli_qw *gd, const coli_qw *
     return rc;
 }
 
+/* T rows of bf16 hidden states h [T, hidden]; row t sits at position pos[t] of the sequence whose latent
+ * cache for this layer is cache[t] (bf16 [ctx, R + Dr]: the normed latent, then the rotated rope key);
+ * cos/sin f32 [T, Dr]. Writes each row's latent at its position, then (all rows written: a prompt chunk's
+ * rows see their predecessors) h_out = h + attn(h) and x_out = post_norm(h_out), bf16 [T, hidden].
+ * Returns 0, -1 (T out of range), -2 (memory), or a projection's error. */
 int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
                    const float *cs, const float *sn, void *h_out, void *x_out) {
     if (T < 1 || T > MAX_T || L->rope > 512) return -1;
