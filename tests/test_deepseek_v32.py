@@ -1,5 +1,6 @@
 """DeepSeek-V3.2 (deepseek_v32): the dense-layer rule as transformers', the native MLA block (which the dense
-stretch of a sequence takes) writing the indexer's keys as the torch layer does, refusals. Its oracle, batch,
+stretch of a sequence takes) writing the indexer's keys as the torch layer does, the block past index_topk over the
+selected latents (V3.2, GLM-5, A.X K2) against the torch layer, refusals. Its oracle, batch,
 prompt-cache and tier tests run with every family's (tests/hf_tiny.py FAMILIES: the indexer keeps 8 positions,
 so their runs attend sparsely)."""
 
@@ -124,3 +125,71 @@ def test_a_slot_counts_the_indexer_keys_long_contexts_cache() -> None:
     per_pos, fixed = model.cache_cost(torch.bfloat16)
     assert per_pos == 3 * (16 + 8 + 16) * 2 and fixed == 0  # 3 layers x (latent 16 + rope 8 + index key 16) bf16
     assert not any(b.self_attn.dense for b in model.model.layers)  # (the measurement left their mode alone)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+@pytest.mark.parametrize("family,scheme", [("deepseek_v32", "int8"), ("deepseek_v32", "int4"), ("axk2", "int8")])
+def test_past_index_topk_each_layer_in_the_block_is_the_torch_layer(ckpt, family: str, scheme: str) -> None:
+    """Past index_topk positions, a layer's rows (a decode row, a 3-row chunk) in kernels/mla.c's block over the
+    selected positions' latents (gathered) against the torch layer from the same cache: the same selection, the
+    outputs to bf16 rounding; with every position attended instead the rows differ far more (so the comparison sees
+    the selection)."""
+    import copy
+
+    from test_native_step import prompt_then_decode
+
+    from colibri.models.batch import LayerKV
+
+    over = {"q_lora_rank": 32, "kv_lora_rank": 32} if scheme == "int4" else {}
+    g = torch.Generator().manual_seed(0)
+    with colibri.load(ckpt.coli(family, scheme, **over), ctx_size=64, threads=2) as llm:
+        prompt_then_decode(llm, PROMPT + [9, 21, 40])  # (15 positions cached: past index_topk, 8)
+        S = len(PROMPT) + 3
+        for b, cache in zip(llm.model.model.layers, llm.slots.caches[0]):
+            m, args = b.self_attn, (b.input_layernorm, b.post_attention_layernorm)
+            for T in (1, 3):
+                h = (torch.randn(T, 64, generator=g) * 2).to(torch.bfloat16)
+                c1, c2, c3 = (copy.deepcopy(cache) for _ in range(3))
+                h_got, x_got = m._fused_sparse(h, LayerKV([(0, T, S, c1)], S), *args)
+                h_ref = h + m(b.input_layernorm(h), LayerKV([(0, T, S, c2)], S))
+                x_ref = b.post_attention_layernorm(h_ref)
+                # every position attended (no selection): what the selection leaves out comes back
+                h_all, _ = m._native_rows(m._native_layer(*args), h, [(0, T, S, c3)], S, [None] * T)
+                for got, ref in ((h_got, h_ref), (x_got, x_ref)):
+                    err = (got.float() - ref.float()).abs().max()
+                    assert err <= 0.02 * ref.float().abs().max()
+                assert (h_all.float() - h_ref.float()).abs().max() > 4 * (h_got.float() - h_ref.float()).abs().max()
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2"])
+def test_past_index_topk_decode_takes_the_block(ckpt, monkeypatch, family: str) -> None:
+    """int8, every position a one-row step: past index_topk each layer takes the block with the selection (GLM-5's
+    shared layers with their carrier's), the top tokens those of the torch layers wherever rounding cannot flip
+    them."""
+    from hf_tiny import top2_margins
+    from test_native_step import prompt_then_decode
+
+    from colibri.models import deepseek_v32 as v32
+
+    prompt = PROMPT + [9, 21, 40, 77]
+    taken: list[bool] = []
+    real = v32.DSAttention._fused_sparse
+
+    def spy(*a):
+        out = real(*a)
+        taken.append(out is not None)
+        return out
+
+    with colibri.load(ckpt.coli(family, "int8"), ctx_size=64, threads=2) as llm:
+        with monkeypatch.context() as mp:
+            mp.setattr(v32.DSAttention, "_fused_sparse", spy)
+            got = prompt_then_decode(llm, prompt, first=1)
+        with monkeypatch.context() as mp:
+            mp.setattr(v32.DSAttention, "_fused_sparse", lambda *a: None)
+            ref = prompt_then_decode(llm, prompt, first=1)
+        n_layers = len(llm.model.model.layers)
+    assert taken == [True] * n_layers * (len(prompt) - 8)  # (positions 9.. hold more than index_topk, 8)
+    diff = (got - ref).abs().max(-1).values
+    sure = top2_margins(ref) > 2 * diff
+    assert sure.sum() >= len(prompt) // 2 and torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])

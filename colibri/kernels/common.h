@@ -145,6 +145,9 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
 int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
                    const float *cs, const float *sn, void *h_out, void *x_out);
+int coli_mla_block_sel(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
+                       const float *cs, const float *sn, const int *const *sel, const int *nsel, void *h_out,
+                       void *x_out);
 enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER,
        ROUTE_LOGIT_BIAS_SIGMOID };  /* coli_route's rules (route.c) */
 #define COLI_MISS (-7)  /* coli_moe_block: a routed expert is not in the layer's table (a cached layer) */

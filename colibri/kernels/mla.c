@@ -212,6 +212,15 @@ static int norm_gate(const coli_mla_layer *L, const coli_qw *gd, const coli_qw *
  * Returns 0, -1 (T out of range), -2 (memory), or a projection's error. */
 int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
                    const float *cs, const float *sn, void *h_out, void *x_out) {
+    return coli_mla_block_sel(L, T, h, pos, cache, cs, sn, NULL, NULL, h_out, x_out);
+}
+
+/* coli_mla_block where row t attends to the nsel[t] positions sel[t] (ascending, each <= pos[t]: DeepSeek Sparse
+ * Attention's selection) instead of all pos[t] + 1; sel NULL, or sel[t] NULL, for all of them. The selected
+ * latents are gathered first, so the attention is the dense one over them, in position order. */
+int coli_mla_block_sel(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
+                       const float *cs, const float *sn, const int *const *sel, const int *nsel, void *h_out,
+                       void *x_out) {
     if (T < 1 || T > MAX_T || L->rope > 512) return -1;
     int Hd = L->hidden, H = L->heads, Dn = L->nope, Dr = L->rope, Dv = L->vdim, R = L->kv_lora, ql = L->q_lora;
     int Dq = Dn + Dr, W = R + Dr;
@@ -275,12 +284,33 @@ int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos
     {
         const void *kb[MAX_T];
         int S[MAX_T];
+        long gtot = 0;
         for (int t = 0; t < T; t++) {
-            kb[t] = cache[t];
-            S[t] = pos[t] + 1;
+            if (!sel || !sel[t]) continue;
+            if (nsel[t] < 1) { rc = -3; goto done; }
+            for (int i = 0; i < nsel[t]; i++)
+                if (sel[t][i] < 0 || sel[t][i] > pos[t]) { rc = -3; goto done; }
+            gtot += nsel[t];
+        }
+        uint16_t *gath = gtot ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)gtot * W) : NULL;
+        if (gtot && !gath) { rc = -2; goto done; }
+        long off = 0;
+        for (int t = 0; t < T; t++) {
+            if (sel && sel[t]) {  /* the selected latents, in position order */
+                for (int i = 0; i < nsel[t]; i++)
+                    memcpy(gath + (off + i) * W, (const uint16_t *)cache[t] + (long)sel[t][i] * W,
+                           sizeof(uint16_t) * W);
+                kb[t] = gath + off * W;
+                S[t] = nsel[t];
+                off += nsel[t];
+            } else {
+                kb[t] = cache[t];
+                S[t] = pos[t] + 1;
+            }
         }
         /* every head reads the one latent "head": keys the whole rows, values their first R channels */
         PROF(P_ATTN, rc = coli_mla_attn(T, qf, H, W, R, kb, S, L->scale, ctx));
+        free(gath);
         if (rc) goto done;
     }
     kvb_job unfold = {ctx, L->kvb, L->kvb_scheme, L->kvb_group, av, T, H, Dn, Dv, R, (long)H * R, R, (long)H * Dv, Dv, 0};

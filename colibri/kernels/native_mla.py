@@ -33,8 +33,8 @@ def _lib() -> ctypes.CDLL:
     lib = native.lib()
     if not _declared:
         p, i = ctypes.c_void_p, ctypes.c_int
-        lib.coli_mla_block.argtypes = [p, i, p, p, p, p, p, p, p]
-        lib.coli_mla_block.restype = i
+        lib.coli_mla_block_sel.argtypes = [p, i, p, p, p, p, p, p, p, p, p]
+        lib.coli_mla_block_sel.restype = i
         lib.coli_mla_attn.argtypes = [i, p, i, i, i, p, p, ctypes.c_float, p]
         lib.coli_mla_attn.restype = i
         _declared = True
@@ -42,15 +42,20 @@ def _lib() -> ctypes.CDLL:
 
 
 def mla_block(layer: MlaLayer, h: torch.Tensor, pos: list[int], cache: list[int], cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              sin: torch.Tensor, sel: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_mla_block: h [T, hidden] bf16 contiguous; per row its position and its sequence's latent cache
-    base pointer for this layer (bf16 [ctx, R + Dr] contiguous); cos/sin f32 [T, Dr] contiguous ->
+    base pointer for this layer (bf16 [ctx, R + Dr] contiguous); cos/sin f32 [T, Dr] contiguous; `sel`: per row
+    the positions it attends to (int32, ascending, contiguous: DSA's selection) or None for all ->
     (h + attention(h), the post-attention norm of that), both bf16 [T, hidden]."""
     T = h.shape[0]
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    rc = _lib().coli_mla_block(ctypes.byref(layer), T, h.data_ptr(), (ctypes.c_int * T)(*pos),
-                               (ctypes.c_void_p * T)(*cache), cos.data_ptr(), sin.data_ptr(), h_out.data_ptr(),
-                               x_out.data_ptr())
+    sels = nsel = None
+    if sel is not None and any(s is not None for s in sel):
+        sels = (ctypes.c_void_p * T)(*[None if s is None else s.data_ptr() for s in sel])
+        nsel = (ctypes.c_int * T)(*[0 if s is None else s.numel() for s in sel])
+    rc = _lib().coli_mla_block_sel(ctypes.byref(layer), T, h.data_ptr(), (ctypes.c_int * T)(*pos),
+                                   (ctypes.c_void_p * T)(*cache), cos.data_ptr(), sin.data_ptr(), sels, nsel,
+                                   h_out.data_ptr(), x_out.data_ptr())
     if rc != 0:
         raise RuntimeError(f"coli_mla_block failed ({rc})")
     return h_out, x_out

@@ -9,8 +9,9 @@ attends to the `index_topk` best only.
 - Its keys are cached per position beside the latent (`IndexedLatentCache`), so a slot keeps prefixes and
   prompt caching works as for V3.
 - While a sequence holds at most `index_topk` positions every position is kept: the attention is V3's dense MLA,
-  native block included (the indexer's keys are still written); past that, the rows run torch's MLA (either
-  form: the absorbed one, decode's, masks its latent scores) with the indexer's selection. An engine whose
+  native block included (the indexer's keys are still written); past that, the indexer selects in torch and bf16
+  rows take the native block over the selected latents (`_fused_sparse`: gathered in position order), other rows
+  torch's MLA (either form: the absorbed one, decode's, masks its latent scores). An engine whose
   context (`ctx_size`) is at most `index_topk` never selects: it caches no indexer keys and takes V3's one-call
   step; a longer one does not (that call would not write the keys).
 - Layers are MoE by `mlp_layer_types`, else from `first_k_dense_replace` (3) on; RoPE pairs are interleaved.
@@ -206,12 +207,40 @@ class DSAttention(MLAttention):
         return S <= self.topk and super().native_form(T, S)
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm):
-        if self._sparse(kv) or h.dtype != torch.bfloat16 or h.device.type != "cpu":
+        if h.dtype != torch.bfloat16 or h.device.type != "cpu":
             return None
+        if self._sparse(kv):
+            return self._fused_sparse(h, kv, in_norm, post_norm)
         out = super().fused(h, kv, in_norm, post_norm)
         if out is not None:
             self._index_keys(in_norm(h), kv)
         return out
+
+    def _fused_sparse(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm):
+        """A step past index_topk positions in kernels/mla.c's block: the indexer's selection as the torch path
+        makes it, each row attending to its selected positions' latents (gathered in position order); None where
+        the block does not apply (the torch path runs)."""
+        if not all(MLAttention.native_form(self, r1 - r0, start + r1 - r0) and isinstance(c, LatentCache)
+                   and c.native_like(c) and start + r1 - r0 <= c.max_len for r0, r1, start, c in kv.segs):
+            return None  # (a full context: the torch path raises the error)
+        layer = self._native_layer(in_norm, post_norm)
+        if layer is None:
+            return None
+        x = in_norm(h)
+        self._index_keys(x, kv)
+        if self.indexer is not None:
+            keeps = self._selection(x, kv)
+            if self.carrier is not None:
+                self.carrier.keep = keeps
+        elif self.carrier is None or self.carrier.keep is None or len(self.carrier.keep) != len(kv.segs):
+            raise RuntimeError("a shared sparse-attention layer ran before any layer with an indexer")
+        else:
+            keeps = self.carrier.keep
+        sel: list = []
+        for (r0, r1, _, _), keep in zip(kv.segs, keeps):
+            rows = [None] * (r1 - r0) if keep is None else [k.nonzero()[:, 0].int() for k in keep]  # ascending
+            sel.extend(rows)
+        return self._native_rows(layer, h.contiguous(), kv.segs, kv.pos, sel)
 
 
 class Model(v3.Model):

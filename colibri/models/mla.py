@@ -191,10 +191,11 @@ class MLAttention(nn.Module):
                 x_out[r0:r1] = post_norm(ho)
         return h_out, x_out
 
-    def _native_rows(self, layer: native_mla.MlaLayer, h: torch.Tensor, segs: list,
-                     pos: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _native_rows(self, layer: native_mla.MlaLayer, h: torch.Tensor, segs: list, pos: int | torch.Tensor,
+                     sel: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """coli_mla_block over h [T, hidden] (contiguous) of `segs`, at most MOE_MAX_ROWS rows a call (a longer
-        prompt chunk in pieces: each piece's rows see the latents the pieces before it wrote)."""
+        prompt chunk in pieces: each piece's rows see the latents the pieces before it wrote); `sel`: per row the
+        positions it attends to (DSA's), or None for all."""
         rows, ptrs = [], []
         for r0, r1, start, cache in segs:
             rows.extend(range(start, start + r1 - r0))
@@ -202,9 +203,10 @@ class MLAttention(nn.Module):
         T, step = h.shape[0], native.MOE_MAX_ROWS
         cos, sin = self.rope.tables(pos, T, torch.float32)
         if T <= step:
-            return native_mla.mla_block(layer, h, rows, ptrs, cos.contiguous(), sin.contiguous())
+            return native_mla.mla_block(layer, h, rows, ptrs, cos.contiguous(), sin.contiguous(), sel)
         outs = [native_mla.mla_block(layer, h[i : i + step].contiguous(), rows[i : i + step], ptrs[i : i + step],
-                                     cos[i : i + step].contiguous(), sin[i : i + step].contiguous())
+                                     cos[i : i + step].contiguous(), sin[i : i + step].contiguous(),
+                                     None if sel is None else sel[i : i + step])
                 for i in range(0, T, step)]
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
