@@ -154,19 +154,23 @@ class DSAttention(MLAttention):
         self._index_keys(x, kv)
         if not self._sparse(kv):
             return super().forward(x, kv)  # every position kept: V3's dense MLA
-        if self.indexer is not None:
-            keeps = self._selection(x, kv)
-            if self.carrier is not None:
-                self.carrier.keep = keeps
-        elif self.carrier is None or self.carrier.keep is None or len(self.carrier.keep) != len(kv.segs):
-            raise RuntimeError("a shared sparse-attention layer ran before any layer with an indexer")
-        else:
-            keeps = self.carrier.keep
-        self._keep_iter = iter(keeps)  # (read by _expanded, a sequence at a time)
+        self._keep_iter = iter(self._keeps(x, kv))  # (read by _expanded, a sequence at a time)
         try:
             return super().forward(x, kv)
         finally:
             self._keep_iter = None
+
+    def _keeps(self, x: torch.Tensor, kv: LayerKV) -> list[torch.Tensor | None]:
+        """The step's selection per sequence: this layer's indexer's (handed on to the layers sharing it), or a
+        shared layer's carrier's."""
+        if self.indexer is not None:
+            keeps = self._selection(x, kv)
+            if self.carrier is not None:
+                self.carrier.keep = keeps
+            return keeps
+        if self.carrier is None or self.carrier.keep is None or len(self.carrier.keep) != len(kv.segs):
+            raise RuntimeError("a shared sparse-attention layer ran before any layer with an indexer")
+        return self.carrier.keep
 
     def _selection(self, x: torch.Tensor, kv: LayerKV) -> list[torch.Tensor | None]:
         """Per sequence, bool [n, S] (True: attended) where it holds more than index_topk positions."""
@@ -228,16 +232,8 @@ class DSAttention(MLAttention):
             return None
         x = in_norm(h)
         self._index_keys(x, kv)
-        if self.indexer is not None:
-            keeps = self._selection(x, kv)
-            if self.carrier is not None:
-                self.carrier.keep = keeps
-        elif self.carrier is None or self.carrier.keep is None or len(self.carrier.keep) != len(kv.segs):
-            raise RuntimeError("a shared sparse-attention layer ran before any layer with an indexer")
-        else:
-            keeps = self.carrier.keep
         sel: list = []
-        for (r0, r1, _, _), keep in zip(kv.segs, keeps):
+        for (r0, r1, _, _), keep in zip(kv.segs, self._keeps(x, kv)):
             rows = [None] * (r1 - r0) if keep is None else [k.nonzero()[:, 0].int() for k in keep]  # ascending
             sel.extend(rows)
         return self._native_rows(layer, h.contiguous(), kv.segs, kv.pos, sel)
