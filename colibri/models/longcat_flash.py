@@ -137,7 +137,8 @@ class ZeroExpertMoE(SparseMoE):
         real = idx < self.experts.num_experts  # [T, k]
         ident = torch.where(real, 0.0, weights.float()).sum(-1, keepdim=True)  # [T, 1]: the zero experts' weight
         any_real = real.any(-1)  # [T]
-        step_first = idx[real][0] if bool(any_real.any()) else idx.new_zeros(())
+        # the step's first real expert (row-major), else expert 0: without a host sync (the GPU tier's)
+        step_first = torch.where(any_real.any(), idx.reshape(-1)[real.reshape(-1).int().argmax()], 0)
         first = idx.gather(1, real.int().argmax(-1, keepdim=True))[:, 0]  # [T]: each row's first real expert
         first = torch.where(any_real, first, step_first)
         idx = torch.where(real, idx, first[:, None])
