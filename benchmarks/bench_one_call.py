@@ -9,10 +9,10 @@ llama4_text, hunyuan_v1_moe, exaone_moe, qwen3_next,
 qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
-lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear, bailing_hybrid, axk2) gets a random
-checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width 512, Llama 4's
-top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512; transformers' own
-initialisation), converted once. The same loaded model
+lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear, bailing_hybrid, axk2,
+beam) gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width
+512, Llama 4's top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512;
+transformers' own initialisation), converted once. The same loaded model
 then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
@@ -283,6 +283,11 @@ SHAPES["axk1"] = {**SHAPES["deepseek_v3-g8"]}
 # A.X K2 (Light): V3.2's shape at this size, no router groups, gated norms of rank 16 (llama.cpp: no converter)
 SHAPES["axk2"] = {**{k: v for k, v in SHAPES["deepseek_v32"].items() if k not in ("n_group", "topk_group")},
                   "gated_norm_rank": 16}
+# Reflection's Beam: AFMoE's layers with the gate's bias, NoPE full layers' query scale and depth-scaled adds; 32
+# experts top-4 of 512 in 4 router groups (2 kept), no shared expert, layer 0 dense, every sixth layer and the last
+# full, the others sliding over 128 (llama.cpp: no converter)
+SHAPES["beam"] = {**BASE, "num_experts": 32, "n_group": 4, "topk_group": 2, "sliding_window": 128, "layer_types": None,
+                  "mlp_layer_types": ["dense"] + ["sparse"] * 7}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 

@@ -148,9 +148,11 @@ def _rope(cfg: Mapping, where: str) -> None:
             continue
         if not isinstance(r, dict):
             raise fail(f"{where}: {key} must be an object, got {_show(r)}")
-        if r and all(isinstance(v, dict) for v in r.values()):  # one per layer type (MiMo-V2-Flash's)
-            for kind, sub in r.items():
-                _rope({key: sub}, f"{where}: {key}.{kind}")
+        if r and all(isinstance(v, dict) or v is None for v in r.values()) \
+                and any(isinstance(v, dict) for v in r.values()):  # one per layer type (MiMo-V2-Flash's)
+            for kind, sub in r.items():  # (None: a kind without RoPE, Beam's full layers)
+                if sub is not None:
+                    _rope({key: sub}, f"{where}: {key}.{kind}")
             continue
         for k, v in r.items():
             if k in ("rope_type", "type"):

@@ -110,6 +110,7 @@ def prompt_then_decode(llm, prompt: list[int], first: int = 4) -> torch.Tensor:
     # A.X K2: MLA with the gated query and output gate, the gated norms (the dense layer's post norm plain); its
     # indexer never selects within this context (index_topk 64), so the one call takes it
     ("axk2", {"q_lora_rank": 32, "kv_lora_rank": 32, "index_topk": 64}),
+    ("beam", {}),  # (the gate's bias a head, the full layer's query scale table, the depth-scaled norms' eps)
     ("mellum", {}),  # (a RoPE base per layer type, a sliding layer, a dense one)
     ("cohere2_moe", {}),  # (parallel blocks: the MLP reads the attention's input norm; LayerNorms; NoPE layers)
     # Laguna: the softplus output gate (a head's, a channel's: the block's gate 3 / 2), heads and RoPE per layer

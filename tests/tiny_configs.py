@@ -55,6 +55,7 @@ FAMILIES: tuple[str, ...] = (
     "kimi_linear",
     "bailing_hybrid",
     "axk2",
+    "beam",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -371,6 +372,16 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         "deepseek_v32": {**mla, **dsa, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
         # A.X K2 (Light): V3.2's layers with gated norms (rank 8) and a gated query, no router groups
         "axk2": {**mla, **dsa, "routed_scaling_factor": 2.5, "gated_norm_rank": 8},
+        # Reflection's Beam: AFMoE's sandwich norms and gated attention (with a bias a head), sliding layers 0 and 2
+        # over 8 with RoPE, full layer 1 without (its queries scaled by position), depth-scaled residual adds; layer 0
+        # dense, then DeepSeek-V3's grouped sigmoid router (8 experts in 2 groups, 1 kept), no shared expert; the
+        # logits soft-capped at the release's 30 (the default)
+        "beam": {"num_experts": 8, "moe_intermediate_size": moe_i, "head_dim": 16, "sliding_window": 8,
+                 "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5,
+                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                 "mlp_layer_types": ["dense", "sparse", "sparse"],
+                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                     "full_attention": None}},
         # GLM-5: V3.2's layers, the indexer's RoPE interleaved, layer 1 sharing layer 0's selection (8 positions)
         "glm_moe_dsa": {**mla, **dsa, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "v_head_dim": 32,
                         "indexer_types": ["full", "shared", "full"]},

@@ -78,6 +78,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                     memcpy(q + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D, sizeof(uint16_t) * D);
                     memcpy(gates + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D + D, sizeof(uint16_t) * D);
                 }
+        if (L->gate == 1) add_rows(gates, L->bg, T, nq);
         add_rows(q, L->bq, T, nq);  /* as the projection's own bias add: bf16 + bf16, one rounding */
         add_rows(k, L->bk, T, nk);
         if (L->k_eq_v) memcpy(v, k, sizeof(uint16_t) * (size_t)T * nk);  /* the projection's output, before k's norm */

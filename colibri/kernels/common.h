@@ -111,6 +111,8 @@ typedef struct {
     int k_eq_v;                   /* 1: no wv, the values are wk's output before any q/k norm (Gemma 4's full layers) */
     const float *vn_w;            /* non-NULL: each value head RMS-normed with these f32 weights [v_dim], eps qk_eps
                                    * (Gemma 4: ones) */
+    const uint16_t *bg;           /* gate 1, non-NULL: bf16 [heads * head_dim] added to the output gate before its
+                                   * sigmoid, as a bias add (Beam's gate_bias, one a head, repeated) */
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the

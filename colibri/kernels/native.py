@@ -119,7 +119,8 @@ class AttnLayer(ctypes.Structure):
                 ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float),  # (AFMoE: o_proj's output RMSNorm)
                 ("parallel", ctypes.c_int),  # Cohere: the MLP reads the input norm (no post norm)
                 ("wg", QW),  # Laguna: gate 2 / 3, softplus(wg x) a channel / a head times the heads' output
-                ("k_eq_v", ctypes.c_int), ("vn_w", ctypes.c_void_p)]  # Gemma 4: keys as values; the values' norm
+                ("k_eq_v", ctypes.c_int), ("vn_w", ctypes.c_void_p),  # Gemma 4: keys as values; the values' norm
+                ("bg", ctypes.c_void_p)]  # Beam: gate 1's bias, bf16 [heads * head_dim]
 
 
 class Tail(ctypes.Structure):

@@ -23,7 +23,7 @@ SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek
              "glm4v_moe_text", "phimoe", "solar_open", "granitemoe", "dbrx",
              "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
              "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h",
-             "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2")
+             "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam")
 # layer kinds under their names before transformers 5 (Granite 4.0-H's and Nemotron-H's configs) -> today's
 LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 # model_types whose checkpoints are another family's layout: Kimi-K2 is DeepSeek-V3's

@@ -82,16 +82,25 @@ class GatedAttention(Attention):
         v = self.v_proj(x).view(T, a.kv_heads, a.head_dim)
         if a.use_rope:  # (AFMoE's full layers have none)
             q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
+        q = self.scaled_queries(q, kv)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         outs = []
         for r0, r1, start, cache in kv.segs:
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
             outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.sliding_window))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H*D]
-        gate = gate.reshape(T, -1)
+        gate = self.gate_logits(gate.reshape(T, -1))
         if o.dtype == torch.bfloat16 and o.device.type == "cpu" and native.available():
             return self.out(native.gate_mul(o, gate), x)  # (the fused block's arithmetic: the same bits)
         return self.out(o * torch.sigmoid(gate), x)
+
+    def scaled_queries(self, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        """q [T, H, D] after the rotary, as the scores read it (Beam scales its NoPE layers' queries)."""
+        return q
+
+    def gate_logits(self, gate: torch.Tensor) -> torch.Tensor:
+        """The output gate [T, H·D] before its sigmoid (Beam adds a bias)."""
+        return gate
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention.fused: kernels/block.c, with its output gate (`_build_native_layer`)."""
