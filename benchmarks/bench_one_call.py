@@ -10,9 +10,9 @@ qwen3_5_moe_text,
 deepseek_v32, glm_moe_dsa, mimo_v2_flash, mistral4, phimoe, solar_open, granitemoe, granitemoe_swa, dbrx,
 afmoe, flex_olmo, hy_v3, flint, kolibri1, axk1, mellum, cohere2_moe, laguna, gemma4_text,
 lfm2_moe, granitemoehybrid, jamba, nemotron_h, longcat_flash, minimax, kimi_linear, bailing_hybrid, axk2,
-beam) gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32 experts top-4 of width
-512, Llama 4's top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one shared expert 512;
-transformers' own initialisation), converted once. The same loaded model
+beam, minimax_m3_vl_text) gets a random checkpoint of the 0.44b benchmark shape (hidden 1024, 8 layers, 32
+experts top-4 of width 512, Llama 4's top-1; its shared expert / dense layer 2048 wide, GLM's and ERNIE's one
+shared expert 512; transformers' own initialisation), converted once. The same loaded model
 then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
   per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
@@ -288,6 +288,21 @@ SHAPES["axk2"] = {**{k: v for k, v in SHAPES["deepseek_v32"].items() if k not in
 # full, the others sliding over 128 (llama.cpp: no converter)
 SHAPES["beam"] = {**BASE, "num_experts": 32, "n_group": 4, "topk_group": 2, "sliding_window": 128, "layer_types": None,
                   "mlp_layer_types": ["dense"] + ["sparse"] * 7}
+# MiniMax-M3's text model: layer 0 dense and full, the others routed (32 experts top-4 of 512 beside a shared one of
+# 512) with the sparse attention, partial RoPE over 32 of 64 channels, the clamped SwiGLU; the release's indexer
+# (4 heads = the KV heads, blocks of 128, 16 kept: a 256-position context never selects, so the one-call step runs)
+SHAPES["minimax_m3_vl_text"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"},
+                                "intermediate_size": 512, "dense_intermediate_size": 2048,
+                                "shared_intermediate_size": 512, "num_local_experts": 32, "rotary_dim": 32,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
+                                                    "partial_rotary_factor": 0.5},
+                                "index_n_heads": 4, "index_head_dim": 64, "index_block_size": 128,
+                                "index_topk_blocks": 16, "index_local_blocks": 1,
+                                "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 7,
+                                "mlp_layer_types": ["dense"] + ["sparse"] * 7}
+# the same with 2 kept blocks of 16: past 32 positions each sparse layer's indexer selects and its attention runs in
+# torch over the selected keys (the step layer by layer)
+SHAPES["minimax_m3_vl_text-sparse"] = {**SHAPES["minimax_m3_vl_text"], "index_block_size": 16, "index_topk_blocks": 2}
 MODES = ("one-call", "per-layer", "torch-mlp")
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 

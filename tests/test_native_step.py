@@ -111,6 +111,9 @@ def prompt_then_decode(llm, prompt: list[int], first: int = 4) -> torch.Tensor:
     # indexer never selects within this context (index_topk 64), so the one call takes it
     ("axk2", {"q_lora_rank": 32, "kv_lora_rank": 32, "index_topk": 64}),
     ("beam", {}),  # (the gate's bias a head, the full layer's query scale table, the depth-scaled norms' eps)
+    # MiniMax-M3: its sparse layers within index_topk_blocks x index_block_size (64) positions, the clamped SwiGLU of
+    # the dense layer and the shared expert in the kernels' MLP call
+    ("minimax_m3_vl_text", {"index_topk_blocks": 16}),
     ("mellum", {}),  # (a RoPE base per layer type, a sliding layer, a dense one)
     ("cohere2_moe", {}),  # (parallel blocks: the MLP reads the attention's input norm; LayerNorms; NoPE layers)
     # Laguna: the softplus output gate (a head's, a channel's: the block's gate 3 / 2), heads and RoPE per layer

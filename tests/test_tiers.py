@@ -31,7 +31,8 @@ FAMILIES = ["olmoe", "qwen2_moe", "mixtral", "qwen3_moe", "glm4_moe", "deepseek_
             "glm4v_moe_text", "phimoe", "solar_open", "granitemoe", "dbrx",
             "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
             "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba",
-            "nemotron_h", "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam"]
+            "nemotron_h", "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam",
+            "minimax_m3_vl_text"]
 _REF: dict[Path, tuple[list[int], torch.Tensor]] = {}
 
 

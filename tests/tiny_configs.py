@@ -56,6 +56,7 @@ FAMILIES: tuple[str, ...] = (
     "bailing_hybrid",
     "axk2",
     "beam",
+    "minimax_m3_vl_text",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -382,6 +383,20 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
                  "mlp_layer_types": ["dense", "sparse", "sparse"],
                  "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                      "full_attention": None}},
+        # MiniMax-M3: zero-centred norms, q/k norms per head, partial RoPE (8 of 16 channels: the factor given too,
+        # which transformers' port reads), a dense layer 0 and two sparse-attention layers whose indexer keeps 3
+        # blocks of 4 keys (so prompts past 12 positions select; with 2 kept, near-tied blocks flip between bf16
+        # paths: a selection is discrete), gpt-oss's clamped SwiGLU (clamping at 0.5), the biased sigmoid router
+        # beside a shared expert
+        "minimax_m3_vl_text": {"num_local_experts": 8, "intermediate_size": moe_i, "dense_intermediate_size": 96,
+                               "shared_intermediate_size": 64, "head_dim": 16, "rotary_dim": 8,
+                               "routed_scaling_factor": 1.5, "swiglu_limit": 0.5, "index_n_heads": 2,
+                               "index_head_dim": 16, "index_block_size": 4, "index_topk_blocks": 3,
+                               "index_local_blocks": 1,
+                               "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+                               "mlp_layer_types": ["dense", "sparse", "sparse"],
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                   "partial_rotary_factor": 0.5}},
         # GLM-5: V3.2's layers, the indexer's RoPE interleaved, layer 1 sharing layer 0's selection (8 positions)
         "glm_moe_dsa": {**mla, **dsa, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "v_head_dim": 32,
                         "indexer_types": ["full", "shared", "full"]},

@@ -127,7 +127,9 @@ void coli_softplus_gate_mul(uint16_t *x, const uint16_t *g, long T, int heads, i
 typedef struct {
     int inter, scheme, group, gated;
     coli_qw gate, up, down, sgate; /* [I, H], [I, H], [H, I]; sgate [1, H] when gated; no gate for ACT_RELU2 */
-    int act;                       /* ACT_SILU, ACT_GELU_TANH (Gemma 4's dense MLP), ACT_RELU2 (Nemotron-H's) */
+    int act;                       /* ACT_SILU, ACT_GELU_TANH (Gemma 4's dense MLP), ACT_RELU2 (Nemotron-H's),
+                                    * ACT_CLAMPED (MiniMax-M3's: gpt-oss's SwiGLU with these) */
+    float alpha, limit;
 } coli_mlp;
 
 /* Entry points the kernel files call in one another (gemv.c, attn.c, block.c, moe.c). */

@@ -304,6 +304,7 @@ int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y) {
             hg[I + i] = bf16_to_f32(u[(size_t)t * I + i]);
         }
         if (m->act == ACT_GELU_TANH) gelu_glu(hg, I, hg + 2 * (size_t)I);
+        else if (m->act == ACT_CLAMPED) clamped_glu(hg, I, m->alpha, m->limit, hg + 2 * (size_t)I);
         else silu_glu(hg, I, hg + 2 * (size_t)I);
         for (int i = 0; i < I; i++) a[(size_t)t * I + i] = f32_to_bf16(hg[2 * (size_t)I + i]);
     }

@@ -163,7 +163,8 @@ class Mlp(ctypes.Structure):
     """coli_mlp (moe.c): a dense SwiGLU MLP's projections (a dense layer, a shared expert), optionally gated."""
 
     _fields_ = [("inter", ctypes.c_int), ("scheme", ctypes.c_int), ("group", ctypes.c_int), ("gated", ctypes.c_int),
-                ("gate", QW), ("up", QW), ("down", QW), ("sgate", QW), ("act", ctypes.c_int)]  # (ACT_SILU / GELU)
+                ("gate", QW), ("up", QW), ("down", QW), ("sgate", QW), ("act", ctypes.c_int),  # (ACT_SILU / GELU)
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]  # (ACT_CLAMPED's)
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -43,8 +43,9 @@ def _build(mlp: nn.Module, gate: nn.Module | None) -> native.Mlp | None:
         return None
     qws = ([native.QW()] if ungated else []) + [native.QW(*native.qw(p)) for p in projs] \
         + ([] if gate else [native.QW()])
+    alpha, limit = getattr(mlp, "clamp", (0.0, 0.0))  # (ACT_CLAMPED's gain and bound)
     return native.Mlp(first.out_features, 8 if first.scheme == "int8" else 4, first.group_size, int(gate is not None),
-                      *qws, act)
+                      *qws, act, alpha, limit)
 
 
 def forget(mlp: nn.Module) -> None:

@@ -120,8 +120,9 @@ def one_call_shape(blocks) -> bool:
     planner asks this of a model skeleton; `_build` also needs the weights resident, quantized and on the CPU."""
     ks = set()
     for b in blocks:
-        # (a subclass of these with its own `fused` runs the same kernels: Llama 4's attention and MoE)
-        if type(b) is not DecoderBlock or type(b.self_attn) is not type(blocks[0].self_attn) \
+        # (a subclass of these with its own `fused` runs the same kernels: Llama 4's attention and MoE; layers of
+        # two such attention classes take one call where both are standard attention, MiniMax-M3's dense and sparse)
+        if type(b) is not DecoderBlock or _attn_kind(b.self_attn) is not _attn_kind(blocks[0].self_attn) \
                 or not getattr(b.self_attn, "one_call", True) \
                 or not _fusable(b.self_attn, (Attention, MLAttention)) or not _fusable(b.mlp, (SparseMoE, MLP)):
             return False
@@ -129,14 +130,23 @@ def one_call_shape(blocks) -> bool:
         if isinstance(moe, MLP):
             continue
         shared = getattr(moe, moe.shared_name, None)
-        if native_routing(moe.gate) is None or (shared is not None and type(shared) is not MLP):
+        if native_routing(moe.gate) is None or (shared is not None and not _dense_mlp(shared)):
             return False
         ks.add(moe.gate.top_k)
     return len(ks) == 1
 
 
 def _fusable(m: nn.Module, kinds: tuple[type, ...]) -> bool:
-    return type(m) in kinds or (isinstance(m, kinds) and "fused" in type(m).__dict__)
+    return type(m) in kinds or (isinstance(m, kinds) and "fused" in type(m).__dict__) or _dense_mlp(m)
+
+
+def _attn_kind(m: nn.Module) -> type:
+    return MLAttention if isinstance(m, MLAttention) else Attention
+
+
+def _dense_mlp(m: nn.Module) -> bool:
+    """An MLP the kernels' MLP call runs: SwiGLU, or a subclass naming the call's activation (`native_act`)."""
+    return type(m) is MLP or (isinstance(m, MLP) and "native_act" in type(m).__dict__)
 
 
 def _build(blocks: nn.ModuleList) -> _Plan | None:
