@@ -294,6 +294,7 @@ SHAPES["beam"] = {**BASE, "num_experts": 32, "n_group": 4, "topk_group": 2, "sli
 SHAPES["minimax_m3_vl_text"] = {**{k: v for k, v in BASE.items() if k != "moe_intermediate_size"},
                                 "intermediate_size": 512, "dense_intermediate_size": 2048,
                                 "shared_intermediate_size": 512, "num_local_experts": 32, "rotary_dim": 32,
+                                "swiglu_limit": 7.0,  # (the release's: llama.cpp's swigluoai is gpt-oss's, fixed)
                                 "rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
                                                     "partial_rotary_factor": 0.5},
                                 "index_n_heads": 4, "index_head_dim": 64, "index_block_size": 128,

@@ -204,6 +204,46 @@ try:  # (Ling 3.0: llama.cpp converts the release, BailingMoeV3ForCausalLM; tran
     conversion.TEXT_MODEL_MAP["BailingHybridForCausalLM"] = "bailingmoe3"
 except (ImportError, AttributeError):
     pass
+try:  # (MiniMax-M3: llama.cpp converts the release, MiniMaxM3SparseForCausalLM; transformers' text model saves its flat
+    # config, `mlp` for `block_sparse_moe`, fused experts and dense gate_up_proj, the indexer under `indexer.`)
+    from conversion import minimax as _m3mod
+    _m3 = _m3mod.MiniMaxM3Model
+    _m3_params, _m3_tensors = _m3.set_gguf_parameters, _m3.modify_tensors
+    def _m3_params_v5(self):
+        h = self.hparams
+        h.setdefault("n_shared_experts", 1)
+        h.setdefault("scoring_func", "sigmoid")  # (as released; transformers' router is sigmoid)
+        h.setdefault("moe_layer_freq", [int(k == "sparse") for k in h["mlp_layer_types"]])
+        h.setdefault("sparse_attention_config", {
+            "sparse_num_index_heads": h["index_n_heads"], "sparse_index_dim": h["index_head_dim"],
+            "sparse_topk_blocks": h["index_topk_blocks"], "sparse_block_size": h["index_block_size"],
+            "sparse_local_block": h["index_local_blocks"]})
+        return _m3_params(self)
+    def _m3_tensors_v5(self, data, name, bid):
+        for ours, theirs in (("self_attn.indexer.", "self_attn.index_"), ("mlp.gate.e_score_correction_bias",
+                             "block_sparse_moe.e_score_correction_bias"), ("mlp.gate.", "block_sparse_moe.gate."),
+                             ("mlp.shared_experts.", "block_sparse_moe.shared_experts."),
+                             ("mlp.experts.", "block_sparse_moe.experts.")):
+            name = name.replace(ours, theirs)
+        parts = [(name, data)]
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> each expert's w1 (gate rows) and w3 (up rows)
+            half, base = data.shape[1] // 2, name.removesuffix("gate_up_proj")
+            parts = [(f"{base}{e}.{w}.weight", t[e]) for e in range(data.shape[0])
+                     for w, t in (("w1", data[:, :half]), ("w3", data[:, half:]))]
+        elif name.endswith("experts.down_proj"):  # [E, H, I]
+            parts = [(f"{name.removesuffix('down_proj')}{e}.w2.weight", data[e]) for e in range(data.shape[0])]
+        elif name.endswith("gate_up_proj.weight"):
+            half = data.shape[0] // 2
+            parts = [(name.replace("gate_up_proj", "gate_proj"), data[:half]),
+                     (name.replace("gate_up_proj", "up_proj"), data[half:])]
+        for n, t in parts:
+            yield from _m3_tensors(self, t, n, bid)
+    _m3.set_gguf_parameters, _m3.modify_tensors = _m3_params_v5, _m3_tensors_v5
+    base.ModelBase.register("MiniMaxM3VLForCausalLM")(_m3)
+    import conversion
+    conversion.TEXT_MODEL_MAP["MiniMaxM3VLForCausalLM"] = "minimax"
+except (ImportError, AttributeError):
+    pass
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf, tiny_config_kwargs
+from hf_tiny import hf_logits, load_hf, tiny_config_kwargs, top2_margins
 from oracle_check import matches_transformers
 from safetensors.torch import load_file, save_file
 
@@ -95,6 +95,67 @@ def test_small_contexts_take_the_one_call_step(ckpt) -> None:
         assert not any(a.dense for a in sparse) and not native_step.one_call_shape(llm.model.model.layers)
         assert all(isinstance(c, m3.IndexedKVCache) for c in (llm.slots.caches[0][1], llm.slots.caches[0][2]))
         assert list(llm.generate_ids(PROMPT[:4], 4, temperature=0, ignore_eos=True)) == short
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("scheme,rows", [("int8", 1), ("int8", 3), ("int4", 1)])
+def test_sparse_layers_past_the_span_run_in_the_block(ckpt, scheme: str, rows: int) -> None:
+    """Past index_topk_blocks x index_block_size positions (12 here) a sparse layer's rows (a decode row, a 3-row
+    chunk) take the kernels' block with each row's kept blocks (coli_attn_layer.keep): its (h + attention, post norm)
+    against the torch layer's from the same caches at positions 40.. to bf16 rounding, and far off when the block
+    keeps every block."""
+    from colibri.models.batch import LayerKV
+
+    g, start = torch.Generator().manual_seed(0), 40
+    with colibri.load(ckpt.coli("minimax_m3_vl_text", scheme), ctx_size=64, threads=2) as llm:
+        layers = [b for b in llm.model.model.layers if isinstance(b.self_attn, m3.SparseAttention)]
+        assert layers
+        for b in layers:
+            m, h = b.self_attn, (torch.randn(rows, 64, generator=g) * 2).to(torch.bfloat16)
+            args = (b.input_layernorm, b.post_attention_layernorm)
+            past = [(torch.randn(*t.shape, generator=g) * 3).to(torch.bfloat16)
+                    for t in (torch.empty(2, start, 16), torch.empty(2, start, 16), torch.empty(1, start, 16))]
+            kv = []
+            for _ in range(3):
+                cache = m.make_cache(64, torch.bfloat16)
+                cache.k[:, :start], cache.v[:, :start], cache.ik[:, :start] = past
+                kv.append(LayerKV([(0, rows, start, cache)], start))
+            h_ref = h + m(b.input_layernorm(h), kv[0])
+            x_ref = b.post_attention_layernorm(h_ref)
+            h_got, x_got = m.fused(h, kv[1], *args)
+            m._blocks = lambda iq, keys, start, keeps=m._blocks: torch.ones_like(keeps(iq, keys, start))
+            try:
+                h_off, x_off = m.fused(h, kv[2], *args)
+            finally:
+                del m._blocks
+            for got, ref, off in ((h_got, h_ref, h_off), (x_got, x_ref, x_off)):
+                err = (got.float() - ref.float()).abs().max()
+                assert err <= 0.02 * ref.float().abs().max() and (off.float() - ref.float()).abs().max() > 4 * err
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_every_sparse_step_takes_the_block(ckpt, monkeypatch) -> None:
+    """int8 decode past the span: every sparse layer of every step runs in the kernels' block (the spy sees each
+    call return), with the torch path's top tokens wherever rounding cannot flip them."""
+    from test_native_step import _spy, prompt_then_decode
+
+    ids = [(5 * i + 7) % 380 + 4 for i in range(30)]
+
+    def logits(llm, native_path: bool) -> torch.Tensor:
+        taken: list[bool] = []
+        with monkeypatch.context() as mp:
+            mp.setattr(m3.SparseAttention, "fused",
+                       _spy(m3.SparseAttention.fused, taken) if native_path else (lambda *a: None))
+            out = prompt_then_decode(llm, ids, first=1)
+        if native_path:
+            assert taken == [True] * (2 * len(ids))  # (two sparse layers, every position a one-row step)
+        return out
+
+    with colibri.load(ckpt.coli("minimax_m3_vl_text", "int8"), ctx_size=64, threads=2) as llm:
+        got, ref = logits(llm, True), logits(llm, False)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    sure = top2_margins(ref) > 2 * (got - ref).abs().max(-1).values
+    assert sure.sum() >= len(ids) // 2 and torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
 
 
 def _as_released(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:

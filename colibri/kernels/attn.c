@@ -14,7 +14,28 @@ typedef struct {
     const float *sinks;
     float *buf;
     void *out;
+    const uint8_t *keep;  /* non-NULL: the row's kept key blocks, [Hkv][nb] (MiniMax-M3's sparse layers) */
+    int blk, nb;
 } attn_job;
+
+/* A row's scores sc[0..S) for kv head kv with the keys outside its kept blocks (of blk positions) at -inf;
+ * returns the max over the rest (the sink's logit included). */
+static float attn_keep(const attn_job *j, long kv, float *sc, int S, const float *sink) {
+    const uint8_t *kp = j->keep + kv * j->nb;
+    float mx = sink ? *sink : -INFINITY;
+    for (int s = 0; s < S; s++) {
+        if (!kp[s / j->blk]) sc[s] = -INFINITY;
+        else if (sc[s] > mx) mx = sc[s];
+    }
+    return mx;
+}
+
+/* After attn_exp: the dropped keys' weights exactly 0 (exp512_ps floors its input at -104). */
+static void attn_keep_zero(const attn_job *j, long kv, float *sc, int S) {
+    const uint8_t *kp = j->keep + kv * j->nb;
+    for (int s = 0; s < S; s++)
+        if (!kp[s / j->blk]) sc[s] = 0.f;
+}
 
 #ifdef COLI_AVX512
 /* of[0..Dv) = sum_s p[s] * v[s] for bf16 value rows (vb: position 0's, rows Dv apart), Dv a multiple of
@@ -104,7 +125,9 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
             sc[s] = a * scale;
             if (sc[s] > mx) mx = sc[s];
         }
+        if (j->keep) mx = attn_keep(j, kv, sc, S, sinks ? sinks + h : NULL);
         float den = attn_exp(sc, S, mx, sinks ? sinks + h : NULL);
+        if (j->keep) attn_keep_zero(j, kv, sc, S);
 #ifdef COLI_AVX512
         if (bf16 && Dv == 64)
             attn_values_bf((const uint16_t *)v + kv * vs, S, 64, sc, of);
@@ -195,8 +218,12 @@ static void attn_heads_rows(const attn_job *j, int nr, int h) {
                 attn_scores16(kb, (const uint16_t *)j[r].q + (long)h * D, D, s1, S[r] - s1 < 16 ? S[r] - s1 : 16,
                               j[r].scale, sc[r], &mxv[r]);
     float den[ATTN_RB];
-    for (int r = 0; r < nr; r++)
-        den[r] = attn_exp(sc[r], S[r], _mm512_reduce_max_ps(mxv[r]), j[r].sinks ? j[r].sinks + h : NULL);
+    for (int r = 0; r < nr; r++) {
+        const float *sink = j[r].sinks ? j[r].sinks + h : NULL;
+        float mx = j[r].keep ? attn_keep(j + r, kv, sc[r], S[r], sink) : _mm512_reduce_max_ps(mxv[r]);
+        den[r] = attn_exp(sc[r], S[r], mx, sink);
+        if (j[r].keep) attn_keep_zero(j + r, kv, sc[r], S[r]);
+    }
     if (Dv == 64)
         attn_values_rows(vb, S, ATTN_RB, 64, sc, of);
     else
@@ -255,7 +282,15 @@ static void attn_multi_part(void *p, int id, int n) {
  * row's attention). A head's bits do not depend on the other rows of the call. */
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
                    const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out) {
-    if (T < 1 || H % Hkv) return -3;
+    return coli_attn_rows_keep(T, q, bf16, H, Hkv, D, Dv, k, ks, v, vs, S, scale, sinks, NULL, 0, 0, out);
+}
+
+/* coli_attn_rows where row t attends only to the keys of its kept blocks: keep (non-NULL) [T][Hkv][nb], one byte a
+ * block of blk positions from position 0 (MiniMax-M3's sparse attention: a selection a KV group). */
+int coli_attn_rows_keep(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
+                        const void *const *v, long vs, const int *S, float scale, const float *sinks,
+                        const uint8_t *keep, int blk, int nb, void *out) {
+    if (T < 1 || H % Hkv || (keep && (blk < 1 || nb < 1))) return -3;
     long tot = 0, es = bf16 ? 2 : 4;
     for (int t = 0; t < T; t++) {
         if (S[t] < 1) return -3;
@@ -266,8 +301,10 @@ int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv
     if (!buf || !rows) { free(buf); free(rows); return -2; }
     float *b = buf;
     for (int t = 0; t < T; t++) {
+        if (keep && (S[t] + blk - 1) / blk > nb) { free(buf); free(rows); return -3; }
         attn_job r = {(const char *)q + (long)t * H * D * es, k[t], v[t], bf16, H, H / Hkv, D, Dv, S[t], ks, vs,
-                      scale, sinks, b, (char *)out + (long)t * H * Dv * es};
+                      scale, sinks, b, (char *)out + (long)t * H * Dv * es,
+                      keep ? keep + (long)t * Hkv * nb : NULL, blk, nb};
         rows[t] = r;
         b += (size_t)H * S[t] + (size_t)H * (D + Dv);
     }

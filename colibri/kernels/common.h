@@ -113,6 +113,9 @@ typedef struct {
                                    * (Gemma 4: ones) */
     const uint16_t *bg;           /* gate 1, non-NULL: bf16 [heads * head_dim] added to the output gate before its
                                    * sigmoid, as a bias add (Beam's gate_bias, one a head, repeated) */
+    const uint8_t *keep;          /* non-NULL (set for one call): each row's kept key blocks [T][kv_heads][keep_nb] of
+                                   * keep_blk positions (MiniMax-M3's sparse layers, the indexer's selection) */
+    int keep_blk, keep_nb;
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the
@@ -137,6 +140,9 @@ int coli_multi_gemm(const void *x, int bf16, int T, int K, int scheme, int g, in
                     void *const *y);
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
                    const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out);
+int coli_attn_rows_keep(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
+                        const void *const *v, long vs, const int *S, float scale, const float *sinks,
+                        const uint8_t *keep, int blk, int nb, void *out);
 int coli_mla_attn(int T, const void *q, int H, int W, int R, const void *const *kv, const int *S, float scale,
                   void *out);
 int coli_rmsnorm(const void *x, int bf16, long R, int H, const float *w, float eps, void *out);

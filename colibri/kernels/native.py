@@ -120,7 +120,9 @@ class AttnLayer(ctypes.Structure):
                 ("parallel", ctypes.c_int),  # Cohere: the MLP reads the input norm (no post norm)
                 ("wg", QW),  # Laguna: gate 2 / 3, softplus(wg x) a channel / a head times the heads' output
                 ("k_eq_v", ctypes.c_int), ("vn_w", ctypes.c_void_p),  # Gemma 4: keys as values; the values' norm
-                ("bg", ctypes.c_void_p)]  # Beam: gate 1's bias, bf16 [heads * head_dim]
+                ("bg", ctypes.c_void_p),  # Beam: gate 1's bias, bf16 [heads * head_dim]
+                # MiniMax-M3: one call's kept key blocks (uint8 [T, kv_heads, keep_nb] of keep_blk positions), or NULL
+                ("keep", ctypes.c_void_p), ("keep_blk", ctypes.c_int), ("keep_nb", ctypes.c_int)]
 
 
 class Tail(ctypes.Structure):

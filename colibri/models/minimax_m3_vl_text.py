@@ -182,35 +182,59 @@ class SparseAttention(Attention):
         return super().forward(x, kv)
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The native block while every block is kept (the indexer's keys written from the normed rows first)."""
-        if kv.end > self.span or h.dtype != torch.bfloat16 or h.device.type != "cpu" \
-                or h.shape[0] > native.MOE_MAX_ROWS or self._native_layer(in_norm, post_norm) is None:
+        """The kernels' block (the indexer's keys written from the normed rows first); past `span` positions with
+        each row's kept blocks (coli_attn_layer.keep), selected as the torch path selects."""
+        if h.dtype != torch.bfloat16 or h.device.type != "cpu" or h.shape[0] > native.MOE_MAX_ROWS:
             return None
-        self._index_keys(in_norm(h), kv)
-        return super().fused(h, kv, in_norm, post_norm)
+        layer = self._native_layer(in_norm, post_norm)
+        if layer is None:
+            return None
+        if self.dense:  # (no indexer keys: a context of at most `span` positions)
+            return super().fused(h, kv, in_norm, post_norm)
+        x = in_norm(h)
+        self._index_keys(x, kv)
+        if kv.end <= self.span:
+            return super().fused(h, kv, in_norm, post_norm)
+        iq = self._index_queries(x, kv)
+        segs = [self._blocks(iq[r0:r1], cache.ik[0, :start + r1 - r0].float(), start)
+                for r0, r1, start, cache in kv.segs]  # [Hi, n, nb] each
+        nb = max(b.shape[-1] for b in segs)
+        keep = torch.cat([F.pad(b, (0, nb - b.shape[-1])) for b in segs], 1).transpose(0, 1)  # [T, Hkv, nb]
+        keep = keep.to(torch.uint8).contiguous()
+        layer.keep, layer.keep_blk, layer.keep_nb = keep.data_ptr(), self.block, nb
+        try:
+            return super().fused(h, kv, in_norm, post_norm)
+        finally:
+            layer.keep = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, x: torch.Tensor) -> torch.Tensor:
         if kv.end <= self.span:
             return super().attend(q, k, v, kv, x)  # every block kept: dense attention
-        ix, a = self.indexer, self.a
-        iq = self.rope(ix.q_norm(ix.q_proj(x).view(x.shape[0], ix.heads, ix.dim)), kv.pos).float()  # [T, Hi, Di]
+        a, iq = self.a, self._index_queries(x, kv)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         outs = []
         for r0, r1, start, cache in kv.segs:
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
             S = start + r1 - r0
-            keep = self._keep(iq[r0:r1], cache.ik[0, :S].float(), start)  # [Hkv, n, S]
+            blocks = self._blocks(iq[r0:r1], cache.ik[0, :S].float(), start)  # [Hkv, n, nb]
+            future = torch.arange(S, device=q.device)[None] > torch.arange(start, S, device=q.device)[:, None]
             rep = a.heads // a.kv_heads
-            mask = keep.repeat_interleave(rep, 0)  # [H, n, S]
+            mask = (blocks.repeat_interleave(self.block, -1)[..., :S] & ~future).repeat_interleave(rep, 0)  # [H, n, S]
             o = F.scaled_dot_product_attention(q[:, r0:r1], k_all[:, :S].repeat_interleave(rep, 0),
                                                v_all[:, :S].repeat_interleave(rep, 0), attn_mask=mask,
                                                scale=self.scale)  # [H, n, D]
             outs.append(o.transpose(0, 1).reshape(r1 - r0, -1))
         return self.out(outs[0] if len(outs) == 1 else torch.cat(outs), x)
 
-    def _keep(self, iq: torch.Tensor, keys: torch.Tensor, start: int) -> torch.Tensor:
-        """One sequence's rows iq [n, Hi, Di] at positions start.. over its indexer keys [S, Di] -> bool [Hi, n, S]:
-        the keys of each head's selected blocks, causal."""
+    def _index_queries(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        """The indexer's queries of the step's normed rows x: normed, rotated, f32 [T, Hi, Di]."""
+        ix = self.indexer
+        return self.rope(ix.q_norm(ix.q_proj(x).view(x.shape[0], ix.heads, ix.dim)), kv.pos).float()
+
+    def _blocks(self, iq: torch.Tensor, keys: torch.Tensor, start: int) -> torch.Tensor:
+        """One sequence's rows iq [n, Hi, Di] at positions start.. over its indexer keys [S, Di] -> bool [Hi, n, nb]:
+        each head's kept blocks of `block` keys (the query's own `local` ones and the `topk` best by their keys' best
+        score; none after the query)."""
         n, S, B = iq.shape[0], keys.shape[0], self.block
         dev = iq.device
         pos = torch.arange(start, start + n, device=dev)  # [n]
@@ -223,8 +247,7 @@ class SparseAttention(Attention):
         blocks.scatter_(-1, local.expand(blocks.shape[0], -1, -1), float("inf"))
         top = blocks.topk(min(self.topk, nb), -1)
         chosen = torch.zeros_like(blocks, dtype=torch.bool)
-        chosen.scatter_(-1, top.indices, top.values != float("-inf"))
-        return chosen.repeat_interleave(B, -1)[..., :S] & ~future
+        return chosen.scatter_(-1, top.indices, top.values != float("-inf"))
 
 
 class Model(CausalLM):
