@@ -123,14 +123,40 @@ def test_sparse_layers_past_the_span_run_in_the_block(ckpt, scheme: str, rows: i
             h_ref = h + m(b.input_layernorm(h), kv[0])
             x_ref = b.post_attention_layernorm(h_ref)
             h_got, x_got = m.fused(h, kv[1], *args)
-            m._blocks = lambda iq, keys, start, keeps=m._blocks: torch.ones_like(keeps(iq, keys, start))
+            real = m3.native_msa.select
+            m3.native_msa.select = lambda *a, real=real, **k: torch.ones_like(real(*a, **k))
             try:
                 h_off, x_off = m.fused(h, kv[2], *args)
             finally:
-                del m._blocks
+                m3.native_msa.select = real
             for got, ref, off in ((h_got, h_ref, h_off), (x_got, x_ref, x_off)):
                 err = (got.float() - ref.float()).abs().max()
                 assert err <= 0.02 * ref.float().abs().max() and (off.float() - ref.float()).abs().max() > 4 * err
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("blk,topk,local", [(4, 3, 1), (3, 2, 2), (16, 4, 0), (128, 16, 1)])
+def test_the_kernels_select_the_torch_layers_blocks(blk: int, topk: int, local: int) -> None:
+    """kernels/msa.c's selection (rows of two sequences, one long) = SparseAttention._blocks' on the same queries and
+    keys: topk blocks a head (all where a row has fewer), not only the first ones (so the comparison sees the
+    scores)."""
+    from colibri.kernels import native_msa
+
+    cfg = {**tiny_config_kwargs("minimax_m3_vl_text"), "index_block_size": blk, "index_topk_blocks": topk,
+           "index_local_blocks": local, "index_head_dim": 32}
+    m = next(b.self_attn for b in build("minimax_m3_vl_text", cfg)[0].model.layers
+             if isinstance(b.self_attn, m3.SparseAttention))
+    g = torch.Generator().manual_seed(blk)
+    seqs = [(torch.randn(700, 32, generator=g) * 2).to(torch.bfloat16), torch.randn(9, 32, generator=g).bfloat16()]
+    rows = [(0, 690), (0, 699), (1, 8)]  # (sequence, position)
+    iq = torch.randn(len(rows), 2, 32, generator=g)  # [T, Hi, Di]
+    got = native_msa.select(iq, [seqs[s][:p + 1] for s, p in rows], blk, topk, local)
+    for t, (s, p) in enumerate(rows):
+        want = m._blocks(iq[t:t + 1], seqs[s][:p + 1].float(), p)[:, 0]  # [Hi, nb]
+        assert torch.equal(got[t, :, :want.shape[-1]].bool(), want) and not got[t, :, want.shape[-1]:].any()
+        assert (got[t].sum(-1) == min(topk, want.shape[-1])).all()  # (the local blocks among the topk)
+    if got.shape[-1] > topk + local:  # (blocks past the first ones kept: the scores chose them)
+        assert got[0, :, topk + local:].any()
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")

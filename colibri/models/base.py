@@ -157,6 +157,15 @@ class CausalLM(nn.Module):
         return super()._apply(fn, recurse)
 
 
+class SoftCapped:
+    """A CausalLM whose logits are soft-capped: tanh(z / c) c, c = `args.final_logit_softcapping` (None: no cap)."""
+
+    def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(tokens, batch, out_rows)  # type: ignore[misc]  # [T, V] f32
+        cap = self.args.final_logit_softcapping  # type: ignore[attr-defined]
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
 # ----------------------------------------------------------------------------- binding
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

@@ -29,8 +29,8 @@ from torch import nn
 from ..validate import is_number
 from . import deepseek_v3
 from .afmoe import source_view  # noqa: F401  (gate_proj's rows inside q_proj, as AFMoE's)
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
-from .batch import LayerKV, StepBatch
+from .base import BaseArgs, CausalLM, SoftCapped, check_act_and_rope, refuse, rename_first
+from .batch import LayerKV
 from .layers import MLP, AttentionArgs, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 from .qwen3_next import GatedAttention
@@ -133,7 +133,7 @@ class BeamAttention(GatedAttention):
         return layer
 
 
-class Model(CausalLM):
+class Model(SoftCapped, CausalLM):
     def __init__(self, a: ModelArgs):
         n, eps = a.num_hidden_layers, a.rms_norm_eps
         base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, 10000.0, None,
@@ -166,10 +166,6 @@ class Model(CausalLM):
         self.model.norm.eps = eps * (2 * n + 1)
         self.args = a
 
-    def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        logits = super().forward(tokens, batch, out_rows)  # [T, V] f32
-        cap = self.args.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def check_config(cfg: dict) -> None:

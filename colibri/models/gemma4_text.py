@@ -30,8 +30,8 @@ from torch import nn
 
 from ..kernels import native
 from . import native_mlp
-from .base import BaseArgs, CausalLM, refuse, text_model_name
-from .batch import LayerKV, StepBatch
+from .base import BaseArgs, CausalLM, SoftCapped, refuse, text_model_name
+from .batch import LayerKV
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, RMSNorm
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .norms import NoNorm, rms_norm
@@ -215,7 +215,7 @@ class Block(DecoderBlock):
         return out * self.layer_scalar.to(out.dtype)
 
 
-class Model(CausalLM):
+class Model(SoftCapped, CausalLM):
     def __init__(self, a: ModelArgs):
         def block(i: int) -> Block:
             kind = a.layer_types[i]  # type: ignore[index]
@@ -231,10 +231,6 @@ class Model(CausalLM):
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, [block(i) for i in range(a.num_hidden_layers)])
         self.args = a
 
-    def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        logits = super().forward(tokens, batch, out_rows)  # [T, V] f32
-        cap = self.args.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def check_config(cfg: dict) -> None:

@@ -15,8 +15,9 @@ it: its vision tower, projector and MTP layers are dropped). MiniMax-M2's layers
 
 While a sequence holds at most index_topk_blocks x index_block_size positions every block is kept: the sparse layers
 are dense attention. A context (`ctx_size`) that small never selects, so it caches no indexer keys and takes the
-native blocks and the one-call step; a larger one runs each sparse layer's indexer in torch and, past that many
-positions, its attention in torch over the selected blocks (the dense layers stay in the kernels).
+native blocks and the one-call step; a larger one caches each sparse layer's indexer keys and, past that many
+positions, selects (kernels/msa.c, or torch's `_blocks` for f32 / GPU rows) and attends over the kept blocks in the
+kernels' block (coli_attn_layer.keep) or in torch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import native
+from ..kernels import native, native_msa
 from ..safetensors_reader import SplitRows
 from . import native_mlp
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first, text_model_name
@@ -195,13 +196,9 @@ class SparseAttention(Attention):
         self._index_keys(x, kv)
         if kv.end <= self.span:
             return super().fused(h, kv, in_norm, post_norm)
-        iq = self._index_queries(x, kv)
-        segs = [self._blocks(iq[r0:r1], cache.ik[0, :start + r1 - r0].float(), start)
-                for r0, r1, start, cache in kv.segs]  # [Hi, n, nb] each
-        nb = max(b.shape[-1] for b in segs)
-        keep = torch.cat([F.pad(b, (0, nb - b.shape[-1])) for b in segs], 1).transpose(0, 1)  # [T, Hkv, nb]
-        keep = keep.to(torch.uint8).contiguous()
-        layer.keep, layer.keep_blk, layer.keep_nb = keep.data_ptr(), self.block, nb
+        keys = [cache.ik[0, :start + i + 1] for r0, r1, start, cache in kv.segs for i in range(r1 - r0)]
+        keep = native_msa.select(self._index_queries(x, kv), keys, self.block, self.topk, self.local)  # [T, Hkv, nb]
+        layer.keep, layer.keep_blk, layer.keep_nb = keep.data_ptr(), self.block, keep.shape[-1]
         try:
             return super().fused(h, kv, in_norm, post_norm)
         finally:
