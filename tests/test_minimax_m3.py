@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from hf_tiny import hf_logits, load_hf, tiny_config_kwargs, top2_margins
+from hf_tiny import hf_logits, load_hf, tiny_config_kwargs
 from oracle_check import matches_transformers
 from safetensors.torch import load_file, save_file
 
@@ -161,15 +161,17 @@ def test_the_kernels_select_the_torch_layers_blocks(blk: int, topk: int, local: 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 def test_every_sparse_step_takes_the_block(ckpt, monkeypatch) -> None:
-    """int8 decode past the span: every sparse layer of every step runs in the kernels' block (the spy sees each
-    call return), with the torch path's top tokens wherever rounding cannot flip them."""
+    """int8 decode past the span: every sparse layer of every step runs in the kernels' block (the spy sees each call
+    return), as accurate against the f32 container's logits as the torch path is (test_native_accuracy.py's margins:
+    over many steps a bf16 rounding may flip a near-tied block, so the two int8 paths are not compared row by row)."""
+    import torch.nn.functional as F
     from test_native_step import _spy, prompt_then_decode
 
     ids = [(5 * i + 7) % 380 + 4 for i in range(30)]
 
-    def logits(llm, native_path: bool) -> torch.Tensor:
+    def logits(path, native_path: bool) -> torch.Tensor:
         taken: list[bool] = []
-        with monkeypatch.context() as mp:
+        with monkeypatch.context() as mp, colibri.load(path, ctx_size=64, threads=2) as llm:
             mp.setattr(m3.SparseAttention, "fused",
                        _spy(m3.SparseAttention.fused, taken) if native_path else (lambda *a: None))
             out = prompt_then_decode(llm, ids, first=1)
@@ -177,11 +179,12 @@ def test_every_sparse_step_takes_the_block(ckpt, monkeypatch) -> None:
             assert taken == [True] * (2 * len(ids))  # (two sparse layers, every position a one-row step)
         return out
 
-    with colibri.load(ckpt.coli("minimax_m3_vl_text", "int8"), ctx_size=64, threads=2) as llm:
-        got, ref = logits(llm, True), logits(llm, False)
-    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
-    sure = top2_margins(ref) > 2 * (got - ref).abs().max(-1).values
-    assert sure.sum() >= len(ids) // 2 and torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
+    ref = logits(ckpt.coli("minimax_m3_vl_text", "f32"), False)
+    path = ckpt.coli("minimax_m3_vl_text", "int8")
+    (nat_cos, nat_top), (tor_cos, tor_top) = (
+        (F.cosine_similarity(got, ref, dim=-1).mean(), (got.argmax(-1) == ref.argmax(-1)).float().mean())
+        for got in (logits(path, True), logits(path, False)))
+    assert nat_cos >= tor_cos - 0.02 and nat_top >= tor_top - 0.2 and nat_cos > 0.9
 
 
 def _as_released(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:

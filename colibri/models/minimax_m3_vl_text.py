@@ -215,12 +215,13 @@ class SparseAttention(Attention):
             S = start + r1 - r0
             blocks = self._blocks(iq[r0:r1], cache.ik[0, :S].float(), start)  # [Hkv, n, nb]
             future = torch.arange(S, device=q.device)[None] > torch.arange(start, S, device=q.device)[:, None]
-            rep = a.heads // a.kv_heads
-            mask = (blocks.repeat_interleave(self.block, -1)[..., :S] & ~future).repeat_interleave(rep, 0)  # [H, n, S]
-            o = F.scaled_dot_product_attention(q[:, r0:r1], k_all[:, :S].repeat_interleave(rep, 0),
-                                               v_all[:, :S].repeat_interleave(rep, 0), attn_mask=mask,
-                                               scale=self.scale)  # [H, n, D]
-            outs.append(o.transpose(0, 1).reshape(r1 - r0, -1))
+            mask = blocks.repeat_interleave(self.block, -1)[..., :S] & ~future  # [Hkv, n, S]
+            # a KV group a batch entry, its query heads the heads: no copy of K/V or of the mask per query head
+            n, Hkv = r1 - r0, a.kv_heads
+            o = F.scaled_dot_product_attention(q[:, r0:r1].reshape(Hkv, -1, n, q.shape[-1]), k_all[:, None, :S],
+                                               v_all[:, None, :S], attn_mask=mask[:, None], scale=self.scale,
+                                               enable_gqa=True)  # [Hkv, rep, n, Dv]
+            outs.append(o.reshape(a.heads, n, -1).transpose(0, 1).reshape(n, -1))
         return self.out(outs[0] if len(outs) == 1 else torch.cat(outs), x)
 
     def _index_queries(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
