@@ -14,28 +14,7 @@ typedef struct {
     const float *sinks;
     float *buf;
     void *out;
-    const uint8_t *keep;  /* non-NULL: the row's kept key blocks, [Hkv][nb] (MiniMax-M3's sparse layers) */
-    int blk, nb;
 } attn_job;
-
-/* A row's scores sc[0..S) for kv head kv with the keys outside its kept blocks (of blk positions) at -inf;
- * returns the max over the rest (the sink's logit included). */
-static float attn_keep(const attn_job *j, long kv, float *sc, int S, const float *sink) {
-    const uint8_t *kp = j->keep + kv * j->nb;
-    float mx = sink ? *sink : -INFINITY;
-    for (int s = 0; s < S; s++) {
-        if (!kp[s / j->blk]) sc[s] = -INFINITY;
-        else if (sc[s] > mx) mx = sc[s];
-    }
-    return mx;
-}
-
-/* After attn_exp: the dropped keys' weights exactly 0 (exp512_ps floors its input at -104). */
-static void attn_keep_zero(const attn_job *j, long kv, float *sc, int S) {
-    const uint8_t *kp = j->keep + kv * j->nb;
-    for (int s = 0; s < S; s++)
-        if (!kp[s / j->blk]) sc[s] = 0.f;
-}
 
 #ifdef COLI_AVX512
 /* of[0..Dv) = sum_s p[s] * v[s] for bf16 value rows (vb: position 0's, rows Dv apart), Dv a multiple of
@@ -125,9 +104,7 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
             sc[s] = a * scale;
             if (sc[s] > mx) mx = sc[s];
         }
-        if (j->keep) mx = attn_keep(j, kv, sc, S, sinks ? sinks + h : NULL);
         float den = attn_exp(sc, S, mx, sinks ? sinks + h : NULL);
-        if (j->keep) attn_keep_zero(j, kv, sc, S);
 #ifdef COLI_AVX512
         if (bf16 && Dv == 64)
             attn_values_bf((const uint16_t *)v + kv * vs, S, 64, sc, of);
@@ -218,12 +195,8 @@ static void attn_heads_rows(const attn_job *j, int nr, int h) {
                 attn_scores16(kb, (const uint16_t *)j[r].q + (long)h * D, D, s1, S[r] - s1 < 16 ? S[r] - s1 : 16,
                               j[r].scale, sc[r], &mxv[r]);
     float den[ATTN_RB];
-    for (int r = 0; r < nr; r++) {
-        const float *sink = j[r].sinks ? j[r].sinks + h : NULL;
-        float mx = j[r].keep ? attn_keep(j + r, kv, sc[r], S[r], sink) : _mm512_reduce_max_ps(mxv[r]);
-        den[r] = attn_exp(sc[r], S[r], mx, sink);
-        if (j[r].keep) attn_keep_zero(j + r, kv, sc[r], S[r]);
-    }
+    for (int r = 0; r < nr; r++)
+        den[r] = attn_exp(sc[r], S[r], _mm512_reduce_max_ps(mxv[r]), j[r].sinks ? j[r].sinks + h : NULL);
     if (Dv == 64)
         attn_values_rows(vb, S, ATTN_RB, 64, sc, of);
     else
@@ -282,15 +255,6 @@ static void attn_multi_part(void *p, int id, int n) {
  * row's attention). A head's bits do not depend on the other rows of the call. */
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
                    const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out) {
-    return coli_attn_rows_keep(T, q, bf16, H, Hkv, D, Dv, k, ks, v, vs, S, scale, sinks, NULL, 0, 0, out);
-}
-
-/* coli_attn_rows where row t attends only to the keys of its kept blocks: keep (non-NULL) [T][Hkv][nb], one byte a
- * block of blk positions from position 0 (MiniMax-M3's sparse attention: a selection a KV group). */
-int coli_attn_rows_keep(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
-                        const void *const *v, long vs, const int *S, float scale, const float *sinks,
-                        const uint8_t *keep, int blk, int nb, void *out) {
-    if (T < 1 || H % Hkv || (keep && (blk < 1 || nb < 1))) return -3;
     long tot = 0, es = bf16 ? 2 : 4;
     for (int t = 0; t < T; t++) {
         if (S[t] < 1) return -3;
@@ -301,10 +265,8 @@ int coli_attn_rows_keep(int T, const void *q, int bf16, int H, int Hkv, int D, i
     if (!buf || !rows) { free(buf); free(rows); return -2; }
     float *b = buf;
     for (int t = 0; t < T; t++) {
-        if (keep && (S[t] + blk - 1) / blk > nb) { free(buf); free(rows); return -3; }
         attn_job r = {(const char *)q + (long)t * H * D * es, k[t], v[t], bf16, H, H / Hkv, D, Dv, S[t], ks, vs,
-                      scale, sinks, b, (char *)out + (long)t * H * Dv * es,
-                      keep ? keep + (long)t * Hkv * nb : NULL, blk, nb};
+                      scale, sinks, b, (char *)out + (long)t * H * Dv * es};
         rows[t] = r;
         b += (size_t)H * S[t] + (size_t)H * (D + Dv);
     }
@@ -313,6 +275,56 @@ int coli_attn_rows_keep(int T, const void *q, int bf16, int H, int Hkv, int D, i
     free(rows);
     free(buf);
     return 0;
+}
+
+/* coli_attn_rows (bf16, no sinks) where row t's query heads of KV group g attend only to the keys of g's kept blocks:
+ * keep [T][Hkv][nb], one byte a block of blk positions from position 0 (MiniMax-M3's sparse attention). The kept keys
+ * and values are gathered per (row, group), which then runs as a row of its own (H / Hkv heads over one KV head):
+ * the work is the kept keys', not the context's. */
+int coli_attn_rows_keep(int T, const void *q, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
+                        const void *const *v, long vs, const int *S, float scale, const uint8_t *keep, int blk, int nb,
+                        void *out) {
+    if (T < 1 || H % Hkv || blk < 1 || nb < 1) return -3;
+    int R = T * Hkv;
+    long tot = 0;
+    int *n = (int *)malloc(sizeof(int) * (size_t)R);
+    if (!n) return -2;
+    for (int t = 0; t < T; t++) {
+        if (S[t] < 1 || (S[t] + blk - 1) / blk > nb) { free(n); return -3; }
+        for (int g = 0; g < Hkv; g++) {
+            const uint8_t *kp = keep + ((long)t * Hkv + g) * nb;
+            int c = 0;
+            for (int b = 0; b * blk < S[t]; b++)
+                if (kp[b]) c += (b + 1) * blk < S[t] ? blk : S[t] - b * blk;
+            if (c < 1) { free(n); return -3; }  /* (a row keeps at least its own block) */
+            n[t * Hkv + g] = c;
+            tot += c;
+        }
+    }
+    uint16_t *kv = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)tot * (D + Dv));
+    const void **kr = (const void **)malloc(sizeof(void *) * 2 * (size_t)R);
+    if (!kv || !kr) { free(n); free(kv); free(kr); return -2; }
+    const void **vr = kr + R;
+    uint16_t *kd = kv, *vd = kv + (size_t)tot * D;
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < Hkv; g++) {
+            const uint8_t *kp = keep + ((long)t * Hkv + g) * nb;
+            const uint16_t *ksrc = (const uint16_t *)k[t] + g * ks, *vsrc = (const uint16_t *)v[t] + g * vs;
+            kr[t * Hkv + g] = kd, vr[t * Hkv + g] = vd;
+            for (int b = 0; b * blk < S[t]; b++) {
+                if (!kp[b]) continue;
+                int s0 = b * blk, c = (b + 1) * blk < S[t] ? blk : S[t] - s0;  /* (positions ascending, as dense) */
+                memcpy(kd, ksrc + (long)s0 * D, sizeof(uint16_t) * (size_t)c * D);
+                memcpy(vd, vsrc + (long)s0 * Dv, sizeof(uint16_t) * (size_t)c * Dv);
+                kd += (size_t)c * D, vd += (size_t)c * Dv;
+            }
+        }
+    /* row t's group g: its H / Hkv query heads (q + (t H + g H / Hkv) D) over its own keys; out likewise */
+    int rc = coli_attn_rows(R, q, 1, H / Hkv, 1, D, Dv, kr, 0, vr, 0, n, scale, NULL, out);
+    free(n);
+    free(kv);
+    free(kr);
+    return rc;
 }
 
 int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,

@@ -133,9 +133,12 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             vb[t] = (uint16_t *)vc[t] + (long)lo * Dv;
             S[t] = valid - lo;
         }
-        if (L->keep && (L->window > 0 || L->chunk > 0)) { rc = -3; goto done; }  /* (blocks count from position 0) */
-        PROF(P_ATTN, rc = coli_attn_rows_keep(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, L->keep,
-                                              L->keep_blk, L->keep_nb, ao));
+        if (L->keep && (L->window > 0 || L->chunk > 0 || L->sinks)) { rc = -3; goto done; }  /* (blocks from 0) */
+        if (L->keep)
+            PROF(P_ATTN, rc = coli_attn_rows_keep(T, q2, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->keep,
+                                                  L->keep_blk, L->keep_nb, ao));
+        else
+            PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
         if (rc) goto done;
         if (L->gate == 1) coli_gate_mul(ao, gates, T * nq);
         else if (L->gate) coli_softplus_gate_mul(ao, gates, T, nh, D, L->gate == 3);

@@ -140,9 +140,9 @@ int coli_multi_gemm(const void *x, int bf16, int T, int K, int scheme, int g, in
                     void *const *y);
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
                    const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out);
-int coli_attn_rows_keep(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
-                        const void *const *v, long vs, const int *S, float scale, const float *sinks,
-                        const uint8_t *keep, int blk, int nb, void *out);
+int coli_attn_rows_keep(int T, const void *q, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
+                        const void *const *v, long vs, const int *S, float scale, const uint8_t *keep, int blk, int nb,
+                        void *out);
 /* MiniMax-M3's kept key blocks (msa.c) */
 int coli_msa_select(int T, const float *iq, int Hi, int Di, const void *const *ik, const int *S, int blk, int topk,
                     int local, int nb, uint8_t *keep);
