@@ -106,9 +106,9 @@ class BeamAttention(GatedAttention):
         T = q.shape[0]
         pos = (torch.arange(kv.pos, kv.pos + T) if isinstance(kv.pos, int) else kv.pos).to(q.device)  # [T]
         m = pos + 1
-        # the table where it reaches (the kernels' values), else the formula: the same f32 ops
-        scale = self.temp[m] if q.device == self.temp.device and int(m.max()) < self.temp.shape[0] \
-            else query_scale(m)
+        # the table on the CPU where it reaches (the kernels' values); elsewhere, or past it, the formula, the same f32
+        # ops (no host sync off the CPU)
+        scale = self.temp[m] if q.device.type == "cpu" and int(m.max()) < self.temp.shape[0] else query_scale(m)
         return (q * scale[:, None, None]).to(q.dtype)
 
     def gate_logits(self, gate: torch.Tensor) -> torch.Tensor:
