@@ -79,7 +79,7 @@ class Engine:
     - `route_trace`: path of a routing trace to append to (docs/ROUTING.md).
     - `decode_run_ms`: requests without penalties, biases, grammars or log-probs decode up to this
       long per native call, their tokens handed out a run at a time (docs/DESIGN.md "Native runs");
-      0 hands out every token as it is made. Default (None) 20.
+      0 hands out every token as it is made. Default (None) 50.
 
     Memory tiers (docs/TIERS.md), all keyword-only:
     - `placement`: a `store.Placement` (per-layer "gpu" / "ram" / "disk", pinned hot experts),

@@ -17,11 +17,12 @@ from fuzz_mutants import dump, split, with_header
 
 from colibri import integrity
 from colibri.api import Engine
+from colibri.arena import aligned_buffer
 from colibri.cli import main as cli_main
 from colibri.container import Container, Writer
 from colibri.errors import ContainerError
 from colibri.store import Placement
-from colibri.store.reader import RecordReader, aligned_buffer
+from colibri.store.reader import RecordReader
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 

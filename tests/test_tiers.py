@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from colibri import arena
 from colibri.api import Engine
+from colibri.arena import aligned_buffer
 from colibri.cli import main as cli_main
 from colibri.container import Container
 from colibri.plan import auto_placement
 from colibri.quant import QLinear, bias_bytes, owned_bytes, stored_linear
 from colibri.store import Placement, model_sizes
 from colibri.store import reader as reader_mod
-from colibri.store.reader import RecordReader, aligned_buffer
+from colibri.store.reader import RecordReader
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 N_GREEDY = 24
@@ -330,6 +332,43 @@ def test_reader_on_tmpfs_falls_back_at_open(tmp_path):
         r.close()
     finally:
         f.unlink()
+
+
+def _vm_flags(addr: int) -> list[str] | None:
+    """The VmFlags of this process's mapping that holds `addr` (Linux /proc), or None."""
+    cur = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                cur = lo <= addr < hi
+            elif cur and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+def test_large_arenas_ask_for_huge_pages(monkeypatch):
+    """Arenas of 4 MiB and more carry MADV_HUGEPAGE (VmFlags "hg"), smaller ones do not, KV caches
+    included; where the kernel refuses the advice the buffer is still made, zeroed, as without it."""
+    if not os.path.exists("/proc/self/smaps") or arena.HUGE_ADVICE is None:
+        pytest.skip("Linux /proc and MADV_HUGEPAGE needed")
+    big, small = aligned_buffer(6 << 20), aligned_buffer(1 << 20)
+    flags_big, flags_small = _vm_flags(big.data_ptr()), _vm_flags(small.data_ptr())
+    assert flags_big is not None and "hg" in flags_big
+    assert flags_small is not None and "hg" not in flags_small
+    # a layer's KV cache preallocated for a long context: its own huge-page arena, zeros as torch.zeros's
+    from colibri.models.layers import KVCache
+    kv = KVCache(4, 64, 8192, torch.bfloat16)  # [4, 8192, 64] bf16 = 4 MiB each
+    assert kv.k.shape == (4, 8192, 64) and kv.k.dtype == torch.bfloat16 and not kv.v.any()
+    assert "hg" in (_vm_flags(kv.k.data_ptr()) or []) and "hg" in (_vm_flags(kv.v.data_ptr()) or [])
+    kv.update(torch.ones(4, 3, 64, dtype=torch.bfloat16), torch.ones(4, 3, 64, dtype=torch.bfloat16), 5)
+    assert int(kv.k.sum()) == 4 * 3 * 64 and kv.k[:, 5:8].eq(1).all()
+    short = KVCache(4, 64, 256, torch.bfloat16)  # (128 KiB: a plain tensor)
+    assert "hg" not in (_vm_flags(short.k.data_ptr()) or [])
+    monkeypatch.setattr(arena, "HUGE_ADVICE", -1)  # an advice the kernel refuses (EINVAL)
+    b = aligned_buffer(5 << 20)
+    assert b.numel() == 5 << 20 and int(b[::4096].sum()) == 0 and "hg" not in (_vm_flags(b.data_ptr()) or [])
 
 
 # ----------------------------------------------------------------------------- CLI and RSS

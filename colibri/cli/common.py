@@ -117,7 +117,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False,
                    help="prompt tokens prefilled per engine step (long prompts do not stall running requests)")
     g.add_argument("--decode-run-ms", type=number("--decode-run-ms", 0, 10_000), default=None, metavar="MS",
                    help="requests without penalties or log-probs decode up to this long per native call, their tokens "
-                        "streamed a run at a time (default 20; 0: every token as it is made)")
+                        "streamed a run at a time (default 50; 0: every token as it is made)")
     g.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the K/V a free slot holds for the start of a new prompt (a chat's earlier turns); "
                         "off while routes are traced or logged")

@@ -27,7 +27,10 @@ from .threads import DecodeThreads
 
 log = logging.getLogger("colibri")
 
-RUN_S = 0.02  # requests without processors decode this long per native call (`Runner._run`); 0 turns it off
+# Requests without processors decode this long per native call (`Runner._run`); 0 turns it off. 50 ms, not
+# 20: a step of 8 sequences (~15 ms on the 0.44b model) then runs 3 a call instead of one, each single
+# step paying ~1 ms of Python (docs/BENCHMARKS.md, "Runs of batched steps").
+RUN_S = 0.05
 
 
 def _ids(ids: list[int]) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import arena
 from . import deepseek_v3 as v3
 from .base import refuse
 from .batch import LayerKV
@@ -66,7 +67,7 @@ class IndexedLatentCache(LatentCache):
     def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int, max_len: int, dtype: torch.dtype,
                  device: str = "cpu"):
         super().__init__(kv_lora_rank, rope_dim, max_len, dtype, device)
-        self.ik = torch.zeros(max_len, index_dim, dtype=dtype, device=device)
+        self.ik = arena.zeros((max_len, index_dim), dtype, device)
 
     def to(self, device):
         super().to(device)

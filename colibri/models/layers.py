@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import arena
 from ..kernels import native
 from . import native_mlp
 from .batch import LayerKV
@@ -209,8 +210,8 @@ class KVCache:
 
     def __init__(self, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  v_head_dim: int | None = None, device: torch.device | str = "cpu"):
-        self.k = torch.zeros(n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_kv_heads, max_len, v_head_dim or head_dim, dtype=dtype, device=device)
+        self.k = arena.zeros((n_kv_heads, max_len, head_dim), dtype, device)  # (huge pages: colibri/arena.py)
+        self.v = arena.zeros((n_kv_heads, max_len, v_head_dim or head_dim), dtype, device)
         self.max_len = max_len
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import arena
 from ..kernels import native, native_msa
 from ..safetensors_reader import SplitRows
 from . import native_mlp
@@ -118,7 +119,7 @@ class IndexedKVCache(KVCache):
     def __init__(self, kv_heads: int, head_dim: int, index_dim: int, max_len: int, dtype: torch.dtype,
                  device: str = "cpu"):
         super().__init__(kv_heads, head_dim, max_len, dtype, None, device)
-        self.ik = torch.zeros(1, max_len, index_dim, dtype=dtype, device=device)
+        self.ik = arena.zeros((1, max_len, index_dim), dtype, device)
 
     def to(self, device):
         super().to(device)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import arena
 from ..kernels import native, native_mla
 from .batch import LayerKV
 from .layers import Linear, RMSNorm, RoPE, attention_mask, is_rms, kv_span, yarn_get_mscale
@@ -67,7 +68,7 @@ class LatentCache:
 
     def __init__(self, kv_lora_rank: int, rope_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        self.kv = torch.zeros(max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        self.kv = arena.zeros((max_len, kv_lora_rank + rope_dim), dtype, device)
         self.kv_lora_rank, self.max_len = kv_lora_rank, max_len
 
     def update(self, latent: torch.Tensor, start: int) -> torch.Tensor:

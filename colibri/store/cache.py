@@ -35,8 +35,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..arena import aligned_buffer
 from ..models.moe import ExpertWeights
-from .reader import aligned_buffer
 from .reuse import ReuseEstimator
 
 POLICIES = ("fair", "lru", "reuse")

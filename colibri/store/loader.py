@@ -11,9 +11,10 @@ import threading
 
 import torch
 
+from ..arena import aligned_buffer
 from ..container import Container
 from ..models.moe import ExpertWeights
-from .reader import RecordReader, aligned_buffer, round_up
+from .reader import RecordReader, round_up
 from .weights import expert_weights
 
 

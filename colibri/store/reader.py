@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -38,18 +37,6 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
-
-
-def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A zero-filled, page-aligned 1-D uint8 CPU tensor backed by an anonymous mapping.
-
-    Pages are only committed (and counted in RSS) once written, so a large arena costs
-    what is actually filled. The mapping lives as long as any tensor viewing it.
-    """
-    if nbytes <= 0:
-        return torch.empty(0, dtype=torch.uint8)
-    mm = mmap.mmap(-1, round_up(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
 class RecordReader:

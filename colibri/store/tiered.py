@@ -28,6 +28,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..arena import aligned_buffer
 from ..container import DTYPES, Container
 from ..errors import ColibriError
 from ..integrity import Checks
@@ -39,7 +40,7 @@ from .experts import Experts
 from .loader import RecordLoader, adopt, release_free_heap
 from .lookahead import LookAhead
 from .placement import Placement
-from .reader import RecordReader, aligned_buffer, round_up
+from .reader import RecordReader, round_up
 from .sizes import ModelSizes, human, model_sizes
 from .weights import WeightStore, expert_weights
 

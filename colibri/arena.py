@@ -1,0 +1,48 @@
+"""Memory the decode kernels stream every token: page-aligned anonymous mappings that ask for huge pages.
+
+Weights (store/) and KV caches (models/) both live here. A decode step reads each weight once and each
+position's keys and values once; with 4 KiB pages that is a TLB miss every 4 KiB, and a page walk on
+a VM is a nested one. Arenas from HUGE_MIN bytes carry MADV_HUGEPAGE, which the kernel honours where
+transparent huge pages are `madvise` or `always` (the common defaults): measured ~5% a step on the
+weights and ~15% on a long context's attention (docs/TIERS.md, "Loading").
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
+HUGE_MIN = 4 << 20  # (below a few huge pages the advice buys little, and each one commits 2 MiB at once)
+_PAGE = mmap.PAGESIZE
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A zero-filled, page-aligned 1-D uint8 CPU tensor backed by an anonymous mapping.
+
+    Pages are only committed (and counted in RSS) once written, so a large arena costs what is
+    actually filled (to the next 2 MiB where huge pages back it). The mapping lives as long as any
+    tensor viewing it.
+    """
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(-1, (nbytes + _PAGE - 1) // _PAGE * _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= HUGE_MIN and HUGE_ADVICE is not None:
+        try:
+            mm.madvise(HUGE_ADVICE)
+        except OSError:  # (a kernel without THP refuses it: 4 KiB pages, as before)
+            pass
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros(shape), in an arena of its own where it is a CPU tensor of HUGE_MIN bytes or more
+    (a cache preallocated for the whole context: untouched positions also cost no RSS)."""
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < HUGE_MIN:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return aligned_buffer(nbytes).view(dtype).view(shape)
