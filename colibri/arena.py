@@ -9,13 +9,17 @@ weights and ~15% on a long context's attention (docs/TIERS.md, "Loading").
 
 from __future__ import annotations
 
+import contextlib
+import math
 import mmap
+import threading
+from collections.abc import Iterator
 
 import torch
 
 HUGE_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 HUGE_MIN = 4 << 20  # (below a few huge pages the advice buys little, and each one commits 2 MiB at once)
-_PAGE = mmap.PAGESIZE
+PAGE = mmap.PAGESIZE
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:
@@ -27,7 +31,7 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     """
     if nbytes <= 0:
         return torch.empty(0, dtype=torch.uint8)
-    mm = mmap.mmap(-1, (nbytes + _PAGE - 1) // _PAGE * _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm = mmap.mmap(-1, (nbytes + PAGE - 1) // PAGE * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= HUGE_MIN and HUGE_ADVICE is not None:
         try:
             mm.madvise(HUGE_ADVICE)
@@ -36,13 +40,39 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
+class _Pool:
+    def __init__(self, nbytes: int):
+        self.buf, self.off = aligned_buffer(nbytes), 0
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def pooled(nbytes: int) -> Iterator[None]:
+    """Inside, `zeros` carves its CPU tensors from one arena of `nbytes` (one slot's caches: huge pages
+    even where each layer's keys are a few hundred KiB), each page-aligned; one that does not fit gets
+    its own as outside. Below HUGE_MIN there is no pool."""
+    prev = getattr(_local, "pool", None)
+    _local.pool = _Pool(nbytes) if nbytes >= HUGE_MIN else None
+    try:
+        yield
+    finally:
+        _local.pool = prev
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """torch.zeros(shape), in an arena of its own where it is a CPU tensor of HUGE_MIN bytes or more
-    (a cache preallocated for the whole context: untouched positions also cost no RSS)."""
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * torch.empty(0, dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes < HUGE_MIN:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return aligned_buffer(nbytes).view(dtype).view(shape)
+    """torch.zeros(shape) for a cache preallocated for the whole context: a CPU tensor comes from the
+    `pooled` arena in force, else from an arena of its own from HUGE_MIN bytes on (untouched positions
+    then cost no RSS either), else from torch."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if torch.device(device).type == "cpu" and nbytes > 0:
+        pool = getattr(_local, "pool", None)
+        if pool is not None:
+            off = -(-pool.off // PAGE) * PAGE
+            if off + nbytes <= pool.buf.numel():
+                pool.off = off + nbytes
+                return pool.buf[off : off + nbytes].view(dtype).view(shape)
+        if nbytes >= HUGE_MIN:
+            return aligned_buffer(nbytes).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)

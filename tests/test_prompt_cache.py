@@ -103,7 +103,7 @@ class _Cache:
 
 
 class _Model:
-    def make_cache(self, ctx, dtype):
+    def make_cache(self, ctx, dtype, device="cpu"):
         return [_Cache()]
 
 

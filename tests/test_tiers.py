@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import colibri
 from colibri import arena
 from colibri.api import Engine
 from colibri.arena import aligned_buffer
@@ -369,6 +370,34 @@ def test_large_arenas_ask_for_huge_pages(monkeypatch):
     monkeypatch.setattr(arena, "HUGE_ADVICE", -1)  # an advice the kernel refuses (EINVAL)
     b = aligned_buffer(5 << 20)
     assert b.numel() == 5 << 20 and int(b[::4096].sum()) == 0 and "hg" not in (_vm_flags(b.data_ptr()) or [])
+
+
+def test_a_slots_caches_share_one_huge_page_arena(ckpt, monkeypatch):
+    """`arena.pooled`: small caches carved from one page-aligned arena (huge pages where a layer's own
+    would be too small for them); what does not fit gets its own. An engine's slots take one arena each,
+    and decode the same tokens as with torch's tensors."""
+    if not os.path.exists("/proc/self/smaps") or arena.HUGE_ADVICE is None:
+        pytest.skip("Linux /proc and MADV_HUGEPAGE needed")
+    with arena.pooled(5 << 20):
+        a, b = arena.zeros((4, 256, 64), torch.bfloat16), arena.zeros((3, 100), torch.float32)
+        c = arena.zeros((10,), torch.bfloat16)  # (after b's 1,200 bytes: the next page)
+        big = arena.zeros((6 << 20,), torch.uint8)  # (does not fit: an arena of its own)
+    assert b.data_ptr() - a.data_ptr() == 128 << 10 and c.data_ptr() - b.data_ptr() == 4096
+    assert all("hg" in (_vm_flags(t.data_ptr()) or []) for t in (a, b, big)) and not a.any() and not b.any()
+    assert not a.data_ptr() <= big.data_ptr() < a.data_ptr() + (5 << 20)
+    assert "hg" not in (_vm_flags(arena.zeros((4, 256, 64), torch.bfloat16).data_ptr()) or [])  # no pool: torch
+
+    path = ckpt.coli("olmoe", "f32")
+    prompt = [1, 17, 42, 99, 7]
+    with colibri.load(path, ctx_size=16384, slots=2, threads=1) as llm:
+        k0 = llm.slots.caches[0][0].k
+        assert k0.numel() * 4 < arena.HUGE_MIN and "hg" in (_vm_flags(k0.data_ptr()) or [])
+        assert llm.slots.caches[1][0].k.data_ptr() != k0.data_ptr()
+        pooled = list(llm.generate_ids(prompt, 12, ignore_eos=True))
+    monkeypatch.setattr(arena, "HUGE_MIN", 1 << 40)  # every cache a torch tensor
+    with colibri.load(path, ctx_size=16384, slots=2, threads=1) as llm:
+        assert "hg" not in (_vm_flags(llm.slots.caches[0][0].k.data_ptr()) or [])
+        assert list(llm.generate_ids(prompt, 12, ignore_eos=True)) == pooled
 
 
 # ----------------------------------------------------------------------------- CLI and RSS

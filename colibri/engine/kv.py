@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .. import arena
+
 
 def positions(cache, start: int, end: int) -> dict[str, torch.Tensor]:
     """Views of positions start..end of a layer cache's tensors (KVCache, LatentCache: `parts()`)."""
@@ -42,8 +44,13 @@ class SlotPool:
                  device_of: Callable[[int], torch.device]):
         self.n_slots, self.ctx = n_slots, ctx
         self.caches: list[list] = []
+        # One arena a slot (huge pages where the slot's caches reach a few MiB, colibri/arena.py): what its
+        # caches hold on the meta device, plus a page a tensor for their alignment.
+        meta = model.make_cache(ctx, dtype, "meta")
+        slot_bytes = sum(c.nbytes for c in meta) + 4 * arena.PAGE * len(meta)
         for _ in range(n_slots):
-            caches = model.make_cache(ctx, dtype)
+            with arena.pooled(slot_bytes):
+                caches = model.make_cache(ctx, dtype)
             for i, cache in enumerate(caches):
                 if device_of(i).type != "cpu":
                     cache.to(device_of(i))
