@@ -141,6 +141,13 @@ SHAPES["qwen3_vl_moe_text"] = {**BASE, "num_experts": 32, "moe_intermediate_size
                                "decoder_sparse_step": 1, "rope_parameters": {
                                    "rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12],
                                    "mrope_interleaved": True}}
+# ERNIE-4.5-VL's text model: ERNIE-4.5's layers, M-RoPE sections over the 32 frequency pairs (the release's
+# [22, 22, 20] over 64), vision experts of another width beside the text ones (dropped at conversion)
+SHAPES["ernie4_5_vl_moe_text"] = {**{k: v for k, v in SHAPES["ernie4_5_moe"].items() if k != "moe_layer_start_index"},
+                                  "moe_intermediate_size": [BASE["moe_intermediate_size"], 256],
+                                  "mlp_layer_types": ["dense"] + ["sparse"] * (BASE["num_hidden_layers"] - 1),
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                                      "mrope_section": [12, 12, 8]}}
 SHAPES["glm4v_moe_text"] = {**SHAPES["glm4_moe"], "attention_bias": True,
                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
                                                 "mrope_section": [4, 6, 6]}}

@@ -114,7 +114,7 @@ class Plan:
         self.sources: dict[str, str] = {}  # canonical name -> HF name
         self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
         sanitize = getattr(fam, "sanitize", lambda n: n)
-        dropped = []
+        dropped = list(getattr(st, "hidden", ()))  # (what a family's source_view hides: ERNIE-4.5-VL's vision experts)
         # Multi-token-prediction heads (GLM-4.5, DeepSeek-V3, Hy3) ship as extra layers past the decoder stack.
         n_layers = cfg.get("num_hidden_layers", 0)
         n_mtp = cfg.get("num_nextn_predict_layers") or getattr(fam, "MTP_LAYERS", 0)

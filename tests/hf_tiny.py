@@ -406,13 +406,16 @@ def _causal_lm(model_type: str):
 
 
 _NOT_IN_AUTO = {"mistral4": "Mistral4ForCausalLM", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
+                "glm4v_moe": "Glm4vMoeForConditionalGeneration",
+                "ernie4_5_vl_moe": "Ernie4_5_VLMoeForConditionalGeneration"}
 # text model_type -> (the multimodal model_type it is built and saved as, a tiny vision config)
 MULTIMODAL = {"qwen3_vl_moe_text": ("qwen3_vl_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
                                                      "num_heads": 2, "out_hidden_size": 64,
                                                      "deepstack_visual_indexes": [0]}),
               "glm4v_moe_text": ("glm4v_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                                               "out_hidden_size": 64})}
+                                               "out_hidden_size": 64}),
+              "ernie4_5_vl_moe_text": ("ernie4_5_vl_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                           "num_heads": 2})}
 # families whose released checkpoints store fused experts transposed from what save_pretrained writes
 HUB_EXPERTS_XW = {"qwen3_vl_moe_text"}
 

@@ -107,7 +107,8 @@ def test_on_disk_layouts(model_type: str, built: dict[str, Path], built_fused: d
     ff = ".feed_forward." if model_type in ("llama4_text", "lfm2_moe", "jamba") \
         else ".block_sparse_moe." if model_type in granite \
         else "." if model_type == "gemma4_text" else ".mixer." if model_type == "nemotron_h" \
-        else ".mlp."  # (Gemma 4's experts sit beside its dense MLP)
+        else ".mlp.text_moe." if model_type == "ernie4_5_vl_moe_text" \
+        else ".mlp."  # (Gemma 4's experts sit beside its dense MLP; ERNIE-4.5-VL's text experts beside vision ones)
     fused_name = "up_proj" if model_type == "nemotron_h" else "gate_up_proj"  # (Nemotron-H's experts have no gate)
     fused_experts = {k for k in fused if f"{ff}experts.{fused_name}" in k}
     if model_type == "dbrx":  # one layout: experts fused as [E·I, H] (w1, v1, w2), q/k/v as Wqkv
@@ -150,7 +151,7 @@ def test_routers_and_norms_are_nontrivial(model_type: str) -> None:
     for name, t in state.items():
         if t.is_floating_point() and t.numel() > 1:
             assert t.std() > 0, f"{name} is constant"
-    if model_type in ("glm4_moe", "deepseek_v3", "minimax_m2", "dots1", "ernie4_5_moe"):
+    if model_type in ("glm4_moe", "deepseek_v3", "minimax_m2", "dots1", "ernie4_5_moe", "ernie4_5_vl_moe_text"):
         bias = [t for k, t in state.items() if k.endswith("e_score_correction_bias")]
         assert bias and all(b.abs().min() > 0 for b in bias)
 

@@ -57,6 +57,7 @@ FAMILIES: tuple[str, ...] = (
     "axk2",
     "beam",
     "minimax_m3_vl_text",
+    "ernie4_5_vl_moe_text",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -427,6 +428,16 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "moe_layer_start_index": 1,  # layer 0 dense
             "head_dim": 16,
             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        },
+        # ERNIE-4.5-VL's text model: ERNIE-4.5's layers with text experts (and vision experts beside, unused by
+        # text) of two widths; head 16 = 8 frequency pairs in M-RoPE sections [3, 3, 2]
+        "ernie4_5_vl_moe_text": {
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_intermediate_size": [moe_i, 16],
+            "moe_num_shared_experts": 1,
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]},
         },
         "minimax_m2": {
             "num_local_experts": 8,
