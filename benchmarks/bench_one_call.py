@@ -148,6 +148,11 @@ SHAPES["ernie4_5_vl_moe_text"] = {**{k: v for k, v in SHAPES["ernie4_5_moe"].ite
                                   "mlp_layer_types": ["dense"] + ["sparse"] * (BASE["num_hidden_layers"] - 1),
                                   "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
                                                       "mrope_section": [12, 12, 8]}}
+# Qwen3-Omni's thinker text model: Qwen3-MoE's layers (the 0.44b shape's 32 experts top-4), interleaved M-RoPE
+SHAPES["qwen3_omni_moe_text"] = {**BASE, "num_experts": 32, "mlp_only_layers": [], "decoder_sparse_step": 1,
+                                 "norm_topk_prob": True, "rope_parameters": {
+                                     "rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12],
+                                     "mrope_interleaved": True}}
 SHAPES["glm4v_moe_text"] = {**SHAPES["glm4_moe"], "attention_bias": True,
                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
                                                 "mrope_section": [4, 6, 6]}}

@@ -19,7 +19,7 @@ import torch
 from . import __version__, tiktoken_bpe
 from .container import Container, Writer
 from .errors import ColibriError
-from .models.base import MULTIMODAL, expected_tensors, family, layer_of, text_model_config
+from .models.base import MULTIMODAL, expected_tensors, family, layer_of, multimodal_text, text_model_config
 from .progress import Progress
 from .quant import SCHEMES, can_quantize, layout, quantize
 from .safetensors_reader import SafetensorsFolder
@@ -270,7 +270,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     model_type = cfg.get("model_type")
     if not model_type:
         raise ColibriError(f"{src / 'config.json'} has no model_type")
-    if model_type in MULTIMODAL and isinstance(cfg.get("text_config"), dict):  # multimodal: its text model
+    if model_type in MULTIMODAL and multimodal_text(cfg) is not None:  # multimodal: its text model
         cfg = text_model_config(cfg)
         model_type = cfg["model_type"]
     if (flat := getattr(family(model_type), "flat_config", None)) is not None:  # a nested config (DBRX's)

@@ -268,7 +268,8 @@ def build_tiny_model(model_type: str, *, seed: int = 0, **config_overrides: Any)
     if model_type in MULTIMODAL:  # a text model transformers builds only inside its multimodal one
         outer, vision = MULTIMODAL[model_type]
         config = AutoConfig.for_model(outer, text_config=kwargs, vision_config=vision,
-                                      tie_word_embeddings=kwargs["tie_word_embeddings"])
+                                      tie_word_embeddings=kwargs["tie_word_embeddings"],
+                                      **ENCODERS.get(model_type, {}))
         model_type = outer
     else:
         config = AutoConfig.for_model(model_type, **kwargs)
@@ -407,7 +408,8 @@ def _causal_lm(model_type: str):
 
 _NOT_IN_AUTO = {"mistral4": "Mistral4ForCausalLM", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                 "glm4v_moe": "Glm4vMoeForConditionalGeneration",
-                "ernie4_5_vl_moe": "Ernie4_5_VLMoeForConditionalGeneration"}
+                "ernie4_5_vl_moe": "Ernie4_5_VLMoeForConditionalGeneration",
+                "qwen3_omni_moe_thinker": "Qwen3OmniMoeThinkerForConditionalGeneration"}
 # text model_type -> (the multimodal model_type it is built and saved as, a tiny vision config)
 MULTIMODAL = {"qwen3_vl_moe_text": ("qwen3_vl_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
                                                      "num_heads": 2, "out_hidden_size": 64,
@@ -415,7 +417,14 @@ MULTIMODAL = {"qwen3_vl_moe_text": ("qwen3_vl_moe", {"depth": 1, "hidden_size": 
               "glm4v_moe_text": ("glm4v_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                                "out_hidden_size": 64}),
               "ernie4_5_vl_moe_text": ("ernie4_5_vl_moe", {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
-                                                           "num_heads": 2})}
+                                                           "num_heads": 2}),
+              "qwen3_omni_moe_text": ("qwen3_omni_moe_thinker", {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                                 "num_heads": 2, "out_hidden_size": 64,
+                                                                 "deepstack_visual_indexes": [0]})}
+# the other encoders' tiny configs of a multimodal model that has more than a vision one
+ENCODERS = {"qwen3_omni_moe_text": {"audio_config": {"encoder_layers": 1, "d_model": 32, "encoder_attention_heads": 2,
+                                                     "encoder_ffn_dim": 64, "output_dim": 64, "num_mel_bins": 16,
+                                                     "downsample_hidden_size": 16}}}
 # families whose released checkpoints store fused experts transposed from what save_pretrained writes
 HUB_EXPERTS_XW = {"qwen3_vl_moe_text"}
 

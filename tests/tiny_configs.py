@@ -58,6 +58,7 @@ FAMILIES: tuple[str, ...] = (
     "beam",
     "minimax_m3_vl_text",
     "ernie4_5_vl_moe_text",
+    "qwen3_omni_moe_text",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -210,6 +211,18 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "head_dim": 16,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
+            "norm_topk_prob": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
+                                "mrope_interleaved": True},
+        },
+        # Qwen3-Omni's thinker text model (built and saved as the thinker): Qwen3-MoE's layers, the router
+        # unrenormalised here (it follows norm_topk_prob), a dense layer, the interleaved M-RoPE
+        "qwen3_omni_moe_text": {
+            "num_experts": 8,
+            "moe_intermediate_size": 32,
+            "head_dim": 16,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
             "norm_topk_prob": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
                                 "mrope_interleaved": True},

@@ -24,7 +24,7 @@ SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek
              "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
              "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h",
              "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam",
-             "minimax_m3_vl_text", "ernie4_5_vl_moe_text")
+             "minimax_m3_vl_text", "ernie4_5_vl_moe_text", "qwen3_omni_moe_text")
 # layer kinds under their names before transformers 5 (Granite 4.0-H's and Nemotron-H's configs) -> today's
 LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 # model_types whose checkpoints are another family's layout: Kimi-K2 is DeepSeek-V3's
@@ -34,7 +34,8 @@ ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 MULTIMODAL: dict[str, str] = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text", "kimi_k25": "deepseek_v3",
                               "qwen3_vl_moe": "qwen3_vl_moe_text", "glm4v_moe": "glm4v_moe_text",
                               "gemma4": "gemma4_text", "minimax_m3_vl": "minimax_m3_vl_text",
-                              "ernie4_5_vl_moe": "ernie4_5_vl_moe_text"}
+                              "ernie4_5_vl_moe": "ernie4_5_vl_moe_text",
+                              "qwen3_omni_moe": "qwen3_omni_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text"}
 
 
 def text_model_name(name: str) -> str | None:
@@ -47,12 +48,20 @@ def text_model_name(name: str) -> str | None:
     return name
 
 
+def multimodal_text(cfg: dict) -> dict | None:
+    """A released multimodal config's text model config: `text_config`, or under `thinker_config` (Qwen3-Omni's,
+    beside its talker's); None where there is none."""
+    inner = cfg.get("thinker_config") if isinstance(cfg.get("thinker_config"), dict) else cfg
+    return inner["text_config"] if isinstance(inner.get("text_config"), dict) else None
+
+
 def text_model_config(cfg: dict) -> dict:
     """A released multimodal config as its text model's own config; a quantization_config or
     tie_word_embeddings at the top (where those folders keep them) stays with it."""
-    text = {**cfg["text_config"], "model_type": MULTIMODAL[cfg["model_type"]]}
+    inner = multimodal_text(cfg)
+    text = {**inner, "model_type": MULTIMODAL[cfg["model_type"]]}
     for key in ("quantization_config", "tie_word_embeddings"):
-        if cfg.get(key) is not None and key not in cfg["text_config"]:
+        if cfg.get(key) is not None and key not in inner:
             text[key] = cfg[key]
     return text
 
