@@ -148,6 +148,10 @@ SHAPES["ernie4_5_vl_moe_text"] = {**{k: v for k, v in SHAPES["ernie4_5_moe"].ite
                                   "mlp_layer_types": ["dense"] + ["sparse"] * (BASE["num_hidden_layers"] - 1),
                                   "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
                                                       "mrope_section": [12, 12, 8]}}
+# Aria's text model: an MoE in every layer with two shared experts of the experts' width (as released), Mixtral's
+# router, x @ W experts
+SHAPES["aria_text"] = {**{k: v for k, v in BASE.items() if k not in ("moe_intermediate_size", "intermediate_size")},
+                       "intermediate_size": 512, "moe_num_experts": 32, "moe_topk": 4, "moe_num_shared_experts": 2}
 # Qwen3-Omni's thinker text model: Qwen3-MoE's layers (the 0.44b shape's 32 experts top-4), interleaved M-RoPE
 SHAPES["qwen3_omni_moe_text"] = {**BASE, "num_experts": 32, "mlp_only_layers": [], "decoder_sparse_step": 1,
                                  "norm_topk_prob": True, "rope_parameters": {

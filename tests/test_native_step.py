@@ -74,6 +74,7 @@ def prompt_then_decode(llm, prompt: list[int], first: int = 4) -> torch.Tensor:
     ("ernie4_5_moe", {}),  # (its softmax router with a selection bias)
     ("ernie4_5_vl_moe_text", {}),  # (the same layers, M-RoPE's text positions; dense layer 0 by mlp_layer_types)
     ("qwen3_omni_moe_text", {}),  # (Qwen3-MoE's layers, M-RoPE's text positions, a dense layer)
+    ("aria_text", {}),  # (q/k/v/o biases, Mixtral's router, shared experts in every layer)
     ("gpt_oss", {}),  # (q/k/v/o biases, sinks, its router, its experts' activation and biases)
     # the L2 q/k norm after RoPE, a layer without RoPE and its temperature, chunked attention, the expert's
     # scaled input, dense layers between MoE ones

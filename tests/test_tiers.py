@@ -35,7 +35,8 @@ FAMILIES = ["olmoe", "qwen2_moe", "mixtral", "qwen3_moe", "glm4_moe", "deepseek_
             "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
             "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba",
             "nemotron_h", "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam",
-            "minimax_m3_vl_text", "ernie4_5_vl_moe_text", "qwen3_omni_moe_text"]
+            "minimax_m3_vl_text", "ernie4_5_vl_moe_text", "qwen3_omni_moe_text",
+            "aria_text"]
 _REF: dict[Path, tuple[list[int], torch.Tensor]] = {}
 
 

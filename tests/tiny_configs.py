@@ -59,6 +59,7 @@ FAMILIES: tuple[str, ...] = (
     "minimax_m3_vl_text",
     "ernie4_5_vl_moe_text",
     "qwen3_omni_moe_text",
+    "aria_text",
 )
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
@@ -215,6 +216,10 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
                                 "mrope_interleaved": True},
         },
+        # Aria's text model: Llama attention (its biases), an MoE in every layer with shared experts, x @ W experts
+        "aria_text": {"moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 2, "intermediate_size": 32,
+                      "head_dim": 16, "attention_bias": True,
+                      "rope_parameters": {"rope_type": "default", "rope_theta": 5e6}},
         # Qwen3-Omni's thinker text model (built and saved as the thinker): Qwen3-MoE's layers, the router
         # unrenormalised here (it follows norm_topk_prob), a dense layer, the interleaved M-RoPE
         "qwen3_omni_moe_text": {

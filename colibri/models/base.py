@@ -24,7 +24,8 @@ SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek
              "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
              "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h",
              "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam",
-             "minimax_m3_vl_text", "ernie4_5_vl_moe_text", "qwen3_omni_moe_text")
+             "minimax_m3_vl_text", "ernie4_5_vl_moe_text", "qwen3_omni_moe_text",
+             "aria_text")
 # layer kinds under their names before transformers 5 (Granite 4.0-H's and Nemotron-H's configs) -> today's
 LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 # model_types whose checkpoints are another family's layout: Kimi-K2 is DeepSeek-V3's
@@ -35,7 +36,8 @@ MULTIMODAL: dict[str, str] = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_m
                               "qwen3_vl_moe": "qwen3_vl_moe_text", "glm4v_moe": "glm4v_moe_text",
                               "gemma4": "gemma4_text", "minimax_m3_vl": "minimax_m3_vl_text",
                               "ernie4_5_vl_moe": "ernie4_5_vl_moe_text",
-                              "qwen3_omni_moe": "qwen3_omni_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text"}
+                              "qwen3_omni_moe": "qwen3_omni_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
+                              "aria": "aria_text"}
 
 
 def text_model_name(name: str) -> str | None:
