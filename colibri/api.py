@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from . import arena
 from .container import Container
 from .engine.grammar import GrammarCompiler
 from .engine.kv import SlotPool
@@ -274,6 +275,7 @@ class Engine:
                 self._sched.wake()
                 h._done.wait(10)  # the engine ends it at its next step; then its stats are final
             h.stats.extra["peak_rss_mib"] = peak_rss_mib()
+            h.stats.extra["huge_pages_mib"] = arena.huge_pages_mib()
             if not self._closed:
                 h.stats.extra["store"] = stats_delta(before, self.store.stats())
             self._local.stats = h.stats

@@ -40,6 +40,16 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
+def huge_pages_mib() -> float | None:
+    """MiB of this process's anonymous memory in transparent huge pages (Linux /proc), None where unknown: what
+    `--stats` and `colibri bench` report, so a user can see the advice taken."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("AnonHugePages:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class _Pool:
     def __init__(self, nbytes: int):
         self.buf, self.off = aligned_buffer(nbytes), 0

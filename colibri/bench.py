@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from . import arena
 from .errors import ColibriError
 
 # Different lengths and registers: a chat question, prose, code, a list. Fixed forever: changing
@@ -62,6 +63,7 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
         "ttft_ms": 1e3 * sum(r["ttft_s"] for r in runs) / len(runs),
         "wall_s": wall,
         "peak_rss_mib": peak_rss_mib(),
+        "huge_pages_mib": arena.huge_pages_mib(),
         "outputs": [r["tokens"] for r in runs],
     }
     out.update(_store_figures(before, llm.store_stats()))
@@ -116,7 +118,8 @@ def format_text(r: dict) -> str:
         f"cache        hit rate {opt(r['cache_hit_rate'], '{:.1%}')}, "
         f"read {opt(None if bpt is None else bpt / 1e6, '{:.2f}')} "
         f"MB/decode token, prefetch precision {opt(r['prefetch_precision'], '{:.1%}')}",
-        f"peak RSS     {r['peak_rss_mib']:.0f} MiB",
+        f"peak RSS     {r['peak_rss_mib']:.0f} MiB"
+        + ("" if r.get("huge_pages_mib") is None else f", {r['huge_pages_mib']:.0f} MiB in huge pages"),
         f"load avg     {r['loadavg']:.1f} (other work on this machine while measuring)",
     ])
 

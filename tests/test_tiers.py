@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -412,6 +413,8 @@ def test_cli_stats_line(ckpt, capsys):
     err = capsys.readouterr().err
     assert "1 ram, 2 disk layers" in err and "hit rate" in err and "MiB/token" in err
     assert "prefetch precision" in err and "buffered" in err
+    if os.path.exists("/proc/self/smaps_rollup"):  # (Linux: how much of the process sits in huge pages)
+        assert re.search(r"peak RSS \d+ MiB, weights resident \d+ MiB, \d+ MiB in huge pages", err)
 
 
 _RSS_SCRIPT = """

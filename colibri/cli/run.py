@@ -242,6 +242,8 @@ def tier_stats_line(st) -> str:
             f"{st.decode_tps:.2f} tok/s, TTFT {st.ttft_s * 1000:.0f} ms | peak RSS "
             f"{st.extra.get('peak_rss_mib', 0.0):.0f} MiB, weights resident "
             f"{s.get('resident_bytes', 0) / mib:.0f} MiB")
+    if (huge := st.extra.get("huge_pages_mib")) is not None:  # (0: THP `never` here, docs/TIERS.md "Loading")
+        line += f", {huge:.0f} MiB in huge pages"
     if s.get("cache_slots"):
         line += (f" | expert cache {s['cache_slots']} slots ({s['cache_bytes'] / mib:.0f} MiB): hit rate "
                  f"{s['hit_rate']:.1%}, read {s['bytes_read'] / mib:.1f} MiB = "
