@@ -75,7 +75,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """torch.zeros(shape) for a cache preallocated for the whole context: a CPU tensor comes from the
     `pooled` arena in force, else from an arena of its own from HUGE_MIN bytes on (untouched positions
     then cost no RSS either), else from torch."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type == "cpu" and nbytes > 0:
         pool = getattr(_local, "pool", None)
         if pool is not None:
