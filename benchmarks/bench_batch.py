@@ -38,7 +38,7 @@ def prepare(work: Path) -> Path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from synth_ckpt import write_olmoe
 
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     # (its own names: bench_vs_llamacpp.py's 0.44b files in the same workdir have the test vocabulary)
     hf, coli = work / "olmoe-0.44b-v32k-hf", work / "olmoe-0.44b-v32k.int8.coli"

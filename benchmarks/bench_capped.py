@@ -45,7 +45,7 @@ from bench_vs_llamacpp import BUDGET, TOOLS, shared_tools  # noqa: E402
 def prepare(workdir: Path, schemes: list[str]) -> dict[str, Path]:
     from synth_ckpt import write_olmoe
 
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     hf = workdir / "olmoe-7b-hf"
     if not (hf / "config.json").exists():

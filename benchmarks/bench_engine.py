@@ -51,7 +51,7 @@ def build(workdir: Path) -> Path:
 
 
 def convert_all(hf: Path, workdir: Path) -> dict[str, Path]:
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     out = {}
     for s in SCHEMES:
@@ -112,21 +112,15 @@ def _timed(tokens, prompt_len: int) -> dict:
 
 
 def profile_decode(llm, prompt: list[int], steps: int = 16) -> str:
-    """Where a decode step's time goes: torch ops (self CPU time) over `steps` tokens."""
-    import torch
+    """Where a decode step's time goes: torch ops (self CPU time) over `steps` tokens, the prompt's K/V
+    taken from the slot's prompt cache (a first request fills it) so the profile is decode."""
     from torch.profiler import ProfilerActivity, profile
 
-    from colibri.generate import decode_one, prefill
-
-    with torch.inference_mode():
-        logits = prefill(llm.model, llm.caches, torch.tensor(prompt))
-        tok, pos = int(logits.argmax()), len(prompt)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok = int(decode_one(llm.model, llm.caches, tok, pos).argmax())
-                pos += 1
-            wall = time.perf_counter() - t0
+    list(llm.generate_ids(prompt, 1, temperature=0, ignore_eos=True))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        list(llm.generate_ids(prompt, steps + 1, temperature=0, ignore_eos=True))
+        wall = time.perf_counter() - t0
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
     return f"{steps} decode steps, {wall / steps * 1e3:.1f} ms/token under the profiler\n{table}"
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_tiny import hf_greedy, hf_logits, load_hf, make_tiny_checkpoint  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri.convert import convert  # noqa: E402
-from colibri.models.base import SUPPORTED  # noqa: E402
+from colibri.convert.converter import convert  # noqa: E402
+from colibri.models.family import supported  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 
@@ -36,7 +36,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     root = Path(a.workdir)
     print(f"{'family':12s} {'max|dlogit|':>12s} {'greedy match':>13s} {'int8 decode tok/s':>18s}")
-    for mt in SUPPORTED:
+    for mt in supported():
         src = make_tiny_checkpoint(mt, root / mt)
         f32 = convert(src, root / f"{mt}.f32.coli", "f32", progress=False)
         int8 = convert(src, root / f"{mt}.int8.coli", "int8", group_size=32, progress=False)

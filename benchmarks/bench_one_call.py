@@ -15,7 +15,7 @@ experts top-4 of width 512, Llama 4's top-1; its shared expert / dense layer 204
 shared expert 512; transformers' own initialisation), converted once. The same loaded model
 then decodes `--tokens` greedy tokens of one request, rounds interleaved, by:
   one-call   the default: every layer in kernels/step.c's one call, with native runs (engine/runner.py)
-  per-layer  the fused blocks and MLP kernel called layer by layer from Python (native_step off)
+  per-layer  the fused blocks and MLP kernel called layer by layer from Python (the decode plan on torch)
   torch-mlp  per layer, with the dense / shared MLPs in torch ops, biased attention unfused, ERNIE's,
              gpt-oss's and DeepSeek's routers, gpt-oss's experts, DeepSeek's MLA attention and Llama 4's
              attention and MoE blocks in torch: the path they took before
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_tiny import make_tiny_checkpoint  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri.convert import convert  # noqa: E402
+from colibri.convert.converter import convert  # noqa: E402
 from colibri.engine.threads import DecodeThreads  # noqa: E402
 from colibri.kernels import native  # noqa: E402
 from colibri.models import (  # noqa: E402
@@ -56,7 +56,6 @@ from colibri.models import (  # noqa: E402
     mistral4,
     mla,
     native_mlp,
-    native_step,
 )
 from colibri.models.moe import SwitchGLU, silu_glu  # noqa: E402
 
@@ -327,7 +326,6 @@ PROMPT = [1, 17, 42, 99, 7, 150, 23, 64]
 def _set_mode(llm, mode: str, states: dict) -> None:
     """Switch the loaded model to `mode`'s path; `states` keeps each mode's decode-thread chooser and native run
     timings across rounds (the caller's dict, one per model)."""
-    native_step.ENABLED = mode == "one-call"
     torch_mlp = mode == "torch-mlp"
     native_mlp.applies = (lambda t, x: False) if torch_mlp else _APPLIES
     native.bias_ok = (lambda m: m.bias is None) if torch_mlp else _BIAS_OK
@@ -343,9 +341,9 @@ def _set_mode(llm, mode: str, states: dict) -> None:
         if isinstance(m, SwitchGLU) and m.act is not silu_glu:  # gpt-oss's experts: kernels or torch
             m.__dict__.setdefault("_kernel_act", m.native_act)
             m.native_act = None if torch_mlp else m.__dict__["_kernel_act"]
-            m.__dict__.pop("_full", None)
             m._tables = None
-    native_step.forget(llm.model)
+    llm.store.source.forget_tables()
+    llm.plan.rebuild(native=mode == "one-call")
     # Each mode keeps its own decode thread count and native run length: one mode's step timings steered the next
     # one (one-call rounds on one thread after per-layer ones: 381.6 instead of ~670 tok/s). They persist across
     # rounds: the first round of a mode times both thread counts, the later ones run the choice, as a serving

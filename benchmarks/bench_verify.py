@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_verify.py [--model M.coli] [--mem-budget 150M] [--tokens 48] [--rounds 4]
 
 Loads one disk-streamed model under `--mem-budget` (routed experts read from the file into the expert
-cache, each record checked with CRC-32C as it lands: colibri/integrity.py), then decodes `--tokens`
+cache, each record checked with CRC-32C as it lands: colibri/format/integrity.py), then decodes `--tokens`
 greedy tokens per round with verification on and off, alternating which goes first so the cache warmth
 each inherits evens out; prints decode tok/s per round, the medians, the slowdown, the load average
 (the machine may be shared: the figure is noisy), and the cost the checksum itself should have: bytes

@@ -161,7 +161,7 @@ def model_pair(a: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 def colibri_active_bytes(path: Path) -> int:
     """Weight bytes one decode token reads from a .coli (the planner's accounting)."""
-    from colibri.container import Container
+    from colibri.format.container import Container
     from colibri.plan import PlanSizes
 
     with Container(path) as c:

@@ -26,7 +26,6 @@ import torch  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri.kernels import native, native_mla  # noqa: E402
-from colibri.models import native_step  # noqa: E402
 from colibri.models.batch import Seq, StepBatch  # noqa: E402
 
 KERNELS = ("decode_step", "decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block",
@@ -39,13 +38,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--per-layer", action="store_true",
-                    help="the per-layer native calls, not all blocks in one (models/native_step.py)")
+                    help="the per-layer native calls, not all blocks in one (the decode plan on torch)")
     ap.add_argument("--stages", action="store_true", help="the one-call step's stages (kernel timers)")
     ap.add_argument("--rows", type=int, default=1, help="sequences per step, one row each (a batch's decode)")
     a = ap.parse_args()
     if a.stages and a.per_layer:
         ap.error("--stages times the one-call step: drop --per-layer")
-    native_step.ENABLED = not a.per_layer
     spent: dict[str, float] = {}
 
     def timed(name: str, fn):
@@ -61,6 +59,8 @@ def main() -> None:
         setattr(native, name, timed(name, getattr(native, name)))
     native_mla.mla_block = timed("mla_block", native_mla.mla_block)  # (DeepSeek's attention: kernels/mla.c)
     llm = colibri.load(a.model, ctx_size=a.steps + 16, threads=a.threads, slots=a.rows)
+    if a.per_layer:
+        llm.plan.rebuild(native=False)
     torch.set_num_threads(1)  # as the engine runs a decode step: the pool gets the threads
     native.set_threads(a.threads)
     slots = llm.slots.caches[: a.rows]
@@ -68,7 +68,7 @@ def main() -> None:
     with torch.inference_mode():
         def step(pos: int) -> None:  # each sequence its own slot and token, all at position pos
             batch = StepBatch([Seq(r, r + 1, pos, c) for r, c in enumerate(slots)])
-            llm.model(torch.tensor([3 + (pos + 7 * r) % 200 for r in range(a.rows)]), batch, rows)
+            llm.plan.step(torch.tensor([3 + (pos + 7 * r) % 200 for r in range(a.rows)]), batch, rows)
 
         for pos in range(8):  # warm-up
             step(pos)
@@ -98,7 +98,7 @@ def stages(n: int, step_ms: float) -> None:
         sys.exit("the kernels were built without their stage timers")
     times, steps = prof
     if steps != n:
-        sys.exit(f"{steps} of the {n} steps ran as one native call (models/native_step.py): no stage split")
+        sys.exit(f"{steps} of the {n} steps ran as one native call (engine/decode_plan.py): no stage split")
     print("  inside decode_step, all layers (us per step):")
     for name, sec in times.items():
         us = sec / n * 1e6

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import arena
-from .container import Container
+from .engine.decode_plan import DecodePlan
 from .engine.grammar import GrammarCompiler
 from .engine.kv import SlotPool
 from .engine.request import EngineClosedError, QueueFullError, RequestHandle, RequestStats, SamplingParams, TokenEvent
@@ -22,6 +22,7 @@ from .engine.runner import Runner
 from .engine.scheduler import Scheduler
 from .engine.stats import StepInfo
 from .errors import ColibriError, SlotBusyError
+from .format.container import Container
 from .kernels import native
 from .models.base import bind, build
 from .store import Placement, TieredStore
@@ -60,6 +61,13 @@ def peak_rss_mib() -> float:
 def compute_dtype_for(scheme: str) -> torch.dtype:
     """f32 containers compute in f32 (the oracle setting); everything else in bf16."""
     return torch.float32 if scheme == "f32" else torch.bfloat16
+
+
+class _PerThread(threading.local):
+    """What the last request of each calling thread left (class attributes: every thread starts from None)."""
+
+    stats: RequestStats | None = None
+    message: dict | None = None
 
 
 class Engine:
@@ -147,6 +155,8 @@ class Engine:
             self.ctx_size, self.n_slots = ctx_size, slots
             self.vocab_rows = self.model.model.embed_tokens.num_embeddings
             self.slots = SlotPool(self.model, slots, ctx_size, self.dtype, self.store.layer_device)
+            self.plan = DecodePlan(self.model)  # which backend runs which layers, decided once
+            log.info("colibri: %s", self.plan.describe())
         except BaseException:
             self.store.close()
             raise
@@ -157,15 +167,16 @@ class Engine:
         cache_prompt = cache_prompt and self.slots.rewindable  # (linear-attention states: engine/kv.py)
         self._sched = Scheduler(self.slots, max_queue, prefill_chunk, mixed, cache_prompt and route_trace is None)
         self._cache_prompt = cache_prompt
-        self._runner = Runner(self.model, self._sched, self.store, self.threads, lambda: self.tokenizer.eos_ids)
+        self._runner = Runner(self.model, self.plan, self._sched, self.store, self.threads,
+                              lambda: self.tokenizer.eos_ids)
         self._runner.run_s = None if decode_run_ms is None else decode_run_ms / 1000
         self._grammars = GrammarCompiler(self.tokenizer.tk, self.vocab_rows)
-        self._local = threading.local()
+        self._local = _PerThread()
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.store, self.container)
-        self._trace = None
+        self._trace = self._route_logger = None
         if route_trace is not None:
-            from .trace import RouteTraceWriter
+            from .analysis.trace import RouteTraceWriter
 
             self._trace = RouteTraceWriter(route_trace, self.tokenizer, experts=self._runner.n_experts, model=str(path))
             self.add_step_listener(self._trace)
@@ -190,7 +201,7 @@ class Engine:
     @property
     def last_stats(self) -> RequestStats:
         """Stats of the last request this thread ran through generate / generate_ids."""
-        return getattr(self._local, "stats", None) or RequestStats()
+        return self._local.stats or RequestStats()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -343,7 +354,7 @@ class Engine:
     def last_message(self) -> dict | None:
         """The assistant message of the last `chat()` this thread ran to its end, as OpenAI's chat answer
         has it: content, reasoning_content, tool_calls (None when absent)."""
-        return getattr(self._local, "message", None)
+        return self._local.message
 
     def generate_batch(self, prompts: list[str], max_tokens: int = 256, *, add_special_tokens: bool = True,
                        **sampling) -> list[str]:
@@ -470,12 +481,12 @@ class Engine:
 
     def trace_routing(self, enabled: bool = True) -> None:
         """Log every token's experts and routing weights per layer (debug level; docs/ROUTING.md)."""
-        from .routelog import RouteLogger
+        from .analysis.routelog import RouteLogger
 
-        if enabled and getattr(self, "_route_logger", None) is None:
+        if enabled and self._route_logger is None:
             self._route_logger = RouteLogger(self.tokenizer)
             self.add_step_listener(self._route_logger)
-        elif not enabled and getattr(self, "_route_logger", None) is not None:
+        elif not enabled and self._route_logger is not None:
             self.remove_step_listener(self._route_logger)
             self._route_logger = None
         # Every prompt token's routing is logged only if every prompt token is computed.

@@ -55,7 +55,11 @@ class _Pool:
         self.buf, self.off = aligned_buffer(nbytes), 0
 
 
-_local = threading.local()
+class _Local(threading.local):
+    pool: _Pool | None = None  # the `pooled` arena in force on this thread (class attribute: none at first)
+
+
+_local = _Local()
 
 
 @contextlib.contextmanager
@@ -63,7 +67,7 @@ def pooled(nbytes: int) -> Iterator[None]:
     """Inside, `zeros` carves its CPU tensors from one arena of `nbytes` (one slot's caches: huge pages
     even where each layer's keys are a few hundred KiB), each page-aligned; one that does not fit gets
     its own as outside. Below HUGE_MIN there is no pool."""
-    prev = getattr(_local, "pool", None)
+    prev = _local.pool
     _local.pool = _Pool(nbytes) if nbytes >= HUGE_MIN else None
     try:
         yield
@@ -77,7 +81,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     then cost no RSS either), else from torch."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type == "cpu" and nbytes > 0:
-        pool = getattr(_local, "pool", None)
+        pool = _local.pool
         if pool is not None:
             off = -(-pool.off // PAGE) * PAGE
             if off + nbytes <= pool.buf.numel():

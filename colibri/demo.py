@@ -19,7 +19,7 @@ def cache_dir() -> Path:
 
 def demo_model(scheme: str = "bf16") -> Path:
     """Path to the demo container, converting the shipped checkpoint the first time."""
-    from .convert import convert
+    from .convert.converter import convert
 
     out = cache_dir() / f"demo-{scheme}.coli"
     newest_src = max(f.stat().st_mtime for f in DEMO_HF.iterdir())

@@ -16,7 +16,7 @@ what `colibri run --mem-budget` would hold. The speed estimate per decode token:
     tok/s     ~= 1 / (disk bytes / disk speed + RAM bytes / matvec speed + ops * op cost * PY_PER_OP)
 hit = slots / E under uniform routing, or from recorded routing counts (--usage-file). A model whose
 decode step is one native call (int8/int4, every layer in RAM, a family shape the call runs:
-models/native_step.py `one_call_shape`) has no per-op cost; its step costs
+engine/native_step.py `one_call_shape`) has no per-op cost; its step costs
     RAM bytes / (ONE_CALL_BW_SHARE[scheme] * matvec speed) + ONE_CALL_LAYER_S per layer.
 """
 
@@ -28,11 +28,11 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 
+from .analysis.probe import GiB, Machine, MiB, current_machine, probe_machine
+from .analysis.usage import Usage
 from .errors import ColibriError
-from .probe import GiB, Machine, MiB, current_machine, probe_machine
 from .store.placement import Placement, parse_size
 from .store.sizes import ModelSizes, model_sizes
-from .usage import Usage
 
 RUNTIME_BYTES = 512 * MiB  # python + torch + tokenizer RSS before any weight (measured ~400 MiB)
 OUR_RAM_HEADROOM = 1 * GiB  # left to the OS and other programs when planning from MemAvailable
@@ -51,7 +51,7 @@ OPS_GLOBAL, OPS_LAYER, OPS_MOE, OPS_EXPERT, OPS_MLP = 25, 75, 22, 8, 6
 # of the engine around it): 3.2x to 8.8x on the demo model (1 thread, a shared VM at load 6-8);
 # the geometric middle keeps the estimate within 2x of `colibri bench` over that whole range.
 PY_PER_OP = 5.5
-# The one-call step (measured 2026-12-03, 2 threads, the demo model and OLMoE shapes, each against these
+# The one-call step (measured with 2 threads on the demo model and OLMoE shapes, each against these
 # estimates): its weight stream runs at ~0.75 (int4) / ~0.55 (int8) of the probe's matvec speed, and the
 # rest of a step (the engine's Python between steps; each layer's norms, rotary, attention, router) costs
 # ~0.15 ms per layer: demo int4 0.49 ms a token (estimate 0.6), 0.44b int4 3.8 (3.9), 0.44b int8 7.3
@@ -132,7 +132,7 @@ def _kv_measured(model) -> tuple[int, int] | None:
 
 
 def _one_call_shape(model) -> bool:
-    from .models.native_step import one_call_shape
+    from .engine.native_step import one_call_shape
 
     return one_call_shape(model.model.layers)
 
@@ -326,7 +326,7 @@ def hot_set_placement(model_path: str | os.PathLike[str], usage_file: str | os.P
                       slots: int = 1):
     """The planner's PlacementFn with the usage file's counts (hot experts pinned first), for an
     Engine run with `--usage-file` and no tier flags; plain planner until the file has counts."""
-    from .container import Container
+    from .format.container import Container
 
     with Container(model_path) as c:  # the planner needs only the parsed header, kept after close
         usage = Usage.load(usage_file, model_sizes(c).n_experts)
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-speed", help="skip the read probe and assume this many bytes/s (e.g. 2G)")
     p.add_argument("--probe-seconds", type=float, default=0.5, help="length of the disk read probe")
     a = p.parse_args(argv)
-    from .container import Container
+    from .format.container import Container
 
     for flag, v in (("--ctx-size", a.ctx_size), ("--slots", a.slots)):
         if v < 1:

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .convert.quant_grid import on_grid
 from .kernels import native
-from .quant_grid import on_grid
 
 SCHEMES = ("f32", "f16", "bf16", "int8", "int4", "int2", "int3")
 FLOAT_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

@@ -16,7 +16,7 @@ from chat_server import KEY, TEMPLATE  # noqa: E402
 from hf_tiny import load_hf, make_tiny_checkpoint  # noqa: E402
 from serve_proc import Server  # noqa: E402
 
-from colibri.convert import convert  # noqa: E402
+from colibri.convert.converter import convert  # noqa: E402
 
 
 class Checkpoints:

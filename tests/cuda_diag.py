@@ -16,7 +16,7 @@ from conftest import Checkpoints  # noqa: E402
 from test_tiers import PROMPT  # noqa: E402
 
 from colibri.api import Engine  # noqa: E402
-from colibri.container import Container  # noqa: E402
+from colibri.format.container import Container  # noqa: E402
 from colibri.store import Placement, model_sizes  # noqa: E402
 
 

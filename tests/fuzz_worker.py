@@ -34,9 +34,9 @@ torch.set_num_threads(1)
 from fuzz_mutants import container_mutant, hf_mutant  # noqa: E402
 
 from colibri.cli import main as cli  # noqa: E402
-from colibri.container import Container  # noqa: E402
-from colibri.convert import convert  # noqa: E402
+from colibri.convert.converter import convert  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
+from colibri.format.container import Container  # noqa: E402
 
 MODES = {"mapped": ["--mmap"], "budget": ["--mem-budget", "64M"], "disk": ["--gpu-layers", "0", "--ram-layers", "0"]}
 

@@ -363,8 +363,8 @@ def converts_dropping(src: Path, extra, ref: Path, out: Path, ids: list[int]) ->
     from safetensors.torch import load_file, save_file
 
     import colibri
-    from colibri.container import Container
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
+    from colibri.format.container import Container
 
     more = extra(load_file(src / "model.safetensors"))
     save_file(more, str(src / "model-extra.safetensors"))
@@ -380,7 +380,7 @@ def converts_to_its_floats(quantized: Path, deq: Path, work: Path, ids: list[int
     """Both folders of `quantized_pair` converted at f32 give the same logits bit for bit (the reader dequantizes
     to the floats they stand for), and those are transformers' on the floats -> the logits of `ids`."""
     import colibri
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     a = convert(quantized, work / f"{quantized.name}.coli", "f32", progress=False)
     b = convert(deq, work / "deq.coli", "f32", progress=False)

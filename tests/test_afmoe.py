@@ -13,9 +13,10 @@ from hf_tiny import hf_logits, load_hf
 from safetensors.torch import load_file
 
 import colibri
-from colibri.container import Container
+from colibri.engine import native_step
+from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
-from colibri.models import native_step
+from colibri.format.container import Container
 from colibri.models.afmoe import check_config, sanitize
 from colibri.models.base import build
 
@@ -64,8 +65,8 @@ def test_the_native_blocks_take_afmoes_layers(ckpt) -> None:
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
             assert layer is not None and layer.gate == 1 and layer.out_w == b.self_attn.out_norm.weight.data_ptr()
             assert b.mlp.out_norm is not None
-        plan = native_step._plan(m)
-        assert plan is not None and native_step._tail(m) is not None
+        plan = DecodePlan(m).native_layers()
+        assert plan is not None and native_step.tail(m) is not None
         assert all(plan.moe[i].out_w == m.model.layers[i].mlp.out_norm.weight.data_ptr() for i in range(3))
 
 

@@ -14,9 +14,9 @@ from oracle_check import matches_transformers
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.aria_text import check_config, expert_record, sanitize
 from tests.hf_tiny import tiny_config_kwargs
 

@@ -10,7 +10,7 @@ import torch
 from hf_tiny import converts_dropping, edited_copy, tiny_config_kwargs
 from transformers import AXK1Config
 
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.axk1 import ModelArgs, check_config, sanitize
 

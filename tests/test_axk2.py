@@ -39,7 +39,7 @@ def test_legacy_layer_fields_read_as_transformers_reads_them(ckpt, tmp_path) -> 
     AXK2Config converts from) gives transformers' layer kinds and its logits."""
     from transformers import AXK2Config
 
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     over = {"mlp_layer_types": ["sparse", "dense", "sparse"]}  # (= first_k_dense_replace 0, moe_layer_freq 2)
     src = ckpt.hf("axk2", **over)

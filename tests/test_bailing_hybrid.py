@@ -55,7 +55,7 @@ def test_a_config_as_released_reads_as_transformers_reads_it(ckpt, tmp_path) -> 
     sets it to the rope width) converts to the model transformers builds: kinds and logits."""
     from transformers import BailingHybridConfig
 
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     src = ckpt.hf("bailing_hybrid")
     released = edited_copy(src, tmp_path / "released", drop=("layer_types", "mlp_layer_types", "linear_head_dim",

@@ -10,10 +10,10 @@ import torch
 from hf_tiny import hf_greedy, load_hf
 
 import colibri
-from colibri.container import Container
 from colibri.engine import EngineClosedError, QueueFullError
 from colibri.errors import ColibriError
-from colibri.models.base import SUPPORTED
+from colibri.format.container import Container
+from colibri.models.family import supported
 from colibri.store import Placement, model_sizes
 
 PROMPTS = [[1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3], [1, 88, 5, 61], [1, 230, 12, 9, 77, 41, 130, 2, 66]]
@@ -43,7 +43,7 @@ def staggered(llm, prompts: list[list[int]], n: int, **kw) -> list[list[int]]:
     return [h.wait() for h in handles]
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED)
+@pytest.mark.parametrize("model_type", supported())
 def test_batched_sequences_match_solo_and_transformers(ckpt, model_type):
     path = ckpt.coli(model_type, "f32")
     hf = load_hf(ckpt.hf(model_type))

@@ -13,9 +13,11 @@ from hf_tiny import hf_logits, load_hf, tiny_config_kwargs
 from oracle_check import matches_transformers
 
 import colibri
+from colibri.engine import native_step
+from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.kernels import native
-from colibri.models import beam, native_step
+from colibri.models import beam
 from colibri.models.base import build
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
@@ -151,9 +153,9 @@ def test_the_native_blocks_take_beams_layers(ckpt) -> None:
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
             assert layer is not None and layer.gate == 1 and layer.bg
             assert bool(layer.temp) == b.self_attn.has_table and layer.in_eps == pytest.approx(b.input_layernorm.eps)
-        plan = native_step._plan(m)
-        assert plan is not None and native_step._tail(m) is not None
-        assert native_step._tail(m).struct.eps == pytest.approx(m.model.norm.eps)
+        plan = DecodePlan(m).native_layers()
+        assert plan is not None and native_step.tail(m) is not None
+        assert native_step.tail(m).struct.eps == pytest.approx(m.model.norm.eps)
 
 
 def test_names() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import colibri
-from colibri.bench import PROMPTS
+from colibri.analysis.bench import PROMPTS
 from colibri.cli import main
 
 
@@ -50,7 +50,7 @@ def test_bench_text_output_and_bad_args(bench_json, capsys):
 
 
 def test_bench_under_a_budget_reports_cache_figures(bench_json, capsys):
-    from colibri.container import Container
+    from colibri.format.container import Container
     from colibri.store import model_sizes
 
     with Container(bench_json) as c:

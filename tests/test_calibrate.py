@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from colibri import calibrate as C
+from colibri.analysis.perplexity import perplexity
 from colibri.cli import main
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert import calibrate as C
+from colibri.convert.converter import convert
 from colibri.demo import DEMO_HF
 from colibri.errors import ColibriError
-from colibri.perplexity import perplexity
+from colibri.format.container import Container
 from colibri.quant import dequantize, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

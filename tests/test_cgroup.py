@@ -1,4 +1,4 @@
-"""A container's memory limit reaches the planner (colibri/probe.py `cgroup_free`): /proc/meminfo shows the
+"""A container's memory limit reaches the planner (colibri/analysis/probe.py `cgroup_free`): /proc/meminfo shows the
 host's memory, so a plan from it alone overfilled a memory cgroup. Fake cgroup trees, v1 and v2."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 from test_plan import machine, synthetic_container
 
-from colibri import probe
+from colibri.analysis import probe
+from colibri.analysis.probe import GiB, MiB, cgroup_free
 from colibri.plan import CGROUP_HEADROOM, OUR_RAM_HEADROOM, RUNTIME_BYTES, PlanSizes, weights_budget
-from colibri.probe import GiB, MiB, cgroup_free
 
 V1_NO_LIMIT = "9223372036854771712"
 

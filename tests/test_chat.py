@@ -95,7 +95,7 @@ def test_converter_embeds_chat_template_jinja(ckpt, tmp_path):
     (hf / "chat_template.jinja").write_text("J{% for m in messages %}[{{ m.content }}]{% endfor %}")
     (hf / "additional_chat_templates").mkdir()
     (hf / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS")
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     llm = colibri.load(convert(hf, tmp_path / "m.coli", "f32", 32, progress=False), ctx_size=64)
     assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "J[hi]"  # over the config's
@@ -210,7 +210,7 @@ def test_repl_without_template_is_one_line_error(ckpt, tmp_path):
     cfg = json.loads((hf / "tokenizer_config.json").read_text())
     cfg["chat_template"] = "{% if %}"
     (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     r = chat(convert(hf, tmp_path / "m.coli", "f32", 32, progress=False), "Hi\n")
     assert r.returncode == 1 and r.stderr.startswith("colibri: error: the model's chat template is broken")

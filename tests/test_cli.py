@@ -166,7 +166,7 @@ def test_inspect_detects_corruption(ckpt, tmp_path, capsys):
 
 
 def test_seed_convert_script_and_console_entry(ckpt, tmp_path):
-    """`python tools/convert.py ...` (the seed's documented form), then the CLI in a fresh process."""
+    """`python tools/convert.py ...` (the converter called by path), then the CLI in a fresh process."""
     out = tmp_path / "m.coli"
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "convert.py"), "--input", str(ckpt.hf("olmoe")),
                         "--output", str(out), "--arch", "moe", "--quant", "int8"], capture_output=True, text=True,

@@ -106,7 +106,7 @@ def test_model_and_input_paths(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     return convert(DEMO_HF, tmp_path_factory.mktemp("cli") / "demo.coli", "bf16", progress=False)
 
@@ -140,8 +140,8 @@ def test_warnings_are_one_line(tiny):
 
 def test_broken_chat_template(tiny, tmp_path):
     """A container whose chat template does not compile: `--chat` is one line (plain runs still work)."""
-    from colibri.container import Container
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
+    from colibri.format.container import Container
 
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -13,8 +13,9 @@ import psutil
 import pytest
 import torch
 
-from colibri.container import ALIGN, MAGIC, MEMBER_ALIGN, PREAMBLE_SIZE, Container, Writer
 from colibri.errors import ColibriError, ContainerError
+from colibri.format.container import Container, Writer
+from colibri.format.layout import ALIGN, MAGIC, MEMBER_ALIGN, PREAMBLE_SIZE
 
 META = {  # no model_type: a plain tensor file (a model container's meta is checked against its tensors)
     "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_experts": 4, "vocab_size": 100},

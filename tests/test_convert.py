@@ -10,9 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 
 
 def test_storage_policy_keeps_sensitive_tensors_precise(ckpt):
@@ -37,7 +37,7 @@ def test_per_expert_and_fused_checkpoints_convert_to_the_same_tensors(ckpt):
 
 
 def test_interrupted_conversion_leaves_no_file(ckpt, tmp_path, monkeypatch):
-    from colibri import safetensors_reader
+    from colibri.convert import safetensors_reader
 
     calls = {"n": 0}
     real = safetensors_reader.SafetensorsFolder.read
@@ -77,7 +77,7 @@ def test_conversion_reads_lazily(ckpt, tmp_path):
     assert size > 150 * 2**20
     script = textwrap.dedent(f"""
         import torch
-        from colibri.convert import convert
+        from colibri.convert.converter import convert
         def status(key):  # KiB; VmHWM is this process's own peak (ru_maxrss survives exec from pytest)
             return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith(key))
         torch.zeros(1)

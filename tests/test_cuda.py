@@ -16,7 +16,7 @@ from test_tiers import FAMILIES, N_GREEDY, PROMPT
 
 import colibri
 from colibri.api import Engine
-from colibri.container import Container
+from colibri.format.container import Container
 from colibri.store import Placement, model_sizes
 
 # COLIBRI_TEST_GPU_DEVICE=cpu dry-runs these tests' own logic on the CPU (the GPU code path, CPU kernels).

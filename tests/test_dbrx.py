@@ -14,9 +14,10 @@ from hf_tiny import hf_logits, load_hf
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
+from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.dbrx import check_config, flat_config, sanitize
 from colibri.models.layers import is_rms
 
@@ -75,7 +76,7 @@ def test_unnormalised_routing_matches_transformers(ckpt) -> None:
 def test_the_native_blocks_take_dbrx_layers(ckpt) -> None:
     """int8 runs DBRX's layers in the kernels: the attention block with its bias-less LayerNorms and the clamp, the
     one-call step's tail with the final LayerNorm (test_native_step.py: the same bits as the kernels one by one)."""
-    from colibri.models import native_step
+    from colibri.engine import native_step
 
     with colibri.load(ckpt.coli("dbrx", "int8"), ctx_size=64, threads=2) as llm:
         m = llm.model
@@ -84,7 +85,7 @@ def test_the_native_blocks_take_dbrx_layers(ckpt) -> None:
             assert b.self_attn.a.clip_qkv == 2.0
             assert b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm) is not None
             assert b.mlp.gate.native_routing() is not None
-        assert native_step._tail(m) is not None and native_step._plan(m) is not None
+        assert native_step.tail(m) is not None and DecodePlan(m).native_layers() is not None
 
 
 def test_names() -> None:

@@ -11,11 +11,11 @@ from hf_tiny import converts_dropping, edited_copy, hf_logits, load_hf, tiny_con
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
+from colibri.convert.source_quant import dequantize_fp8
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models import deepseek_v2, deepseek_v3
-from colibri.source_quant import dequantize_fp8
 
 IDS = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

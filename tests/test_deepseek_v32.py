@@ -62,7 +62,7 @@ def test_the_native_block_writes_the_indexers_keys(ckpt, monkeypatch) -> None:
 def test_a_context_within_index_topk_is_v3s_dense_attention_in_one_call(ckpt, monkeypatch) -> None:
     """ctx_size <= index_topk: no indexer keys cached, the one-call step runs, and the tokens are the per-layer
     native path's (a longer context, same positions: every one kept there too)."""
-    from colibri.models import native_step
+    from colibri.engine import native_step
 
     over = {"q_lora_rank": 32, "kv_lora_rank": 32, "index_topk": 64}
     one_call: list[bool] = []
@@ -75,7 +75,7 @@ def test_a_context_within_index_topk_is_v3s_dense_attention_in_one_call(ckpt, mo
             return out
         return call
 
-    for name in ("run_step", "run_steps", "run"):  # (the whole step, native runs of steps, the blocks alone)
+    for name in ("step", "steps", "layers"):  # (the whole step, native runs of steps, the blocks alone)
         monkeypatch.setattr(native_step, name, spy(getattr(native_step, name)))
     with colibri.load(ckpt.coli("deepseek_v32", "int8", **over), ctx_size=64, threads=2, slots=1) as llm:
         assert not any(hasattr(c, "ik") for c in llm.slots.caches[0])

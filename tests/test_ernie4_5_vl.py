@@ -10,8 +10,8 @@ import pytest
 import torch
 from oracle_check import matches_transformers
 
-from colibri.container import Container
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.ernie4_5_vl_moe_text import ModelArgs, check_config, flat_config, sanitize
 from tests.hf_tiny import build_tiny_model, tiny_config_kwargs
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import colibri
+from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
-from colibri.models import native_step
 from colibri.models.flex_olmo import check_config, sanitize
 from colibri.models.layers import NoNorm
 
@@ -32,7 +32,7 @@ def test_the_native_blocks_take_blocks_without_input_norms(ckpt) -> None:
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
             assert layer is not None and not layer.in_w and not layer.post_w
             assert layer.out_w == b.self_attn.out_norm.weight.data_ptr()
-        plan = native_step._plan(m)
+        plan = DecodePlan(m).native_layers()
         assert plan is not None and all(plan.moe[i].out_w for i in range(len(m.model.layers)))
         assert not any(b.mlp.gate.norm_topk_prob for b in m.model.layers)
 

@@ -9,7 +9,7 @@ import pytest
 from hf_tiny import edited_copy, tiny_config_kwargs
 from transformers import FlintConfig
 
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.base import build
 from colibri.models.flint import ModelArgs, check_config, sanitize

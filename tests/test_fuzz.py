@@ -26,7 +26,7 @@ import psutil
 import pytest
 from fuzz_mutants import CONTAINER_CATEGORIES, CORRUPTION, HF_CATEGORIES
 
-from colibri.convert import convert
+from colibri.convert.converter import convert
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = int(os.environ.get("COLIBRI_FUZZ_CASES", "128"))

@@ -16,7 +16,7 @@ from test_native_step import _spy
 from transformers import Gemma4TextConfig
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.kernels import native
 from colibri.models.base import build
@@ -155,7 +155,7 @@ def test_the_fused_attention_block_gives_the_layer_by_layer_bits(ckpt, monkeypat
             cache, rows = llm.slots.caches[0], []
             with torch.inference_mode():  # (one row a step: a prompt chunk's unfused attention is torch's own)
                 for pos in range(len(PROMPT)):
-                    rows.append(llm.model(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
+                    rows.append(llm.plan.step(torch.tensor([PROMPT[pos]]), StepBatch.single(cache, pos, 1),
                                           torch.tensor([0])))
         assert not fused or (taken and all(taken))
         return torch.cat(rows)

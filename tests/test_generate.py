@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import colibri
-from colibri.engine.sampling import kept
+from colibri.engine.sampling import apply_repetition_penalty, kept, make_sampler
 from colibri.errors import ColibriError
-from colibri.generate import apply_repetition_penalty, make_sampler
 from colibri.kernels import native, native_sample
 from colibri.tokenizer import StreamDecoder
 

@@ -11,9 +11,9 @@ from hf_tiny import hf_logits, load_hf, tiny_config_kwargs
 from safetensors.torch import save_file
 
 import colibri
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.glm4_moe import ModelArgs, check_config
 
 

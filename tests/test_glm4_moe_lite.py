@@ -12,7 +12,7 @@ import torch
 from hf_tiny import converts_dropping, edited_copy, hf_logits, load_hf, tiny_config_kwargs
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.glm4_moe_lite import ModelArgs, check_config
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from colibri.container import Container
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.glm4v_moe_text import check_config, sanitize
 
 

@@ -9,8 +9,8 @@ import torch
 from hf_tiny import hf_logits, load_hf
 
 import colibri
-from colibri.container import Container
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.granitemoe import check_config, sanitize
 from colibri.models.moe import SoftmaxTopKRouter
 

@@ -11,8 +11,9 @@ from hf_tiny import hf_logits, load_hf
 from safetensors.torch import load_file
 
 import colibri
-from colibri.container import Container
+from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.base import build
 from colibri.models.granitemoe_swa import check_config
 
@@ -55,14 +56,14 @@ def test_each_layer_takes_its_own_attention_settings() -> None:
 def test_the_native_blocks_take_the_swa_layers(ckpt) -> None:
     """int8 runs every layer in the kernels: sinks, sliding and full windows, the layer without RoPE, the shared
     expert in the MoE block (test_native_step.py: the same bits as the kernels one by one)."""
-    from colibri.models import native_step
+    from colibri.engine import native_step
 
     with colibri.load(ckpt.coli("granitemoe_swa", "int8"), ctx_size=64, threads=2) as llm:
         m = llm.model
         for b in m.model.layers:
             assert b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm) is not None
             assert b.mlp.shared_table() not in (None, False)
-        assert native_step._tail(m) is not None and native_step._plan(m) is not None
+        assert native_step.tail(m) is not None and DecodePlan(m).native_layers() is not None
 
 
 @pytest.mark.parametrize("change, want", [

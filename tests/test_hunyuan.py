@@ -60,7 +60,7 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 
 
 def test_per_layer_lists_are_checked_and_refused_where_a_family_takes_one_value() -> None:
-    from colibri.validate import check_config as validate
+    from colibri.format.validate import check_config as validate
 
     n = tiny_config_kwargs("hunyuan_v1_moe")["num_hidden_layers"]
     validate("hunyuan_v1_moe", _cfg(moe_intermediate_size=[32] * n, moe_topk=[2] * n, num_shared_expert=[1] * n))

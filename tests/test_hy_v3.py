@@ -11,7 +11,7 @@ from hf_tiny import converts_dropping, edited_copy, tiny_config_kwargs
 from transformers import HYV3Config
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.hy_v3 import ModelArgs, check_config, sanitize
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from fuzz_mutants import dump, split, with_header
 
-from colibri import integrity
 from colibri.api import Engine
 from colibri.arena import aligned_buffer
 from colibri.cli import main as cli_main
-from colibri.container import Container, Writer
 from colibri.errors import ContainerError
+from colibri.format import integrity
+from colibri.format.container import Container, Writer
 from colibri.store import Placement
 from colibri.store.reader import RecordReader
 
@@ -192,7 +192,7 @@ def test_reader_checks_chunked_and_pieced_reads(tmp_path, direct):
 def test_old_crc32_files_are_read_and_checked_with_zlib(ckpt, tmp_path, monkeypatch):
     """Files written before CRC-32C carry a zlib CRC-32 per tensor and none per record: they still
     load, verify and run; a flip names the member (checked member by member)."""
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     monkeypatch.setattr(integrity, "BACKEND", None)  # a Writer without a CRC-32C module writes "crc32"
     old = convert(ckpt.hf("olmoe"), tmp_path / "old.coli", "int8", progress=False)

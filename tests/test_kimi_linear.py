@@ -64,7 +64,7 @@ def test_the_released_config_reads_as_transformers_reads_it(ckpt, tmp_path) -> N
                                                              "linear_num_heads", "linear_conv_kernel_dim",
                                                              "first_k_dense_replace"),  # (its default: 1)
                            linear_attn_config=lin)
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
 
     with colibri.load(convert(released, tmp_path / "m.coli", "f32", progress=False), ctx_size=64, threads=2) as llm:
         assert [type(b.self_attn).__name__ for b in llm.model.model.layers] == [

@@ -11,7 +11,7 @@ from hf_tiny import edited_copy, tiny_config_kwargs
 from route_check import assert_native_routes_as_torch
 from transformers import Kolibri1Config
 
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.base import build
 from colibri.models.kolibri1 import ModelArgs, check_config, sanitize

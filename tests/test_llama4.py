@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Llama4TextConfig
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.kernels import native
 from colibri.models.base import text_model_config
@@ -83,11 +83,11 @@ def test_multimodal_checkpoint_converts_to_its_text_model(ckpt, tmp_path) -> Non
 def test_positions_past_the_temperature_table_leave_the_native_blocks(ckpt, monkeypatch) -> None:
     """The native block reads the layer's temperature table; a position past it takes torch's layer, which
     computes the same formula: the one-call step stops applying there, and the tokens stay the same."""
-    from colibri.models import native_step
+    from colibri.engine import native_step
 
     llm = colibri.load(ckpt.coli("llama4_text", "int8", fused=True), ctx_size=64, threads=2)
     runs: list[bool] = []
-    monkeypatch.setattr(native_step, "run_steps", _spy(native_step.run_steps, runs))
+    monkeypatch.setattr(native_step, "steps", _spy(native_step.steps, runs))
     try:
         full = list(llm.generate_ids(PROMPT[:12], max_tokens=16, temperature=0))
         nope = [b.self_attn for b in llm.model.model.layers if b.self_attn.temperature is not None]
@@ -95,7 +95,7 @@ def test_positions_past_the_temperature_table_leave_the_native_blocks(ckpt, monk
         for a in nope:  # 3 entries: positions below 2 * floor_scale - 1 = 7
             a.temp = a.temp[:3].clone()
             a.__dict__.pop("_fused_layer", None)
-        native_step.forget(llm.model)
+        llm.plan.rebuild()
         assert all(a.pos_limit() == 7 for a in nope)
         assert runs and all(runs)  # native runs took the steps
         runs.clear()

@@ -13,8 +13,8 @@ from oracle_check import matches_transformers
 from test_native_step import _spy, prompt_then_decode
 
 import colibri
-from colibri.container import Container
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.kernels import native
 from colibri.models import longcat_flash as lc
 from colibri.models.base import build
@@ -211,10 +211,7 @@ def test_the_moe_in_one_call_gives_the_bits_of_the_torch_glue(ckpt, monkeypatch,
         with monkeypatch.context() as mp:
             mp.setattr(native_zero, "zero_moe", spy)
             mp.setattr(lc, "NATIVE", native_path)
-            for b in llm.model.model.layers:  # (what the routing log and trace receive)
-                mp.setattr(b.mlp.experts, "on_route", lambda layer, i, w: routes.append((layer, i.tolist(),
-                                                                                         w.tolist())))
-            return prompt_then_decode(llm, PROMPT), routes
+            return prompt_then_decode(llm, PROMPT, routes=routes), routes  # (what the routing log and trace receive)
 
     real = native_zero.zero_moe
     with colibri.load(ckpt.coli("longcat_flash", scheme, **over), ctx_size=64, threads=2) as llm:

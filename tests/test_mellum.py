@@ -9,7 +9,7 @@ import torch
 from hf_tiny import converts_dropping, edited_copy, tiny_config_kwargs
 from transformers import MellumConfig
 
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.base import build
 from colibri.models.mellum import ModelArgs, check_config, sanitize

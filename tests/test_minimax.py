@@ -14,8 +14,8 @@ from oracle_check import matches_transformers
 from test_native_step import _spy, prompt_then_decode
 
 import colibri
-from colibri.container import Container
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.kernels import native
 from colibri.models import minimax
 from colibri.models.base import build

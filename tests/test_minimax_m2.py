@@ -8,7 +8,7 @@ import torch
 from hf_tiny import encode, hf_logits, load_hf, make_tiny_checkpoint, tiny_config_kwargs
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.minimax_m2 import ModelArgs, check_config, sanitize
 

@@ -17,11 +17,12 @@ from oracle_check import matches_transformers
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
+from colibri.engine import native_step
+from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.kernels import native
 from colibri.models import minimax_m3_vl_text as m3
-from colibri.models import native_step
 from colibri.models.base import build
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
@@ -88,7 +89,7 @@ def test_small_contexts_take_the_one_call_step(ckpt) -> None:
     with colibri.load(ckpt.coli("minimax_m3_vl_text", "int8"), ctx_size=12, threads=2) as llm:
         sparse = [b.self_attn for b in llm.model.model.layers if isinstance(b.self_attn, m3.SparseAttention)]
         assert sparse and all(a.dense for a in sparse)
-        assert native_step.one_call_shape(llm.model.model.layers) and native_step._plan(llm.model) is not None
+        assert native_step.one_call_shape(llm.model.model.layers) and DecodePlan(llm.model).native_layers() is not None
         short = list(llm.generate_ids(PROMPT[:4], 4, temperature=0, ignore_eos=True))
     with colibri.load(ckpt.coli("minimax_m3_vl_text", "int8"), ctx_size=64, threads=2) as llm:
         sparse = [b.self_attn for b in llm.model.model.layers if isinstance(b.self_attn, m3.SparseAttention)]

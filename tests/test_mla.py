@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.models.batch import StepBatch
 from colibri.models.layers import Linear, rope_inv_freq, rope_scaling, rope_theta
 from colibri.models.mla import LatentCache, MLAArgs, MLAttention

@@ -305,7 +305,7 @@ def _decode_logits(path, monkeypatch: pytest.MonkeyPatch, use_native: bool) -> t
             for ids in PROMPTS:
                 caches = llm.slots.caches[0]
                 for pos, tok in enumerate(ids):  # teacher-forced one-row decode steps
-                    rows.append(llm.model(torch.tensor([tok]), StepBatch.single(caches, pos, 1),
+                    rows.append(llm.plan.step(torch.tensor([tok]), StepBatch.single(caches, pos, 1),
                                           torch.tensor([0]))[0].float())
         llm.close()
     return torch.stack(rows)

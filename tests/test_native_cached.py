@@ -1,4 +1,4 @@
-"""Cached (disk-tier) layers in the one-call native step (models/native_step.py `run`, store/cache.py
+"""Cached (disk-tier) layers in the one-call native step (engine/native_step.py `run`, store/cache.py
 `track` / `replay`, kernels/moe.c COLI_MISS): the call runs over the experts in memory, stops at a route
 to one that is not, that layer runs the per-layer way and the call resumes -- the bits of the all-RAM
 engine, whatever the cache holds."""
@@ -10,7 +10,7 @@ import torch
 from test_tiers import N_GREEDY, PROMPT, configs
 
 from colibri.api import Engine
-from colibri.container import Container
+from colibri.format.container import Container
 from colibri.kernels import native
 from colibri.store import Placement, model_sizes
 
@@ -79,12 +79,12 @@ def test_cached_layers_run_in_the_one_call_step_bit_for_bit(ckpt, monkeypatch, m
 def test_replayed_fetches_count_every_lookup(ckpt, monkeypatch):
     """The experts a native call used are accounted as the fetches they stood for: the cache sees as many
     lookups as on the per-layer path (one per routed expert id per layer and step), the later ones hits."""
-    from colibri.models import native_step
+    from colibri.engine import native_step
 
     path = ckpt.coli("olmoe", "int8")
     kw = _all_fit(path)
     tokens, _, stats, stops = _run(path, monkeypatch, **kw)
-    monkeypatch.setattr(native_step, "ENABLED", False)
+    monkeypatch.setattr(native_step, "build", lambda *a, **k: "asked for torch")
     tokens_py, _, stats_py, stops_py = _run(path, monkeypatch, **kw)
     assert tokens == tokens_py and stops and not stops_py
     assert stats["hits"] + stats["misses"] == stats_py["hits"] + stats_py["misses"] > 0

@@ -1,4 +1,4 @@
-"""The one-call native step (models/native_step.py, kernels/step.c) and the fused blocks it strings together,
+"""The one-call native step (engine/native_step.py, kernels/step.c) and the fused blocks it strings together,
 against the same kernels called one by one from Python: every family whose layers it takes, bit for bit."""
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.T
     """Logits of one-row steps, a two-sequence decode step and a 6-row prompt chunk: the whole step in one
     native call ("whole": embedding, blocks, norm, head), all blocks in one call ("one_call"), the fused
     blocks one layer at a time ("fused"), or neither ("unfused")."""
-    from colibri.models import native_step
+    from colibri.engine.decode_plan import DecodePlan
     from colibri.models.batch import Seq, StepBatch
     from colibri.models.layers import Attention
     from colibri.models.moe import SparseMoE
 
     out: dict[str, torch.Tensor] = {}
+    plan = DecodePlan(llm.model, native=mode in ("whole", "one_call"), whole_step=mode == "whole")
     with monkeypatch.context() as mp:
-        mp.setattr(native_step, "ENABLED", mode in ("whole", "one_call"))
-        mp.setattr(native_step, "TAIL", mode == "whole")
         if mode == "unfused":
             mp.setattr(Attention, "fused", lambda self, *a: None)
             mp.setattr(SparseMoE, "fused", lambda self, *a: None)
@@ -33,12 +32,12 @@ def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.T
             rows = []
             for caches, ids in ((s0, PROMPTS[0]), (s1, PROMPTS[1][:9])):
                 for pos, tok in enumerate(ids):
-                    rows.append(llm.model(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0])))
+                    rows.append(plan.step(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0])))
             out["rows"] = torch.cat(rows)
             # both sequences' next token in one step, at positions 16 and 9 (each on its own cache)
             batch = StepBatch([Seq(0, 1, len(PROMPTS[0]), s0), Seq(1, 2, 9, s1)])
-            out["batch"] = llm.model(torch.tensor([5, 6]), batch, torch.tensor([0, 1]))
-            out["chunk"] = llm.model(torch.tensor(PROMPTS[1][:6]), StepBatch.single(s1, 0, 6), torch.arange(6))
+            out["batch"] = plan.step(torch.tensor([5, 6]), batch, torch.tensor([0, 1]))
+            out["chunk"] = plan.step(torch.tensor(PROMPTS[1][:6]), StepBatch.single(s1, 0, 6), torch.arange(6))
     return out
 
 
@@ -50,17 +49,22 @@ def _spy(real, seen: list[bool]):
     return spy
 
 
-def prompt_then_decode(llm, prompt: list[int], first: int = 4) -> torch.Tensor:
+def prompt_then_decode(llm, prompt: list[int], first: int = 4, routes: list | None = None) -> torch.Tensor:
     """Logits f32 [1 + len(prompt) - first, V] on slot 0: the last of the prompt's first `first` rows (one step),
-    then each later token as a decode step (what the kernel tests compare path against path)."""
+    then each later token as a decode step (what the kernel tests compare path against path); `routes` gets each
+    step's (layer, ids, weights) as lists, layer by layer."""
     from colibri.models.batch import StepBatch
 
     cache, rows = llm.slots.caches[0], []
+    llm.plan.take_routes()
     with torch.inference_mode():
-        rows.append(llm.model(torch.tensor(prompt[:first]), StepBatch.single(cache, 0, first),
-                              torch.tensor([first - 1])))
-        for pos in range(first, len(prompt)):  # (a prompt's first rows take torch on every path where it differs)
-            rows.append(llm.model(torch.tensor([prompt[pos]]), StepBatch.single(cache, pos, 1), torch.tensor([0])))
+        for lo, hi in [(0, first), *((p, p + 1) for p in range(first, len(prompt)))]:
+            # (a prompt's first rows take torch on every path where it differs)
+            rows.append(llm.plan.step(torch.tensor(prompt[lo:hi]), StepBatch.single(cache, lo, hi - lo),
+                                      torch.tensor([hi - lo - 1])))
+            if routes is not None:
+                routes.extend((layer, i.tolist(), w.tolist()) for layer, (i, w) in
+                              sorted(llm.plan.take_routes().items()))
     return torch.cat(rows).float()
 
 
@@ -175,11 +179,12 @@ def test_one_call_step_follows_replaced_caches(ckpt) -> None:
     """The one-call step (coli_decode_step) caches a slot's KV pointers: a cache whose tensors are replaced
     (moved, reallocated) must be written at its new memory (the last step, per layer, reads from there)."""
     import colibri
+    from colibri.engine.decode_plan import DecodePlan
     from colibri.kernels import native as nat
-    from colibri.models import native_step
     from colibri.models.batch import StepBatch
 
     llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=32, slots=1, threads=2)
+    torch_plan = DecodePlan(llm.model, native=False)
     calls: list[bool] = []
     real = nat.decode_step
     try:
@@ -192,19 +197,17 @@ def test_one_call_step_follows_replaced_caches(ckpt) -> None:
                     c.k.zero_()
                     c.v.zero_()
                 for pos, tok in enumerate(PROMPTS[0][:6]):
-                    native_step.ENABLED = pos < 5
-                    out = llm.model(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0]))
+                    plan = llm.plan if pos < 5 else torch_plan
+                    out = plan.step(torch.tensor([tok]), StepBatch.single(caches, pos, 1), torch.tensor([0]))
                     if replace and pos == 2:
                         for c in caches:
                             c.k, c.v = c.k.clone(), c.v.clone()
-            native_step.ENABLED = True
             return out
 
         ref = run(False)
         got = run(True)
     finally:
         nat.decode_step = real
-        native_step.ENABLED = True
         llm.close()
     assert len(calls) == 10 and all(calls)  # positions 0-4 of both runs in one call
     assert torch.equal(got, ref)

@@ -6,7 +6,7 @@ import pytest
 from hf_tiny import hf_greedy_with_logits, hf_logits, load_hf
 
 import colibri
-from colibri.models.base import SUPPORTED
+from colibri.models.family import supported
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 N_GREEDY = 40
@@ -23,7 +23,7 @@ BOUNDS = {"qwen3_next": 3e-4, "qwen3_5_moe_text": 3e-4, "kimi_linear": 3e-4, "ba
           "minimax_m3_vl_text": 3e-4}
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED)
+@pytest.mark.parametrize("model_type", supported())
 @pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
 def test_logits_and_greedy_match_transformers(ckpt, model_type, fused):
     hf = load_hf(ckpt.hf(model_type, fused))

@@ -10,12 +10,12 @@ import torch
 from hf_tiny import TRAIN_TEXT, hf_logits, load_hf
 from transformers import AutoTokenizer
 
+from colibri.analysis.perplexity import perplexity
 from colibri.cli import main
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.demo import DEMO_HF
 from colibri.errors import ColibriError
-from colibri.perplexity import perplexity
+from colibri.format.container import Container
 from colibri.store import Placement, model_sizes
 
 CTX = 64

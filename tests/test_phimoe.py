@@ -11,11 +11,12 @@ import torch
 from transformers.models.phimoe.modeling_phimoe import sparsemixer
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
+from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
+from colibri.format.validate import check_config as validate_config
 from colibri.models.layers import is_rms, rope_inv_freq
 from colibri.models.phimoe import SparsemixerRouter, check_config, sanitize
-from colibri.validate import check_config as validate_config
 
 
 @pytest.mark.parametrize("jitter", [0.01, 0.3, 2.0])
@@ -48,7 +49,7 @@ def test_the_native_blocks_take_phis_layers(ckpt) -> None:
     """bf16 / int8 run Phi's layers in the kernels: the attention block with its LayerNorms, the sparsemixer rule,
     the one-call step with the final LayerNorm and the head's bias (tests/test_native_step.py: the same bits as
     the kernels called one by one; tests/test_native_accuracy.py: as accurate as torch's path)."""
-    from colibri.models import native_step
+    from colibri.engine import native_step
 
     with colibri.load(ckpt.coli("phimoe", "int8"), ctx_size=64, threads=2) as llm:
         m = llm.model
@@ -56,7 +57,7 @@ def test_the_native_blocks_take_phis_layers(ckpt) -> None:
             assert not is_rms(b.input_layernorm)
             assert b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm) is not None
             assert b.mlp.gate.native_routing() is not None
-        assert native_step._tail(m) is not None and native_step._plan(m) is not None
+        assert native_step.tail(m) is not None and DecodePlan(m).native_layers() is not None
         assert m.lm_head.bias is not None and m.model.norm.bias is not None
 
 

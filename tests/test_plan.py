@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 import colibri
-from colibri.container import Container
+from colibri.analysis.probe import GiB, Machine, MiB, measure_disk, measure_matvec, measure_op
+from colibri.analysis.usage import Recorder, Usage
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.plan import (
     DEFAULT_CTX,
     OUR_RAM_HEADROOM,
@@ -23,8 +25,6 @@ from colibri.plan import (
     plan,
 )
 from colibri.plan import main as plan_main
-from colibri.probe import GiB, Machine, MiB, measure_disk, measure_matvec, measure_op
-from colibri.usage import Recorder, Usage
 
 L, E, K = 16, 64, 8
 EXPERT = 6 * MiB  # one expert record (multiples of 4096: the store rounds buffers up to pages)
@@ -239,17 +239,16 @@ def test_usage_file_round_trip_merge_and_refusal(tmp_path):
 
 def test_recorder_counts_every_routed_token(ckpt, tmp_path):
     llm = colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=2)
-    before = [m.on_route for m in llm.model.modules() if hasattr(m, "on_route")]
-    rec = Recorder(llm.model)
+    rec = Recorder(llm)
     prompt, n = [1, 17, 42, 99, 7], 6
     list(llm.generate_ids(prompt, n, temperature=0, ignore_eos=True))
     u = rec.usage()
     rec.detach()
-    forwards = len(prompt) + n - 1  # the last token is sampled, never fed back
+    forwards = len(prompt) + n  # (the engine feeds the last token too where a listener watches the routes)
     k = llm.args.num_experts_per_tok
     for i in range(llm.n_layers):
         assert u.tokens[i] == forwards and sum(u.counts[i]) == k * forwards
-    assert [m.on_route for m in rec.mods] == before  # detach restores the previous hooks
+    assert rec not in llm._runner.listeners  # detached: the engine's native runs come back
     path = tmp_path / "u.json"
     u.save(path)
     u = Usage.load(path, u.experts)

@@ -11,14 +11,14 @@ import colibri
 from colibri.engine.kv import SlotPool, common_prefix
 from colibri.errors import ColibriError
 from colibri.kernels import native
-from colibri.models.base import SUPPORTED
+from colibri.models.family import supported
 
 P1 = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 P2 = [1, 88, 5, 61, 9, 12]
 N = 8
 # (Qwen3-Next's linear-attention states and the short-convolution, Mamba and lightning states cannot keep a prefix:
 # tests/test_qwen3_next.py and tests/test_state_models.py show caching stays off)
-CACHEABLE = [m for m in SUPPORTED if m not in ("qwen3_next", "qwen3_5_moe_text", "lfm2_moe",
+CACHEABLE = [m for m in supported() if m not in ("qwen3_next", "qwen3_5_moe_text", "lfm2_moe",
                                          "granitemoehybrid", "jamba", "nemotron_h", "minimax", "kimi_linear",
                                          "bailing_hybrid")]
 

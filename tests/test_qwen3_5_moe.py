@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
+from colibri.format.container import Container
 from colibri.models.qwen3_5_moe_text import ModelArgs, sanitize
 
 IDS = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]

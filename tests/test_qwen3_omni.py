@@ -15,7 +15,7 @@ from oracle_check import matches_transformers
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 from colibri.models.qwen3_omni_moe_text import check_config, sanitize
 from tests.hf_tiny import tiny_config_kwargs
@@ -57,7 +57,7 @@ def test_released_omni_folder_is_the_thinker(ckpt, tmp_path) -> None:
     ref = ckpt.coli(FAMILY, "f32")
     with colibri.load(got, ctx_size=64, threads=2) as a, colibri.load(ref, ctx_size=64, threads=2) as b:
         assert torch.equal(a.logits(PROMPT).float(), b.logits(PROMPT).float())
-        from colibri.container import Container
+        from colibri.format.container import Container
 
         with Container(got) as c:
             assert c.model_type == FAMILY

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import colibri
-from colibri.container import Container
 from colibri.errors import ColibriError
+from colibri.format.container import Container
 from colibri.models.qwen3_vl_moe_text import ModelArgs, expert_record, sanitize
 
 
@@ -46,8 +46,8 @@ def test_both_fused_layouts_give_one_record() -> None:
 
 def test_int8_decodes_in_the_one_call_step(ckpt, monkeypatch) -> None:
     """At int8 its Qwen3-MoE layers take the whole-step native call (the same tokens as the layer-by-layer path)."""
+    from colibri.engine import native_step
     from colibri.kernels import native
-    from colibri.models import native_step
 
     if not native.available():
         pytest.skip(f"native kernels: {native.why_unavailable()}")
@@ -58,7 +58,7 @@ def test_int8_decodes_in_the_one_call_step(ckpt, monkeypatch) -> None:
     llm = colibri.load(path, ctx_size=64, threads=2)
     fast = list(llm.generate_ids([1, 17, 42, 99, 7], 12, temperature=0, ignore_eos=True, logprobs=1))
     llm.close()
-    monkeypatch.setattr(native_step, "ENABLED", False)
+    monkeypatch.setattr(native_step, "build", lambda *a, **k: "asked for torch")
     llm = colibri.load(path, ctx_size=64, threads=2)
     slow = list(llm.generate_ids([1, 17, 42, 99, 7], 12, temperature=0, ignore_eos=True, logprobs=1))
     llm.close()

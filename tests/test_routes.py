@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import cachesim
+from colibri.analysis import cachesim
+from colibri.analysis.routes import analyse, compare
+from colibri.analysis.trace import RouteTrace, read_trace
 from colibri.cli import main
-from colibri.container import _PREAMBLE
-from colibri.routes import analyse, compare
-from colibri.trace import RouteTrace, read_trace
+from colibri.format.container import _PREAMBLE
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^\[(\S+) pos (\d+) tok (\d+) (.*)\] layer +(\d+): (.*)$")

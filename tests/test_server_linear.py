@@ -11,7 +11,7 @@ from hf_tiny import hf_greedy
 from serve_proc import Server
 from transformers import AutoTokenizer
 
-from colibri.convert import convert
+from colibri.convert.converter import convert
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from hf_tiny import converts_to_its_floats, quantized_pair
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
+from colibri.convert.safetensors_reader import SafetensorsFolder
+from colibri.convert.source_quant import dequantizing
 from colibri.errors import ColibriError
-from colibri.safetensors_reader import SafetensorsFolder
-from colibri.source_quant import dequantizing
 
 IDS = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 QC = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}

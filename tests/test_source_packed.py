@@ -12,10 +12,10 @@ import torch
 from hf_tiny import converts_to_its_floats, quantized_pair
 from safetensors.torch import load_file, save_file
 
+from colibri.convert.safetensors_reader import SafetensorsFolder
+from colibri.convert.source_packed import unpack_words
+from colibri.convert.source_quant import dequantizing
 from colibri.errors import ColibriError
-from colibri.safetensors_reader import SafetensorsFolder
-from colibri.source_packed import unpack_words
-from colibri.source_quant import dequantizing
 
 IDS = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack: nibble p of a word holds output AWQ_ORDER[p]

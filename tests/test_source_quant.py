@@ -14,10 +14,10 @@ from hf_tiny import converts_to_its_floats, quantized_pair
 from safetensors.torch import load_file
 
 import colibri
-from colibri.convert import convert
+from colibri.convert.converter import convert
+from colibri.convert.safetensors_reader import SafetensorsFolder
+from colibri.convert.source_quant import dequantizing, unpack_int32
 from colibri.errors import ColibriError
-from colibri.safetensors_reader import SafetensorsFolder
-from colibri.source_quant import dequantizing, unpack_int32
 
 IDS = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 
@@ -157,7 +157,7 @@ def test_int4_groups_already_on_a_grid_are_stored_exactly():
 
 
 def test_a_packed_int4_checkpoint_converts_to_int4_without_a_second_rounding(ckpt, tmp_path):
-    from colibri.container import Container
+    from colibri.format.container import Container
     from colibri.quant import dequantize
 
     ct, deq = _compressed_folder(ckpt.hf("deepseek_v3"), tmp_path)

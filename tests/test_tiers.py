@@ -19,7 +19,8 @@ from colibri import arena
 from colibri.api import Engine
 from colibri.arena import aligned_buffer
 from colibri.cli import main as cli_main
-from colibri.container import Container
+from colibri.format.container import Container
+from colibri.models.family import supported
 from colibri.plan import auto_placement
 from colibri.quant import QLinear, bias_bytes, owned_bytes, stored_linear
 from colibri.store import Placement, model_sizes
@@ -28,16 +29,7 @@ from colibri.store.reader import RecordReader
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 N_GREEDY = 24
-FAMILIES = ["olmoe", "qwen2_moe", "mixtral", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-            "minimax_m2", "dots1", "ernie4_5_moe", "llama4_text", "hunyuan_v1_moe",
-            "glm4_moe_lite", "exaone_moe", "qwen3_next", "qwen3_5_moe_text",
-            "mistral4", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "qwen3_vl_moe_text",
-            "glm4v_moe_text", "phimoe", "solar_open", "granitemoe", "dbrx",
-            "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
-            "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba",
-            "nemotron_h", "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam",
-            "minimax_m3_vl_text", "ernie4_5_vl_moe_text", "qwen3_omni_moe_text",
-            "aria_text"]
+FAMILIES = supported()
 _REF: dict[Path, tuple[list[int], torch.Tensor]] = {}
 
 

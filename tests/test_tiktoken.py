@@ -15,8 +15,8 @@ from hf_tiny import TRAIN_TEXT, VOCAB_SIZE, hf_logits, load_hf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import colibri
-from colibri import tiktoken_bpe
-from colibri.convert import convert
+from colibri.convert import tiktoken_bpe
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError
 
 # Kimi-K2's split regex (its tokenization_kimi.py), as pieces: Han runs, words with &&-intersected classes,

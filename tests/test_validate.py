@@ -1,4 +1,4 @@
-"""Header validation (colibri/validate.py): each hostile rewrite of a valid container is refused at open
+"""Header validation (colibri/format/validate.py): each hostile rewrite of a valid container is refused at open
 with one ContainerError naming the problem; each hostile HF folder is refused by `convert` before
 anything is written. The base files are tiny models the tests build (tests/hf_tiny.py)."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from colibri.container import Container
-from colibri.convert import convert
+from colibri.convert.converter import convert
 from colibri.errors import ColibriError, ContainerError
-from colibri.validate import check_config, loads
+from colibri.format.container import Container
+from colibri.format.validate import check_config, loads
 
 PRE = struct.Struct("<8sIIQQIQ")
 

@@ -53,7 +53,7 @@ def test_wheel_installs_and_runs_the_demo_outside_the_repo(tmp_path):
         assert files, folder
         missing = [f for f in files if f not in names]
         assert not missing, f"the wheel lacks package data: {missing}"
-    assert "colibri/integrity.py" in names and "colibri/cli/__init__.py" in names
+    assert "colibri/format/integrity.py" in names and "colibri/cli/__init__.py" in names
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)

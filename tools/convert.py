@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The seed's documented form: `python tools/convert.py --input HF_DIR --output M.coli --arch moe`.
+"""`colibri convert` for scripts that call the converter by path, installed or not:
+`python tools/convert.py --input HF_DIR --output M.coli --arch moe`.
 
 Same flags as `colibri convert`.
 """

@@ -20,7 +20,7 @@ def build_traces(out: Path) -> list[Path]:
     from hf_tiny import make_tiny_checkpoint
 
     import colibri
-    from colibri.convert import convert
+    from colibri.convert.converter import convert
     from colibri.demo import demo_model
 
     models = {"demo": demo_model("f32")}
@@ -61,7 +61,7 @@ class _Loader:
 
 def store_hit_rate(tr, policy: str, size: int) -> float:
     """The store's own cache (colibri/store/cache.py, a pool of size x layers slots) replaying the trace."""
-    from colibri import cachesim
+    from colibri.analysis import cachesim
     from colibri.store.cache import ExpertCache
 
     cache = ExpertCache(_Loader(), size * len(tr.layers), 64, list(tr.layers), policy=policy)
@@ -73,8 +73,8 @@ def store_hit_rate(tr, policy: str, size: int) -> float:
 
 
 def main() -> None:
-    from colibri import cachesim
-    from colibri.trace import read_trace
+    from colibri.analysis import cachesim
+    from colibri.analysis.trace import read_trace
 
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "policy-traces")
     out.mkdir(parents=True, exist_ok=True)

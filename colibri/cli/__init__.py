@@ -28,12 +28,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("colibri.cli.run", "main"),
     "serve": ("colibri.cli.serve", "main"),
     "chat": ("colibri.cli.chat", "main"),
-    "convert": ("colibri.convert", "main"),
-    "inspect": ("colibri.inspect", "main"),
+    "convert": ("colibri.convert.converter", "main"),
+    "inspect": ("colibri.format.inspect", "main"),
     "plan": ("colibri.plan", "main"),
-    "bench": ("colibri.bench", "main"),
-    "routes": ("colibri.routes", "main"),
-    "perplexity": ("colibri.perplexity", "main"),
+    "bench": ("colibri.analysis.bench", "main"),
+    "routes": ("colibri.analysis.routes", "main"),
+    "perplexity": ("colibri.analysis.perplexity", "main"),
 }
 
 

@@ -198,7 +198,7 @@ def check_writable(flag: str, path: str) -> None:
 
 
 def _mem_available() -> int | None:
-    from ..probe import mem_available
+    from ..analysis.probe import mem_available
 
     return mem_available()[0] or None
 
@@ -211,8 +211,8 @@ def check_kv_fits(model: str, ctx: int, slots: int) -> None:
         return
     import torch
 
-    from ..container import Container
-    from ..validate import build_checked
+    from ..format.container import Container
+    from ..format.validate import build_checked
 
     with Container(model) as c:
         skeleton, _ = build_checked(c.model_type, c.config)
@@ -228,7 +228,7 @@ def check_engine_args(a: argparse.Namespace) -> None:
     """The engine flags' checks that argparse types cannot make (files, the machine); one line each."""
     if a.usage_file:
         check_writable("--usage-file", a.usage_file)
-    if getattr(a, "route_trace", None):
+    if a.route_trace:
         check_writable("--route-trace", a.route_trace)
     if a.threads is not None and a.threads > (os.cpu_count() or 1):
         log.warning("colibri: --threads %d is more than the %d CPUs of this machine: expect it to run much "
@@ -266,7 +266,7 @@ def engine_from_args(a: argparse.Namespace):
         llm = Engine(model, ctx_size=a.ctx_size, threads=a.threads, verify=a.verify, placement=placement,
                      mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
                      direct_io=a.direct_io, slots=a.slots, max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
-                     route_trace=getattr(a, "route_trace", None), cache_policy=a.cache_policy,
+                     route_trace=a.route_trace, cache_policy=a.cache_policy,
                      cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap)
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
@@ -275,5 +275,5 @@ def engine_from_args(a: argparse.Namespace):
         raise ColibriError(f"out of memory loading the model with --ctx-size {a.ctx_size} x --slots {a.slots}: "
                            "lower --ctx-size (or --slots, or use a lower-bit --quant)") from None
     if a.log_level == "debug":
-        llm.trace_routing()  # one stderr line per (token, MoE layer): colibri/routelog.py
+        llm.trace_routing()  # one stderr line per (token, MoE layer): colibri/analysis/routelog.py
     return llm

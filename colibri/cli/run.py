@@ -190,10 +190,10 @@ def load_prompt_cache(llm, path: str) -> None:
 
 def _generate(a: argparse.Namespace, llm, prompt: str, grammar: str | None) -> None:
     recorder = None
-    if a.usage_file:  # learned hot set: count this run's routing (colibri/usage.py)
-        from ..usage import Recorder
+    if a.usage_file:  # learned hot set: count this run's routing (colibri/analysis/usage.py)
+        from ..analysis.usage import Recorder
 
-        recorder = Recorder(llm.model)
+        recorder = Recorder(llm)
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = llm.tokenizer.encode(prompt, add_special_tokens=not a.chat)  # a chat template writes its own

@@ -127,7 +127,7 @@ class RequestStats:
         n = max(self.generated - 1, 0)
         return n / self.decode_s if self.decode_s else 0.0
 
-    # the names the seed's Stats used (CLI, bench)
+    # the name the CLI's stats line and `colibri bench` read
     @property
     def stop_reason(self) -> str:
         return self.finish_reason

@@ -17,12 +17,13 @@ import torch
 
 from ..errors import ColibriError
 from ..kernels import native
-from ..models import native_step
 from ..models.batch import Seq, StepBatch
+from ..models.moe import SwitchGLU
+from .decode_plan import DecodePlan
 from .request import EngineClosedError, TokenEvent
 from .sampling import prompt_logprobs
 from .scheduler import Active, Chunk, Scheduler
-from .stats import EngineCounters, RouteCapture, StepInfo, batching_counts
+from .stats import EngineCounters, StepInfo, batching_counts
 from .threads import DecodeThreads
 
 log = logging.getLogger("colibri")
@@ -39,12 +40,11 @@ def _ids(ids: list[int]) -> torch.Tensor:
 
 
 class Runner:
-    def __init__(self, model: torch.nn.Module, sched: Scheduler, store, threads: int, eos_ids: Callable[[], set]):
-        self.model, self.sched, self.store, self.threads = model, sched, store, threads
+    def __init__(self, model: torch.nn.Module, plan: DecodePlan, sched: Scheduler, store, threads: int,
+                 eos_ids: Callable[[], set]):
+        self.model, self.plan, self.sched, self.store, self.threads = model, plan, sched, store, threads
         self.eos_ids = eos_ids
-        self.capture = RouteCapture(model)
-        self.n_experts = {m.layer: m.num_experts for m in model.modules() if hasattr(m, "num_experts")
-                          and hasattr(m, "on_route")}
+        self.n_experts = {m.layer: m.num_experts for m in model.modules() if isinstance(m, SwitchGLU)}
         self.listeners: list[Callable[[StepInfo], None]] = []
         self.counters = EngineCounters()
         self.decode_threads = DecodeThreads(threads)
@@ -100,11 +100,11 @@ class Runner:
         bytes0 = self._bytes_read()
         try:
             batch = StepBatch(seqs)
-            logits = self.model(_ids(tokens), batch, _ids(out_rows))  # [len(out_rows), V]
+            logits = self.plan.step(_ids(tokens), batch, _ids(out_rows))  # [len(out_rows), V]
         except BaseException as e:  # noqa: BLE001 - handed to the requests of the step, the engine goes on
             self._failed(chunks, e)
             return
-        routes = self.capture.take()
+        routes = self.plan.take_routes()
         now = time.perf_counter()
         for c in chunks:
             self.sched.slots.wrote(c.a.slot, c.start, c.tokens)
@@ -149,11 +149,11 @@ class Runner:
         seqs = [Seq(r, r + 1, c.start, self.sched.slots.caches[c.a.slot]) for r, c in enumerate(chunks)]
         t0, bytes0 = time.perf_counter(), self._bytes_read()
         try:
-            got = native_step.run_steps(self.model, [c.tokens[0] for c in chunks], StepBatch(seqs), n,
-                                        _ids(sorted(stops)), specs if sampled else None,
-                                        [c.a.picker.uniforms(n) if sp[0] > 0 else [] for c, sp in zip(chunks, specs)],
-                                        procs if any(p is not None for p in procs) else None,
-                                        lps if any(n is not None for n in lps) else None)
+            got = self.plan.run_steps([c.tokens[0] for c in chunks], StepBatch(seqs), n,
+                                      _ids(sorted(stops)), specs if sampled else None,
+                                      [c.a.picker.uniforms(n) if sp[0] > 0 else [] for c, sp in zip(chunks, specs)],
+                                      procs if any(p is not None for p in procs) else None,
+                                      lps if any(n is not None for n in lps) else None)
         except BaseException as e:  # noqa: BLE001 - as in _step
             self._failed(chunks, e)
             return True
@@ -176,7 +176,7 @@ class Runner:
         return True
 
     def _failed(self, chunks: list[Chunk], e: BaseException) -> None:
-        self.capture.take()
+        self.plan.take_routes()
         for c in chunks:  # what the step wrote is unknown
             self.sched.slots.forget(c.a.slot, c.start)
         if not isinstance(e, ColibriError | MemoryError):

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.moe import SwitchGLU
-
 
 @dataclass
 class StepInfo:
@@ -27,7 +25,7 @@ class StepInfo:
 
 
 class StackedRoutes(Mapping):
-    """A one-call step's routes (models/native_step.py): ids and weights [L, R, k] for `layers`, read as
+    """A one-call step's routes (engine/native_step.py): ids and weights [L, R, k] for `layers`, read as
     a mapping MoE layer -> (ids [R, k], weights [R, k]); the per-layer views are made only when asked."""
 
     def __init__(self, layers: list[int], idx: torch.Tensor, wts: torch.Tensor):
@@ -45,36 +43,6 @@ class StackedRoutes(Mapping):
 
     def id_lists(self) -> dict[int, list[list[int]]]:
         return dict(zip(self.layers, self.idx.tolist()))  # (one tolist for all layers)
-
-
-class RouteCapture:
-    """Records each MoE layer's routing during a forward (chained with any existing hook). Where its
-    hooks are the only ones, the one-call step hands it all layers at once (`stacked`): eight hook
-    calls and the views they took were ~3% of a small model's decode step."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.routes: dict | StackedRoutes = {}
-        for m in model.modules():
-            if isinstance(m, SwitchGLU):
-                m.on_route = self._chain(m.on_route)
-
-    def _chain(self, prev):
-        def hook(layer: int, idx: torch.Tensor, weights: torch.Tensor) -> None:
-            if type(self.routes) is not dict:  # (a stacked step not taken: this is a new step)
-                self.routes = {}
-            self.routes[layer] = (idx, weights)
-            if prev is not None:
-                prev(layer, idx, weights)
-        hook.capture = self if prev is None else None  # type: ignore[attr-defined]
-        return hook
-
-    def stacked(self, layers: list[int], idx: torch.Tensor, wts: torch.Tensor) -> None:
-        """Every layer's routes of a step at once: ids / weights [L, R, k]."""
-        self.routes = StackedRoutes(layers, idx, wts)
-
-    def take(self) -> Mapping[int, tuple[torch.Tensor, torch.Tensor]]:
-        out, self.routes = self.routes, {}
-        return out
 
 
 def batching_counts(routes: Mapping[int, tuple[torch.Tensor, torch.Tensor]], seq_bounds: list[tuple[int, int]]

@@ -327,7 +327,7 @@ class MoeTables:
         self.gub, self.dnb = (ctypes.c_void_p * n_experts)(), (ctypes.c_void_p * n_experts)()  # bf16 biases
         self.act = ExpertAct(*act, ctypes.addressof(self.gub), ctypes.addressof(self.dnb), int(input_scaled))
         self.owner: list[tuple[int, int] | None] = [None] * n_experts  # (id(gate_up), id(down)) per entry
-        self.scheme, self.group_size = "", 0  # of a table holding a whole layer (SwitchGLU.full_tables)
+        self.scheme, self.group_size = "", 0  # of a table holding a whole layer (Experts.native_tables)
         self.biased = False  # some entry has a bias (then the kernel gets `act`, as for another activation)
         self.live = False  # entries come and go (a cache's table): `act` always, whatever they hold now
 

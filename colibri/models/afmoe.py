@@ -26,16 +26,17 @@ from types import SimpleNamespace
 
 import torch
 
+from ..convert.safetensors_reader import SplitRows
 from ..errors import ColibriError
-from ..safetensors_reader import SplitRows
-from ..validate import is_number
+from ..format.validate import is_number
 from . import deepseek_v3
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
+from .family import Family
 from .layers import MLP, AttentionArgs, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 from .qwen3_next import GatedAttention
 
-FAMILY = "afmoe"
+NAME = "afmoe"
 KINDS = ("full_attention", "sliding_attention")
 
 
@@ -99,18 +100,18 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse AFMoE configs this file does not implement."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n, kinds = cfg.get("num_hidden_layers"), cfg.get("layer_types")
     if kinds is not None and (len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     every = cfg.get("global_attn_every_n_layers", 4)
     if kinds is None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        refuse(FAMILY, "global_attn_every_n_layers", every, "an integer >= 1")
+        refuse(NAME, "global_attn_every_n_layers", every, "an integer >= 1")
     if cfg.get("num_shared_experts", 2) in (0, None):
-        refuse(FAMILY, "num_shared_experts", cfg.get("num_shared_experts"), "at least 1, as released")
+        refuse(NAME, "num_shared_experts", cfg.get("num_shared_experts"), "at least 1, as released")
     scale = cfg.get("route_scale", 1.0)
     if not is_number(scale) or scale <= 0:
-        refuse(FAMILY, "route_scale", scale, "a number > 0")
+        refuse(NAME, "route_scale", scale, "a number > 0")
 
 
 _RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."),
@@ -170,3 +171,7 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     if name == "model.embed_tokens.weight" and cfg.get("mup_enabled"):
         return (t.float() * math.sqrt(cfg["hidden_size"])).to(t.dtype)
     return t
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize,
+                prepare=prepare)

@@ -20,10 +20,11 @@ import torch
 
 from ..errors import ColibriError
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
+from .family import Family
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
-FAMILY = "aria_text"
+NAME = "aria_text"
 _RENAMES = ((".mlp.experts.fc1.weight", ".mlp.experts.gate_up_proj"),
             (".mlp.experts.fc2.weight", ".mlp.experts.down_proj"),
             (".mlp.router.weight", ".mlp.gate.weight"))
@@ -71,11 +72,11 @@ class Model(CausalLM):
 
 
 def check_config(cfg: dict) -> None:
-    check_act_and_rope(FAMILY, cfg)  # (the shared experts' activation; the routed ones are always SiLU)
+    check_act_and_rope(NAME, cfg)  # (the shared experts' activation; the routed ones are always SiLU)
     if cfg.get("mlp_bias"):
-        refuse(FAMILY, "mlp_bias", cfg["mlp_bias"], "the released model has no MLP biases")
+        refuse(NAME, "mlp_bias", cfg["mlp_bias"], "the released model has no MLP biases")
     if cfg.get("moe_num_shared_experts", 2) < 1:  # (transformers keeps a zero-width shared MLP then)
-        refuse(FAMILY, "moe_num_shared_experts", cfg["moe_num_shared_experts"], ">= 1, as released (2)")
+        refuse(NAME, "moe_num_shared_experts", cfg["moe_num_shared_experts"], ">= 1, as released (2)")
 
 
 def sanitize(name: str) -> str | None:
@@ -94,9 +95,12 @@ def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One expert's canonical record from its x @ W slices: gate_up [hidden, 2I] (gate columns first) and down
     [I, hidden] become gate_up [2I, hidden] (gate rows first) and down [hidden, I]."""
     if "gate_up" not in parts or "down" not in parts:
-        raise ColibriError(f"{FAMILY} expert lacks gate_up/down (have {sorted(parts)})")
+        raise ColibriError(f"{NAME} expert lacks gate_up/down (have {sorted(parts)})")
     gu, dn = parts["gate_up"], parts["down"]
     if gu.dim() != 2 or dn.dim() != 2 or gu.shape[1] != 2 * dn.shape[0] or gu.shape[0] != dn.shape[1]:
-        raise ColibriError(f"{FAMILY} experts: gate_up {tuple(gu.shape)} and down {tuple(dn.shape)} are not "
+        raise ColibriError(f"{NAME} experts: gate_up {tuple(gu.shape)} and down {tuple(dn.shape)} are not "
                            "[hidden, 2I] and [I, hidden]")
     return {"gate_up.weight": gu.T.contiguous(), "down.weight": dn.T.contiguous()}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, expert_record=expert_record)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from . import deepseek_v3 as v3
 from .base import refuse
+from .family import Family
 from .layers import RMSNorm
 
-FAMILY = "axk1"
+NAME = "axk1"
 # Tensors a checkpoint may hold that the model does not use (transformers' _keys_to_ignore_on_load_unexpected): the
 # converter drops them where the model has no such tensor, and lists them.
 IGNORED = re.compile(r"model\.layers\.\d+\.mlp\.out_norm\.weight")
@@ -53,12 +54,12 @@ def check_config(cfg: dict) -> None:
     """DeepSeek-V3's refusals, plus A.X K1's: a q LoRA (its attention always has one), a valid layer list."""
     v3.check_config(cfg)
     if not cfg.get("q_lora_rank", 1536):
-        refuse(FAMILY, "q_lora_rank", cfg["q_lora_rank"], "A.X K1's attention always has a q LoRA")
+        refuse(NAME, "q_lora_rank", cfg["q_lora_rank"], "A.X K1's attention always has a q LoRA")
     n = int(cfg.get("num_hidden_layers") or 0)
     kinds = cfg.get("mlp_layer_types")
     if kinds is not None and (not isinstance(kinds, list) or len(kinds) != n
                               or any(k not in ("dense", "sparse") for k in kinds)):
-        refuse(FAMILY, "mlp_layer_types", kinds, f'{n} entries of "dense" or "sparse"')
+        refuse(NAME, "mlp_layer_types", kinds, f'{n} entries of "dense" or "sparse"')
 
 
 def sanitize(name: str) -> str | None:
@@ -67,3 +68,6 @@ def sanitize(name: str) -> str | None:
     if ".mlp.post_mlp_layernorm." in name:
         return name.replace(".mlp.post_mlp_layernorm.", ".mlp.out_norm.")
     return name.replace(".post_mlp_layernorm.", ".mlp.out_norm.")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, ignored=IGNORED)

@@ -29,9 +29,10 @@ from ..kernels import native
 from . import deepseek_v3 as v3
 from . import deepseek_v32 as v32
 from .base import refuse, rename_first
+from .family import Family
 from .layers import Linear, RMSNorm
 
-FAMILY = "axk2"
+NAME = "axk2"
 
 
 @dataclass
@@ -154,8 +155,11 @@ def check_config(cfg: dict) -> None:
     """DeepSeek-V3.2's refusals (a q LoRA, the indexer's sizes), A.X K2's layer list and groups."""
     grouped = cfg.get("n_group") is not None
     if grouped != (cfg.get("topk_group") is not None):
-        refuse(FAMILY, "topk_group", cfg.get("topk_group"), "set together with n_group (both absent: no groups)")
+        refuse(NAME, "topk_group", cfg.get("topk_group"), "set together with n_group (both absent: no groups)")
     v32.check_config({**cfg, "mlp_layer_types": mlp_kinds(cfg, int(cfg.get("num_hidden_layers") or 0))}
                      | ({} if grouped else {"n_group": 1, "topk_group": 1}))
     if int(cfg.get("gated_norm_rank", 16)) < 1:
-        refuse(FAMILY, "gated_norm_rank", cfg.get("gated_norm_rank"), "a positive rank")
+        refuse(NAME, "gated_norm_rank", cfg.get("gated_norm_rank"), "a positive rank")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

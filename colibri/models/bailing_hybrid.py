@@ -30,11 +30,12 @@ from . import deepseek_v3 as v3
 from . import kimi_linear
 from .base import CausalLM, refuse, rename_first
 from .deepseek_v2 import moe_block
+from .family import Family
 from .kda import KDAArgs, KimiDeltaAttention
 from .layers import MLP, DecoderBlock, Linear
 from .mla import MLAArgs, MLAttention
 
-FAMILY = "bailing_hybrid"
+NAME = "bailing_hybrid"
 
 
 @dataclass
@@ -116,29 +117,29 @@ class Model(CausalLM):
 def check_config(cfg: dict) -> None:
     """Refuse Ling hybrid configs this file does not implement (transformers' port is the reference)."""
     if not isinstance(cfg.get("layer_group_size", 6), int) or cfg.get("layer_group_size", 6) < 1:
-        refuse(FAMILY, "layer_group_size", cfg.get("layer_group_size"), "a whole number of layers >= 1")
-    kimi_linear.check_layers(FAMILY, cfg, layer_kinds)
+        refuse(NAME, "layer_group_size", cfg.get("layer_group_size"), "a whole number of layers >= 1")
+    kimi_linear.check_layers(NAME, cfg, layer_kinds)
     if cfg.get("kda_safe_gate", True) and cfg.get("kda_lower_bound", -5.0) >= 0:
-        refuse(FAMILY, "kda_lower_bound", cfg["kda_lower_bound"], "a negative bound (the bounded decay's)")
+        refuse(NAME, "kda_lower_bound", cfg["kda_lower_bound"], "a negative bound (the bounded decay's)")
     if cfg.get("linear_conv_kernel_dim", cfg.get("short_conv_kernel_size", 4)) < 2:
-        refuse(FAMILY, "short_conv_kernel_size", cfg.get("short_conv_kernel_size"), "a kernel of at least 2 taps")
+        refuse(NAME, "short_conv_kernel_size", cfg.get("short_conv_kernel_size"), "a kernel of at least 2 taps")
     if cfg.get("q_lora_rank") is not None:
-        refuse(FAMILY, "q_lora_rank", cfg["q_lora_rank"], "none (the port's MLA has no q LoRA)")
+        refuse(NAME, "q_lora_rank", cfg["q_lora_rank"], "none (the port's MLA has no q LoRA)")
     # fields of the original release (llama.cpp's BailingMoeV3 converter reads them) that transformers' port ignores:
     # a model that sets them otherwise would run as another model
     if cfg.get("no_kda_lora", True) is not True:
-        refuse(FAMILY, "no_kda_lora", cfg["no_kda_lora"], "true (full-rank KDA gates, the port's)")
+        refuse(NAME, "no_kda_lora", cfg["no_kda_lora"], "true (full-rank KDA gates, the port's)")
     if cfg.get("gated_attention_proj_granularity_type", "head_wise") != "head_wise":
-        refuse(FAMILY, "gated_attention_proj_granularity_type", cfg["gated_attention_proj_granularity_type"],
+        refuse(NAME, "gated_attention_proj_granularity_type", cfg["gated_attention_proj_granularity_type"],
                "head_wise")
     for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
         if any(v is not None for v in cfg.get(key) or []):
-            refuse(FAMILY, key, cfg[key], "no SwiGLU clamps (the port has none)")
+            refuse(NAME, key, cfg[key], "no SwiGLU clamps (the port has none)")
     shared = cfg.get("moe_shared_expert_intermediate_size")
     per = cfg.get("moe_intermediate_size", 768) * next((cfg[k] for k in ("num_shared_experts", "n_shared_experts")
                                                          if k in cfg), 1)
     if shared is not None and shared != per:
-        refuse(FAMILY, "moe_shared_expert_intermediate_size", shared, f"moe_intermediate_size x shared experts ({per})")
+        refuse(NAME, "moe_shared_expert_intermediate_size", shared, f"moe_intermediate_size x shared experts ({per})")
 
 
 _RENAMES = (("model.word_embeddings.", "model.embed_tokens."), (".attention.dense.", ".self_attn.o_proj."),
@@ -157,3 +158,5 @@ def source_view(st, cfg: dict):
     width = cfg.get("linear_head_dim", cfg.get("head_dim", 128))
     return kimi_linear.source_view(st, {"linear_num_heads": heads, "linear_head_dim": width})
 
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize)

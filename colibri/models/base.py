@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from typing import Any, ClassVar, NoReturn
 
@@ -11,25 +10,13 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
-from . import native_step
 from .batch import StepBatch
+from .family import family
 from .layers import ROPE_TYPES, Embedding, Linear, RMSNorm, rope_scaling
 from .moe import SwitchGLU
 
-SUPPORTED = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-             "minimax_m2", "dots1", "ernie4_5_moe", "llama4_text", "hunyuan_v1_moe",
-             "glm4_moe_lite", "exaone_moe", "qwen3_next", "qwen3_5_moe_text",
-             "mistral4", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "qwen3_vl_moe_text",
-             "glm4v_moe_text", "phimoe", "solar_open", "granitemoe", "dbrx",
-             "granitemoeshared", "granitemoe_swa", "afmoe", "flex_olmo", "hy_v3", "flint", "kolibri1", "axk1", "mellum",
-             "cohere2_moe", "laguna", "gemma4_text", "lfm2_moe", "granitemoehybrid", "jamba", "nemotron_h",
-             "longcat_flash", "minimax", "kimi_linear", "bailing_hybrid", "axk2", "beam",
-             "minimax_m3_vl_text", "ernie4_5_vl_moe_text", "qwen3_omni_moe_text",
-             "aria_text")
 # layer kinds under their names before transformers 5 (Granite 4.0-H's and Nemotron-H's configs) -> today's
 LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
-# model_types whose checkpoints are another family's layout: Kimi-K2 is DeepSeek-V3's
-ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 # released multimodal model_types -> the family of the text model the converter keeps (its config under
 # `text_config`; each family's `sanitize` maps its tensor names and drops the vision side)
 MULTIMODAL: dict[str, str] = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text", "kimi_k25": "deepseek_v3",
@@ -105,24 +92,9 @@ def check_act_and_rope(family: str, cfg: dict, act: bool = True) -> None:
         refuse(family, "rope_scaling.rope_type", scaling["rope_type"], f"supported: default, {', '.join(ROPE_TYPES)}")
 
 
-def family(model_type: str):
-    """The module `colibri.models.<model_type>`; a clear error naming what is supported otherwise."""
-    name = ALIASES.get(model_type, model_type)
-    if name not in SUPPORTED:
-        raise ColibriError(f"unsupported model_type '{model_type}' (supported: {', '.join(SUPPORTED)})")
-    try:
-        return importlib.import_module(f"colibri.models.{name}")
-    except ModuleNotFoundError as e:
-        if e.name == f"colibri.models.{name}":
-            raise ColibriError(f"model_type '{model_type}' is not implemented in this build") from e
-        raise
-
-
 def build(model_type: str, config: dict) -> tuple[nn.Module, Any]:
     """Instantiate a family's model skeleton (placeholders only: cheap, no big tensors)."""
-    fam = family(model_type)
-    args = fam.ModelArgs.from_dict(config)
-    return fam.Model(args), args
+    return family(model_type).build(config)
 
 
 class CausalLM(nn.Module):
@@ -138,20 +110,23 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [T]: the step's rows (see models/batch.py) -> logits [T, V] f32, or [len(out_rows), V]
-        for just those rows (the head is the biggest matmul of a decode step: skip rows nobody samples)."""
-        logits = native_step.run_step(self, tokens, batch, out_rows)  # the whole step in one native call
-        if logits is not None:
-            return logits
-        h = self.model.embed_tokens(tokens)  # [T, H]
-        out = native_step.run(self, h, batch)  # every block in one native call, where that applies
-        if out is not None:
-            h = out
-        else:
-            for i, layer in enumerate(self.model.layers):
-                h = layer(h, batch.layer(i))
-        if out_rows is not None:
-            h = h[out_rows]
-        return self.lm_head(self.model.norm(h)).float()
+        for just those rows. The readable reference of a step; the engine runs its decode plan
+        (engine/decode_plan.py), which takes this path where its native backend does not apply."""
+        h = self.embed(tokens)  # [T, H]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, batch.layer(i))
+        return self.logits(h if out_rows is None else h[out_rows])
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)  # [T, H]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and head over the last layer's rows h [R, H] -> f32 [R, V]."""
+        return self.finish(self.lm_head(self.model.norm(h)).float())
+
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a family does to the head's f32 logits [R, V] (nothing here; SoftCapped caps them)."""
+        return logits
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> list:
         return [layer.self_attn.make_cache(max_len, dtype, device) for layer in self.model.layers]
@@ -164,16 +139,17 @@ class CausalLM(nn.Module):
         a, b = (sum(c.nbytes for c in self.make_cache(m, dtype, "meta")) for m in (n, n + 64))
         return (b - a) // 64, a - n * ((b - a) // 64)
 
-    def _apply(self, fn, recurse: bool = True):  # moved weights: the one-call plan's pointers are stale
-        native_step.forget(self)
+    weights_version = 0  # counts moves of the weights: a decode plan built before one rebuilds
+
+    def _apply(self, fn, recurse: bool = True):  # moved weights: the decode plan's native pointers are stale
+        self.weights_version += 1
         return super()._apply(fn, recurse)
 
 
 class SoftCapped:
     """A CausalLM whose logits are soft-capped: tanh(z / c) c, c = `args.final_logit_softcapping` (None: no cap)."""
 
-    def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        logits = super().forward(tokens, batch, out_rows)  # type: ignore[misc]  # [T, V] f32
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] f32
         cap = self.args.final_logit_softcapping  # type: ignore[attr-defined]
         return torch.tanh(logits / cap) * cap if cap else logits
 

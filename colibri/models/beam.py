@@ -26,16 +26,17 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..validate import is_number
+from ..format.validate import is_number
 from . import deepseek_v3
 from .afmoe import source_view  # noqa: F401  (gate_proj's rows inside q_proj, as AFMoE's)
 from .base import BaseArgs, CausalLM, SoftCapped, check_act_and_rope, refuse, rename_first
 from .batch import LayerKV
+from .family import Family
 from .layers import MLP, AttentionArgs, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 from .qwen3_next import GatedAttention
 
-FAMILY = "beam"
+NAME = "beam"
 KINDS = ("full_attention", "sliding_attention")
 MLP_KINDS = ("dense", "sparse")
 SSMAX_SPAN = 2048.0  # transformers' compute_attention_scaling: (1 + (pos + 1) / 2048) ** 0.1
@@ -170,35 +171,35 @@ class Model(SoftCapped, CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse Beam configs this file does not implement (module docstring)."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n = cfg.get("num_hidden_layers")
     for key, kinds in (("layer_types", KINDS), ("mlp_layer_types", MLP_KINDS)):
         v = cfg.get(key)
         if v is not None and (len(v) != n or any(k not in kinds for k in v)):
-            refuse(FAMILY, key, v, f"{n} entries of {' / '.join(kinds)}")
+            refuse(NAME, key, v, f"{n} entries of {' / '.join(kinds)}")
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and all(k in KINDS for k in params):
         for p in params.values():
             if p is not None:
-                check_act_and_rope(FAMILY, {"rope_parameters": p}, act=False)
+                check_act_and_rope(NAME, {"rope_parameters": p}, act=False)
     if cfg.get("attention_bias"):
-        refuse(FAMILY, "attention_bias", True, "no q/k/v/o biases, as released")
+        refuse(NAME, "attention_bias", True, "no q/k/v/o biases, as released")
     experts, group, keep = cfg.get("num_experts", 256), cfg.get("n_group", 8), cfg.get("topk_group", 4)
     if not isinstance(group, int) or isinstance(group, bool) or group < 1 or experts % group:
-        refuse(FAMILY, "n_group", group, f"a divisor of num_experts={experts}")
+        refuse(NAME, "n_group", group, f"a divisor of num_experts={experts}")
     if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= group:
-        refuse(FAMILY, "topk_group", keep, f"1 to n_group={group}")
+        refuse(NAME, "topk_group", keep, f"1 to n_group={group}")
     if keep * (experts // group) < cfg.get("num_experts_per_tok", 8):
-        refuse(FAMILY, "topk_group", keep, "enough kept groups for num_experts_per_tok experts")
+        refuse(NAME, "topk_group", keep, "enough kept groups for num_experts_per_tok experts")
     scale, cap = cfg.get("routed_scaling_factor", 2.5), cfg.get("final_logit_softcapping", 30.0)
     if not is_number(scale) or scale <= 0:
-        refuse(FAMILY, "routed_scaling_factor", scale, "a number > 0")
+        refuse(NAME, "routed_scaling_factor", scale, "a number > 0")
     if cap is not None and (not is_number(cap) or cap <= 0):
-        refuse(FAMILY, "final_logit_softcapping", cap, "a number > 0, or null")
+        refuse(NAME, "final_logit_softcapping", cap, "a number > 0, or null")
     window = cfg.get("sliding_window", 512)
     if "sliding_attention" in (cfg.get("layer_types") or ["sliding_attention"]) \
             and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        refuse(FAMILY, "sliding_window", window, "a window of at least 1 for the sliding layers")
+        refuse(NAME, "sliding_window", window, "a window of at least 1 for the sliding layers")
 
 
 # transformers' names -> ours: the attention output's norm is `self_attn.out_norm`, the MLP's input norm our
@@ -211,3 +212,6 @@ _RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."),
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name (each at most one rename: the released norms swap places with ours)."""
     return rename_first(name, _RENAMES)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize)

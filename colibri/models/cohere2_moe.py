@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .family import Family
 from .layers import (
     MLP,
     Attention,
@@ -36,7 +37,7 @@ from .layers import (
 )
 from .moe import BiasedLogitRouter, SoftmaxTopKRouter, SparseMoE, SwitchGLU
 
-FAMILY = "cohere2_moe"
+NAME = "cohere2_moe"
 KINDS = ("full_attention", "sliding_attention")
 
 
@@ -139,22 +140,22 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse Cohere 2 MoE configs this file does not implement."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n = int(cfg.get("num_hidden_layers") or 0)
     kinds, mlps = patterns(cfg, n)
     if len(kinds) != n or any(k not in KINDS for k in kinds):
-        refuse(FAMILY, "layer_types", cfg.get("layer_types"), f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", cfg.get("layer_types"), f"{n} entries of {' / '.join(KINDS)}")
     if len(mlps) != n or any(k not in ("dense", "sparse") for k in mlps):
-        refuse(FAMILY, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" / "sparse"')
+        refuse(NAME, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" / "sparse"')
     if "sliding_attention" in kinds and not cfg.get("sliding_window", 4096):
-        refuse(FAMILY, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+        refuse(NAME, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
     if cfg.get("expert_selection_fn", "softmax") not in ("softmax", "sigmoid"):
-        refuse(FAMILY, "expert_selection_fn", cfg["expert_selection_fn"], "softmax or sigmoid")
+        refuse(NAME, "expert_selection_fn", cfg["expert_selection_fn"], "softmax or sigmoid")
     if cfg.get("shared_expert_combination_strategy", "average") not in ("average", "sum"):
-        refuse(FAMILY, "shared_expert_combination_strategy", cfg["shared_expert_combination_strategy"],
+        refuse(NAME, "shared_expert_combination_strategy", cfg["shared_expert_combination_strategy"],
                "average or sum")
     if int(cfg.get("head_dim", 128)) % 2:
-        refuse(FAMILY, "head_dim", cfg["head_dim"], "an even number (RoPE pairs)")
+        refuse(NAME, "head_dim", cfg["head_dim"], "an even number (RoPE pairs)")
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -170,3 +171,6 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     elif ".mlp.shared_experts.down_proj." in name and ModelArgs.from_dict(cfg).averages():
         factor = 0.5  # (the routed half: the router's scale)
     return t if factor == 1.0 else (t.float() * factor).to(t.dtype)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, prepare=prepare)

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..convert.safetensors_reader import SplitRows
 from ..errors import ColibriError
-from ..safetensors_reader import SplitRows
 from . import mixtral
 from .base import check_act_and_rope, refuse
+from .family import Family
 from .layers import AttentionArgs, LayerNorm
 from .moe import TopKRouter
 
-FAMILY = "dbrx"
+NAME = "dbrx"
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _section(cfg: dict, key: str) -> dict:
     if sub is None:
         return {}
     if not isinstance(sub, dict):
-        raise ColibriError(f"{FAMILY}: {key} must be an object, got {type(sub).__name__}")
+        raise ColibriError(f"{NAME}: {key} must be an object, got {type(sub).__name__}")
     return sub
 
 
@@ -73,10 +74,10 @@ def flat_config(cfg: dict) -> dict:
     attn, ffn = _section(cfg, "attn_config"), _section(cfg, "ffn_config")
     act = ffn.get("ffn_act_fn") or {"name": "silu"}
     if not isinstance(act, dict):
-        raise ColibriError(f"{FAMILY}: ffn_config.ffn_act_fn must be an object, got {type(act).__name__}")
+        raise ColibriError(f"{NAME}: ffn_config.ffn_act_fn must be an object, got {type(act).__name__}")
     scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling")
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        refuse(FAMILY, "rope_parameters.rope_type", scaling.get("rope_type", scaling.get("type")),
+        refuse(NAME, "rope_parameters.rope_type", scaling.get("rope_type", scaling.get("type")),
                "only default, as released")
     flat = {k: v for k, v in cfg.items() if k not in ("attn_config", "ffn_config", "rope_parameters", "rope_scaling")}
     flat.update(hidden_size=cfg.get("d_model", 2048), num_attention_heads=cfg.get("n_heads", 16),
@@ -94,15 +95,15 @@ def flat_config(cfg: dict) -> dict:
 
 def check_config(cfg: dict) -> None:
     """Refuse DBRX configs this file does not implement (on the flat config)."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     p = cfg.get("moe_normalize_expert_weights")
     if p is not None and p != 1:
-        refuse(FAMILY, "ffn_config.moe_normalize_expert_weights", p, "1 (as released) or null")
+        refuse(NAME, "ffn_config.moe_normalize_expert_weights", p, "1 (as released) or null")
     clip = cfg.get("clip_qkv")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0):
-        refuse(FAMILY, "attn_config.clip_qkv", clip, "a number > 0 or null")
+        refuse(NAME, "attn_config.clip_qkv", clip, "a number > 0 or null")
     if cfg.get("tie_word_embeddings"):
-        refuse(FAMILY, "tie_word_embeddings", True, "DBRX's head is its own tensor")
+        refuse(NAME, "tie_word_embeddings", True, "DBRX's head is its own tensor")
 
 
 _BLOCK = re.compile(r"^transformer\.blocks\.(\d+)\.")
@@ -163,3 +164,7 @@ def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One expert: gate_up = [w1 rows; v1 rows] ([2I, H]), down = w2's [I, H] transposed ([H, I])."""
     return {"gate_up.weight": torch.cat([parts["gate"], parts["up"]], 0),
             "down.weight": parts["down"].t().contiguous()}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, flat_config=flat_config, source_view=source_view,
+                sanitize=sanitize, expert_record=expert_record)

@@ -12,7 +12,7 @@ cache, dense first layers, shared experts, softmax router with greedy or group-l
 - RoPE pairs are interleaved (DeepSeek's complex-number layout); YaRN scaling also
   multiplies the softmax scale by mscale(factor, mscale_all_dim)^2.
 - Checkpoint names are already canonical (no `sanitize`). Pre-quantized checkpoints (FP8
-  blocks, compressed-tensors) are dequantized by the converter (colibri/source_quant.py).
+  blocks, compressed-tensors) are dequantized by the converter (colibri/convert/source_quant.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 from ..errors import ColibriError
 from ..kernels import native
 from .base import BaseArgs, CausalLM
+from .family import Family
 from .layers import MLP, DecoderBlock, rope_inv_freq, rope_scaling, rope_theta
 from .mla import MLAArgs, MLAttention
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
@@ -166,3 +167,6 @@ def check_config(cfg: dict) -> None:
     if cfg.get("scoring_func", SCORING) != SCORING:
         raise ColibriError(f"config scoring_func '{cfg['scoring_func']}' is not supported by deepseek_v2 "
                            f"(supported: {SCORING})")
+
+
+FAMILY = Family("deepseek_v2", ModelArgs, Model, check_config=check_config)

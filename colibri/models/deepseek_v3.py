@@ -27,6 +27,7 @@ from ..errors import ColibriError
 from ..kernels import native
 from . import deepseek_v2 as v2
 from .deepseek_v2 import check_common
+from .family import Family
 from .moe import RouteRule, native_route
 
 TOPK_METHODS = ("noaux_tc",)
@@ -108,3 +109,6 @@ def check_config(cfg: dict) -> None:
     if cfg.get("scoring_func", SCORING) != SCORING:
         raise ColibriError(f"config scoring_func '{cfg['scoring_func']}' is not supported by deepseek_v3 "
                            f"(supported: {SCORING})")
+
+
+FAMILY = Family("deepseek_v3", ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -29,10 +29,11 @@ from .. import arena
 from . import deepseek_v3 as v3
 from .base import refuse
 from .batch import LayerKV
+from .family import Family
 from .layers import Linear, RoPE
 from .mla import LatentCache, MLAttention
 
-FAMILY = "deepseek_v32"
+NAME = "deepseek_v32"
 
 
 @dataclass
@@ -251,15 +252,18 @@ class Model(v3.Model):
 def check_config(cfg: dict) -> None:
     v3.check_config(cfg)
     if not cfg.get("q_lora_rank"):
-        refuse(FAMILY, "q_lora_rank", cfg.get("q_lora_rank"), "the indexer reads the q LoRA: a positive rank")
+        refuse(NAME, "q_lora_rank", cfg.get("q_lora_rank"), "the indexer reads the q LoRA: a positive rank")
     n = int(cfg.get("num_hidden_layers") or 0)
     types = layer_types(cfg.get("mlp_layer_types"), int(cfg.get("first_k_dense_replace", 3)), n)
     if len(types) != n or any(t not in ("dense", "sparse") for t in types):
-        refuse(FAMILY, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" or "sparse"')
+        refuse(NAME, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" or "sparse"')
     for key in ("index_topk", "index_head_dim", "index_n_heads"):
         v = cfg.get(key, 1)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            refuse(FAMILY, key, v, "a positive integer")
+            refuse(NAME, key, v, "a positive integer")
     rope = int(cfg.get("qk_rope_head_dim", 64))
     if int(cfg.get("index_head_dim", 128)) < rope:
-        refuse(FAMILY, "index_head_dim", cfg.get("index_head_dim"), f"at least qk_rope_head_dim={rope}")
+        refuse(NAME, "index_head_dim", cfg.get("index_head_dim"), f"at least qk_rope_head_dim={rope}")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)

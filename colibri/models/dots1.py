@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from . import glm4_moe
 from .base import refuse
+from .family import Family
 
 
 @dataclass
@@ -50,3 +51,6 @@ def check_config(cfg: dict) -> None:
 
 class Model(glm4_moe.Model):
     pass
+
+
+FAMILY = Family("dots1", ModelArgs, Model, check_config=check_config)

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .family import Family
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta, rotate_half_rows
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
@@ -125,3 +126,6 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     if not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
         return t
     return rotate_half_rows(t, ModelArgs.from_dict(cfg).head_dim)
+
+
+FAMILY = Family("ernie4_5_moe", ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)

@@ -27,8 +27,9 @@ import torch
 
 from . import ernie4_5_moe
 from .base import check_act_and_rope, refuse, text_model_name
+from .family import Family
 
-FAMILY = "ernie4_5_vl_moe_text"
+NAME = "ernie4_5_vl_moe_text"
 _TEXT = re.compile(r"model\.(layers\.\d+\.|embed_tokens\.|norm\.)|lm_head\.")  # the text model's tensors
 _EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 _ROUTER = re.compile(r"model\.layers\.\d+\.mlp\.gate\.weight")  # (the release's: [hidden, experts])
@@ -54,7 +55,7 @@ def flat_config(cfg: dict) -> dict:
     out = dict(cfg)
     e = cfg.get("moe_num_experts")
     if isinstance(e, list) and (len(e) != 2 or e[0] != e[1]):
-        refuse(FAMILY, "moe_num_experts", e, "as many vision experts as text experts (the release's layout)")
+        refuse(NAME, "moe_num_experts", e, "as many vision experts as text experts (the release's layout)")
     for key in ("moe_num_experts", "moe_intermediate_size"):
         if isinstance(cfg.get(key), list) and cfg[key]:
             out[key] = cfg[key][0]
@@ -66,20 +67,20 @@ class Model(ernie4_5_moe.Model):
 
 
 def check_config(cfg: dict) -> None:
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     if cfg.get("use_bias"):
-        refuse(FAMILY, "use_bias", cfg["use_bias"], "the released models have no linear biases")
+        refuse(NAME, "use_bias", cfg["use_bias"], "the released models have no linear biases")
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rp.get("rope_type", "default") != "default":
-        refuse(FAMILY, "rope_parameters.rope_type", rp.get("rope_type"), "default only, as transformers' port")
+        refuse(NAME, "rope_parameters.rope_type", rp.get("rope_type"), "default only, as transformers' port")
     a = ModelArgs.from_dict(cfg)
     sec = rp.get("mrope_section", [22, 22, 20])
     if not (isinstance(sec, list) and len(sec) == 3 and sec[0] == sec[1] and sum(sec) == a.head_dim // 2):
-        refuse(FAMILY, "rope_parameters.mrope_section", sec,
+        refuse(NAME, "rope_parameters.mrope_section", sec,
                f"[h, w, t] with h == w and h + w + t = head_dim / 2 = {a.head_dim // 2}")
     types = cfg.get("mlp_layer_types")
     if types is not None and (len(types) != a.num_hidden_layers or set(types) - {"dense", "sparse"}):
-        refuse(FAMILY, "mlp_layer_types", types, f"{a.num_hidden_layers} entries of 'dense' / 'sparse'")
+        refuse(NAME, "mlp_layer_types", types, f"{a.num_hidden_layers} entries of 'dense' / 'sparse'")
 
 
 def sanitize(name: str) -> str | None:
@@ -131,3 +132,7 @@ def source_view(st, cfg: dict):
 
 
 prepare = ernie4_5_moe.prepare
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, flat_config=flat_config, source_view=source_view,
+                sanitize=sanitize, prepare=prepare)

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from . import glm4_moe
 from .base import refuse
+from .family import Family
 
-FAMILY = "exaone_moe"
+NAME = "exaone_moe"
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -74,20 +75,20 @@ def mlp_kinds(cfg: dict, n: int) -> list[str]:
 
 def check_config(cfg: dict) -> None:
     """GLM's refusals (activation, scoring, top-k method, groups, rope types), plus EXAONE's layer patterns."""
-    glm4_moe.check_config({**cfg, "n_routed_experts": cfg.get("num_experts", 64)}, FAMILY)
+    glm4_moe.check_config({**cfg, "n_routed_experts": cfg.get("num_experts", 64)}, NAME)
     n = int(cfg.get("num_hidden_layers") or 0)
     every = cfg.get("sliding_window_pattern", 4)
     if cfg.get("layer_types") is None and cfg.get("sliding_window", 4096) is not None \
             and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        refuse(FAMILY, "sliding_window_pattern", every, "a positive integer, or give layer_types")
+        refuse(NAME, "sliding_window_pattern", every, "a positive integer, or give layer_types")
     kinds = attention_kinds(cfg, n)
     if len(kinds) != n or any(k not in LAYER_KINDS for k in kinds):
-        refuse(FAMILY, "layer_types", cfg.get("layer_types"), "full_attention / sliding_attention, one per layer")
+        refuse(NAME, "layer_types", cfg.get("layer_types"), "full_attention / sliding_attention, one per layer")
     mlps = mlp_kinds(cfg, n)
     if len(mlps) != n or any(k not in ("dense", "sparse") for k in mlps):
-        refuse(FAMILY, "mlp_layer_types", cfg.get("mlp_layer_types"), '"dense" / "sparse", one per layer')
+        refuse(NAME, "mlp_layer_types", cfg.get("mlp_layer_types"), '"dense" / "sparse", one per layer')
     if cfg.get("attention_bias"):
-        refuse(FAMILY, "attention_bias", True, "EXAONE's projections have none")
+        refuse(NAME, "attention_bias", True, "EXAONE's projections have none")
 
 
 class Model(glm4_moe.Model):
@@ -101,3 +102,6 @@ def sanitize(name: str) -> str | None:
     if name.startswith("mtp."):
         return None
     return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -12,9 +12,10 @@ import dataclasses
 
 from . import olmoe
 from .base import check_act_and_rope, rename_first
+from .family import Family
 from .layers import Attention, NoNorm, RMSNorm
 
-FAMILY = "flex_olmo"
+NAME = "flex_olmo"
 ModelArgs = olmoe.ModelArgs
 
 
@@ -28,7 +29,7 @@ class Model(olmoe.Model):
 
 
 def check_config(cfg: dict) -> None:
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
 
 
 _RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."), (".post_feedforward_layernorm.", ".mlp.out_norm."))
@@ -37,3 +38,6 @@ _RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."), (".post_feed
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released output norms inside their sublayers."""
     return rename_first(name, _RENAMES)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

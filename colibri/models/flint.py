@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse
+from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, DecoderBlock
 from .moe import SparseMoE, SwitchGLU
 
-FAMILY = "flint"
+NAME = "flint"
 KINDS = ("full_attention", "sliding_attention")
 
 
@@ -73,21 +74,24 @@ class Model(CausalLM):
 def check_config(cfg: dict) -> None:
     """Refuse Flint configs this file does not implement: another activation or RoPE scaling, attention biases,
     layer lists that do not name one valid kind per layer, sliding layers without a window."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n = cfg.get("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if kinds is not None and (not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     if "sliding_attention" in (kinds or default_kinds(n or 0)) and not cfg.get("sliding_window", 513):
-        refuse(FAMILY, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+        refuse(NAME, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
     for field in ("attention_bias", "qkv_bias"):
         if cfg.get(field):
-            refuse(FAMILY, field, True, "Flint's projections have no biases")
+            refuse(NAME, field, True, "Flint's projections have no biases")
     if not cfg.get("shared_expert_intermediate_size", 1024):
-        refuse(FAMILY, "shared_expert_intermediate_size", cfg["shared_expert_intermediate_size"],
+        refuse(NAME, "shared_expert_intermediate_size", cfg["shared_expert_intermediate_size"],
                "Flint's sparse layers add a shared expert")
 
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release's sink logits are `self_attn.softmax_offset`."""
     return name.replace(".self_attn.softmax_offset", ".self_attn.sinks")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -32,11 +32,12 @@ from ..kernels import native
 from . import native_mlp
 from .base import BaseArgs, CausalLM, SoftCapped, refuse, text_model_name
 from .batch import LayerKV
+from .family import Family
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, RMSNorm
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .norms import NoNorm, rms_norm
 
-FAMILY = "gemma4_text"
+NAME = "gemma4_text"
 KINDS = ("sliding_attention", "full_attention")
 ROPE_DEFAULTS = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -236,41 +237,41 @@ class Model(SoftCapped, CausalLM):
 def check_config(cfg: dict) -> None:
     """Refuse Gemma 4 configs this file does not implement (module docstring)."""
     if not cfg.get("enable_moe_block"):
-        refuse(FAMILY, "enable_moe_block", cfg.get("enable_moe_block"), "colibri runs the MoE Gemma 4 only")
+        refuse(NAME, "enable_moe_block", cfg.get("enable_moe_block"), "colibri runs the MoE Gemma 4 only")
     for field in ("num_experts", "top_k_experts", "moe_intermediate_size"):
         v = cfg.get(field)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            refuse(FAMILY, field, v, "a positive integer")
+            refuse(NAME, field, v, "a positive integer")
     if cfg["top_k_experts"] > cfg["num_experts"]:
-        refuse(FAMILY, "top_k_experts", cfg["top_k_experts"], f"at most num_experts={cfg['num_experts']}")
+        refuse(NAME, "top_k_experts", cfg["top_k_experts"], f"at most num_experts={cfg['num_experts']}")
     if cfg.get("hidden_size_per_layer_input", 256):  # (transformers' default is 256: Gemma 4 E2B / E4B)
-        refuse(FAMILY, "hidden_size_per_layer_input", cfg.get("hidden_size_per_layer_input", 256),
+        refuse(NAME, "hidden_size_per_layer_input", cfg.get("hidden_size_per_layer_input", 256),
                "0: per-layer embeddings are not implemented")
     for field, ok, want in (("num_kv_shared_layers", (0, None), "0: shared KV layers are not implemented"),
                             ("use_bidirectional_attention", (None, "vision"), "causal text attention"),
                             ("hidden_activation", (ACT, None), ACT), ("attention_bias", (False, None), "no biases")):
         if cfg.get(field) not in ok:
-            refuse(FAMILY, field, cfg[field], want)
+            refuse(NAME, field, cfg[field], want)
     n = int(cfg.get("num_hidden_layers") or 30)
     kinds = cfg.get("layer_types")
     if kinds is not None and (not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     rope = cfg.get("rope_parameters") or ROPE_DEFAULTS
     for kind in KINDS:
         r = rope.get(kind) if isinstance(rope, dict) else None
         if not isinstance(r, dict) or r.get("rope_type") not in ("default", "proportional") \
                 or not isinstance(r.get("rope_theta"), int | float):
-            refuse(FAMILY, f"rope_parameters.{kind}", r, 'a "default" or "proportional" rope_type with a rope_theta')
+            refuse(NAME, f"rope_parameters.{kind}", r, 'a "default" or "proportional" rope_type with a rope_theta')
     per = cfg.get("per_layer_config")
     if per is not None and (not isinstance(per, dict) or any(
             not str(i).isdigit() or int(i) >= n or not isinstance(o, dict)
             or any(k not in ("head_dim", "num_key_value_heads") or isinstance(v, bool) or not isinstance(v, int)
                    or v < 1 for k, v in o.items()) for i, o in per.items())):
-        refuse(FAMILY, "per_layer_config", per, "layer index -> positive head_dim / num_key_value_heads")
+        refuse(NAME, "per_layer_config", per, "layer index -> positive head_dim / num_key_value_heads")
     a = ModelArgs.from_dict(cfg)
     for i in range(n):
         if a.num_attention_heads % a.layer(i)[1]:
-            refuse(FAMILY, "num_key_value_heads", a.layer(i)[1], f"a divisor of {a.num_attention_heads} (layer {i})")
+            refuse(NAME, "num_key_value_heads", a.layer(i)[1], f"a divisor of {a.num_attention_heads} (layer {i})")
 
 
 _RENAMES = ((".post_attention_layernorm.", ".self_attn.out_norm."),
@@ -302,3 +303,6 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
         return t
     scale = torch.tensor(float(cfg["hidden_size"]) ** 0.5).to(t.dtype).float()
     return (t.float() * scale).to(t.dtype)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .family import Family
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
@@ -152,3 +153,6 @@ class Model(CausalLM):
                   for i in range(a.num_hidden_layers)]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
+
+
+FAMILY = Family("glm4_moe", ModelArgs, Model, check_config=check_config)

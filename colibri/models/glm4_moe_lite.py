@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from . import deepseek_v3 as v3
 from .base import refuse
+from .family import Family
 
-FAMILY = "glm4_moe_lite"
+NAME = "glm4_moe_lite"
 
 
 @dataclass
@@ -48,12 +49,15 @@ def check_config(cfg: dict) -> None:
     n = int(cfg.get("num_hidden_layers") or 0)
     types = layer_types(cfg.get("mlp_layer_types"), n)
     if len(types) != n or any(t not in ("dense", "sparse") for t in types):
-        refuse(FAMILY, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" or "sparse"')
+        refuse(NAME, "mlp_layer_types", cfg.get("mlp_layer_types"), f'{n} entries of "dense" or "sparse"')
     k = cfg.get("first_k_dense_replace")
     if k is not None and cfg.get("mlp_layer_types") is None and n > 1 and k != 1:
-        refuse(FAMILY, "first_k_dense_replace", k,
+        refuse(NAME, "first_k_dense_replace", k,
                "transformers makes only layer 0 dense without mlp_layer_types: give mlp_layer_types")
     params = cfg.get("rope_parameters") or {}
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
-        refuse(FAMILY, "partial_rotary_factor", factor, "only 1.0: RoPE on all qk_rope_head_dim channels")
+        refuse(NAME, "partial_rotary_factor", factor, "only 1.0: RoPE on all qk_rope_head_dim channels")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from . import glm4_moe
 from .base import text_model_name
+from .family import Family
 
-FAMILY = "glm4v_moe_text"
+NAME = "glm4v_moe_text"
 
 
 class ModelArgs(glm4_moe.ModelArgs):
@@ -25,9 +26,12 @@ class Model(glm4_moe.Model):
 
 
 def check_config(cfg: dict) -> None:
-    glm4_moe.check_config(cfg, FAMILY)
+    glm4_moe.check_config(cfg, NAME)
 
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the text model moves up, the vision tower goes."""
     return text_model_name(name)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

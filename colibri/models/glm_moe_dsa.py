@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from . import deepseek_v32 as v32
 from .base import refuse
+from .family import Family
 
-FAMILY = "glm_moe_dsa"
+NAME = "glm_moe_dsa"
 KINDS = ("full", "shared")
 
 
@@ -55,4 +56,7 @@ def check_config(cfg: dict) -> None:
     n = int(cfg.get("num_hidden_layers") or 0)
     kinds = indexer_kinds(cfg, n)
     if len(kinds) != n or any(k not in KINDS for k in kinds) or (kinds and kinds[0] != "full"):
-        refuse(FAMILY, "indexer_types", kinds, f'{n} of "full" / "shared", the first "full"')
+        refuse(NAME, "indexer_types", kinds, f'{n} of "full" / "shared", the first "full"')
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)

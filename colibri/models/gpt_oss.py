@@ -15,6 +15,7 @@ import torch
 from ..errors import ColibriError
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope
+from .family import Family
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SoftmaxTopKRouter, SparseMoE, SwitchGLU  # (the router lives in moe.py: Granite shares it)
 
@@ -146,3 +147,6 @@ def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "down.weight": _weight(parts, "down").contiguous(),
         "down.bias": parts["down_bias"].contiguous(),
     }
+
+
+FAMILY = Family("gpt_oss", ModelArgs, Model, check_config=check_config, sanitize=sanitize, expert_record=expert_record)

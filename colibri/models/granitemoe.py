@@ -22,10 +22,11 @@ from torch import nn
 
 from . import mixtral
 from .base import check_act_and_rope, refuse, rename_first
+from .family import Family
 from .layers import AttentionArgs, rope_theta
 from .moe import SoftmaxTopKRouter
 
-FAMILY = "granitemoe"
+NAME = "granitemoe"
 
 
 @dataclass
@@ -54,13 +55,13 @@ class Model(mixtral.Model):
 
 def check_config(cfg: dict) -> None:
     """Refuse Granite MoE configs this file does not implement."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     if cfg.get("head_dim") not in (None, cfg.get("hidden_size", 0) // max(cfg.get("num_attention_heads") or 1, 1)):
-        refuse(FAMILY, "head_dim", cfg["head_dim"], "hidden_size / num_attention_heads, as transformers' Granite")
+        refuse(NAME, "head_dim", cfg["head_dim"], "hidden_size / num_attention_heads, as transformers' Granite")
     for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
         v = cfg.get(key, 1.0)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
-            refuse(FAMILY, key, v, "a number > 0")
+            refuse(NAME, key, v, "a number > 0")
 
 
 _RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
@@ -84,3 +85,6 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     elif name.endswith(".self_attn.o_proj.weight") or name.endswith(".self_attn.o_proj.bias"):
         factor = float(cfg.get("residual_multiplier") or 1.0)
     return t if factor == 1.0 else (t.float() * factor).to(t.dtype)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..validate import is_number
+from ..format.validate import is_number
 from . import granitemoe, granitemoeshared
 from .base import refuse
+from .family import Family
 from .layers import AttentionArgs
 
-FAMILY = "granitemoe_swa"
+NAME = "granitemoe_swa"
 sanitize, source_view, prepare = granitemoeshared.sanitize, granitemoeshared.source_view, granitemoeshared.prepare
 KINDS = ("full_attention", "sliding_attention")
 
@@ -53,8 +54,12 @@ def check_config(cfg: dict) -> None:
     n = cfg.get("num_hidden_layers")
     kinds, thetas = cfg.get("layer_types"), cfg.get("layer_rope_theta")
     if kinds is not None and (len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     if thetas is not None and (len(thetas) != n or not all(is_number(t) and t >= 0 for t in thetas)):
-        refuse(FAMILY, "layer_rope_theta", thetas, f"{n} numbers >= 0 (0: no RoPE)")
+        refuse(NAME, "layer_rope_theta", thetas, f"{n} numbers >= 0 (0: no RoPE)")
     if any(k == "sliding_attention" for k in kinds or KINDS) and not cfg.get("sliding_window", 128):
-        refuse(FAMILY, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+        refuse(NAME, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize,
+                prepare=prepare)

@@ -24,10 +24,11 @@ import torch
 
 from . import granitemoe, granitemoeshared
 from .base import LEGACY_KINDS, refuse, rename_first
+from .family import Family
 from .layers import AttentionArgs
 from .mamba2 import Mamba2Args, Mamba2Mixer
 
-FAMILY = "granitemoehybrid"
+NAME = "granitemoehybrid"
 source_view = granitemoeshared.source_view
 KINDS = ("linear_attention", "full_attention")
 
@@ -91,32 +92,32 @@ def check_config(cfg: dict) -> None:
     n = cfg.get("num_hidden_layers")
     kinds = layer_kinds(cfg)
     if not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds):
-        refuse(FAMILY, "layer_types", cfg.get("layer_types", cfg.get("layers_block_type")),
+        refuse(NAME, "layer_types", cfg.get("layer_types", cfg.get("layers_block_type")),
                f"{n} entries of {' / '.join(KINDS)} (or mamba / attention)")
     if not cfg.get("num_local_experts", 8):
-        refuse(FAMILY, "num_local_experts", cfg["num_local_experts"], "routed experts (a dense Granite 4.0-H is not "
+        refuse(NAME, "num_local_experts", cfg["num_local_experts"], "routed experts (a dense Granite 4.0-H is not "
                                                                       "a mixture-of-experts model)")
     if cfg.get("position_embedding_type") not in (None, "nope", "rope"):
-        refuse(FAMILY, "position_embedding_type", cfg["position_embedding_type"], "none, nope or rope")
+        refuse(NAME, "position_embedding_type", cfg["position_embedding_type"], "none, nope or rope")
     heads, groups = cfg.get("mamba_n_heads", 128), cfg.get("mamba_n_groups", 1)
     inner = cfg.get("mamba_expand", 2) * cfg.get("hidden_size", 0)
     head = cfg.get("mamba_d_head", "auto")
     for key, v in (("mamba_n_heads", heads), ("mamba_n_groups", groups), ("mamba_d_state", cfg.get("mamba_d_state", 1)),
                    ("mamba_expand", cfg.get("mamba_expand", 2)), ("mamba_chunk_size", cfg.get("mamba_chunk_size", 1))):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            refuse(FAMILY, key, v, "a positive integer")
+            refuse(NAME, key, v, "a positive integer")
     if inner % heads or (head != "auto" and head * heads != inner):
-        refuse(FAMILY, "mamba_d_head", head, f"mamba_expand * hidden_size / mamba_n_heads = {inner / heads:g}")
+        refuse(NAME, "mamba_d_head", head, f"mamba_expand * hidden_size / mamba_n_heads = {inner / heads:g}")
     if heads % groups:
-        refuse(FAMILY, "mamba_n_groups", groups, f"a divisor of mamba_n_heads ({heads})")
+        refuse(NAME, "mamba_n_groups", groups, f"a divisor of mamba_n_heads ({heads})")
     k = cfg.get("mamba_d_conv", 4)
     if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-        refuse(FAMILY, "mamba_d_conv", k, "an integer of at least 2 (a convolution over past inputs)")
+        refuse(NAME, "mamba_d_conv", k, "an integer of at least 2 (a convolution over past inputs)")
     limit = time_step_limit(cfg)
     numbers = isinstance(limit, list | tuple) and all(isinstance(t, int | float) and not isinstance(t, bool)
                                                       for t in limit)
     if limit is not None and not (numbers and len(limit) == 2 and 0 <= limit[0] <= limit[1]):
-        refuse(FAMILY, "time_step_limit", limit, "[low, high] with 0 <= low <= high")
+        refuse(NAME, "time_step_limit", limit, "[low, high] with 0 <= low <= high")
 
 
 def sanitize(name: str) -> str | None:
@@ -130,3 +131,7 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
         factor = float(cfg.get("residual_multiplier") or 1.0)
         return t if factor == 1.0 else (t.float() * factor).to(t.dtype)
     return granitemoeshared.prepare(name, t, cfg)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize,
+                prepare=prepare)

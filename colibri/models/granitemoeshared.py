@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..safetensors_reader import SplitRows
+from ..convert.safetensors_reader import SplitRows
 from . import granitemoe
+from .family import Family
 from .layers import MLP
 from .moe import SparseMoE
 
-FAMILY = "granitemoeshared"
+NAME = "granitemoeshared"
 check_config = granitemoe.check_config
 
 
@@ -63,3 +64,7 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
         factor = float(cfg.get("residual_multiplier") or 1.0)
         return t if factor == 1.0 else (t.float() * factor).to(t.dtype)
     return granitemoe.prepare(name, t, cfg)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize,
+                prepare=prepare)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .family import Family
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
@@ -84,3 +85,6 @@ def sanitize(name: str) -> str:
     """HF name -> canonical name: the router's `wg`, the q/k norms' names."""
     return (name.replace(".mlp.gate.wg.", ".mlp.gate.").replace(".self_attn.query_layernorm.", ".self_attn.q_norm.")
             .replace(".self_attn.key_layernorm.", ".self_attn.k_norm."))
+
+
+FAMILY = Family("hunyuan_v1_moe", ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from . import glm4_moe
 from .base import refuse, rename_first
+from .family import Family
 
-FAMILY = "hy_v3"
+NAME = "hy_v3"
 # The release's multi-token-prediction layer is one extra decoder layer after the stack (transformers ignores
 # `model.layers.80.*`); the converter drops this many layers past num_hidden_layers.
 MTP_LAYERS = 1
@@ -54,21 +55,21 @@ def mlp_kinds(cfg: dict, n: int) -> list[str]:
 
 def check_config(cfg: dict) -> None:
     """GLM's refusals (activation, rope types), plus Hy3's layer pattern and its one-group router."""
-    glm4_moe.check_config({**cfg, "n_routed_experts": cfg.get("num_experts", 192)}, FAMILY)
+    glm4_moe.check_config({**cfg, "n_routed_experts": cfg.get("num_experts", 192)}, NAME)
     for field in ("n_group", "topk_group"):  # (Hy3's router has no groups: a config that sets them is not Hy3's)
         if (cfg.get(field) or 1) != 1:
-            refuse(FAMILY, field, cfg[field], "Hy3's router picks from all experts (one group)")
+            refuse(NAME, field, cfg[field], "Hy3's router picks from all experts (one group)")
     if float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)) != 1.0:
-        refuse(FAMILY, "partial_rotary_factor", cfg["rope_parameters"]["partial_rotary_factor"],
+        refuse(NAME, "partial_rotary_factor", cfg["rope_parameters"]["partial_rotary_factor"],
                "Hy3 rotates the whole head")
     if int(cfg.get("num_shared_experts", 1)) < 1:  # (transformers would then build a full-width dense MLP)
-        refuse(FAMILY, "num_shared_experts", cfg["num_shared_experts"], "at least 1, as released")
+        refuse(NAME, "num_shared_experts", cfg["num_shared_experts"], "at least 1, as released")
     if cfg.get("mlp_bias"):
-        refuse(FAMILY, "mlp_bias", True, "Hy3's MLPs and experts have no biases")
+        refuse(NAME, "mlp_bias", True, "Hy3's MLPs and experts have no biases")
     n = int(cfg.get("num_hidden_layers") or 0)
     mlps = mlp_kinds(cfg, n)
     if len(mlps) != n or any(k not in ("dense", "sparse") for k in mlps):
-        refuse(FAMILY, "mlp_layer_types", cfg.get("mlp_layer_types"), '"dense" / "sparse", one per layer')
+        refuse(NAME, "mlp_layer_types", cfg.get("mlp_layer_types"), '"dense" / "sparse", one per layer')
 
 
 class Model(glm4_moe.Model):
@@ -85,3 +86,6 @@ def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release's router is `mlp.router.gate`, its correction bias `mlp.expert_bias`
     (on the MoE block in transformers too; on the router here), its shared expert `mlp.shared_mlp`."""
     return rename_first(name, _HUB_NAMES)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_layers=MTP_LAYERS)

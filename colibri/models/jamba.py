@@ -17,11 +17,12 @@ import math
 from dataclasses import dataclass
 
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
+from .family import Family
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock
 from .mamba1 import Mamba1Args, Mamba1Mixer
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
-FAMILY = "jamba"
+NAME = "jamba"
 
 
 @dataclass
@@ -79,27 +80,27 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse Jamba configs this file does not implement."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n = cfg.get("num_hidden_layers", 32)
     for key, default in (("attn_layer_period", 8), ("attn_layer_offset", 4), ("expert_layer_period", 2),
                          ("expert_layer_offset", 1), ("mamba_d_state", 16), ("mamba_d_conv", 4), ("mamba_expand", 2)):
         v = cfg.get(key, default)
         low = 0 if key.endswith("offset") else 2 if key == "mamba_d_conv" else 1
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            refuse(FAMILY, key, v, f"an integer of at least {low}")
+            refuse(NAME, key, v, f"an integer of at least {low}")
     for kind in ("attn", "expert"):
         if cfg.get(f"{kind}_layer_offset", 4 if kind == "attn" else 1) >= cfg.get(f"{kind}_layer_period",
                                                                                   8 if kind == "attn" else 2):
-            refuse(FAMILY, f"{kind}_layer_offset", cfg[f"{kind}_layer_offset"], f"below {kind}_layer_period")
+            refuse(NAME, f"{kind}_layer_offset", cfg[f"{kind}_layer_offset"], f"below {kind}_layer_period")
     experts, period = cfg.get("num_experts", 16), cfg.get("expert_layer_period", 2)
     if experts <= 1 or cfg.get("expert_layer_offset", 1) >= n:
-        refuse(FAMILY, "num_experts", experts, f"at least 2, in at least one of the {n} layers (every {period})")
+        refuse(NAME, "num_experts", experts, f"at least 2, in at least one of the {n} layers (every {period})")
     rank = cfg.get("mamba_dt_rank", "auto")
     if rank != "auto" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-        refuse(FAMILY, "mamba_dt_rank", rank, '"auto" or a positive integer')
+        refuse(NAME, "mamba_dt_rank", rank, '"auto" or a positive integer')
     heads = cfg.get("num_attention_heads") or 1
     if cfg.get("hidden_size", 0) % heads or heads % (cfg.get("num_key_value_heads") or heads):
-        refuse(FAMILY, "num_attention_heads", heads, "a divisor of hidden_size, a multiple of num_key_value_heads")
+        refuse(NAME, "num_attention_heads", heads, "a divisor of hidden_size, a multiple of num_key_value_heads")
 
 
 _RENAMES = ((".mamba.", ".self_attn."), (".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
@@ -110,3 +111,6 @@ def sanitize(name: str) -> str | None:
     """HF name -> canonical name: a Mamba layer's mixer under `self_attn` as attention's, the feed-forward under
     `mlp` (its router as `gate`), the norms under the decoder's names."""
     return rename_first(name, _RENAMES)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..safetensors_reader import SplitRows
+from ..convert.safetensors_reader import SplitRows
 from . import deepseek_v3 as v3
 from .base import CausalLM, check_act_and_rope, refuse, rename_first
 from .deepseek_v2 import moe_block
+from .family import Family
 from .kda import KDAArgs, KimiDeltaAttention
 from .layers import MLP, DecoderBlock
 from .mla import MLAArgs, MLAttention
 
-FAMILY = "kimi_linear"
+NAME = "kimi_linear"
 KINDS = ("linear_attention", "full_attention")
 
 
@@ -129,15 +130,15 @@ def check_layers(family: str, cfg: dict, kinds_of) -> None:
 
 def check_config(cfg: dict) -> None:
     """Refuse Kimi-Linear configs this file does not implement (transformers' port is the reference)."""
-    check_layers(FAMILY, cfg, layer_kinds)
+    check_layers(NAME, cfg, layer_kinds)
     if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
-        refuse(FAMILY, "moe_router_activation_func", cfg["moe_router_activation_func"], "sigmoid")
+        refuse(NAME, "moe_router_activation_func", cfg["moe_router_activation_func"], "sigmoid")
     lin = cfg.get("linear_attn_config") or {}
     if lin.get("num_heads", cfg.get("linear_num_heads", 32)) < 1 or lin.get("head_dim", cfg.get("linear_head_dim",
                                                                                                128)) < 1:
-        refuse(FAMILY, "linear_attn_config", lin, "heads and a head width of at least 1")
+        refuse(NAME, "linear_attn_config", lin, "heads and a head width of at least 1")
     if lin.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4)) < 2:
-        refuse(FAMILY, "linear_conv_kernel_dim", cfg.get("linear_conv_kernel_dim"), "a kernel of at least 2 taps")
+        refuse(NAME, "linear_conv_kernel_dim", cfg.get("linear_conv_kernel_dim"), "a kernel of at least 2 taps")
 
 
 _RENAMES = ((".self_attn.forget_gate.", ".self_attn."), (".block_sparse_moe.", ".mlp."))
@@ -159,3 +160,5 @@ def source_view(st, cfg: dict):
                 split[n.replace(".conv1d.", f".{part}_conv1d.")] = (n, j * HD, (j + 1) * HD)
     return SplitRows(st, split) if split else st
 
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize)

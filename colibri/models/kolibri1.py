@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse, rename_first
+from .family import Family
 from .layers import MLP, Attention, DecoderBlock, RMSNorm
 from .moe import BiasedLogitRouter, SparseMoE, SwitchGLU
 
-FAMILY = "kolibri1"
+NAME = "kolibri1"
 KINDS = ("full_attention", "sliding_attention")
 
 
@@ -66,19 +67,19 @@ class Model(CausalLM):
 def check_config(cfg: dict) -> None:
     """Refuse Kolibri-1 configs this file does not implement: another activation or RoPE scaling, layer lists that
     do not name one valid kind per layer, sliding layers without a window, no shared expert."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n = cfg.get("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if kinds is not None and (not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     if "sliding_attention" in (kinds or default_kinds(n or 0)) and not cfg.get("sliding_window", 513):
-        refuse(FAMILY, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+        refuse(NAME, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
     if not cfg.get("shared_expert_intermediate_size", 512):
-        refuse(FAMILY, "shared_expert_intermediate_size", cfg["shared_expert_intermediate_size"],
+        refuse(NAME, "shared_expert_intermediate_size", cfg["shared_expert_intermediate_size"],
                "Kolibri-1's layers add a shared expert")
     for field in ("mlp_only_layers", "decoder_sparse_step"):  # (transformers' Kolibri1Config has neither)
         if cfg.get(field) not in (None, [], 1):
-            refuse(FAMILY, field, cfg[field], "every Kolibri-1 layer is sparse")
+            refuse(NAME, field, cfg[field], "every Kolibri-1 layer is sparse")
 
 
 _RENAMES = ((".post_self_attn_layernorm.", ".self_attn.out_norm."), (".post_attn_norm.", ".self_attn.out_norm."),
@@ -90,3 +91,6 @@ def sanitize(name: str) -> str | None:
     """HF name -> canonical name: each sublayer's output norm (transformers' and the release's names) is the
     sublayer's `out_norm` here; the release's router bias sits under `moe.router`."""
     return rename_first(name, _RENAMES)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

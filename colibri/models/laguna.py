@@ -23,11 +23,12 @@ import torch.nn.functional as F
 
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
+from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear
 from .moe import SparseMoE, SwitchGLU
 
-FAMILY = "laguna"
+NAME = "laguna"
 KINDS = ("full_attention", "sliding_attention")
 ROPE_DEFAULTS = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
@@ -150,36 +151,36 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse Laguna configs this file does not implement."""
-    check_act_and_rope(FAMILY, {k: v for k, v in cfg.items() if k != "rope_parameters"})
+    check_act_and_rope(NAME, {k: v for k, v in cfg.items() if k != "rope_parameters"})
     n = int(cfg.get("num_hidden_layers") or 0)
     for field, allowed in (("layer_types", KINDS), ("mlp_layer_types", ("dense", "sparse"))):
         given = cfg.get(field)
         if given is not None and (not isinstance(given, list) or len(given) != n
                                   or any(k not in allowed for k in given)):
-            refuse(FAMILY, field, given, f"{n} entries of {' / '.join(allowed)}")
+            refuse(NAME, field, given, f"{n} entries of {' / '.join(allowed)}")
     heads = cfg.get("num_attention_heads_per_layer")
     kv = int(cfg.get("num_key_value_heads") or 8)
     if heads is not None and (not isinstance(heads, list) or len(heads) != n
                               or any(not isinstance(h, int) or h < 1 or h % kv for h in heads)):
-        refuse(FAMILY, "num_attention_heads_per_layer", heads, f"{n} multiples of num_key_value_heads={kv}")
+        refuse(NAME, "num_attention_heads_per_layer", heads, f"{n} multiples of num_key_value_heads={kv}")
     if cfg.get("gating", True) not in (True, "per-head", "per-element"):
-        refuse(FAMILY, "gating", cfg["gating"], 'true, "per-head" or "per-element"')
+        refuse(NAME, "gating", cfg["gating"], 'true, "per-head" or "per-element"')
     if cfg.get("moe_apply_router_weight_on_input"):
-        refuse(FAMILY, "moe_apply_router_weight_on_input", True, "transformers does not implement it either")
+        refuse(NAME, "moe_apply_router_weight_on_input", True, "transformers does not implement it either")
     kinds = cfg.get("layer_types") or ["full_attention"] * n
     if "sliding_attention" in kinds and not cfg.get("sliding_window", 512):
-        refuse(FAMILY, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+        refuse(NAME, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
     params = cfg.get("rope_parameters") or ROPE_DEFAULTS
     D = int(cfg.get("head_dim") or 128)
     for kind in sorted(set(kinds)):
         r = params.get(kind) if isinstance(params, dict) else None
         if not isinstance(r, dict) or not isinstance(r.get("rope_theta"), int | float):
-            refuse(FAMILY, f"rope_parameters.{kind}", r, "a rope_theta for each layer type")
+            refuse(NAME, f"rope_parameters.{kind}", r, "a rope_theta for each layer type")
         if r.get("rope_type", "default") != "default":
-            refuse(FAMILY, f"rope_parameters.{kind}.rope_type", r.get("rope_type"), "default")
+            refuse(NAME, f"rope_parameters.{kind}.rope_type", r.get("rope_type"), "default")
         rot = int(D * r.get("partial_rotary_factor", 1.0))
         if rot < 2 or rot % 2:
-            refuse(FAMILY, f"rope_parameters.{kind}.partial_rotary_factor", r.get("partial_rotary_factor"),
+            refuse(NAME, f"rope_parameters.{kind}.partial_rotary_factor", r.get("partial_rotary_factor"),
                    "an even number of rotated channels")
 
 
@@ -191,3 +192,6 @@ def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release keeps the router's correction bias with the experts and names its
     shared expert `shared_expert`."""
     return rename_first(name, _RENAMES)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -27,12 +27,13 @@ from torch import nn
 from ..kernels import native, native_conv
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .batch import LayerKV
+from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, rope_scaling, rope_theta
 from .linear_attn import Conv1d, StateCache, block_weights
 from .moe import SparseMoE, SwitchGLU
 
-FAMILY = "lfm2_moe"
+NAME = "lfm2_moe"
 KINDS = ("conv", "full_attention")
 
 
@@ -163,19 +164,19 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse LFM2-MoE configs this file does not implement."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n = cfg.get("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     if cfg.get("hidden_size", 0) % max(cfg.get("num_attention_heads") or 1, 1):
-        refuse(FAMILY, "num_attention_heads", cfg["num_attention_heads"], "a divisor of hidden_size")
+        refuse(NAME, "num_attention_heads", cfg["num_attention_heads"], "a divisor of hidden_size")
     k = cfg.get("conv_L_cache", 3)
     if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-        refuse(FAMILY, "conv_L_cache", k, "an integer of at least 2 (a convolution over past inputs)")
+        refuse(NAME, "conv_L_cache", k, "an integer of at least 2 (a convolution over past inputs)")
     dense = cfg.get("num_dense_layers", 2)
     if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < (n or 0):
-        refuse(FAMILY, "num_dense_layers", dense, f"0 to {(n or 1) - 1}: at least one layer of experts")
+        refuse(NAME, "num_dense_layers", dense, f"0 to {(n or 1) - 1}: at least one layer of experts")
 
 
 _RENAMES = ((".feed_forward.expert_bias", ".mlp.gate.e_score_correction_bias"),
@@ -191,3 +192,6 @@ def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the feed-forward under `mlp` (the dense one's w1 / w3 / w2 as gate / up / down),
     a conv layer's mixer under `self_attn` as attention's, the norms under the decoder's names."""
     return rename_first(name, _RENAMES)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -20,6 +20,7 @@ from ..errors import ColibriError
 from ..kernels import native
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .batch import LayerKV
+from .family import Family
 from .layers import (
     MLP,
     Attention,
@@ -272,3 +273,6 @@ def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise ColibriError(f"llama4 expert lacks gate_up/down (have {sorted(parts)})")
     return {"gate_up.weight": parts["gate_up"].T.contiguous(), "down.weight": parts["down"].T.contiguous()}
 
+
+FAMILY = Family("llama4_text", ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare,
+                expert_record=expert_record)

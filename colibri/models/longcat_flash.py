@@ -34,11 +34,12 @@ from torch import nn
 from ..kernels import native, native_zero
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .batch import LayerKV
+from .family import Family
 from .layers import MLP, RMSNorm, rope_scaling, rope_theta
 from .mla import LatentCache, MLAArgs, MLAttention
 from .moe import RouteRule, SparseMoE, SwitchGLU, native_route, native_router_ok, native_routing
 
-FAMILY = "longcat_flash"
+NAME = "longcat_flash"
 NATIVE = True  # False: the MoE's bf16 rows take the torch glue around the native experts (tests compare the two)
 DEFAULT_THETA = 1e7  # transformers' LongcatFlashConfig.default_theta
 
@@ -116,7 +117,7 @@ class ZeroExpertMoE(SparseMoE):
         if not NATIVE or rule is None or x.shape[0] > native.MOE_MAX_ROWS \
                 or not native_router_ok(self.gate.weight, x):
             return None
-        tables = ex.full_tables()
+        tables = ex.source.native_tables(ex) if ex.source.holds_all(ex.layer) else None
         if tables is None:
             return None
         if resid is not None:
@@ -125,8 +126,7 @@ class ZeroExpertMoE(SparseMoE):
                                    rule.norm, rule.kind, rule.bias, rule.scale, ex.intermediate)
         if out is None:
             return None
-        if ex.on_route is not None:
-            ex.on_route(ex.layer, out[1], out[2])
+        ex.route = (out[1], out[2])
         return out[0]
 
     def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
@@ -233,30 +233,30 @@ def flat_config(cfg: dict) -> dict:
 
 def check_config(cfg: dict) -> None:
     """Refuse LongCat-Flash configs this file does not implement (transformers' rules are the reference)."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     if cfg.get("router_bias"):
-        refuse(FAMILY, "router_bias", cfg["router_bias"], "false: transformers' router ignores a classifier bias")
+        refuse(NAME, "router_bias", cfg["router_bias"], "false: transformers' router ignores a classifier bias")
     if cfg.get("norm_topk_prob"):
-        refuse(FAMILY, "norm_topk_prob", cfg["norm_topk_prob"], "false: the weights are not renormalised")
+        refuse(NAME, "norm_topk_prob", cfg["norm_topk_prob"], "false: the weights are not renormalised")
     if cfg.get("zero_expert_type", "identity") != "identity":
-        refuse(FAMILY, "zero_expert_type", cfg["zero_expert_type"], "identity")
+        refuse(NAME, "zero_expert_type", cfg["zero_expert_type"], "identity")
     if cfg.get("attention_method", "MLA") != "MLA":
-        refuse(FAMILY, "attention_method", cfg["attention_method"], "MLA")
+        refuse(NAME, "attention_method", cfg["attention_method"], "MLA")
     for key in ("mla_scale_q_lora", "mla_scale_kv_lora"):
         if cfg.get(key) is False:
-            refuse(FAMILY, key, False, "true: transformers always scales the LoRA outputs")
+            refuse(NAME, key, False, "true: transformers always scales the LoRA outputs")
     if not cfg.get("q_lora_rank", 1536):
-        refuse(FAMILY, "q_lora_rank", cfg.get("q_lora_rank"), "a rank > 0: queries always go through a LoRA")
+        refuse(NAME, "q_lora_rank", cfg.get("q_lora_rank"), "a rank > 0: queries always go through a LoRA")
     rope, nope = int(cfg.get("qk_rope_head_dim", 64)), int(cfg.get("qk_nope_head_dim", 128))
     if cfg.get("head_dim", rope) != rope:
-        refuse(FAMILY, "head_dim", cfg["head_dim"], f"qk_rope_head_dim ({rope}): RoPE's width")
+        refuse(NAME, "head_dim", cfg["head_dim"], f"qk_rope_head_dim ({rope}): RoPE's width")
     if cfg.get("qk_head_dim") not in (None, rope + nope):
-        refuse(FAMILY, "qk_head_dim", cfg["qk_head_dim"], f"qk_nope_head_dim + qk_rope_head_dim ({rope + nope})")
+        refuse(NAME, "qk_head_dim", cfg["qk_head_dim"], f"qk_nope_head_dim + qk_rope_head_dim ({rope + nope})")
     n, z = int(cfg.get("n_routed_experts", 512)), int(cfg.get("zero_expert_num") or 0)
     if n < 1:
-        refuse(FAMILY, "n_routed_experts", n, "at least one routed expert")
+        refuse(NAME, "n_routed_experts", n, "at least one routed expert")
     if not 1 <= int(cfg.get("moe_topk", 12)) <= n + z:
-        refuse(FAMILY, "moe_topk", cfg.get("moe_topk"), f"between 1 and n_routed_experts + zero_expert_num ({n + z})")
+        refuse(NAME, "moe_topk", cfg.get("moe_topk"), f"between 1 and n_routed_experts + zero_expert_num ({n + z})")
 
 
 _RENAMES = ((".input_layernorm.0.", ".input_layernorm."), (".input_layernorm.1.", ".input_layernorm_1."),
@@ -311,3 +311,7 @@ class _RoutedOnly:
 def source_view(st, cfg: dict):
     """The safetensors folder as `sanitize` and the converter expect it (see `_RoutedOnly`)."""
     return _RoutedOnly(st, cfg)
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, flat_config=flat_config, source_view=source_view,
+                sanitize=sanitize, prepare=prepare)

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse
+from .family import Family
 from .layers import MLP, Attention, DecoderBlock
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
-FAMILY = "mellum"
+NAME = "mellum"
 KINDS = ("full_attention", "sliding_attention")
 ROPE_DEFAULTS = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -69,31 +70,34 @@ class Model(CausalLM):
 def check_config(cfg: dict) -> None:
     """Refuse Mellum configs this file does not implement: another activation, layer lists that do not name one
     valid kind per layer, sliding layers without a window, a layer type without its own plain RoPE base, biases."""
-    check_act_and_rope(FAMILY, {k: v for k, v in cfg.items() if k != "rope_parameters"})
+    check_act_and_rope(NAME, {k: v for k, v in cfg.items() if k != "rope_parameters"})
     n = int(cfg.get("num_hidden_layers") or 0)
     kinds = cfg.get("layer_types") or ["full_attention"] * n
     if not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds):
-        refuse(FAMILY, "layer_types", cfg.get("layer_types"), f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", cfg.get("layer_types"), f"{n} entries of {' / '.join(KINDS)}")
     mlps = cfg.get("mlp_layer_types")
     if mlps is not None and (not isinstance(mlps, list) or len(mlps) != n
                              or any(k not in ("dense", "sparse") for k in mlps)):
-        refuse(FAMILY, "mlp_layer_types", mlps, f'{n} entries of "dense" / "sparse"')
+        refuse(NAME, "mlp_layer_types", mlps, f'{n} entries of "dense" / "sparse"')
     if "sliding_attention" in kinds and not cfg.get("sliding_window", 1024):
-        refuse(FAMILY, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
+        refuse(NAME, "sliding_window", cfg.get("sliding_window"), "a window of at least 1 for the sliding layers")
     params = cfg.get("rope_parameters") or ROPE_DEFAULTS
     for kind in sorted(set(kinds)):
         r = params.get(kind) if isinstance(params, dict) else None
         if not isinstance(r, dict) or not isinstance(r.get("rope_theta"), int | float):
-            refuse(FAMILY, f"rope_parameters.{kind}", r, "a rope_theta for each layer type")
+            refuse(NAME, f"rope_parameters.{kind}", r, "a rope_theta for each layer type")
         if r.get("rope_type", "default") != "default":
-            refuse(FAMILY, f"rope_parameters.{kind}.rope_type", r.get("rope_type"), "default")
+            refuse(NAME, f"rope_parameters.{kind}.rope_type", r.get("rope_type"), "default")
         if r.get("partial_rotary_factor", 1.0) != 1.0:  # (transformers' Mellum rotates whole heads only)
-            refuse(FAMILY, f"rope_parameters.{kind}.partial_rotary_factor", r["partial_rotary_factor"], "1.0")
+            refuse(NAME, f"rope_parameters.{kind}.partial_rotary_factor", r["partial_rotary_factor"], "1.0")
     if cfg.get("attention_bias"):
-        refuse(FAMILY, "attention_bias", True, "Mellum's projections have no biases")
+        refuse(NAME, "attention_bias", True, "Mellum's projections have no biases")
 
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the multi-token-prediction module (`mtp.*`) goes (colibri decodes one token at a
     time)."""
     return None if name.startswith(("mtp.", "model.mtp.")) else name
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -24,11 +24,12 @@ from torch import nn
 
 from . import glm4_moe
 from .base import CausalLM, check_act_and_rope, refuse
+from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock
 from .moe import SparseMoE, SwitchGLU
 
-FAMILY = "mimo_v2_flash"
+NAME = "mimo_v2_flash"
 ROPE_DEFAULTS = {"full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334}}
 KINDS = ("full_attention", "sliding_attention")
@@ -104,30 +105,33 @@ class Model(CausalLM):
 
 
 def check_config(cfg: dict) -> None:
-    check_act_and_rope(FAMILY, {k: v for k, v in cfg.items() if k != "rope_parameters"})
+    check_act_and_rope(NAME, {k: v for k, v in cfg.items() if k != "rope_parameters"})
     n = int(cfg.get("num_hidden_layers") or 0)
     kinds = attention_kinds(cfg.get("layer_types"), n)
     if len(kinds) != n or any(k not in KINDS for k in kinds):
-        refuse(FAMILY, "layer_types", cfg.get("layer_types"), "full_attention / sliding_attention, one per layer")
+        refuse(NAME, "layer_types", cfg.get("layer_types"), "full_attention / sliding_attention, one per layer")
     mlps = cfg.get("mlp_layer_types")
     if mlps is not None and (len(mlps) != n or any(k not in ("dense", "sparse") for k in mlps)):
-        refuse(FAMILY, "mlp_layer_types", mlps, '"dense" / "sparse", one per layer')
+        refuse(NAME, "mlp_layer_types", mlps, '"dense" / "sparse", one per layer')
     params = cfg.get("rope_parameters") or ROPE_DEFAULTS
     for kind in set(kinds):
         r = params.get(kind) if isinstance(params, dict) else None
         if not isinstance(r, dict) or not isinstance(r.get("rope_theta"), int | float):
-            refuse(FAMILY, f"rope_parameters.{kind}", r, "a rope_theta for each layer type")
+            refuse(NAME, f"rope_parameters.{kind}", r, "a rope_theta for each layer type")
         if r.get("rope_type", "default") != "default":
-            refuse(FAMILY, f"rope_parameters.{kind}.rope_type", r.get("rope_type"), "default")
+            refuse(NAME, f"rope_parameters.{kind}.rope_type", r.get("rope_type"), "default")
         if int(int(cfg.get("head_dim", 192)) * r.get("partial_rotary_factor", 0.334)) % 2:
-            refuse(FAMILY, "partial_rotary_factor", r.get("partial_rotary_factor"),
+            refuse(NAME, "partial_rotary_factor", r.get("partial_rotary_factor"),
                    "an even number of rotated channels")
     experts, groups = int(cfg.get("n_routed_experts") or 256), int(cfg.get("n_group") or 1)
     if experts % groups or experts // groups < 2:
-        refuse(FAMILY, "n_group", groups, f"must split the {experts} experts into groups of >= 2")
+        refuse(NAME, "n_group", groups, f"must split the {experts} experts into groups of >= 2")
 
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released checkpoints' `attention_sink_bias` is the sinks; the
     multi-token-prediction weights go (colibri decodes one token at a time)."""
     return None if name.startswith("model.mtp.") else name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -25,11 +25,12 @@ from torch import nn
 from . import mixtral
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .batch import LayerKV
+from .family import Family
 from .layers import Attention, AttentionArgs, RMSNorm, rope_scaling, rope_theta
 from .lightning import LightningArgs, LightningAttention
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
-FAMILY = "minimax"
+NAME = "minimax"
 KINDS = ("linear_attention", "full_attention")
 DEFAULT_THETA = 1e6  # transformers' MiniMaxConfig.default_theta
 # transformers saves the lightning layers' decay tables; the model rebuilds them from the config
@@ -126,24 +127,27 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse MiniMax configs this file does not implement (transformers' port is the reference)."""
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     n = cfg.get("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if kinds is not None and (not isinstance(kinds, list) or len(kinds) != n or any(k not in KINDS for k in kinds)):
-        refuse(FAMILY, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
+        refuse(NAME, "layer_types", kinds, f"{n} entries of {' / '.join(KINDS)}")
     if cfg.get("sliding_window") is not None:
-        refuse(FAMILY, "sliding_window", cfg["sliding_window"], "null: full attention layers attend to everything")
+        refuse(NAME, "sliding_window", cfg["sliding_window"], "null: full attention layers attend to everything")
     if not isinstance(cfg.get("block_size", 256), int) or cfg.get("block_size", 256) < 1:
-        refuse(FAMILY, "block_size", cfg.get("block_size"), "a positive number of positions")
+        refuse(NAME, "block_size", cfg.get("block_size"), "a positive number of positions")
     for key in ("full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor",
                 "linear_attn_beta_factor", "mlp_alpha_factor", "mlp_beta_factor"):
         v = cfg.get(key, 1)
         if isinstance(v, bool) or not isinstance(v, int | float):
-            refuse(FAMILY, key, v, "a number")
+            refuse(NAME, key, v, "a number")
     # The original MiniMax-Text-01 config's fields transformers does not read: a checkpoint that sets them
     # otherwise than the port assumes would not run as transformers runs it
     if cfg.get("postnorm") is False:
-        refuse(FAMILY, "postnorm", False, "true: the port keeps the normed stream as the residual")
+        refuse(NAME, "postnorm", False, "true: the port keeps the normed stream as the residual")
     head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(cfg.get("num_attention_heads") or 1, 1)
     if cfg.get("rotary_dim") not in (None, head_dim):
-        refuse(FAMILY, "rotary_dim", cfg["rotary_dim"], f"head_dim ({head_dim}): the port rotates whole heads")
+        refuse(NAME, "rotary_dim", cfg["rotary_dim"], f"head_dim ({head_dim}): the port rotates whole heads")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, ignored=IGNORED)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from . import mixtral
 from .base import CausalLM, check_act_and_rope
 from .base import refuse as _refuse
+from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
@@ -77,3 +78,6 @@ def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released checkpoints' `block_sparse_moe` is `mlp`, and the router's
     correction bias sits on the MoE block there (and in transformers), on the router here."""
     return mixtral.sanitize(name).replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+
+
+FAMILY = Family("minimax_m2", ModelArgs, Model, check_config=check_config, sanitize=sanitize)

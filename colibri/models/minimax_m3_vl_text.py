@@ -30,17 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import arena
+from ..convert.safetensors_reader import SplitRows
 from ..kernels import native, native_msa
-from ..safetensors_reader import SplitRows
 from . import native_mlp
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first, text_model_name
 from .batch import LayerKV
+from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .gpt_oss import clamped_swiglu
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, KVCache, Linear, RMSNorm, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU
 
-FAMILY = "minimax_m3_vl_text"
+NAME = "minimax_m3_vl_text"
 KINDS = ("full_attention", "minimax_m3_sparse")
 MLP_KINDS = ("dense", "sparse")
 # the released configs' `sparse_attention_config` keys -> transformers' flat fields
@@ -276,26 +277,26 @@ class Model(CausalLM):
 
 def check_config(cfg: dict) -> None:
     """Refuse MiniMax-M3 configs this file does not implement (module docstring)."""
-    check_act_and_rope(FAMILY, cfg, act=False)  # (the release says "swigluoai": the clamped SwiGLU, always)
+    check_act_and_rope(NAME, cfg, act=False)  # (the release says "swigluoai": the clamped SwiGLU, always)
     a = ModelArgs.from_dict(cfg)
     n = a.num_hidden_layers
     for key, kinds, got in (("layer_types", KINDS, a.layer_types), ("mlp_layer_types", MLP_KINDS, a.mlp_layer_types)):
         if len(got) != n or any(k not in kinds for k in got):
-            refuse(FAMILY, key, got, f"{n} entries of {' / '.join(kinds)}")
+            refuse(NAME, key, got, f"{n} entries of {' / '.join(kinds)}")
     if "minimax_m3_sparse" in a.layer_types:
         if a.index_n_heads != a.num_key_value_heads:
-            refuse(FAMILY, "index_n_heads", a.index_n_heads,
+            refuse(NAME, "index_n_heads", a.index_n_heads,
                    f"one selection a KV group: num_key_value_heads={a.num_key_value_heads}")
         if a.index_head_dim < a.rotary_dim:
-            refuse(FAMILY, "index_head_dim", a.index_head_dim, f"at least rotary_dim={a.rotary_dim}")
+            refuse(NAME, "index_head_dim", a.index_head_dim, f"at least rotary_dim={a.rotary_dim}")
         for key in ("index_block_size", "index_topk_blocks", "index_local_blocks"):
             v = getattr(a, key)
             if v < (0 if key == "index_local_blocks" else 1):
-                refuse(FAMILY, key, v, "a positive integer")
+                refuse(NAME, key, v, "a positive integer")
     if not 0 < a.rotary_dim <= a.head_dim or a.rotary_dim % 2:
-        refuse(FAMILY, "rotary_dim", a.rotary_dim, f"an even number of channels up to head_dim={a.head_dim}")
+        refuse(NAME, "rotary_dim", a.rotary_dim, f"an even number of channels up to head_dim={a.head_dim}")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        refuse(FAMILY, "attention_bias", True, "no biases, as released")
+        refuse(NAME, "attention_bias", True, "no biases, as released")
 
 
 # the zero-centred norms (applied as 1 + w): every RMSNorm of the text model
@@ -339,3 +340,7 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     if name == "model.norm.weight" or name.endswith(ZERO_CENTRED):
         return 1.0 + t.float()
     return t
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize,
+                prepare=prepare)

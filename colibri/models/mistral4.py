@@ -24,10 +24,11 @@ from . import deepseek_v3 as v3
 from .base import refuse
 from .batch import LayerKV
 from .deepseek_v2 import check_common
+from .family import Family
 from .mla import MLAttention
 from .moe import RouteRule, native_route
 
-FAMILY = "mistral4"
+NAME = "mistral4"
 
 
 def rope_defaults(cfg: dict) -> dict:
@@ -135,7 +136,10 @@ def check_config(cfg: dict) -> None:
     check_common(a)
     experts, groups = int(a.get("n_routed_experts") or a.get("num_local_experts") or 128), int(a.get("n_group") or 1)
     if experts % groups or experts // groups < 2:
-        refuse(FAMILY, "n_group", groups, f"must split the {experts} experts into groups of >= 2")
+        refuse(NAME, "n_group", groups, f"must split the {experts} experts into groups of >= 2")
     beta = (a.get("rope_parameters") or {}).get("llama_4_scaling_beta")
     if beta is not None and (not isinstance(beta, int | float) or not math.isfinite(beta)):
-        refuse(FAMILY, "rope_parameters.llama_4_scaling_beta", beta, "a finite number")
+        refuse(NAME, "rope_parameters.llama_4_scaling_beta", beta, "a finite number")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .base import BaseArgs, CausalLM
+from .family import Family
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
@@ -62,3 +63,6 @@ class Model(CausalLM):
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name (Mixtral calls its MoE block `block_sparse_moe`)."""
     return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+FAMILY = Family("mixtral", ModelArgs, Model, sanitize=sanitize)

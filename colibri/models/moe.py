@@ -45,6 +45,26 @@ class ExpertSource(Protocol):
         so the layer may hold all its fetched experts at once (the one-call native path)."""
         ...
 
+    def look_ahead(self, layer: int, resid: torch.Tensor) -> None:
+        """`layer` has claimed its experts: start reading what the next routed layers will likely need, predicted
+        from the residual resid [T, H] (may be a no-op)."""
+        ...
+
+    def native_tables(self, experts: SwitchGLU) -> native.MoeTables | None:
+        """The native kernels' expert tables of a layer: every expert of a resident layer (filled once), or the
+        experts in memory of a cached one (kept so by its cache, for a native call that stops at a miss); None
+        where its experts are not int8/int4 native weights of one scheme."""
+        ...
+
+    def account(self, layer: int, ids: list[int]) -> None:
+        """A native call used experts `ids` of `layer` from its tables: count it as the fetch it stood for."""
+        ...
+
+    def collect_landed(self, layers: list[int]) -> None:
+        """Before a native call over these cached layers: take in the reads that have landed, so that their
+        tables list them."""
+        ...
+
 
 def silu_glu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
@@ -70,11 +90,10 @@ class SwitchGLU(nn.Module):
         # The native kernels' form of `act` (kernels/native.py ACT_*: kind, alpha, limit); None: torch's only
         self.native_act = (native.ACT_SILU, 0.0, 0.0) if act is silu_glu else native_act
         self.source: ExpertSource | None = None  # bound by the store
-        # (layer, residual [T, H]) -> None: starts reading the next layer's predicted experts
-        # (store/lookahead.py); bound by the store when that layer's experts are cached.
-        self.lookahead: Callable[[int, torch.Tensor], None] | None = None
-        self.on_route: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # debug/stats hook
-        # The routing weights scaled x already (Llama 4): they go to on_route, the outputs are summed as they are
+        # This step's routes (idx [T, k], weights [T, k]), a value the decode plan reads and clears after the step
+        # (stats, the routing log, traces); the layer never calls out with them.
+        self.route: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The routing weights scaled x already (Llama 4): they go to `route`, the outputs are summed as they are
         self.input_scaled = False
         self._tables: native.MoeTables | None = None  # the native kernel's expert pointers (built on first use)
 
@@ -83,8 +102,7 @@ class SwitchGLU(nn.Module):
         """x [T, H] normed rows, idx/weights [T, k] their routes, resid [T, H] the residual the
         look-ahead predicts the next layer's routes from -> [T, H]."""
         T, k = idx.shape
-        if self.on_route is not None:
-            self.on_route(self.layer, idx, weights)
+        self.route = (idx, weights)
         if self.input_scaled:
             weights = torch.ones_like(weights, dtype=torch.float32)
         if self.native_act is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
@@ -102,7 +120,7 @@ class SwitchGLU(nn.Module):
         when the source holds the whole layer, else one per expert as the cache hands them over (each
         is valid only until the next), then the weighted sum. Numerics are the same either way."""
         first = next(fetched, None)
-        if first is None or not _native_expert(first[1]):
+        if first is None or not native_expert(first[1]):
             return self._experts(x, idx, weights, itertools.chain([first] if first else [], fetched))
         m = first[1].gate_up
         if self._tables is None:
@@ -112,7 +130,7 @@ class SwitchGLU(nn.Module):
         ys = torch.empty(idx.numel(), self.hidden, dtype=torch.float32)  # [T*k, H] each slot's expert output
         args = (x, idx, weights, self.intermediate, m.scheme, m.group_size, ys)
         for e, w in itertools.chain([first], fetched):
-            if not _native_expert(w, m):
+            if not native_expert(w, m):
                 raise RuntimeError(f"layer {self.layer}: expert {e} is not built like expert {first[0]}")
             tables.set(e, w.gate_up, w.down)
             if not resident:
@@ -156,52 +174,10 @@ class SwitchGLU(nn.Module):
         out = (ys.view(T, k, -1).float() * weights.float()[..., None]).sum(1)
         return out.to(x.dtype)
 
-    def full_tables(self) -> native.MoeTables | None:
-        """Native tables holding every expert of a resident layer of native experts of one scheme (filled
-        once), or None (a cached layer, another activation, or experts the kernel does not run)."""
-        if self.native_act is None or self.source is None or not self.source.holds_all(self.layer):
-            return None
-        full = self.__dict__.get("_full")
-        if full is None:
-            full = False
-            ws = list(self.source.fetch(self.layer, list(range(self.num_experts))))
-            if ws and all(_native_expert(w, ws[0][1].gate_up) for _, w in ws):
-                full = native.MoeTables(self.num_experts, self.native_act, self.input_scaled)
-                full.scheme, full.group_size = ws[0][1].gate_up.scheme, ws[0][1].gate_up.group_size
-                for e, w in ws:
-                    full.set(e, w.gate_up, w.down)
-            self.__dict__["_full"] = full
-        return full or None
-
-    def live_tables(self) -> native.MoeTables | None:
-        """A cached layer's native tables, which its cache keeps holding exactly the experts in memory
-        (store/cache.py `track`), for a one-call step that stops at a route to one it lacks; None where
-        the layer is not a cache's or its experts are not int8/int4."""
-        cache_of = getattr(self.source, "cache_of", None)
-        if self.native_act is None or cache_of is None or cache_of(self.layer) is None:
-            return None
-        live = self.__dict__.get("_live")
-        if live is None:
-            live = False
-            cache = cache_of(self.layer)
-            q = cache.expert_quant(self.layer)
-            if q is not None and q[0] in ("int8", "int4"):
-                live = native.MoeTables(self.num_experts, self.native_act, self.input_scaled)
-                live.scheme, live.group_size, live.live = q[0], q[1], True
-                cache.track(self.layer, live,
-                            lambda w: _native_expert(w) and (w.gate_up.scheme, w.gate_up.group_size) == q)
-            self.__dict__["_live"] = live
-        return live or None
-
-    def _apply(self, fn, recurse: bool = True):  # moved weights: rebuild the tables
-        self.__dict__.pop("_full", None)
-        self._tables = None
-        return super()._apply(fn, recurse)
-
     def _look_ahead(self, resid: torch.Tensor | None) -> None:
         # After this layer's fetch (its experts are claimed: a prefetch cannot evict them).
-        if self.lookahead is not None and resid is not None:
-            self.lookahead(self.layer, resid)
+        if resid is not None:
+            self.source.look_ahead(self.layer, resid)
 
 
 def routed_ids(idx: torch.Tensor) -> list[int]:
@@ -209,7 +185,7 @@ def routed_ids(idx: torch.Tensor) -> list[int]:
     return list(dict.fromkeys(idx[0].tolist())) if idx.shape[0] == 1 else torch.unique(idx).tolist()
 
 
-def _native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:
+def native_expert(w: ExpertWeights, like: QLinear | None = None) -> bool:
     """Both projections run the native kernel in one scheme and group size (and like `like`'s), without a
     bias or with a bf16 one on the CPU (gpt-oss's: the kernel adds it)."""
     a, b = w.gate_up, w.down
@@ -378,7 +354,7 @@ class SparseMoE(nn.Module):
                 or not native_router_ok(self.gate.weight, x) or h.dtype != torch.bfloat16 \
                 or (shared is not False and not native_mlp.applies(shared, x)):
             return None
-        tables = ex.full_tables()
+        tables = ex.source.native_tables(ex) if ex.source.holds_all(ex.layer) else None
         if tables is None:
             return None
         ex._look_ahead(h)  # the next layer's reads start first, as on the unfused path
@@ -387,8 +363,7 @@ class SparseMoE(nn.Module):
                                                tables.group_size, rule.bias, rule.scale, rule.kind,
                                                shared=shared or None, groups=rule.groups,
                                                out_norm=None if out[0] is None else (self.out_norm.weight, out[1]))
-        if ex.on_route is not None:
-            ex.on_route(ex.layer, idx, weights)
+        ex.route = (idx, weights)
         return h_out
 
     def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:

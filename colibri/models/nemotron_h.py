@@ -29,13 +29,14 @@ from ..kernels import native
 from . import native_mlp
 from .base import LEGACY_KINDS, BaseArgs, CausalLM, refuse
 from .batch import LayerKV
+from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .layers import Attention, AttentionArgs, Linear, RMSNorm
 from .linear_attn import StateCache
 from .mamba2 import Mamba2Args, Mamba2Mixer
 from .moe import SparseMoE, SwitchGLU, relu2
 
-FAMILY = "nemotron_h"
+NAME = "nemotron_h"
 MIXERS, FFNS = ("linear_attention", "full_attention"), ("moe", "mlp")
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
@@ -198,31 +199,31 @@ def check_config(cfg: dict) -> None:
     """Refuse Nemotron-H configs this file does not implement."""
     kinds = layer_kinds(cfg)
     if not isinstance(kinds, list) or not kinds or any(k not in MIXERS + FFNS for k in kinds):
-        refuse(FAMILY, "layers_block_type", cfg.get("layers_block_type", cfg.get("hybrid_override_pattern")),
+        refuse(NAME, "layers_block_type", cfg.get("layers_block_type", cfg.get("hybrid_override_pattern")),
                "a list of linear_attention / full_attention / moe / mlp")
     if "moe" not in kinds:
-        refuse(FAMILY, "layers_block_type", kinds, "at least one moe layer (colibri runs mixture-of-experts models)")
+        refuse(NAME, "layers_block_type", kinds, "at least one moe layer (colibri runs mixture-of-experts models)")
     n = cfg.get("num_hidden_layers")
     if n is not None and n != len(kinds):
-        refuse(FAMILY, "num_hidden_layers", n, f"the {len(kinds)} layers layers_block_type lists")
+        refuse(NAME, "num_hidden_layers", n, f"the {len(kinds)} layers layers_block_type lists")
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if cfg.get(key, want) != want:
-            refuse(FAMILY, key, cfg[key], f"only {want}")
+            refuse(NAME, key, cfg[key], f"only {want}")
     latent = cfg.get("moe_latent_size")
     if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int) or latent < 1):
-        refuse(FAMILY, "moe_latent_size", latent, "none or a positive integer")
+        refuse(NAME, "moe_latent_size", latent, "none or a positive integer")
     experts, groups = cfg.get("n_routed_experts", 8), cfg.get("n_group", 1)
     if not isinstance(groups, int) or groups < 1 or experts % groups or cfg.get("topk_group", 1) > groups:
-        refuse(FAMILY, "n_group", groups, f"a divisor of n_routed_experts ({experts}), at least topk_group")
+        refuse(NAME, "n_group", groups, f"a divisor of n_routed_experts ({experts}), at least topk_group")
     heads, g = cfg.get("mamba_num_heads", 128), cfg.get("n_groups", cfg.get("mamba_n_groups", 8))
     if not isinstance(g, int) or g < 1 or heads % g:
-        refuse(FAMILY, "n_groups", g, f"a divisor of mamba_num_heads ({heads})")
+        refuse(NAME, "n_groups", g, f"a divisor of mamba_num_heads ({heads})")
     k = cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4))
     if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-        refuse(FAMILY, "conv_kernel", k, "an integer of at least 2 (a convolution over past inputs)")
+        refuse(NAME, "conv_kernel", k, "an integer of at least 2 (a convolution over past inputs)")
     t = cfg.get("time_step_min", 0.001)
     if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0:
-        refuse(FAMILY, "time_step_min", t, "a number >= 0")
+        refuse(NAME, "time_step_min", t, "a number >= 0")
 
 
 _RENAMES = (("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm."))
@@ -237,3 +238,6 @@ def sanitize(name: str) -> str | None:
         if name.startswith(old):
             name = new + name[len(old):]
     return name
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

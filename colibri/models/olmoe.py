@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import BaseArgs, CausalLM
+from .family import Family
 from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
@@ -48,3 +49,6 @@ class Model(CausalLM):
         ]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
+
+
+FAMILY = Family("olmoe", ModelArgs, Model)

@@ -25,10 +25,11 @@ from torch import nn
 from ..kernels import native
 from . import mixtral
 from .base import check_act_and_rope, refuse
+from .family import Family
 from .layers import AttentionArgs, LayerNorm, Linear, rope_scaling
 from .moe import RouteRule, native_route
 
-FAMILY = "phimoe"
+NAME = "phimoe"
 
 
 @dataclass
@@ -93,18 +94,21 @@ def check_config(cfg: dict) -> None:
     """Refuse Phi-MoE configs this file does not implement."""
     scaling = rope_scaling(cfg)
     longrope = scaling is not None and scaling["rope_type"] == "longrope"  # (this family's alone: see above)
-    check_act_and_rope(FAMILY, {k: v for k, v in cfg.items()
+    check_act_and_rope(NAME, {k: v for k, v in cfg.items()
                                 if not (longrope and k in ("rope_scaling", "rope_parameters"))})
     if cfg.get("num_experts_per_tok", 2) != 2:
-        refuse(FAMILY, "num_experts_per_tok", cfg["num_experts_per_tok"], "sparsemixer routes to exactly 2 experts")
+        refuse(NAME, "num_experts_per_tok", cfg["num_experts_per_tok"], "sparsemixer routes to exactly 2 experts")
     if longrope:
         short, long = scaling.get("short_mscale"), scaling.get("long_mscale")
         if short is None or short != long:
-            refuse(FAMILY, "rope_scaling.short_mscale", short, f"equal to long_mscale ({long!r}), as released")
+            refuse(NAME, "rope_scaling.short_mscale", short, f"equal to long_mscale ({long!r}), as released")
         if not isinstance(scaling.get("short_factor"), list):
-            refuse(FAMILY, "rope_scaling.short_factor", scaling.get("short_factor"), "a list of numbers")
+            refuse(NAME, "rope_scaling.short_factor", scaling.get("short_factor"), "a list of numbers")
 
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released `block_sparse_moe` block and transformers' own `router` name."""
     return name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import CausalLM
+from .family import Family
 from .layers import MLP, Attention, DecoderBlock, Linear
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 from .qwen3_moe import ModelArgs as _Qwen3Args
@@ -35,3 +36,6 @@ class Model(CausalLM):
                   for i in range(a.num_hidden_layers)]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
+
+
+FAMILY = Family("qwen2_moe", ModelArgs, Model)

@@ -20,8 +20,9 @@ import torch
 
 from . import qwen3_next
 from .base import text_model_name
+from .family import Family
 
-FAMILY = "qwen3_5_moe_text"
+NAME = "qwen3_5_moe_text"
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Model(qwen3_next.Model):
 
 
 def check_config(cfg: dict) -> None:
-    qwen3_next.check_config(cfg, FAMILY)
+    qwen3_next.check_config(cfg, NAME)
 
 
 def sanitize(name: str) -> str | None:
@@ -63,3 +64,5 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
         return 1.0 + t.float()
     return t
 
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)

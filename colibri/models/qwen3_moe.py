@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .base import BaseArgs, CausalLM
+from .family import Family
 from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
 from .moe import SparseMoE, SwitchGLU, TopKRouter
 
@@ -63,3 +64,6 @@ class Model(CausalLM):
                   for i in range(a.num_hidden_layers)]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
+
+
+FAMILY = Family("qwen3_moe", ModelArgs, Model)

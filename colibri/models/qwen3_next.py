@@ -25,11 +25,12 @@ from ..kernels import native
 from . import qwen2_moe
 from .base import CausalLM, check_act_and_rope, refuse
 from .batch import LayerKV
+from .family import Family
 from .layers import Attention, AttentionArgs, DecoderBlock, Linear, attend, rope_scaling, rope_theta
 from .linear_attn import DeltaArgs, GatedDeltaNet, grouped_rows
 from .qwen3_moe import ModelArgs as _Qwen3Args
 
-FAMILY = "qwen3_next"
+NAME = "qwen3_next"
 KINDS = ("linear_attention", "full_attention")
 
 
@@ -128,7 +129,7 @@ class Model(CausalLM):
         self.args = a
 
 
-def check_config(cfg: dict, family: str = FAMILY) -> None:
+def check_config(cfg: dict, family: str = NAME) -> None:
     """(`family`: the name the errors give, for Qwen3.5's models built on this one)"""
     check_act_and_rope(family, cfg)
     n = int(cfg.get("num_hidden_layers") or 0)
@@ -170,3 +171,6 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
                                 a.linear_value_head_dim)
         return t[qkvz if name.endswith("qkvz.weight") else ba]
     return t
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)

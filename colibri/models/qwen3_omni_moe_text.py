@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from . import qwen3_moe
 from .base import check_act_and_rope, refuse, text_model_name
+from .family import Family
 
-FAMILY = "qwen3_omni_moe_text"
+NAME = "qwen3_omni_moe_text"
 _DROPPED = ("talker.", "code2wav.", "model.audio_tower.", "audio_tower.")
 
 
@@ -28,15 +29,15 @@ class Model(qwen3_moe.Model):
 
 
 def check_config(cfg: dict) -> None:
-    check_act_and_rope(FAMILY, cfg)
+    check_act_and_rope(NAME, cfg)
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rp.get("rope_type", "default") != "default":
-        refuse(FAMILY, "rope_parameters.rope_type", rp.get("rope_type"), "default (the released M-RoPE)")
+        refuse(NAME, "rope_parameters.rope_type", rp.get("rope_type"), "default (the released M-RoPE)")
     if cfg.get("use_sliding_window"):  # (transformers' thinker attends unwindowed, while its generation cache
         # keeps the window: no one answer to follow)
-        refuse(FAMILY, "use_sliding_window", True, "the released thinker has no sliding window")
+        refuse(NAME, "use_sliding_window", True, "the released thinker has no sliding window")
     if cfg.get("attention_bias"):
-        refuse(FAMILY, "attention_bias", True, "the released thinker has no attention biases")
+        refuse(NAME, "attention_bias", True, "the released thinker has no attention biases")
 
 
 def sanitize(name: str) -> str | None:
@@ -45,3 +46,6 @@ def sanitize(name: str) -> str | None:
         return None
     name = text_model_name(name.removeprefix("thinker."))
     return None if name is None or name.startswith(_DROPPED) else name
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)

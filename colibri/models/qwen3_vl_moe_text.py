@@ -20,8 +20,9 @@ import torch
 from ..errors import ColibriError
 from . import qwen3_moe
 from .base import text_model_name
+from .family import Family
 
-FAMILY = "qwen3_vl_moe_text"
+NAME = "qwen3_vl_moe_text"
 
 
 @dataclass
@@ -56,3 +57,6 @@ def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"gate_up.weight": gu.T.contiguous(), "down.weight": dn.T.contiguous()}
     raise ColibriError(f"qwen3_vl_moe experts: gate_up {tuple(gu.shape)} and down {tuple(dn.shape)} fit neither "
                        "layout ([2I, H] with [H, I], or [H, 2I] with [I, H])")
+
+
+FAMILY = Family(NAME, ModelArgs, Model, sanitize=sanitize, expert_record=expert_record)

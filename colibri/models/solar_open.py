@@ -11,8 +11,9 @@ from typing import Any
 
 from . import glm4_moe
 from .base import BaseArgs, refuse
+from .family import Family
 
-FAMILY = "solar_open"
+NAME = "solar_open"
 
 
 @dataclass
@@ -35,14 +36,17 @@ class ModelArgs(glm4_moe.ModelArgs):
 
 def check_config(cfg: dict) -> None:
     """GLM's refusals (activation, scoring, top-k method, groups, rope types), plus Solar Open's layout."""
-    glm4_moe.check_config(cfg, FAMILY)
+    glm4_moe.check_config(cfg, NAME)
     for key in ("first_k_dense_replace", "use_qk_norm"):
         if cfg.get(key):
-            refuse(FAMILY, key, cfg[key], "Solar Open has every layer MoE and no q/k norm")
+            refuse(NAME, key, cfg[key], "Solar Open has every layer MoE and no q/k norm")
     factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
-        refuse(FAMILY, "partial_rotary_factor", factor, "RoPE over the whole head, as transformers' Solar Open")
+        refuse(NAME, "partial_rotary_factor", factor, "RoPE over the whole head, as transformers' Solar Open")
 
 
 class Model(glm4_moe.Model):
     pass
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
@@ -24,20 +25,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import EngineClosedError, QueueFullError, RequestHandle
 from ..errors import ColibriError
-from .answer import keep_ids, splitter, think_tags, whole
+from .answer import keep_ids, whole
+from .anthropic import router as anthropic_router
+from .anthropic_answer import model_card as anthropic_model
+from .anthropic_answer import model_list as anthropic_models
+from .chat_prompt import chat_prompt
 from .dashboard import router as dashboard_router
+from .error_shapes import api_of, error_response
 from .metrics import CONTENT_TYPE, Metrics
 from .ollama import router as ollama_router
 from .openai_responses import router as responses_router
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
-from .reasoning import opens_thinking
-from .relay import Relay
+from .relay import Relay, until_disconnect
 from .response_store import ResponseStore
 from .responses import ChatBodies, CompletionBodies, TokenText, chat_logprobs, completion_logprobs, usage
 from .slots import router as slots_router
 from .tokens import router as tokens_router
 from .tool_formats import detect
-from .tool_stream import ForcedCallStream
 from .tools import plan as tool_plan
 from .webui import router as webui_router
 
@@ -94,7 +98,7 @@ class ServerState:
         if self.draining:
             raise APIError(503, "the server is shutting down", "shutting_down")
         relay = Relay(self.tok, stops, on_end=lambda r: self._ended(endpoint, r), on_token_gap=self.metrics.itl.observe,
-                      keep=self.keep if endpoint == "chat" else frozenset())
+                      keep=frozenset() if endpoint == "completions" else self.keep)
         try:
             h = self.engine.submit(ids, max_new, request_id=kw.pop("request_id"), listener=relay._on_event, **kw)
         except QueueFullError as e:
@@ -133,8 +137,16 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        state.metrics.errors.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        out = error_response(e, api_of(request.scope))
+        state.metrics.errors.labels(str(out.status_code)).inc()
+        return out
+
+    @app.exception_handler(RequestValidationError)
+    async def param_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        """A path or query parameter of the wrong type (`/slots/x`, `?limit=many`): a 400 naming it."""
+        err = (e.errors() or [{}])[0]
+        where = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+        return await api_error(request, bad_request(f"{where}: {err.get('msg', 'invalid')}", where))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -161,6 +173,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(slots_router)  # GET /slots, POST /slots/{id}?action=save|restore|erase
     app.include_router(responses_router)  # POST /v1/responses (through chat, below)
     app.include_router(ollama_router)  # Ollama's /api/chat, /api/generate, /api/tags ... (through chat, complete)
+    app.include_router(anthropic_router)  # Anthropic's POST /v1/messages, /v1/messages/count_tokens
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -177,13 +190,15 @@ def create_app(state: ServerState) -> FastAPI:
                 "max_model_len": state.engine.ctx_size}
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        if api_of(request.scope) == "anthropic":  # Anthropic's SDKs list models in their own shape
+            return anthropic_models(state)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict:
+    async def model(model_id: str, request: Request) -> dict:
         state.check_model(model_id)
-        return model_card()
+        return anthropic_model(state) if api_of(request.scope) == "anthropic" else model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -209,25 +224,16 @@ def create_app(state: ServerState) -> FastAPI:
 async def chat(state: ServerState, req: ChatCompletionRequest, request: Request):
     """A chat completion: its body, or (stream) the generator of its SSE events."""
     state.check_model(req.model)
-    if state.template is None:
-        raise APIError(400, f"chat completions need a chat template: {state.template_error}", "no_chat_template")
-    messages = [m.for_template() for m in req.messages]
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-    forced = plan.grammar() if plan is not None else None  # required / named: the call's JSON
+    prompt = chat_prompt(state, [m.for_template() for m in req.messages], plan, req.chat_template_kwargs)
+    ids, forced = prompt.ids, prompt.forced  # forced: required / named, the call's JSON
     if forced is not None and req.constraint() is not None:
         raise bad_request("a response_format, json_schema or grammar cannot go with tool_choice "
                           f"'{plan.mode}'", "tool_choice")
-    extra = {"tools": plan.template_tools} if plan is not None else {}
-    try:
-        text = state.template.render(messages, True, **extra, **(req.chat_template_kwargs or {}))
-    except ColibriError as e:
-        raise bad_request(str(e), "messages", "chat_template_error") from None
-    ids = state.tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     max_new = state.fit(len(ids), req.max_new, "messages")
     # Reasoning is split off unless JSON is asked for (a JSON grammar writes no <think>).
-    think = state.reasoning and forced is None and not req.json_mode
-    opened = think and opens_thinking(text, think_tags(state.tool_format))
+    split = prompt.splitter(state, state.reasoning and forced is None and not req.json_mode)
 
     def sampling(i: int) -> dict:
         kw = req.sampling_kw(i)
@@ -240,16 +246,10 @@ async def chat(state: ServerState, req: ChatCompletionRequest, request: Request)
         ignore_eos=req.ignore_eos, request_id=rid if req.n == 1 else f"{rid}-{i}",
         logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling(i)))
     bodies = ChatBodies(rid, state.model_id)
-    tools = plan.schemas if plan is not None and plan.mode == "auto" else None
-
-    def split():
-        if forced is not None:
-            return ForcedCallStream(plan.named if plan.mode == "named" else None, state.tool_format)
-        return splitter(state.tool_format, tools, think, opened, state.reasoning, state.answer_tags)
 
     if req.stream:
         return _chat_stream(state, req, [ids], relays, bodies, split)
-    results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
+    results = await until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
     choices = []
     for i, (r, (text, events)) in enumerate(zip(relays, results)):
         _raise_engine_error(r)
@@ -280,7 +280,7 @@ async def complete(state: ServerState, req: CompletionRequest, request: Request)
     bodies = CompletionBodies(rid, state.model_id)
     if req.stream:
         return _completion_stream(state, req, each, [ids for _, ids in prompts], relays, bodies)
-    results = await _until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
+    results = await until_disconnect(request, asyncio.gather(*(r.text() for r in relays)))
     choices = []
     for i, ((p, ids), r, (text, events)) in enumerate(zip(each, relays, results)):
         _raise_engine_error(r)
@@ -298,7 +298,8 @@ _KEYED = ("/tokenize", "/detokenize", "/slots", "/api/")  # besides /v1/*: what 
 
 class _Gate:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from streams):
-    the API key on /v1/* and the tokenizer routes, and 503 while shutting down."""
+    the API key (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`) on /v1/* and the tokenizer
+    routes, and 503 while shutting down; errors in the shape of the API asked (server/error_shapes.py)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -307,16 +308,19 @@ class _Gate:
         if scope["type"] == "http" and scope["path"].startswith(("/v1/", *_KEYED)):
             err = None
             if self.state.api_key is not None:
-                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                given = auth[7:] if auth[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(given.encode(), self.state.api_key.encode()):
-                    err = APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                   "invalid_api_key")
+                headers = dict(scope["headers"])
+                auth = headers.get(b"authorization", b"")
+                key = self.state.api_key.encode()
+                given = [auth[7:] if auth[:7].lower() == b"bearer " else b"", headers.get(b"x-api-key", b"")]
+                if not any([hmac.compare_digest(g, key) for g in given]):  # (both compared: constant time)
+                    err = APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or "
+                                   "'x-api-key: KEY')", "invalid_api_key")
             if err is None and self.state.draining:
                 err = APIError(503, "the server is shutting down", "shutting_down")
             if err is not None:
-                self.state.metrics.errors.labels(str(err.status)).inc()
-                await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+                out = error_response(err, api_of(scope))
+                self.state.metrics.errors.labels(str(out.status_code)).inc()
+                await out(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -343,26 +347,6 @@ def _error_event(r: Relay) -> dict | None:
     if r.finish_reason == "cancelled":
         return _json(APIError(503, "the request was cancelled: the server is shutting down", "shutting_down").body())
     return None
-
-
-async def _until_disconnect(request: Request, work):
-    """Await `work`, cancelling it (and so the request: its slot is freed) if the client goes away."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise APIError(499, "the client closed the connection", "client_closed")
-    return task.result()
 
 
 async def _merged(relays: list[Relay]):

@@ -3,7 +3,8 @@
 The engine thread calls the handle's listener per token; `loop.call_soon_threadsafe` moves each
 event into an asyncio.Queue, and `Relay.pieces()` turns them into text: incremental UTF-8 decoding
 (StreamDecoder), stop strings held back and cut (StopMatcher). Closing the generator early (client
-gone) cancels the request, which frees its slot at the engine's next step.
+gone) cancels the request, which frees its slot at the engine's next step; `until_disconnect` does
+the same for a request whose whole answer is awaited.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from starlette.requests import Request
+
 from ..engine.request import RequestHandle, TokenEvent
 from ..tokenizer import StreamDecoder, Tokenizer
+from .protocol import APIError
 from .stops import StopMatcher
 
 # engine finish reason -> OpenAI finish_reason ("ctx": the context is full, which OpenAI calls length)
@@ -98,3 +102,23 @@ class Relay:
             parts.append(p.text)
             events.extend(p.events)
         return "".join(parts), events
+
+
+async def until_disconnect(request: Request, work):
+    """Await `work`, cancelling it (and so the request: its slot is freed) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection", "client_closed")
+    return task.result()

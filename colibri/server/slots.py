@@ -52,6 +52,8 @@ async def slot_action(slot_id: int, request: Request, action: str = "") -> dict:
     path = state.slot_dir / name
     if action == "save":
         n = await _run(engine.save_prompt_cache, path, slot_id)
+        if n == 0:  # (no file was written)
+            raise APIError(400, f"slot {slot_id} holds no prompt cache: nothing to save", "slot_empty")
         return {"id_slot": slot_id, "filename": name, "n_saved": n, "n_written": path.stat().st_size,
                 "timings": {"save_ms": (time.perf_counter() - t0) * 1000}}
     if not path.is_file():
@@ -62,10 +64,15 @@ async def slot_action(slot_id: int, request: Request, action: str = "") -> dict:
 
 
 async def _run(fn, *args):
-    """Off the event loop (a file of many MiB); a busy slot or a file of another model is a 409/400."""
+    """Off the event loop (a file of many MiB); a busy slot or a file of another model is a 409/400, a file
+    gone meanwhile a 404, one that cannot be written or read (disk full, permissions) a 400 that says why."""
     try:
         return await asyncio.to_thread(fn, *args)
     except SlotBusyError as e:
         raise APIError(409, str(e), "slot_busy") from None
     except ColibriError as e:
         raise bad_request(str(e), "filename") from None
+    except FileNotFoundError:
+        raise APIError(404, "the saved slot file is gone", "slot_file_not_found", "filename") from None
+    except OSError as e:
+        raise APIError(400, f"cannot use the slot file: {e.strerror or e}", "slot_file_error", "filename") from None

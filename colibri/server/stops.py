@@ -13,16 +13,18 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.held = ""  # text that could still turn into a stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add generated text; returns (text safe to emit now, whether a stop string matched)."""
         if self.stopped:
             return "", True
         buf = self.held + text
-        hits = [i for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda h: h[0])
             self.held, self.stopped = "", True
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = self._partial_suffix(buf)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep], False

@@ -133,7 +133,7 @@ class ExpertCache:
              "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "pin_bytes_read"), 0)
         self.wait_s = 0.0
         # layer -> (native pointer table, which experts it may hold): kept equal to the slots whose
-        # weights are in, for a one-call native step over cached layers (models/native_step.py)
+        # weights are in, for a one-call native step over cached layers (engine/native_step.py)
         self._live: dict[int, tuple[Any, Callable[[ExpertWeights], bool]]] = {}
 
     # ------------------------------------------------------------------ sizes

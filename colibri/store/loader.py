@@ -12,7 +12,7 @@ import threading
 import torch
 
 from ..arena import aligned_buffer
-from ..container import Container
+from ..format.container import Container
 from ..models.moe import ExpertWeights
 from .reader import RecordReader, round_up
 from .weights import expert_weights

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import ColibriError
-from ..integrity import Checks
+from ..format.integrity import Checks
 
 log = logging.getLogger("colibri")
 

@@ -6,7 +6,7 @@ its last access) and, failing that, one cycle per token later. This keeps, per e
 used at its layer's next access (a two-state estimate: the layer's measured reuse rate if the expert was
 used at the layer's last access, else the expert's own rate of being picked after a skip) and a slow
 long-run rate b; expected next use = last[l] + L + (1 - a) * L / b. The cache-policy lab
-(colibri/cachesim.py, policy "reuse") measures it against Belady on route traces.
+(colibri/analysis/cachesim.py, policy "reuse") measures it against Belady on route traces.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..container import Container
+from ..format.container import Container
 from ..models.base import layer_of
 from ..quant import OWNED_ALIGN, bias_bytes, owned_bytes
 from .reader import round_up

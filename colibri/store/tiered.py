@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from ..arena import aligned_buffer
-from ..container import DTYPES, Container
 from ..errors import ColibriError
-from ..integrity import Checks
+from ..format.container import Container
+from ..format.integrity import Checks
+from ..format.layout import DTYPES
 from ..models.base import layer_of
-from ..models.moe import ExpertWeights, SwitchGLU
+from ..models.moe import ExpertWeights
 from ..progress import Progress
 from .cache import ExpertCache
 from .experts import Experts
@@ -90,7 +91,7 @@ class TieredStore(WeightStore):
             self.gpu = torch.device(gpu_device or "cuda")
             if self.gpu.type == "cuda" and not torch.cuda.is_available():
                 raise ColibriError("GPU layers were placed, but torch sees no CUDA device")
-        # every record/tensor read from the file is checksummed before use (colibri/integrity.py)
+        # every record/tensor read from the file is checksummed before use (colibri/format/integrity.py)
         checks = Checks(container.path, container.header)
         self.reader = RecordReader(container.path, io_threads, direct_io, checks=checks)
         # Weights go to memory we allocate and fill: with a RAM budget for honest accounting, and by
@@ -112,7 +113,6 @@ class TieredStore(WeightStore):
         self._prefixes: dict[int, str] = {}
         self.caches: dict[str, ExpertCache] = {}
         self._hooks: list = []
-        self._routed: list[SwitchGLU] = []  # MoE layers given the look-ahead (unbound at close)
         self.tok = {"prefill_tokens": 0, "prefill_bytes_read": 0, "decode_tokens": 0, "decode_bytes_read": 0}
         if self.read_mode or self._gpu_layers:
             self._load_dense()
@@ -245,10 +245,7 @@ class TieredStore(WeightStore):
         blocks = model.model.layers
         self._move_gpu_layers(model, blocks)
         if self.prefetch_enabled and self.caches:
-            ahead = LookAhead(self.source, blocks)
-            self._routed = [m for m in model.modules() if isinstance(m, SwitchGLU) and m.layer in ahead.next]
-            for m in self._routed:
-                m.lookahead = ahead
+            self.source.ahead = LookAhead(self.source, blocks)
 
     def _mapped_experts(self, layer: int) -> list[ExpertWeights]:
         """A RAM layer's experts as views of the mapping (no budget). The buffers the modules
@@ -385,8 +382,7 @@ class TieredStore(WeightStore):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for m in self._routed:
-            m.lookahead = None
+        self.source.ahead = None
         self.reader.close()
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..container import Container
 from ..errors import ColibriError
+from ..format.container import Container
 from ..models.moe import ExpertWeights
 from ..quant import QLinear, stored_linear
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ColibriError
+from ..errors import ColibriError
 
 _AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)  # output j of a word sits at nibble _AWQ_SLOT[j] (AutoAWQ's pack order)
 

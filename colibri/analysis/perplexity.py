@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ColibriError
+from ..errors import ColibriError
 
 
 @dataclass
@@ -125,7 +125,7 @@ class _Accumulator:
 
 def _open(model, ctx_size: int, slots: int, engine_kw: dict):
     """(engine, whether we opened it): a path is loaded with `slots` windows per step."""
-    from .api import Engine
+    from ..api import Engine
 
     if isinstance(model, Engine):
         if model.ctx_size < ctx_size:
@@ -200,7 +200,7 @@ def format_result(r: PerplexityResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli.common import HelpFormatter, add_engine_args, positive, resolve_model, setup_logging
+    from ..cli.common import HelpFormatter, add_engine_args, positive, resolve_model, setup_logging
 
     p = argparse.ArgumentParser(prog="colibri perplexity", formatter_class=HelpFormatter,
                                 description="Perplexity of a text file under a model, in windows scoring their "
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _engine(a: argparse.Namespace, path: str):
     """An engine for `path` with the command's engine and tier flags."""
-    from .cli.common import engine_from_args
+    from ..cli.common import engine_from_args
 
     if not Path(path).exists():
         raise ColibriError(f"model file {path} not found")

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import ColibriError
+from ..errors import ColibriError
 
 # Deeper than this is garbage, not a config (real headers nest ~5 levels).
 MAX_DEPTH = 64
@@ -173,9 +173,9 @@ def _rope(cfg: Mapping, where: str) -> None:
 
 
 def check_config(model_type: Any, cfg: Any, where: str = "config") -> Any:
-    """Types and ranges of every config value the family uses; returns the family module.
+    """Types and ranges of every config value the family uses; returns the family (models/family.py).
     Refuses what would crash, hang or allocate absurdly later (before any skeleton is built)."""
-    from .models.base import family
+    from ..models.family import family
 
     if not isinstance(model_type, str) or not model_type:
         raise fail(f"{where}: model_type must be a non-empty string, got {_show(model_type)}")
@@ -198,7 +198,7 @@ def check_config(model_type: Any, cfg: Any, where: str = "config") -> Any:
         raise fail(f"{where}: partial_rotary_factor = {_show(v)} must be in (0, 1]")
     _rope(cfg, where)
     # Every field the family's ModelArgs reads (under its aliases too) must have its declared type.
-    args = fam.ModelArgs
+    args = fam.args
     fields = {f.name: f for f in dataclasses.fields(args)}
     for k, v in cfg.items():
         name = args.aliases.get(k, k)
@@ -227,18 +227,17 @@ def check_config(model_type: Any, cfg: Any, where: str = "config") -> Any:
         raise fail(f"{where}: n_group {n_group} does not divide the {experts} experts")
     if (tg := cfg.get("topk_group")) and tg > (cfg.get("n_group") or 1):
         raise fail(f"{where}: topk_group {tg} exceeds n_group {cfg.get('n_group') or 1}")
-    if hasattr(fam, "check_config"):
-        try:
-            fam.check_config(cfg)  # the family's own refusals (activation, routing, rope type, ...)
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise fail(f"{where}: {type(e).__name__}: {e}") from None
+    try:
+        fam.check_config(cfg)  # the family's own refusals (activation, routing, rope type, ...)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise fail(f"{where}: {type(e).__name__}: {e}") from None
     return fam
 
 
 def build_checked(model_type: str, cfg: dict, where: str = "config"):
     """`models.base.build` for a config `check_config` accepted; a value combination the family cannot
     build (e.g. a rope setting out of its domain) is one ColibriError, not a traceback."""
-    from .models.base import build
+    from ..models.base import build
 
     try:
         return build(model_type, cfg)
@@ -281,7 +280,7 @@ def check_tokenizer(tok: Any, vocab_rows: int | None, config: Mapping | None = N
     """The embedded tokenizer (`meta["tokenizer"]`, or what the converter is about to embed): parsed,
     its side files typed, every id (vocabulary, added tokens, eos) below `vocab_rows`. Returns the
     parsed `tokenizers.Tokenizer`."""
-    from .tokenizer import parse
+    from ..tokenizer import parse
 
     if not isinstance(tok, dict):
         raise fail(f"{where} must be an object, got {type(tok).__name__}")
@@ -321,7 +320,7 @@ def check_tokenizer(tok: Any, vocab_rows: int | None, config: Mapping | None = N
 
 def _storage(name: str, e: Any, shape: tuple[int, ...], kind: str, float_code: str, lookup) -> None:
     """One weight the model binds: its entry, dtype, logical shape and, when quantized, its companions."""
-    from .quant import SCHEMES, layout
+    from ..quant import SCHEMES, layout
 
     if e is None:
         raise fail(f"tensor {name} is missing")
@@ -346,7 +345,7 @@ def _storage(name: str, e: Any, shape: tuple[int, ...], kind: str, float_code: s
         lay = layout(shape, scheme, gs)
     except ValueError as err:
         raise fail(f"tensor {name}: {err}") from None
-    from .container import DTYPE_CODES
+    from .layout import DTYPE_CODES
 
     for suffix, (shp, dt) in lay.items():
         t = e if suffix == "" else lookup(name + suffix)
@@ -357,8 +356,8 @@ def _storage(name: str, e: Any, shape: tuple[int, ...], kind: str, float_code: s
 
 def check_model(meta: dict, tensors: dict, records: dict) -> None:
     """A model container's meta (model_type, config, quant, tokenizer) against its own tensor index."""
-    from .models.base import expected_tensors
-    from .quant import SCHEMES
+    from ..models.base import expected_tensors
+    from ..quant import SCHEMES
 
     q = meta.get("quant", {})
     if not isinstance(q, dict):
@@ -411,7 +410,7 @@ def check_index(h: Any, version: int, data_end: int) -> None:
     """The header's structure and tensor index (docs/FORMAT.md, "Validation a reader must perform"):
     every tensor a known dtype and shape whose bytes lie in the data region, records whose members
     are packed inside them, and no two tensors or records sharing bytes."""
-    from .container import ALIGN, DTYPES, ITEMSIZE, MEMBER_ALIGN, PREAMBLE_SIZE
+    from .layout import ALIGN, DTYPES, ITEMSIZE, MEMBER_ALIGN, PREAMBLE_SIZE
 
     if not isinstance(h, dict) or h.get("format") != "colibri":
         raise fail("header is not a colibri header")
@@ -475,7 +474,7 @@ def check_index(h: Any, version: int, data_end: int) -> None:
 
 
 def _checksums(e: dict, what: str, required: bool) -> None:
-    """crc32c / crc32 (colibri/integrity.py): each present one a u32; a tensor carries at least one."""
+    """crc32c / crc32 (colibri/format/integrity.py): each present one a u32; a tensor carries at least one."""
     from .integrity import KEYS
 
     present = [k for k in KEYS if k in e]

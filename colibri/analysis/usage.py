@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ColibriError
+from ..errors import ColibriError
 
 FORMAT, VERSION = "colibri-usage", 1
 
@@ -137,35 +137,31 @@ def _shape(experts: list[int]) -> str:
 
 
 class Recorder:
-    """Counts routing decisions through the experts' `on_route` hook (chained with any existing hook).
+    """Counts routing decisions from the engine's steps (a step listener: the routes each step returns).
 
-    Counting is a bincount per layer per forward into one [L, E] tensor: microseconds per token.
+    Counting is a bincount per layer per step into one [L, E] tensor: microseconds per token. A listener sees
+    every token's routes, the last generated one's too (the engine runs it for listeners).
     """
 
-    def __init__(self, model: torch.nn.Module):
-        from .models.moe import SwitchGLU
+    def __init__(self, llm):
+        from ..models.moe import SwitchGLU
 
-        self.mods = [m for m in model.modules() if isinstance(m, SwitchGLU)]
+        self.llm = llm
+        model = llm.model
         # All decoder layers, so the list lines up with the planner's (dense layers count 0 experts).
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        n_layers = len(layers) if layers is not None else max((m.layer for m in self.mods), default=-1) + 1
+        n_layers = len(model.model.layers)
         self.experts = [0] * n_layers
-        for m in self.mods:
-            self.experts[m.layer] = m.num_experts
+        for m in model.modules():
+            if isinstance(m, SwitchGLU):
+                self.experts[m.layer] = m.num_experts
         self.acc = torch.zeros(n_layers, max(self.experts, default=0) or 1, dtype=torch.long)
         self.tok = torch.zeros(n_layers, dtype=torch.long)
-        self._prev = {}
-        for m in self.mods:
-            self._prev[m] = m.on_route
-            m.on_route = self._hook(m.on_route)
+        llm.add_step_listener(self)
 
-    def _hook(self, prev):
-        def hook(layer: int, idx: torch.Tensor, weights: torch.Tensor) -> None:
+    def __call__(self, info) -> None:  # engine/stats.py StepInfo
+        for layer, (idx, _) in info.routes.items():
             self.acc[layer] += torch.bincount(idx.reshape(-1), minlength=self.acc.shape[1])
             self.tok[layer] += idx.shape[0]
-            if prev is not None:
-                prev(layer, idx, weights)
-        return hook
 
     def usage(self) -> Usage:
         u = Usage(self.experts)
@@ -175,6 +171,4 @@ class Recorder:
         return u
 
     def detach(self) -> None:
-        for m, prev in self._prev.items():
-            m.on_route = prev
-        self._prev = {}
+        self.llm.remove_step_listener(self)

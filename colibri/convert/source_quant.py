@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .errors import ColibriError
+from ..errors import ColibriError
 from .source_packed import PackedInts
 
 FAMILY_OWNED = ("mxfp4",)  # read by a family's own code

@@ -21,7 +21,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import ColibriError
+from ..errors import ColibriError
 
 FILE = "tiktoken.model"
 RESERVED = 258  # special ids after the vocabulary in the models' own tokenizer code (256 + 2)

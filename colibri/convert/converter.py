@@ -9,22 +9,30 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
+import tempfile
 import time
 from math import prod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import __version__, tiktoken_bpe
-from .container import Container, Writer
-from .errors import ColibriError
-from .models.base import MULTIMODAL, expected_tensors, family, layer_of, multimodal_text, text_model_config
-from .progress import Progress
-from .quant import SCHEMES, can_quantize, layout, quantize
+from .. import __version__
+from ..errors import ColibriError
+from ..format.container import Container, Writer
+from ..format.validate import build_checked, check_config, check_sizes, check_tokenizer, layers_in, loads
+from ..models.base import MULTIMODAL, expected_tensors, layer_of, multimodal_text, text_model_config
+from ..models.family import Family, family
+from ..progress import Progress
+from ..quant import SCHEMES, can_quantize, layout, quantize
+from . import tiktoken_bpe
 from .safetensors_reader import SafetensorsFolder
 from .source_quant import dequantizing
-from .validate import build_checked, check_config, check_sizes, check_tokenizer, layers_in, loads
+
+if TYPE_CHECKING:
+    from .calibrate import ActivationStats
 
 # Per-expert (`experts.3.w1.weight`) and fused (`experts.gate_up_proj`, leading [E]) names.
 _PER_EXPERT = re.compile(
@@ -37,16 +45,8 @@ _PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj":
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def expert_record(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Default expert layout: gate_up = [gate rows; up rows] ([2I, H]) (an ungated expert's up rows alone, [I, H]),
-    down [H, I]."""
-    gate_up = parts["gate_up"] if "gate_up" in parts else parts["up"] if "gate" not in parts \
-        else torch.cat([parts["gate"], parts["up"]], 0)
-    return {"gate_up.weight": gate_up, "down.weight": parts["down"]}
-
-
 def _load_json(path: Path) -> dict:
-    """A JSON object from a strict-JSON file (colibri/validate.py)."""
+    """A JSON object from a strict-JSON file (colibri/format/validate.py)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -79,7 +79,7 @@ def _num_experts(cfg: dict) -> int:
 
 def read_tokenizer(folder: Path, vocab_rows: int | None = None) -> dict:
     """What the container embeds of the tokenizer: tokenizer.json's text (or one made from a tiktoken.model,
-    colibri/tiktoken_bpe.py), its side files and the chat template."""
+    colibri/convert/tiktoken_bpe.py), its side files and the chat template."""
     out: dict = {}
     for extra in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
         if (folder / extra).exists():
@@ -97,7 +97,7 @@ def read_tokenizer(folder: Path, vocab_rows: int | None = None) -> dict:
             raise ColibriError(f"{tok} is not utf-8 text ({e.reason} at byte {e.start}): a damaged download?") from None
         except OSError as e:
             raise ColibriError(f"cannot read {tok}: {e.strerror or e}") from None
-    from .chat_template import read_templates  # chat_template.jinja (current transformers) or the config's
+    from ..chat_template import read_templates  # chat_template.jinja (current transformers) or the config's
 
     if (template := read_templates(folder, out.get("tokenizer_config"))) is not None:
         out.setdefault("tokenizer_config", {})["chat_template"] = template
@@ -107,18 +107,18 @@ def read_tokenizer(folder: Path, vocab_rows: int | None = None) -> dict:
 class Plan:
     """Where each canonical tensor comes from and how it is stored."""
 
-    def __init__(self, st: SafetensorsFolder, fam, model_type: str, cfg: dict, scheme: str, group_size: int):
+    def __init__(self, st: SafetensorsFolder, fam: Family, model_type: str, cfg: dict, scheme: str, group_size: int):
         self.st, self.fam, self.scheme, self.group_size = st, fam, scheme, group_size
         model, _ = build_checked(model_type, cfg, "config.json")
         self.expected = expected_tensors(model)
         self.sources: dict[str, str] = {}  # canonical name -> HF name
         self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
-        sanitize = getattr(fam, "sanitize", lambda n: n)
+        sanitize = fam.sanitize
         dropped = list(getattr(st, "hidden", ()))  # (what a family's source_view hides: ERNIE-4.5-VL's vision experts)
         # Multi-token-prediction heads (GLM-4.5, DeepSeek-V3, Hy3) ship as extra layers past the decoder stack.
         n_layers = cfg.get("num_hidden_layers", 0)
-        n_mtp = cfg.get("num_nextn_predict_layers") or getattr(fam, "MTP_LAYERS", 0)
-        ignored = getattr(fam, "IGNORED", None)  # (names the family drops where its model has no such tensor)
+        n_mtp = cfg.get("num_nextn_predict_layers") or fam.mtp_layers
+        ignored = fam.ignored  # (names the family drops where its model has no such tensor)
         for hf in st.names():
             name = sanitize(hf)
             layer = None if name is None else layer_of(name)
@@ -252,12 +252,40 @@ def _expert_parts(plan: Plan, prefix: str, e: int) -> dict[str, torch.Tensor]:
     return parts
 
 
+def stats_for_convert(calibration, src: Path, group_size: int) -> ActivationStats:
+    """`convert --calibration`: a saved statistics file (.safetensors), an `ActivationStats`, or a text
+    file, for which the HF folder `src` is first converted to a temporary bf16 container (in TMPDIR)
+    that colibri's engine then runs over the text."""
+    from .calibrate import ActivationStats, gather
+
+    if isinstance(calibration, ActivationStats):
+        return calibration
+    path = Path(calibration)
+    if not path.is_file():
+        raise ColibriError(f"calibration file {path} not found")
+    if path.suffix == ".safetensors":
+        return ActivationStats.load(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ColibriError(f"calibration file {path} is not UTF-8 text ({e})") from None
+    tmp = Path(tempfile.mkdtemp(prefix="colibri-calib-"))
+    try:
+        print(f"calibration: converting {src.name} to a temporary bf16 container in {tmp}", file=sys.stderr)
+        ref = convert(src, tmp / "bf16.coli", "bf16", group_size, progress=False)
+        stats = gather(ref, text, threads=torch.get_num_threads())  # the caller's thread setting
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    stats.source = f"{path.name} ({stats.source})"
+    return stats
+
+
 def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: int = 64,
             arch: str | None = None, progress: bool | None = None, calibration=None) -> Path:
     """Convert an HF folder into a verified container at `dst`; returns the path.
 
     `calibration`: a text file, a saved statistics file or a `calibrate.ActivationStats`; the
-    int4/int3/int2 weights are then quantized with activation statistics (colibri/calibrate.py)."""
+    int4/int3/int2 weights are then quantized with activation statistics (colibri/convert/calibrate.py)."""
     src, dst = Path(src), Path(dst)
     if src.is_file():
         raise ColibriError(f"-i takes the model's folder (config.json, *.safetensors, tokenizer.json), not a file: "
@@ -273,9 +301,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     if model_type in MULTIMODAL and multimodal_text(cfg) is not None:  # multimodal: its text model
         cfg = text_model_config(cfg)
         model_type = cfg["model_type"]
-    if (flat := getattr(family(model_type), "flat_config", None)) is not None:  # a nested config (DBRX's)
-        cfg = flat(cfg)
-    # Types and ranges of every value the family uses, and the family's own refusals (colibri/validate.py).
+    cfg = family(model_type).flat_config(cfg)  # a nested config (DBRX's) as the flat fields
+    # Types and ranges of every value the family uses, and the family's own refusals (colibri/format/validate.py).
     fam = check_config(model_type, cfg, str(src / "config.json"))
     n_exp = _num_experts(cfg)
     if arch == "dense" and n_exp:
@@ -288,10 +315,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     tok_file = "tokenizer.json" if (src / "tokenizer.json").exists() else tiktoken_bpe.FILE
     check_tokenizer(tokenizer, cfg.get("vocab_size"), cfg, str(src / tok_file))
     st = SafetensorsFolder(src)
-    if (view := getattr(fam, "source_view", None)) is not None:  # tensors split or reshaped as read (DBRX's)
-        st = view(st, cfg)
-    sanitize = getattr(fam, "sanitize", lambda n: n)
-    names = {n: m for n in st.names() if (m := sanitize(n)) is not None}  # HF name -> canonical name
+    st = fam.source_view(st, cfg)  # tensors split or reshaped as read (DBRX's)
+    names = {n: m for n in st.names() if (m := fam.sanitize(n)) is not None}  # HF name -> canonical name
     embed = next((n for n, m in names.items() if m == "model.embed_tokens.weight"), None)
     check_sizes(cfg, st.shape(embed) if embed else None, layers_in(names.values()), str(src / "config.json"))
     st = dequantizing(st, cfg)  # a pre-quantized checkpoint (FP8 blocks, packed ints) reads back in float
@@ -309,12 +334,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     if calibration is not None:
         if scheme not in ("int4", "int3", "int2"):
             raise ColibriError(f"--calibration applies to --quant int4/int3/int2, not {scheme}")
-        from .calibrate import stats_for_convert
-
         stats = stats_for_convert(calibration, src, group_size)
         meta["quant"]["calibration"] = stats.source or "uniform weights (no statistics)"
-    record_fn = getattr(fam, "expert_record", expert_record)
-    prepare = getattr(fam, "prepare", None)
     grid = getattr(st, "integer_grid", False)  # (packed ints: keep groups that are on a grid exactly)
     with Progress(plan.total_bytes(), f"converting {src.name} -> {dst.name} ({scheme})", enabled=progress) as bar, \
             Writer(dst, meta) as w:
@@ -325,7 +346,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                     bar.update(sum(t.nbytes for t in parts.values()))
                     members: dict[str, tuple[torch.Tensor, dict]] = {}
                     try:
-                        record = record_fn(parts)
+                        record = fam.expert_record(parts)
                     except KeyError as err:
                         raise ColibriError(f"checkpoint lacks the {err.args[0]} weight of expert {e} of "
                                            f"{name}") from None
@@ -341,8 +362,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
                 continue
             t = st.read(plan.sources[name])
             check_finite(plan.sources[name], t)
-            if prepare is not None:  # (a family's value remapping, e.g. ERNIE's interleaved RoPE rows)
-                t = prepare(name, t, cfg)
+            t = fam.prepare(name, t, cfg)  # (a family's value remapping, e.g. ERNIE's interleaved RoPE rows)
             bar.update(t.nbytes)
             for sname, (data, attrs) in stored_tensors(name, t, plan.storage(name, kind, shape), group_size,
                                                        stats, grid=grid).items():
@@ -356,7 +376,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
 
 
 def expected_data_bytes(plan: Plan) -> int:
-    """Tensor bytes the config implies under the storage policy (what the seed checked by hand)."""
+    """Tensor bytes the config implies under the storage policy (verify_converted checks the file against them)."""
     def nbytes(name: str, kind: str, shape: tuple[int, ...]) -> int:
         scheme = plan.storage(name, kind, shape)
         if kind != "linear":

@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
+from ..errors import ColibriError
+from ..progress import Progress
 from .container import Container
-from .errors import ColibriError
-from .progress import Progress
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,26 +28,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from colibri import integrity, validate
 from colibri.errors import ColibriError, ContainerError
+from colibri.format import integrity, validate
+from colibri.format.layout import (
+    ALIGN,
+    DTYPE_CODES,
+    DTYPES,
+    FORMAT_VERSION,
+    ITEMSIZE,
+    MAGIC,
+    MEMBER_ALIGN,
+    PREAMBLE_SIZE,
+)
 
-MAGIC = b"COLIBRI\0"
-FORMAT_VERSION = 1
-PREAMBLE_SIZE = 4096
-ALIGN = 4096  # start of every standalone tensor and every record
-MEMBER_ALIGN = 64  # start of every member inside a record (vector loads)
 # magic, version, flags, header_offset, header_len, header_crc32, file_size
 _PREAMBLE = struct.Struct("<8sIIQQIQ")
 _VERIFY_CHUNK = 8 << 20
 # A header is an index plus tokenizer/config text; 1 GiB means garbage, not a model.
 _MAX_HEADER = 1 << 30
 
-DTYPES: dict[str, torch.dtype] = {
-    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-    "i8": torch.int8, "u8": torch.uint8, "i32": torch.int32,
-}  # fmt: skip
-DTYPE_CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
 # Keys the format owns in a tensor entry; writer attrs may not shadow them.
 _RESERVED = frozenset({"dtype", "shape", "offset", "nbytes", "crc32", "crc32c", "record"})
 
@@ -102,7 +101,7 @@ class Writer:
             raise ContainerError(f"cannot create {self.tmp_path}: {e.strerror or e}") from e
         self._closed = False
         # CRC-32C (zlib CRC-32 without a CRC-32C module): per tensor, and per record over its whole
-        # byte range, padding included, so one check covers a record read (colibri/integrity.py).
+        # byte range, padding included, so one check covers a record read (colibri/format/integrity.py).
         self._key = integrity.writer_key()
         self._rec_crc: int | None = None  # running checksum of the record being written
         # Reserve the preamble; it is filled in last, when the header location is known.

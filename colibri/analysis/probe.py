@@ -164,7 +164,7 @@ def measure_matvec(scheme: str, seconds: float = 0.2, weight_mib: int = 48) -> f
     the compute dtype, cycled) exceed the CPU caches, as a real model's do."""
     import torch
 
-    from .quant import QLinear
+    from ..quant import QLinear
 
     dtype = torch.float32 if scheme == "f32" else torch.bfloat16
     out, n_in = 2048, 4096

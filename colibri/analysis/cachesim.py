@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .store.reuse import ReuseEstimator
+from ..store.reuse import ReuseEstimator
 from .trace import RouteTrace
 
 POLICIES = ("lru", "lfu", "lfru", "fair", "fair-lfru", "hot", "reuse", "reuse-oracle", "belady")

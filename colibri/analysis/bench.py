@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-from . import arena
-from .errors import ColibriError
+from .. import arena
+from ..errors import ColibriError
 
 # Different lengths and registers: a chat question, prose, code, a list. Fixed forever: changing
 # them changes every benchmark figure.
@@ -33,7 +33,7 @@ PROMPTS = (
 
 def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bool = True) -> dict:
     """Run the prompts on a loaded Engine; returns the figures (see `colibri bench --help`)."""
-    from .api import peak_rss_mib
+    from ..api import peak_rss_mib
 
     if warmup:  # (16 tokens: the engine times 1 and all decode threads over its first ~10 steps)
         for _ in llm.generate_ids(llm.tokenizer.encode("Hello"), 16, temperature=0.0, ignore_eos=True):
@@ -74,7 +74,7 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
 def plan_estimate(llm, budget: dict) -> float:
     """The decode speed `colibri plan` expects for this model and these budgets on this machine
     (its probes take about a second; run with the engine's threads, before the measured runs)."""
-    from .plan import PlanSizes, plan
+    from ..plan import PlanSizes, plan
     from .probe import probe_machine
 
     sizes = PlanSizes.from_container(llm.container)
@@ -90,7 +90,7 @@ def _threads() -> int:
 
 def _store_figures(before: dict, after: dict) -> dict:
     """Cache figures of the measured runs only (the warm-up and the load excluded)."""
-    from .store.tiered import stats_delta
+    from ..store.tiered import stats_delta
 
     s = stats_delta(before, after)
     cached = s.get("lookups", 0) > 0  # no disk tier: hit rate and prefetch do not apply
@@ -125,7 +125,7 @@ def format_text(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli.common import add_engine_args, engine_from_args, setup_logging
+    from ..cli.common import add_engine_args, engine_from_args, setup_logging
 
     p = argparse.ArgumentParser(prog="colibri bench", description="Benchmark a model on fixed prompts "
                                 "(greedy, EOS ignored): decode/prefill tok/s, TTFT, cache figures, peak RSS.")
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(a.log_level)
     if a.n_predict < 2 or not 1 <= a.prompts <= len(PROMPTS):
         raise ColibriError(f"need -n >= 2 and 1 <= --prompts <= {len(PROMPTS)}")
-    from .store.placement import parse_size
+    from ..store.placement import parse_size
 
     budget = {"mem_budget": parse_size(a.mem_budget) if a.mem_budget else None,
               "gpu_budget": parse_size(a.gpu_budget) if a.gpu_budget else None}
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.usage_file:
         from .usage import Recorder
 
-        recorder = Recorder(llm.model)
+        recorder = Recorder(llm)
     try:
         r = run_bench(llm, a.n_predict, PROMPTS[: a.prompts], warmup=not a.no_warmup)
     finally:

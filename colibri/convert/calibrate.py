@@ -37,16 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .errors import ColibriError
-from .quant import _BITS, _check_scheme, _pack, _shape_error, can_quantize
+from ..errors import ColibriError
+from ..quant import _BITS, _check_scheme, _pack, _shape_error, can_quantize
 
 POOLED = "pooled"  # in place of an expert index: a layer's statistics over all its routed rows
 PRIOR_TOKENS = 64  # an expert's own statistics outweigh the layer's once it has seen more tokens than this
@@ -205,8 +202,8 @@ class _RecordingSource:
 def budget_full_names(model: torch.nn.Module, budget: int) -> set[str]:
     """The weights whose x x^T (f64) fit in `budget` bytes, in priority order: each MoE layer's
     pooled expert `gate_up` (one matrix serves all the layer's experts), then dense linears, smallest first."""
-    from .models.moe import SwitchGLU
-    from .quant import QLinear
+    from ..models.moe import SwitchGLU
+    from ..quant import QLinear
 
     pooled = [(f"{n}.{POOLED}.gate_up.weight", m.hidden ** 2) for n, m in model.named_modules()
               if isinstance(m, SwitchGLU) and m.source is not None]
@@ -222,8 +219,8 @@ def budget_full_names(model: torch.nn.Module, budget: int) -> set[str]:
 
 def full_stats_bytes(model: torch.nn.Module) -> int:
     """Bytes the full E[x x^T] statistics of every linear and routed expert of `model` would take (f64)."""
-    from .models.moe import SwitchGLU
-    from .quant import QLinear
+    from ..models.moe import SwitchGLU
+    from ..quant import QLinear
 
     n = 0
     for mod in model.modules():
@@ -246,9 +243,9 @@ def gather(model: str | os.PathLike, text: str, ctx_size: int = 512, threads: in
     item 1)."""
     from tqdm import tqdm
 
-    from .api import Engine
-    from .models.moe import SwitchGLU
-    from .quant import QLinear
+    from ..api import Engine
+    from ..models.moe import SwitchGLU
+    from ..quant import QLinear
 
     with Engine(model, ctx_size=ctx_size, threads=threads, slots=slots) as eng:
         need, chosen = full_stats_bytes(eng.model), set()
@@ -288,34 +285,6 @@ def gather(model: str | os.PathLike, text: str, ctx_size: int = 512, threads: in
             for mod, src in wrapped:
                 mod.source = src
     stats.source = f"{sum(map(len, windows))} tokens"
-    return stats
-
-
-def stats_for_convert(calibration, src: Path, group_size: int) -> ActivationStats:
-    """`convert --calibration`: a saved statistics file (.safetensors), an `ActivationStats`, or a text
-    file, for which the HF folder `src` is first converted to a temporary bf16 container (in TMPDIR)
-    that colibri's engine then runs over the text."""
-    if isinstance(calibration, ActivationStats):
-        return calibration
-    path = Path(calibration)
-    if not path.is_file():
-        raise ColibriError(f"calibration file {path} not found")
-    if path.suffix == ".safetensors":
-        return ActivationStats.load(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ColibriError(f"calibration file {path} is not UTF-8 text ({e})") from None
-    from .convert import convert
-
-    tmp = Path(tempfile.mkdtemp(prefix="colibri-calib-"))
-    try:
-        print(f"calibration: converting {src.name} to a temporary bf16 container in {tmp}", file=sys.stderr)
-        ref = convert(src, tmp / "bf16.coli", "bf16", group_size, progress=False)
-        stats = gather(ref, text, threads=torch.get_num_threads())  # the caller's thread setting
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    stats.source = f"{path.name} ({stats.source})"
     return stats
 
 

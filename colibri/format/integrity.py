@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import wait
 from typing import Any, NamedTuple
 
-from .errors import ContainerError
+from ..errors import ContainerError
 
 Crc = Callable[..., int]  # (buffer, running value) -> crc
 
@@ -94,6 +94,12 @@ class _Span(NamedTuple):
     members: tuple[_Part, ...]  # a record's member tensors: name the damaged one on a mismatch
 
 
+class _Run(threading.local):
+    """A span this thread is reading piece by piece: (start, span, end so far, crc so far), or None."""
+
+    run: tuple[int, _Span, int, int] | None = None
+
+
 class Checks:
     """The checksums of a container's records and standalone tensors, by file offset.
 
@@ -108,7 +114,7 @@ class Checks:
         self.names: dict[int, tuple[str, bool]] = {}  # offset -> (record or tensor name, is a record)
         self.verified = 0  # bytes checked (tests and benchmarks read it)
         self.cpu_s = 0.0  # thread CPU seconds spent checksumming at run time (benchmarks/bench_verify.py)
-        self._local = threading.local()
+        self._local = _Run()
         self._lock = threading.Lock()
         tensors, records = header.get("tensors", {}), header.get("records", {})
         for name, r in records.items():
@@ -148,7 +154,7 @@ class Checks:
         if span is not None and span.nbytes == nbytes:
             self.verify(buf, offset, nbytes)
             return
-        run = getattr(self._local, "run", None)
+        run = self._local.run
         if span is not None and nbytes < span.nbytes and len(span.parts) == 1 and span.parts[0].nbytes == span.nbytes:
             # the first piece of a span read piece by piece, in order, by this thread
             p = span.parts[0]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ColibriError
+from ..errors import ColibriError
 from .trace import RouteTrace, read_trace
 
 
@@ -239,7 +239,7 @@ class LookAhead:
     def __init__(self, model):
         import functools
 
-        from .store.lookahead import is_routed  # (here: reading a trace needs no torch)
+        from ..store.lookahead import is_routed  # (here: reading a trace needs no torch)
 
         self.preds: dict[int, object] = {}
         self.handles = []
@@ -266,13 +266,14 @@ class LookAhead:
 def trace_text(llm, text: str, window: int | None = None) -> RouteTrace:
     """Run the engine teacher-forced over `text` (windows of the context size) and collect the trace,
     look-ahead predictions included."""
+    from ..models.moe import SwitchGLU
     from .trace import RouteCollector
 
     ids = llm.tokenizer.encode(text)
     if not ids:
         raise ColibriError("the text has no tokens")
     window = window or llm.ctx_size
-    experts = {m.layer: m.num_experts for m in llm.model.modules() if hasattr(m, "on_route")}
+    experts = {m.layer: m.num_experts for m in llm.model.modules() if isinstance(m, SwitchGLU)}
     nbytes = {}
     for lay in experts:
         for name in (f"model.layers.{lay}.mlp.experts.0", f"model.layers.{lay}.block_sparse_moe.experts.0"):
@@ -300,7 +301,7 @@ def trace_text(llm, text: str, window: int | None = None) -> RouteTrace:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .cli.common import HelpFormatter, add_engine_args
+    from ..cli.common import HelpFormatter, add_engine_args
 
     p = argparse.ArgumentParser(prog="colibri routes", formatter_class=HelpFormatter,
                                 description="Routing statistics per MoE layer from a route trace (--route-trace), "
@@ -340,8 +341,8 @@ def _sizes(text: str | None, tr: RouteTrace) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli.common import engine_from_args, setup_logging
     from . import cachesim
-    from .cli.common import engine_from_args, setup_logging
 
     a = parser().parse_args(argv)
     setup_logging(a.log_level)

@@ -176,7 +176,7 @@ class RouteTrace:
 
     @classmethod
     def from_records(cls, records: list[dict], where: str = "trace") -> RouteTrace:
-        from .errors import ColibriError
+        from ..errors import ColibriError
 
         req, pos, tok, text, step = [], [], [], [], []
         ids: dict[int, list] = {}
@@ -238,7 +238,7 @@ class RouteTrace:
 
 def read_trace(path: str | os.PathLike) -> RouteTrace:
     """Read a trace file (all runs in it). A truncated last line (a crash mid-write) is skipped."""
-    from .errors import ColibriError
+    from ..errors import ColibriError
 
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .errors import ColibriError
-from .validate import is_int, loads
+from ..errors import ColibriError
+from ..format.validate import is_int, loads
 
 DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

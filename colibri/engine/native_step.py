@@ -1,12 +1,13 @@
-"""All decoder blocks of a step in one native call (colibri/kernels/step.c), where every layer would take
-the fused native blocks anyway: bf16 attention (`Attention.fused`, q/k/v/o biases included; or DeepSeek's
-MLA, `MLAttention.fused`, on the steps whose every sequence takes its native block) then a resident
-routed-expert layer (`SparseMoE.fused`, with its shared expert) or a dense MLP (`native_mlp`); and, where
-the model's ends take native calls too (bf16 embedding, f32 final norm,
-a native quantized head), the whole step from token ids to logits (`run_step`). Same kernels, same order,
-same bits; what goes is the Python between the calls (~15% of a small model's decode step, and each
-call from Python after the blocks runs cache-cold). Anything else -- a GPU layer, another router, hooks on
-a block, a step too large -- takes the per-layer path.
+"""The native backend of the decode plan (engine/decode_plan.py): a range of decoder blocks of a step in one
+native call (colibri/kernels/step.c), where every layer would take the fused native blocks anyway: bf16
+attention (`Attention.fused`, q/k/v/o biases included; or DeepSeek's MLA, `MLAttention.fused`, on the steps
+whose every sequence takes its native block) then a resident routed-expert layer (`SparseMoE.fused`, with its
+shared expert) or a dense MLP (`native_mlp`); and, where the model's ends take native calls too (bf16
+embedding, f32 final norm, a native quantized head), the whole step from token ids to logits (`step`), or
+several steps (`steps`). Same kernels, same order, same bits; what goes is the Python between the calls (~15%
+of a small model's decode step, and each call from Python after the blocks runs cache-cold). `build` says why a
+range cannot run so (a GPU layer, another router, ...); a step whose rows do not fit it (too many, a cache of
+another kind) gets None back.
 
 Layers whose experts an expert cache serves (the disk tier) run in the same call over tables the cache keeps
 equal to the experts in memory (`SwitchGLU.live_tables`): a route to an expert not in memory stops the
@@ -25,35 +26,36 @@ import torch
 from torch import nn
 
 from ..kernels import native, native_mla, native_run
+from ..models import native_mlp
+from ..models.batch import StepBatch
+from ..models.layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias, out_norm_ptr
+from ..models.mla import LatentCache, MLAttention
+from ..models.moe import SparseMoE, native_routing, routed_ids
 from ..quant import QLinear
-from . import native_mlp
-from .batch import StepBatch
-from .layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias, out_norm_ptr
-from .mla import LatentCache, MLAttention
-from .moe import SparseMoE, native_routing, routed_ids
-
-ENABLED = True  # False: always the per-layer calls (tests compare the two; benchmarks/profile_decode.py)
-TAIL = True  # False: the embedding, final norm and head from Python around coli_decode_layers (tests)
+from .stats import StackedRoutes
 
 
-class _Plan:
-    """A model's per-layer constants for coli_decode_layers, built once."""
+class NativeLayers:
+    """The per-layer constants of coli_decode_layers for the blocks lo..lo+len(blocks)-1 of a model, built once
+    by `build` (engine/decode_plan.py holds it)."""
 
     def __init__(self, blocks: list[DecoderBlock], attn: list[native.AttnLayer],
-                 tables: list[native.MoeTables | None], mlps: list[native.Mlp | None], keep: list):
+                 tables: list[native.MoeTables | None], mlps: list[native.Mlp | None], keep: list, lo: int = 0,
+                 whole: bool = True):
         self.blocks = blocks
+        self.lo = lo  # the model's index of blocks[0]: a slot's caches and the step's LayerKVs are the model's
+        self.whole = whole  # every layer of the model (a step's routes handed over at once)
         self.keep = keep  # the MLA layers' structs the AttnLayers point to
         # an MLA model's first attention: whether a step takes the block depends on its rows (_args)
         self.mla = blocks[0].self_attn if isinstance(blocks[0].self_attn, MLAttention) else None
         self.sparse = [i for i, t in enumerate(tables) if t is not None]  # the routed layers' indices
-        # the routed layers an expert cache serves, and those caches (each once)
-        experts = {i: blocks[i].mlp.experts for i in self.sparse}
-        self.cached = [i for i, ex in experts.items() if not ex.source.holds_all(ex.layer)]
-        self.caches = list({id(c): c for c in (experts[i].source.cache_of(experts[i].layer)
-                                                 for i in self.cached)}.values())
-        self.all_sparse = len(self.sparse) == len(blocks)
         self.experts = [blocks[i].mlp.experts for i in self.sparse]
         self.layers = [ex.layer for ex in self.experts]
+        self.source = self.experts[0].source  # (one ExpertSource serves every layer)
+        # the routed layers an expert cache serves (indices into blocks), and their model layers
+        self.cached = [i for i, ex in zip(self.sparse, self.experts) if not ex.source.holds_all(ex.layer)]
+        self.cached_layers = [blocks[i].mlp.experts.layer for i in self.cached]
+        self.all_sparse = len(self.sparse) == len(blocks)
         self.rope = blocks[0].self_attn.rope
         self.k = blocks[self.sparse[0]].mlp.gate.top_k
         self.tables, self.mlps = tables, mlps  # the MoeLayer structs point into them: keep them alive
@@ -117,23 +119,36 @@ def one_call_shape(blocks) -> bool:
     """Whether the model's layers have the shape the one-call step runs (whatever their weights): attention,
     then routed experts with a router the kernels run and one top_k (plus, optionally, a shared expert as a
     dense SwiGLU MLP behind at most a sigmoid gate), or a dense SwiGLU MLP; at least one routed layer. The
-    planner asks this of a model skeleton; `_build` also needs the weights resident, quantized and on the CPU."""
+    planner asks this of a model skeleton; `build` also needs the weights resident, quantized and on the CPU."""
+    return shape_problem(blocks) is None
+
+
+def shape_problem(blocks, lo: int = 0) -> str | None:
+    """Why `one_call_shape` is False, naming the first layer that does not fit (lo: the model's index of
+    blocks[0]); None where the shape fits."""
     ks = set()
-    for b in blocks:
+    for i, b in enumerate(blocks, lo):
         # (a subclass of these with its own `fused` runs the same kernels: Llama 4's attention and MoE; layers of
         # two such attention classes take one call where both are standard attention, MiniMax-M3's dense and sparse)
-        if type(b) is not DecoderBlock or _attn_kind(b.self_attn) is not _attn_kind(blocks[0].self_attn) \
-                or not getattr(b.self_attn, "one_call", True) \
-                or not _fusable(b.self_attn, (Attention, MLAttention)) or not _fusable(b.mlp, (SparseMoE, MLP)):
-            return False
+        if type(b) is not DecoderBlock:
+            return f"layer {i} is a {type(b).__name__}"
+        if _attn_kind(b.self_attn) is not _attn_kind(blocks[0].self_attn) or not _fusable(
+                b.self_attn, (Attention, MLAttention)) or not getattr(b.self_attn, "one_call", True):
+            return f"layer {i}: {type(b.self_attn).__name__} has no one-call kernel"
+        if not _fusable(b.mlp, (SparseMoE, MLP)):
+            return f"layer {i}: {type(b.mlp).__name__} has no one-call kernel"
         moe = b.mlp
         if isinstance(moe, MLP):
             continue
         shared = getattr(moe, moe.shared_name, None)
-        if native_routing(moe.gate) is None or (shared is not None and not _dense_mlp(shared)):
-            return False
+        if native_routing(moe.gate) is None:
+            return f"layer {i}: {type(moe.gate).__name__}'s routing has no kernel"
+        if shared is not None and not _dense_mlp(shared):
+            return f"layer {i}: the shared expert {type(shared).__name__} has no kernel"
         ks.add(moe.gate.top_k)
-    return len(ks) == 1
+    if not ks:
+        return "no routed layer"
+    return None if len(ks) == 1 else f"layers route to different top-k ({sorted(ks)})"
 
 
 def _fusable(m: nn.Module, kinds: tuple[type, ...]) -> bool:
@@ -149,9 +164,14 @@ def _dense_mlp(m: nn.Module) -> bool:
     return type(m) is MLP or (isinstance(m, MLP) and "native_act" in type(m).__dict__)
 
 
-def _build(blocks: nn.ModuleList) -> _Plan | None:
-    if not native.available() or not one_call_shape(blocks):
-        return None
+def build(blocks: list, lo: int = 0, whole: bool = True) -> NativeLayers | str:
+    """The one-call constants of blocks (the model's layers lo..lo+len(blocks)-1), or why they cannot run
+    in one call: the kernels missing, a layer of another shape, weights not resident, quantized and on the CPU."""
+    if not native.available():
+        return f"native kernels unavailable: {native.why_unavailable()}"
+    problem = shape_problem(blocks, lo)
+    if problem is not None:
+        return problem
     attn, tables, mlps, keep = [], [], [], []
     ropes: list = []  # the distinct rotary embeddings: the first layer's table is the call's, a second one's
     alt: list[int] = []  # layers' own (coli_attn_layer.ctab: MiMo-V2-Flash's sliding layers)
@@ -161,35 +181,35 @@ def _build(blocks: nn.ModuleList) -> _Plan | None:
                 if r.dim == rope.dim and r.mscale == rope.mscale and torch.equal(r.inv_freq, rope.inv_freq)]
         if not same:
             if ropes and (len(ropes) == 2 or isinstance(b.self_attn, MLAttention)):
-                return None  # (at most two tables; MLA's block takes the call's)
+                return f"layer {lo + i}: a third rotary table"  # (at most two; MLA's block takes the call's)
             ropes.append(rope)
         if (same[0] if same else rope) is not ropes[0]:
             alt.append(i)
         layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
         if layer is None or getattr(b.self_attn, "mode", None) == "expanded":
-            return None
+            return f"layer {lo + i}: attention weights the native block does not take (not int8/int4 on the CPU)"
         if isinstance(layer, native_mla.MlaLayer):  # the MLA block in the attention block's place
             keep.append(layer)
             layer = native.AttnLayer(hidden=layer.hidden, rot=layer.rope, mla=ctypes.addressof(layer))
         attn.append(layer)
         if out_norm_ptr(b.mlp) is None:
-            return None  # an output norm the kernels do not take
+            return f"layer {lo + i}: an output norm the kernels do not take"
         if isinstance(b.mlp, MLP):
             mlp, t = native_mlp.table(b.mlp), None
         else:
             ex = b.mlp.experts
             w = b.mlp.gate.weight
             if ex.source is None or w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
-                return None
+                return f"layer {lo + i}: its router is not an f32 CPU tensor"
             # (a resident layer's look-ahead reads the next, cached, layer's experts: not run in the call)
-            mlp, t = b.mlp.shared_table(), ex.full_tables() if ex.source.holds_all(ex.layer) else ex.live_tables()
+            mlp, t = b.mlp.shared_table(), ex.source.native_tables(ex)
             if t is None:
-                return None
+                return f"layer {lo + i}: experts the kernels do not take (not int8/int4 on the CPU)"
         if mlp is None:
-            return None  # an MLP the kernel does not run
+            return f"layer {lo + i}: an MLP the kernels do not run"
         tables.append(t)
         mlps.append(mlp or None)
-    plan = _Plan(list(blocks), attn, tables, mlps, keep)
+    plan = NativeLayers(list(blocks), attn, tables, mlps, keep, lo, whole)
     plan.rope_alt, plan.alt = (ropes[1], alt) if alt else (None, [])
     return plan
 
@@ -200,11 +220,10 @@ class _Tail:
 
     struct: native.Tail
     keep: tuple  # the tensors behind the pointers
-    modules: tuple[nn.Module, ...]  # embedding, norm, head: a hook on any of them takes the Python path
     max_rows: int
 
 
-def _tail(model: nn.Module) -> _Tail | None:
+def tail(model: nn.Module) -> _Tail | None:
     """Where the ends of the model take the native calls anyway (bf16 embedding rows, an f32 RMSNorm or
     LayerNorm, a native quantized head with a bf16 bias or none, bf16 compute): the same calls in one, else None."""
     emb, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
@@ -224,25 +243,7 @@ def _tail(model: nn.Module) -> _Tail | None:
                     8 if head.scheme == "int8" else 4, head.group_size if head.scheme == "int4" else 0,
                     head.out_features, nb, hb)
     return _Tail(t, (w, nw, getattr(norm, "bias", None), head.qweight, head.scale, getattr(head, "min", None),
-                     head.bias), (emb, norm, head), min(head.fused_max_rows, native.MOE_MAX_ROWS))
-
-
-def _plan(model: nn.Module) -> _Plan | None:
-    d = model.__dict__
-    if "_native_plan" not in d:
-        d["_native_plan"] = plan = _build(model.model.layers)
-        if plan is not None:
-            plan.tail = _tail(model)
-    plan = d["_native_plan"]
-    if plan is not None and any(b._forward_hooks or b._forward_pre_hooks for b in plan.blocks):
-        return None  # someone watches a block (a device move, a calibration): call each one
-    return plan
-
-
-def forget(model: nn.Module) -> None:
-    """Drop the plan (weights moved: the pointers are stale)."""
-    native.background_wait()
-    model.__dict__.pop("_native_plan", None)
+                     head.bias), min(head.fused_max_rows, native.MOE_MAX_ROWS))
 
 
 @dataclass
@@ -264,19 +265,20 @@ def _kv(c) -> tuple[torch.Tensor, torch.Tensor]:
     return (c.kv, c.kv) if isinstance(c, LatentCache) else (c.k, c.v)
 
 
-def _slot(plan: _Plan, caches: list) -> _Slot | None:
+def _slot(plan: NativeLayers, caches: list) -> _Slot | None:
     """A slot's per-layer cache pointers, cached by the identity of its list and of each cache's
     tensors (a cache moved or replaced gets new pointers, never stale ones)."""
     hit = plan.slots.get(id(caches))
+    mine = caches[plan.lo : plan.lo + len(plan.blocks)]  # (the slot holds every layer's; these are the range's)
     if hit is not None and hit.caches is caches \
-            and all(a is k and b is v for (a, b), k, v in zip(map(_kv, caches), hit.k, hit.v)):
+            and all(a is k and b is v for (a, b), k, v in zip(map(_kv, mine), hit.k, hit.v)):
         return hit
-    c0 = caches[0] if caches else None
+    c0 = mine[0] if mine else None
     kind = LatentCache if plan.mla is not None else KVCache
-    if len(caches) != len(plan.blocks) or not all(isinstance(c, kind) and c.native_like(c0)
-                                                  and c.max_len == c0.max_len for c in caches):
+    if len(mine) != len(plan.blocks) or not all(isinstance(c, kind) and c.native_like(c0)
+                                                and c.max_len == c0.max_len for c in mine):
         return None
-    kv = [_kv(c) for c in caches]
+    kv = [_kv(c) for c in mine]
     ks, vs = (0, 0) if kind is LatentCache else (c0.k.stride(0), c0.v.stride(0))
     hit = _Slot(caches, [k for k, _ in kv], [v for _, v in kv], [k.data_ptr() for k, _ in kv],
                 [v.data_ptr() for _, v in kv], ks, vs, c0.max_len)
@@ -286,7 +288,7 @@ def _slot(plan: _Plan, caches: list) -> _Slot | None:
     return hit
 
 
-def _args(plan: _Plan, batch: StepBatch, T: int, steps: int = 1) -> tuple | None:
+def _args(plan: NativeLayers, batch: StepBatch, T: int, steps: int = 1) -> tuple | None:
     """The step's per-row positions and KV cache pointers, its head strides and rotary rows, for `steps`
     steps from there (a native run: each row one position further a step); None where a sequence's caches
     do not fit the one-call path. The pointer arrays depend only on which slots sit at which rows: kept
@@ -324,52 +326,32 @@ def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
     return (ctypes.c_void_p * (L * T))(*kc), (ctypes.c_void_p * (L * T))(*vc)
 
 
-def _hooks(plan: _Plan, idx: torch.Tensor, wts: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
-    """Hand the step's routes (idx / wts [L, T, k]) to the experts' `on_route` hooks: all at once where
-    every layer's hook is the same capture's alone (engine/stats.py RouteCapture), else layer by layer;
-    with lo / hi, only the blocks lo..hi-1 (a call stopped or resumed there: the block between hooks its own)."""
-    hooks = [ex.on_route for ex in plan.experts]
-    if lo or hi is not None:
-        hi = len(plan.blocks) if hi is None else hi
-        for j, i in enumerate(plan.sparse):
-            if lo <= i < hi and hooks[j] is not None:
-                hooks[j](plan.experts[j].layer, idx[i], wts[i])
-        return
-    idx, wts = plan.routed(idx), plan.routed(wts)
-    cap = getattr(hooks[0], "capture", None)
-    if cap is not None and all(getattr(h, "capture", None) is cap for h in hooks):
-        cap.stacked(plan.layers, idx, wts)
-        return
-    for ex, h, i, w in zip(plan.experts, hooks, idx.unbind(0), wts.unbind(0)):  # (one call for the L views)
-        if h is not None:
-            h(ex.layer, i, w)
+def _routes(plan: NativeLayers, idx: torch.Tensor, wts: torch.Tensor, lo: int = 0, hi: int | None = None):
+    """A call's routes (idx / wts [L, T, k]) as a mapping MoE layer -> (ids [T, k], weights [T, k]): stacked
+    where the call ran every layer of the model (the per-layer views made only when asked), else the blocks
+    lo..hi-1's (a call stopped or resumed there)."""
+    if plan.whole and lo == 0 and hi is None:
+        return StackedRoutes(plan.layers, plan.routed(idx), plan.routed(wts))
+    hi = len(plan.blocks) if hi is None else hi
+    return {ex.layer: (idx[i], wts[i]) for ex, i in zip(plan.experts, plan.sparse) if lo <= i < hi}
 
 
-def _replay(plan: _Plan, idx: torch.Tensor, lo: int, hi: int) -> None:
+def _account(plan: NativeLayers, idx: torch.Tensor, lo: int, hi: int) -> None:
     """The caches account the experts the call used in blocks lo..hi-1 as the fetches they stood for."""
     for i in plan.cached:
         if lo <= i < hi:
             ex = plan.blocks[i].mlp.experts
-            ex.source.cache_of(ex.layer).replay(ex.layer, routed_ids(idx[i]))  # (what SwitchGLU would fetch)
+            plan.source.account(ex.layer, routed_ids(idx[i]))  # (what SwitchGLU would fetch)
 
 
-def _plan_for(model: nn.Module, dtype: torch.dtype, device: torch.device, T: int) -> _Plan | None:
-    if not ENABLED or dtype != torch.bfloat16 or device.type != "cpu" or T > native.MOE_MAX_ROWS:
-        return None
-    return _plan(model)
-
-
-def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None
-             ) -> torch.Tensor | None:
+def step(plan: NativeLayers, tl: _Tail, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None
+         ) -> tuple[torch.Tensor, StackedRoutes] | None:
     """The step's logits f32 [len(out_rows), V] (all T rows when out_rows is None) from one native call --
-    embedding, blocks, final norm, head -- or None where that does not apply."""
+    embedding, blocks, final norm, head -- and its routes; None where this step's rows do not fit it (too many
+    rows, a cache the kernels do not take, a full context)."""
     T = tokens.shape[0]
-    plan = _plan_for(model, model.model.embed_tokens.out_dtype, tokens.device, T)
-    if not TAIL or plan is None or plan.tail is None or plan.cached \
-            or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules):
-        return None
     rows = torch.arange(T) if out_rows is None else out_rows
-    if rows.shape[0] == 0 or rows.shape[0] > plan.tail.max_rows or rows.dtype != torch.int64:
+    if T > native.MOE_MAX_ROWS or rows.shape[0] == 0 or rows.shape[0] > tl.max_rows or rows.dtype != torch.int64:
         return None
     args = _args(plan, batch, T)
     if args is None:
@@ -378,47 +360,41 @@ def run_step(model: nn.Module, tokens: torch.Tensor, batch: StepBatch, out_rows:
         tokens = tokens.to(torch.int64).contiguous()
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    logits, idx, wts = native.decode_step(plan.tail.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows)
-    _hooks(plan, idx, wts)
-    return logits
+    logits, idx, wts = native.decode_step(tl.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows)
+    return logits, _routes(plan, idx, wts)
 
 
-def run_steps(model: nn.Module, tokens: list[int], batch: StepBatch, n_steps: int, stop: torch.Tensor,
-              sampling: list[tuple[float, int, float, float]] | None = None,
-              uniforms: list[list[float]] | None = None, processors: list | None = None,
-              logprobs: list[int | None] | None = None) -> tuple[list[list[int]], torch.Tensor, list | None] | None:
+def steps(plan: NativeLayers, tl: _Tail, tokens: list[int], batch: StepBatch, n_steps: int, stop: torch.Tensor,
+          sampling: list[tuple[float, int, float, float]] | None = None,
+          uniforms: list[list[float]] | None = None, processors: list | None = None,
+          logprobs: list[int | None] | None = None) -> tuple[list[list[int]], torch.Tensor, list | None] | None:
     """Up to n_steps decode steps of the batch's sequences (one row each) in one native call
     (coli_decode_run): `tokens` fed at their sequences' positions, each row's pick fed to it at the next
     (the argmax, or kernels/sample.c with `sampling[t]` and `uniforms[t]`, after `processors[t]`, an
     engine/sampling.py RunProcs or None: native_run.decode_run), ending after
     a step in which a row picked a token of `stop` (int64 [S]) -> (per step the rows' tokens, the steps'
-    expert ids [n, L, T, k], per step and row the log-probs `logprobs[t]` asks for); None where the one-call
-    step does not apply. The routes go to the caller,
-    not to the experts' hooks: it applies only where those are a RouteCapture's alone (the engine's),
-    whose caller counts them."""
+    expert ids [n, L, T, k], per step and row the log-probs `logprobs[t]` asks for); None where these rows do
+    not fit it."""
     T = len(tokens)
-    plan = _plan_for(model, model.model.embed_tokens.out_dtype, torch.device("cpu"), T)  # (_args checks caches)
-    if plan is None or plan.tail is None or plan.cached or T > plan.tail.max_rows \
-            or any(m._forward_hooks or m._forward_pre_hooks for m in plan.tail.modules) \
-            or any(ex.on_route is not None and getattr(ex.on_route, "capture", None) is None for ex in plan.experts):
+    if T > tl.max_rows or any(s.r1 - s.r0 != 1 for s in batch.seqs):
         return None
-    args = None if any(s.r1 - s.r0 != 1 for s in batch.seqs) else _args(plan, batch, T, n_steps)
+    args = _args(plan, batch, T, n_steps)
     if args is None:
         return None
     pos, kc, vc, ks, vs, rope = args
-    steps, idx, _, lps = native_run.decode_run(plan.tail.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks,
-                                               vs, rope, plan.k, n_steps, stop, sampling, uniforms, processors,
-                                               logprobs)
-    return steps, plan.routed(idx), lps
+    out, idx, _, lps = native_run.decode_run(tl.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks,
+                                             vs, rope, plan.k, n_steps, stop, sampling, uniforms, processors,
+                                             logprobs)
+    return out, plan.routed(idx), lps
 
 
-def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
-    """The blocks' output for h [T, hidden] (h itself, overwritten, when contiguous), or None where the
-    one-call path does not apply. A cached layer routed to an expert not in memory runs the per-layer way
-    (its fetch waits for the read, its look-ahead starts the next layer's), and the call resumes after it."""
+def layers(plan: NativeLayers, h: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, dict] | None:
+    """The blocks' output for h [T, hidden] (h itself, overwritten, when contiguous) and their routes, or None
+    where this step's rows do not fit the call. A cached layer routed to an expert not in memory runs the
+    per-layer way (its fetch waits for the read, its look-ahead starts the next layer's; its routes are its
+    experts' `route`), and the call resumes after it."""
     T = h.shape[0]
-    plan = _plan_for(model, h.dtype, h.device, T)
-    if plan is None:
+    if T > native.MOE_MAX_ROWS or h.dtype != torch.bfloat16 or h.device.type != "cpu":
         return None
     args = _args(plan, batch, T)
     if args is None:
@@ -426,18 +402,20 @@ def run(model: nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor | N
     h = h.contiguous()  # (this step's own tensor, the embedding's output: overwritten in place)
     if not plan.cached:
         idx, wts, _ = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k)
-        _hooks(plan, idx, wts)
-        return h
-    L, first = len(plan.blocks), 0
+        return h, _routes(plan, idx, wts)
+    L, first, routes = len(plan.blocks), 0, {}
     while first < L:
-        for c in plan.caches:
-            c.collect_landed()
+        plan.source.collect_landed(plan.cached_layers)
         idx, wts, stop = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, partial=True, first=first)
         end = L if stop is None else stop
-        _hooks(plan, idx, wts, first, end)
-        _replay(plan, idx, first, end)
+        routes.update(_routes(plan, idx, wts, first, end))
+        _account(plan, idx, first, end)
         if stop is None:
             break
-        h = plan.blocks[stop](h, batch.layer(stop)).contiguous()  # (its attention again: the same K/V)
+        block = plan.blocks[stop]
+        h = block(h, batch.layer(plan.lo + stop)).contiguous()  # (its attention again: the same K/V)
+        ex = block.mlp.experts
+        if ex.route is not None:
+            routes[ex.layer], ex.route = ex.route, None
         first = stop + 1
-    return h
+    return h, routes
