@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 
 from colibri.kernels import native, native_mla
-from colibri.models.batch import LayerKV
-from colibri.models.layers import Linear, RMSNorm
-from colibri.models.mla import MLAArgs, MLAttention
+from colibri.layers.batch import LayerKV
+from colibri.layers.layers import Linear, RMSNorm
+from colibri.layers.mla import MLAArgs, MLAttention
 from colibri.quant import QLinear
 
 SHAPES = {  # heads, q_lora_rank, kv_lora_rank, nope, rope, v, hidden

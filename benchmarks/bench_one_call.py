@@ -47,17 +47,9 @@ import colibri  # noqa: E402
 from colibri.convert.converter import convert  # noqa: E402
 from colibri.engine.threads import DecodeThreads  # noqa: E402
 from colibri.kernels import native  # noqa: E402
-from colibri.models import (  # noqa: E402
-    deepseek_v2,
-    deepseek_v3,
-    ernie4_5_moe,
-    gpt_oss,
-    llama4_text,
-    mistral4,
-    mla,
-    native_mlp,
-)
-from colibri.models.moe import SwitchGLU, silu_glu  # noqa: E402
+from colibri.layers import mla, native_mlp  # noqa: E402
+from colibri.layers.moe import SwitchGLU, silu_glu  # noqa: E402
+from colibri.models import deepseek_v2, deepseek_v3, ernie4_5_moe, gpt_oss, llama4_text, mistral4  # noqa: E402
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
         "head_dim": 64, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_experts_per_tok": 4,

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri.kernels import native, native_mla  # noqa: E402
-from colibri.models.batch import Seq, StepBatch  # noqa: E402
+from colibri.layers.batch import Seq, StepBatch  # noqa: E402
 
 KERNELS = ("decode_step", "decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block",
            "attn_decode", "rmsnorm", "rope")

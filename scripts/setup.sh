@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ requirements-dev.txt -nt "$stamp" ] || [ pyproject.tom
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
   touch "$stamp"
 fi
-# Claude Code's CLI, for the test that runs it against `colibri serve` (tests/test_server_anthropic.py), in the
+# Claude Code's CLI, for the test that runs it against `colibri serve` (tests/test_server_claude_code.py), in the
 # ignored .node/; optional: without npm, or offline, that test skips and setup goes on.
 claude=.node/node_modules/.bin/claude
 if command -v npm >/dev/null 2>&1 && ! "$claude" --version >/dev/null 2>&1; then

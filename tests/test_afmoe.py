@@ -17,6 +17,7 @@ from colibri.engine import native_step
 from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.format.container import Container
+from colibri.layers.layers import OutGate
 from colibri.models.afmoe import check_config, sanitize
 from colibri.models.base import build
 
@@ -63,7 +64,8 @@ def test_the_native_blocks_take_afmoes_layers(ckpt) -> None:
         m = llm.model
         for b in m.model.layers:
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
-            assert layer is not None and layer.gate == 1 and layer.out_w == b.self_attn.out_norm.weight.data_ptr()
+            assert layer is not None and layer.gate == OutGate.Q_SIGMOID
+            assert layer.out_w == b.self_attn.out_norm.weight.data_ptr()
             assert b.mlp.out_norm is not None
         plan = DecodePlan(m).native_layers()
         assert plan is not None and native_step.tail(m) is not None

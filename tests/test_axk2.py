@@ -158,7 +158,7 @@ def test_each_gated_layer_in_the_block_is_the_torch_layer(ckpt, scheme: str) -> 
     against the torch layer's to bf16 rounding, for a dense layer (plain post norm) and the MoE layers (gated); with
     the norms' gates off in the block the layers differ far more (so the comparison sees them). (End to end at int4
     a router's near tie can flip an expert at a position: the layer-level check is the exact one.)"""
-    from colibri.models.batch import LayerKV
+    from colibri.layers.batch import LayerKV
 
     over = {"q_lora_rank": 32} if scheme == "int4" else {}  # (int4: q_b_proj reads 2 q_lora, in groups of 32)
     g = torch.Generator().manual_seed(0)

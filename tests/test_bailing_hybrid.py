@@ -18,9 +18,9 @@ from test_native_step import _spy, prompt_then_decode
 import colibri
 from colibri.errors import ColibriError
 from colibri.kernels import native
+from colibri.layers.mla import MLAttention
 from colibri.models import bailing_hybrid
 from colibri.models.base import build
-from colibri.models.mla import MLAttention
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 # transformers' prompts take its chunked KDA, ours the recurrence, and a bounded decay keeps more of the state (larger

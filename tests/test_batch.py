@@ -214,3 +214,15 @@ def test_short_prompts_go_in_native_sized_steps(ckpt, monkeypatch):
         got_native = list(llm.generate_ids(prompt, 4, ignore_eos=True, prompt_logprobs=0))  # (no cache)
         assert rows[:9] == [16] * 6 + [4, 1, 1]  # 100 rows <= 100: native-sized steps throughout
     assert got == ref == got_native and len(again) == 4
+
+
+def test_a_request_whose_sampling_fails_ends_alone(ckpt) -> None:
+    """A request whose picking raises after its step (logits / 1e-300: no finite value to sample) ends with the
+    error; the engine thread goes on and the next request decodes as before."""
+    import colibri
+
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=32, threads=2) as llm:
+        want = list(llm.generate_ids([1, 2, 3], 4, temperature=0, ignore_eos=True))
+        with pytest.raises(ValueError, match="cannot sample"):
+            list(llm.generate_ids([1, 2, 3], 4, temperature=1e-300, ignore_eos=True))
+        assert list(llm.generate_ids([1, 2, 3], 4, temperature=0, ignore_eos=True)) == want

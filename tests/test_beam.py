@@ -17,6 +17,7 @@ from colibri.engine import native_step
 from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.kernels import native
+from colibri.layers.layers import OutGate
 from colibri.models import beam
 from colibri.models.base import build
 
@@ -63,7 +64,7 @@ def test_the_query_scale_is_transformers_far_out(ckpt) -> None:
 def test_positions_past_the_table_take_the_formula() -> None:
     """Past the table (cut to 16 entries here) the torch layer computes the same f32 values, and the block's limit
     follows."""
-    from colibri.models.batch import LayerKV
+    from colibri.layers.batch import LayerKV
 
     model, _ = build("beam", {**tiny_config_kwargs("beam")})
     attn = model.model.layers[1].self_attn
@@ -110,7 +111,7 @@ def test_each_layer_in_the_block_is_the_torch_layer(ckpt, scheme: str) -> None:
     """Layer by layer on the same rows at positions 20000-20005 (the full layer's query scale ~1.25): the native
     block's (h + attention, post norm) against the torch layer's to bf16 rounding; with the gate's bias or the
     query scale left out of the block the layers differ far more (so the comparison sees them)."""
-    from colibri.models.batch import LayerKV
+    from colibri.layers.batch import LayerKV
 
     g, start = torch.Generator().manual_seed(0), 20000
     with colibri.load(ckpt.coli("beam", scheme), ctx_size=64, threads=2) as llm:
@@ -151,7 +152,7 @@ def test_the_native_blocks_take_beams_layers(ckpt) -> None:
         m = llm.model
         for b in m.model.layers:
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
-            assert layer is not None and layer.gate == 1 and layer.bg
+            assert layer is not None and layer.gate == OutGate.Q_SIGMOID and layer.bg
             assert bool(layer.temp) == b.self_attn.has_table and layer.in_eps == pytest.approx(b.input_layernorm.eps)
         plan = DecodePlan(m).native_layers()
         assert plan is not None and native_step.tail(m) is not None

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from colibri.models.moe import ExpertWeights
+from colibri.layers.moe import ExpertWeights
 from colibri.store.cache import ExpertCache
 
 SLOT = 4096

@@ -18,8 +18,8 @@ from colibri.convert.converter import convert
 from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.format.container import Container
+from colibri.layers.layers import is_rms
 from colibri.models.dbrx import check_config, flat_config, sanitize
-from colibri.models.layers import is_rms
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 

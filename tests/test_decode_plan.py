@@ -13,7 +13,7 @@ from test_native import PROMPTS
 import colibri
 from colibri.engine.decode_plan import DecodePlan
 from colibri.kernels import native
-from colibri.models.batch import Seq, StepBatch
+from colibri.layers.batch import Seq, StepBatch
 
 
 def _whole_and_halves(llm, plan: DecodePlan, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ def test_the_native_block_writes_the_indexers_keys(ckpt, monkeypatch) -> None:
     """bf16 int8, a context within index_topk (every position kept): the native MLA block's run gives the torch
     layer's tokens, and writes every position's indexer key -- layer 0's (whose input both runs share) bit for
     bit the torch layer's; the one-call step stays off (it would skip the keys)."""
-    from colibri.models import mla
+    from colibri.layers import mla
 
     over = {"q_lora_rank": 32, "kv_lora_rank": 32, "index_topk": 64}
     out = {}
@@ -138,7 +138,7 @@ def test_past_index_topk_each_layer_in_the_block_is_the_torch_layer(ckpt, family
 
     from test_native_step import prompt_then_decode
 
-    from colibri.models.batch import LayerKV
+    from colibri.layers.batch import LayerKV
 
     over = {"q_lora_rank": 32, "kv_lora_rank": 32} if scheme == "int4" else {}
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ from colibri.errors import ColibriError
 from colibri.models.family import Family, family, supported
 
 
-def test_every_family_module_declares_itself_and_shared_modules_none():
+def test_models_holds_only_families():  # shared pieces live in colibri/layers/
     names = set(supported())
     for m in pkgutil.iter_modules(colibri.models.__path__):
         mod = importlib.import_module(f"colibri.models.{m.name}")
@@ -19,7 +19,7 @@ def test_every_family_module_declares_itself_and_shared_modules_none():
             assert declared == [mod.FAMILY] and mod.FAMILY.name == m.name, m.name
             assert family(m.name) is mod.FAMILY
         else:
-            assert declared == [], m.name
+            assert m.name in ("base", "family") and declared == [], m.name
     assert len(names) >= 53 and {"mixtral", "olmoe", "deepseek_v3"} <= names
 
 

@@ -9,8 +9,8 @@ import pytest
 import colibri
 from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
+from colibri.layers.layers import NoNorm
 from colibri.models.flex_olmo import check_config, sanitize
-from colibri.models.layers import NoNorm
 
 
 def test_names() -> None:

@@ -145,7 +145,7 @@ def test_unsupported_configs_are_refused_by_name(over: dict, field: str) -> None
 def test_the_fused_attention_block_gives_the_layer_by_layer_bits(ckpt, monkeypatch, scheme: str, over: dict) -> None:
     """kernels/block.c with keys as values and the values' weightless norm: the bits of the same kernels called one
     by one, step after step, and every layer took it."""
-    from colibri.models.batch import StepBatch
+    from colibri.layers.batch import StepBatch
     from colibri.models.gemma4_text import Gemma4Attention
 
     def logits(llm, fused: bool) -> torch.Tensor:

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 import colibri
 from colibri.convert.converter import convert
 from colibri.errors import ColibriError
-from colibri.models import layers
+from colibri.layers import layers
+from colibri.layers.layers import attend
 from colibri.models.gpt_oss import (
     SoftmaxTopKRouter,
     check_config,
@@ -25,7 +26,6 @@ from colibri.models.gpt_oss import (
     expert_record,
     mxfp4_dequantize,
 )
-from colibri.models.layers import attend
 
 # ----------------------------------------------------------------------------- attention sinks
 

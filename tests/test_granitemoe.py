@@ -11,8 +11,8 @@ from hf_tiny import hf_logits, load_hf
 import colibri
 from colibri.errors import ColibriError
 from colibri.format.container import Container
+from colibri.layers.moe import SoftmaxTopKRouter
 from colibri.models.granitemoe import check_config, sanitize
-from colibri.models.moe import SoftmaxTopKRouter
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 

@@ -18,9 +18,9 @@ from test_native_step import _spy, prompt_then_decode
 import colibri
 from colibri.errors import ColibriError
 from colibri.kernels import native
+from colibri.layers.mamba2 import ssd_chunked
 from colibri.models.base import build
 from colibri.models.granitemoehybrid import check_config, layer_kinds, sanitize, time_step_limit
-from colibri.models.mamba2 import ssd_chunked
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 
@@ -113,8 +113,8 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
     gives the rows' bits; every Mamba layer of every decode step took the call asked for (biased projections: the
     block declines, the rows' call runs)."""
     from colibri.kernels import native_mamba
-    from colibri.models import mamba2
-    from colibri.models.mamba2 import Mamba2Mixer
+    from colibri.layers import mamba2
+    from colibri.layers.mamba2 import Mamba2Mixer
 
     def logits(llm, mode: str) -> torch.Tensor:
         taken: list[bool] = []

@@ -10,8 +10,8 @@ from transformers import HunYuanMoEV1Config
 from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1RotaryEmbedding
 
 from colibri.errors import ColibriError
+from colibri.layers.layers import rope_inv_freq, rope_scaling
 from colibri.models.hunyuan_v1_moe import ModelArgs, check_config, sanitize
-from colibri.models.layers import rope_inv_freq, rope_scaling
 from tests.hf_tiny import tiny_config_kwargs
 
 

@@ -78,7 +78,7 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
     the modules between (where x_proj or dt_proj is not a native QLinear); each agrees with the torch form to bf16
     rounding and picks the same tokens, and every Mamba layer of every decode step took the call asked for."""
     from colibri.kernels import native_mamba
-    from colibri.models import mamba1
+    from colibri.layers import mamba1
 
     def logits(llm, mode: str) -> torch.Tensor:
         taken: list[bool] = []

@@ -27,7 +27,7 @@ def test_kda_rows_in_the_kernel_agree_with_the_torch_path(ckpt, monkeypatch, sch
     one coli_kda_rows call a layer. The kernels agree with torch to bf16 rounding (logits, states) and pick the
     same token wherever rounding cannot flip it; every KDA layer of every step took the call asked for."""
     from colibri.kernels import native_kda
-    from colibri.models import kda
+    from colibri.layers import kda
 
     def run(llm, mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         rows_taken: list[bool] = []

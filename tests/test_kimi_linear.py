@@ -18,10 +18,10 @@ from test_native_step import _spy, prompt_then_decode
 import colibri
 from colibri.errors import ColibriError
 from colibri.kernels import native
+from colibri.layers.kda import kda_step, l2norm
+from colibri.layers.mla import MLAttention
 from colibri.models import kimi_linear
 from colibri.models.base import build
-from colibri.models.kda import kda_step, l2norm
-from colibri.models.mla import MLAttention
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 # transformers' prompts take its chunked KDA, ours the recurrence (the same sums in another order), and the state

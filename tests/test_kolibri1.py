@@ -13,9 +13,9 @@ from transformers import Kolibri1Config
 
 from colibri.convert.converter import convert
 from colibri.errors import ColibriError
+from colibri.layers.moe import BiasedLogitRouter
 from colibri.models.base import build
 from colibri.models.kolibri1 import ModelArgs, check_config, sanitize
-from colibri.models.moe import BiasedLogitRouter
 
 
 def _cfg(**over) -> dict:

@@ -16,9 +16,9 @@ import colibri
 from colibri.errors import ColibriError
 from colibri.format.container import Container
 from colibri.kernels import native
+from colibri.layers.mla import MLAttention
 from colibri.models import longcat_flash as lc
 from colibri.models.base import build
-from colibri.models.mla import MLAttention
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -168,7 +168,7 @@ def test_decode_rows_in_the_kernels_agree_with_the_torch_path(ckpt, monkeypatch,
     """bf16 decode rows: both MLA sublayers of every layer in kernels/mla.c's block (the spy counts them), the
     dense MLPs and the experts in the kernels; against the same model in torch (MLA unfused, experts and MLPs in torch
     ops) to bf16 rounding, with the same top token at every step."""
-    from colibri.models import moe, native_mlp
+    from colibri.layers import moe, native_mlp
 
     def logits(llm, native_path: bool) -> torch.Tensor:
         taken: list[bool] = []

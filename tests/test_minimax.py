@@ -17,10 +17,10 @@ import colibri
 from colibri.errors import ColibriError
 from colibri.format.container import Container
 from colibri.kernels import native
+from colibri.layers.lightning import lightning, slope_rate
+from colibri.layers.moe import SparseMoE
 from colibri.models import minimax
 from colibri.models.base import build
-from colibri.models.lightning import lightning, slope_rate
-from colibri.models.moe import SparseMoE
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
 
@@ -111,8 +111,8 @@ def test_decode_rows_run_in_the_kernels(ckpt, monkeypatch, scheme: str) -> None:
     residual between) and each MoE layer in kernels/moe.c's block with alpha x as its residual (the spies count every
     layer of every decode step; the prompt's rows take the blocked form in torch), against the torch path (lightning in
     torch ops, the experts in torch ops) to bf16 rounding, with the same top token at every step."""
-    from colibri.models import moe
-    from colibri.models.lightning import LightningAttention
+    from colibri.layers import moe
+    from colibri.layers.lightning import LightningAttention
 
     def logits(llm, native_path: bool) -> torch.Tensor:
         taken: list[bool] = []

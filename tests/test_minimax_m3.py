@@ -105,7 +105,7 @@ def test_sparse_layers_past_the_span_run_in_the_block(ckpt, scheme: str, rows: i
     chunk) take the kernels' block with each row's kept blocks (coli_attn_layer.keep): its (h + attention, post norm)
     against the torch layer's from the same caches at positions 40.. to bf16 rounding, and far off when the block
     keeps every block."""
-    from colibri.models.batch import LayerKV
+    from colibri.layers.batch import LayerKV
 
     g, start = torch.Generator().manual_seed(0), 40
     with colibri.load(ckpt.coli("minimax_m3_vl_text", scheme), ctx_size=64, threads=2) as llm:

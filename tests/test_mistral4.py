@@ -43,7 +43,7 @@ def test_a_config_without_rope_parameters_means_transformers_defaults() -> None:
 def test_rows_past_the_scaling_limit_leave_the_native_blocks(ckpt) -> None:
     """Below original_max_position_embeddings (16 here) the query scale is 1 and the native MLA block runs; a row
     at or past it takes torch's layer, which scales (and so does the one-call step: it stops at pos_limit)."""
-    from colibri.models.batch import LayerKV
+    from colibri.layers.batch import LayerKV
 
     with colibri.load(ckpt.coli("mistral4", "int8", q_lora_rank=32, kv_lora_rank=32), ctx_size=64, threads=2) as llm:
         block = llm.model.model.layers[0]

@@ -12,10 +12,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 import colibri
 from colibri.convert.converter import convert
-from colibri.models.batch import StepBatch
-from colibri.models.layers import Linear, rope_inv_freq, rope_scaling, rope_theta
-from colibri.models.mla import LatentCache, MLAArgs, MLAttention
-from colibri.models.moe import SwitchGLU
+from colibri.layers.batch import StepBatch
+from colibri.layers.layers import Linear, rope_inv_freq, rope_scaling, rope_theta
+from colibri.layers.mla import LatentCache, MLAArgs, MLAttention
+from colibri.layers.moe import SwitchGLU
 from colibri.quant import QLinear
 
 PROMPT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from colibri import quant
 from colibri.kernels import native
-from colibri.models.moe import ExpertWeights, SwitchGLU
+from colibri.layers.moe import ExpertWeights, SwitchGLU
 from colibri.quant import QLinear, dequantize, quantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
@@ -48,8 +48,8 @@ def test_native_mlp_matches_dequantized(scheme: str, gated: bool) -> None:
     f32 math on the dequantized weights: within the rounding of the bf16 rows and activations (the kernels
     quantize them per block on the VNNI paths, as every native projection does; measured 0.4-1.2%); each
     row as it is alone."""
-    from colibri.models import native_mlp
-    from colibri.models.layers import MLP
+    from colibri.layers import native_mlp
+    from colibri.layers.layers import MLP
 
     torch.manual_seed(gated)
     H, inter, T = 128, 192, 5
@@ -207,7 +207,7 @@ def test_fused_moe_layer_matches_per_expert_path(scheme: str, dt: torch.dtype, t
 # 16-position blocks and a tail, one short of a block; Dv 64 / 128 / another; Gemma 4's heads of 256 and 512
 @pytest.mark.parametrize("D,S", [(64, 37), (128, 300), (96, 21), (64, 5), (256, 40), (512, 33)])
 def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bool, D: int, S: int) -> None:
-    from colibri.models.layers import attend
+    from colibri.layers.layers import attend
 
     torch.manual_seed(1)
     H, Hkv = 8, 2
@@ -248,7 +248,7 @@ def test_attention_rows_of_a_chunk_give_each_rows_own_bits(D: int, with_sinks: b
 
 
 def test_rmsnorm_and_rope_match_f32_reference() -> None:
-    from colibri.models.layers import RMSNorm, RoPE
+    from colibri.layers.layers import RMSNorm, RoPE
 
     torch.manual_seed(2)
     norm = RMSNorm(96, 1e-5)
@@ -294,7 +294,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3, 88, 120, 31, 9],
 
 def _decode_logits(path, monkeypatch: pytest.MonkeyPatch, use_native: bool) -> torch.Tensor:
     import colibri
-    from colibri.models.batch import StepBatch
+    from colibri.layers.batch import StepBatch
 
     with monkeypatch.context() as mp:
         if not use_native:
@@ -390,10 +390,10 @@ def _router(kind: str, hidden: int, experts: int, k: int, norm: bool):
     with a selection bias and a weight scale, one group (MiniMax-M2's / GLM-4.5's), or a softmax one with a
     selection bias (ERNIE-4.5's: `norm` False puts its renormalisation floor above any sum), with random
     weights."""
+    from colibri.layers.moe import TopKRouter
     from colibri.models.ernie4_5_moe import Router
     from colibri.models.glm4_moe import GroupLimitedRouter
     from colibri.models.gpt_oss import SoftmaxTopKRouter
-    from colibri.models.moe import TopKRouter
     from colibri.models.phimoe import SparsemixerRouter
 
     if kind == "softmax":

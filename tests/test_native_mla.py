@@ -1,4 +1,4 @@
-"""DeepSeek's MLA attention in one native call (kernels/mla.c, through models/mla.py `MLAttention.fused`): as
+"""DeepSeek's MLA attention in one native call (kernels/mla.c, through layers/mla.py `MLAttention.fused`): as
 accurate as the torch ops it replaces, each row's bits independent of the other rows of its call, and taken
 by every layer of a DeepSeek model's bf16 decode steps without changing what a batch generates."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from colibri.kernels import native, native_run
-from colibri.models.batch import LayerKV
-from colibri.models.layers import Linear, RMSNorm
-from colibri.models.mla import MLAArgs, MLAttention
+from colibri.layers.batch import LayerKV
+from colibri.layers.layers import Linear, RMSNorm
+from colibri.layers.mla import MLAArgs, MLAttention
 from colibri.quant import QLinear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")

@@ -17,9 +17,9 @@ def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.T
     native call ("whole": embedding, blocks, norm, head), all blocks in one call ("one_call"), the fused
     blocks one layer at a time ("fused"), or neither ("unfused")."""
     from colibri.engine.decode_plan import DecodePlan
-    from colibri.models.batch import Seq, StepBatch
-    from colibri.models.layers import Attention
-    from colibri.models.moe import SparseMoE
+    from colibri.layers.batch import Seq, StepBatch
+    from colibri.layers.layers import Attention
+    from colibri.layers.moe import SparseMoE
 
     out: dict[str, torch.Tensor] = {}
     plan = DecodePlan(llm.model, native=mode in ("whole", "one_call"), whole_step=mode == "whole")
@@ -53,7 +53,7 @@ def prompt_then_decode(llm, prompt: list[int], first: int = 4, routes: list | No
     """Logits f32 [1 + len(prompt) - first, V] on slot 0: the last of the prompt's first `first` rows (one step),
     then each later token as a decode step (what the kernel tests compare path against path); `routes` gets each
     step's (layer, ids, weights) as lists, layer by layer."""
-    from colibri.models.batch import StepBatch
+    from colibri.layers.batch import StepBatch
 
     cache, rows = llm.slots.caches[0], []
     llm.plan.take_routes()
@@ -83,7 +83,7 @@ def prompt_then_decode(llm, prompt: list[int], first: int = 4, routes: list | No
     # the L2 q/k norm after RoPE, a layer without RoPE and its temperature, chunked attention, the expert's
     # scaled input, dense layers between MoE ones
     ("llama4_text", {}),
-    ("hunyuan_v1_moe", {}),  # (its per-head q/k norm after the rotary: the block's qk_norm 3 with weights)
+    ("hunyuan_v1_moe", {}),  # (its per-head q/k norm after the rotary: QKNorm.HEAD_POST_ROPE with weights)
     ("exaone_moe", {}),  # (q/k norm, full layers without the rotary, sliding ones, a grouped router)
     # Mistral 4: DeepSeek-V3's MLA and a softmax router, queries unscaled below original_max_position_embeddings
     ("mistral4", {"q_lora_rank": 32, "kv_lora_rank": 32, "rope_parameters": {
@@ -123,7 +123,7 @@ def prompt_then_decode(llm, prompt: list[int], first: int = 4, routes: list | No
     ("minimax_m3_vl_text", {"index_topk_blocks": 16}),
     ("mellum", {}),  # (a RoPE base per layer type, a sliding layer, a dense one)
     ("cohere2_moe", {}),  # (parallel blocks: the MLP reads the attention's input norm; LayerNorms; NoPE layers)
-    # Laguna: the softplus output gate (a head's, a channel's: the block's gate 3 / 2), heads and RoPE per layer
+    # Laguna: the softplus output gate (OutGate.HEAD_SOFTPLUS, OutGate.CHANNEL_SOFTPLUS), heads and RoPE per layer
     ("laguna", {}), ("laguna", {"gating": "per-element"})])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overrides, scheme) -> None:
@@ -137,8 +137,8 @@ def test_fused_blocks_give_the_unfused_bits(ckpt, monkeypatch, model_type, overr
     over their own predecessors, written in the same call) matches the one-row steps."""
     import colibri
     from colibri.kernels import native
-    from colibri.models.mla import MLAttention
-    from colibri.models.moe import SparseMoE
+    from colibri.layers.mla import MLAttention
+    from colibri.layers.moe import SparseMoE
 
     llm = colibri.load(ckpt.coli(model_type, scheme, **overrides), ctx_size=64, slots=2, threads=2)
     for b in llm.model.model.layers:  # MLA: the absorbed form (the block's) for every step, the first ones too
@@ -181,7 +181,7 @@ def test_one_call_step_follows_replaced_caches(ckpt) -> None:
     import colibri
     from colibri.engine.decode_plan import DecodePlan
     from colibri.kernels import native as nat
-    from colibri.models.batch import StepBatch
+    from colibri.layers.batch import StepBatch
 
     llm = colibri.load(ckpt.coli("olmoe", "int8"), ctx_size=32, slots=1, threads=2)
     torch_plan = DecodePlan(llm.model, native=False)

@@ -88,7 +88,8 @@ def test_ungated_experts_in_the_kernels_agree_with_torch(ckpt, monkeypatch, sche
     expert's torch forms over the same quantized weights, 24 prompt rows and 8 decode steps: logits to the kernels'
     rounding (their int8 activations: docs/QUANT.md), the top token of nearly every row the same; the fused call ran
     for both MoE layers of every step."""
-    from colibri.models import moe, nemotron_h
+    from colibri.layers import moe
+    from colibri.models import nemotron_h
 
     def run(native_on: bool) -> tuple[torch.Tensor, int]:
         calls: list[int] = []
@@ -141,7 +142,7 @@ def test_latent_experts_run_in_the_kernels(ckpt, monkeypatch) -> None:
     """Nemotron 3 Super's latent MoE: the routed experts (over the 32-wide latent rows) in the MoE kernel, between
     the projections in their modules; the logits of 24 prompt rows and the decode steps agree with the experts' torch
     form to the kernels' rounding, the top token of nearly every row the same."""
-    from colibri.models import moe
+    from colibri.layers import moe
 
     def run(native_on: bool) -> tuple[torch.Tensor, int]:
         calls: list[int] = []

@@ -15,7 +15,7 @@ from colibri.convert.converter import convert
 from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.format.validate import check_config as validate_config
-from colibri.models.layers import is_rms, rope_inv_freq
+from colibri.layers.layers import is_rms, rope_inv_freq
 from colibri.models.phimoe import SparsemixerRouter, check_config, sanitize
 
 

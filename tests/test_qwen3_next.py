@@ -15,8 +15,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 import colibri
 from colibri.errors import ColibriError
 from colibri.kernels import native
+from colibri.layers.linear_attn import StateCache, delta_chunked, delta_step, l2norm
 from colibri.models.base import build
-from colibri.models.linear_attn import StateCache, delta_chunked, delta_step, l2norm
 from colibri.models.qwen3_next import check_config, prepare, sanitize
 
 P = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200, 11, 3]
@@ -133,7 +133,7 @@ def test_a_slot_costs_its_attention_positions_plus_fixed_states() -> None:
 def _both_ways(ckpt, model_type: str, scheme: str, monkeypatch, flag: str, kernel: str) -> dict[bool, list]:
     """Three bf16 requests batched, with linear_attn.`flag` on and off: per request its tokens and each token's
     (log-prob, top 3); the native_delta `kernel` must run exactly when the flag is on."""
-    from colibri.models import linear_attn
+    from colibri.layers import linear_attn
 
     calls: list[int] = []
     real = getattr(linear_attn.native_delta, kernel)
@@ -157,7 +157,7 @@ def _both_ways(ckpt, model_type: str, scheme: str, monkeypatch, flag: str, kerne
 def test_native_decode_rows_agree_with_the_torch_path(ckpt, model_type, scheme, monkeypatch) -> None:
     """kernels/delta.c (bf16 decode rows of several sequences) against the torch path: the same arithmetic in
     another summation order, so the same tokens and log-probs to bf16 rounding."""
-    from colibri.models import linear_attn
+    from colibri.layers import linear_attn
 
     monkeypatch.setattr(linear_attn, "FUSED", False)  # (the fused block calls the same rows from C)
     out = _both_ways(ckpt, model_type, scheme, monkeypatch, "NATIVE", "delta_rows")

@@ -11,9 +11,9 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from colibri.layers.layers import MLP
+from colibri.layers.moe import SparseMoE
 from colibri.models import deepseek_v2, deepseek_v3
-from colibri.models.layers import MLP
-from colibri.models.moe import SparseMoE
 
 
 def _args(module, E: int, k: int, **kw):

@@ -40,6 +40,11 @@ VALID: list[tuple[str, str, object]] = [
     ("POST", "/v1/responses", {"input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 5, "stream": True}),
     ("POST", "/api/chat", {"messages": MESSAGES, "stream": False, "options": {"num_predict": 4, "temperature": 0}}),
     ("POST", "/api/chat", {"messages": MESSAGES, "options": {"num_predict": 5}, "think": True}),
+    ("POST", "/api/chat", {"messages": [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {
+            "city": "Paris", "days": 1}}}]},
+        {"role": "tool", "content": "sunny"}], "tools": [WEATHER], "stream": False, "options": {"num_predict": 4}}),
     ("POST", "/api/generate", {"prompt": "Hi", "stream": False, "options": {"num_predict": 4}, "raw": True}),
     ("POST", "/api/generate", {"prompt": "Hi", "system": "Be brief.", "options": {"num_predict": 4}}),
     ("POST", "/api/show", {"model": "tiny"}),
@@ -51,6 +56,14 @@ VALID: list[tuple[str, str, object]] = [
                                         "stop_sequences": ["x"], "output_config": {"effort": "high"}}),
     ("POST", "/v1/messages", {"messages": [{"role": "user", "content": "Paris?"}], "max_tokens": 24,
                               "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}}),
+    ("POST", "/v1/messages", {"messages": [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": ""},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris", "days": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "sunny"}]}, {"type": "text", "text": "And?"}]},
+        {"role": "assistant", "content": "So"}], "max_tokens": 5, "tools": [ANTHROPIC_TOOL], "stream": True}),
     ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi"}],
                                            "tools": [ANTHROPIC_TOOL]}),
     ("POST", "/tokenize", {"prompt": "Hi there", "with_pieces": True}),
@@ -66,9 +79,9 @@ VALID: list[tuple[str, str, object]] = [
 ]
 ODD_PATHS = ["/v1/nope", "/api/nope", "/v1/messages/nope", "/slots/x?action=save", "/slots/99?action=erase",
              "/v1/responses/x/input_items?limit=many", "/slots/-1?action=save", "/v1/models/%00"]
-WEIRD = [None, True, False, 0, -1, 7, 2 ** 31, 10 ** 30, -10 ** 30, 1e308, -0.5, 3.7, float("nan"), float("inf"), "",
-         "x", "\u0000", "\ud800", "🦜" * 3, [], [None], [1, "a", {}], {}, {"type": "x"}, {"a": {"b": [1]}},
-         {"role": "user"}, [{"type": "image"}], "tiny", "claude-x", "auto", "required", "none"]
+WEIRD = [None, True, False, 0, -1, 7, 2 ** 31, 10 ** 30, -10 ** 30, 1e308, 1e-300, -0.5, 3.7, float("nan"),
+         float("inf"), "", "x", "\u0000", "\ud800", "🦜" * 3, [], [None], [1, "a", {}], {}, {"type": "x"},
+         {"a": {"b": [1]}}, {"role": "user"}, [{"type": "image"}], "tiny", "claude-x", "auto", "required", "none"]
 
 
 def _paths(obj, at=()):
@@ -223,6 +236,9 @@ def test_fuzz_every_endpoint(chat_model, tmp_path):
                "--slot-save-path", str(tmp_path))
     t0 = time.monotonic()
     try:
+        # a slot that holds nothing has nothing to save: a 400 (it was a 500 when the save wrote no file)
+        status, r = s.request("POST", "/slots/0?action=save", {"filename": "ok.bin"}, {"x-api-key": KEY})
+        assert status == 400 and r["error"]["code"] == "slot_empty", r
         with ThreadPoolExecutor(THREADS) as pool:
             drops = [pool.submit(_drop, s.port, SEED * 100_003 + i) for i in range(N_DROPS)]
             results = list(pool.map(lambda i: _one(s.port, SEED * 1_000_003 + i), range(N_REQUESTS)))

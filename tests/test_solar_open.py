@@ -10,7 +10,7 @@ import pytest
 
 import colibri
 from colibri.errors import ColibriError
-from colibri.models.moe import SparseMoE
+from colibri.layers.moe import SparseMoE
 from colibri.models.solar_open import ModelArgs, check_config
 
 

@@ -54,7 +54,7 @@ class _Loader:
         return 1
 
     def load(self, layer: int, expert: int, buf):
-        from colibri.models.moe import ExpertWeights
+        from colibri.layers.moe import ExpertWeights
 
         return ExpertWeights(gate_up=buf, down=None)
 

@@ -266,7 +266,7 @@ class LookAhead:
 def trace_text(llm, text: str, window: int | None = None) -> RouteTrace:
     """Run the engine teacher-forced over `text` (windows of the context size) and collect the trace,
     look-ahead predictions included."""
-    from ..models.moe import SwitchGLU
+    from ..layers.moe import SwitchGLU
     from .trace import RouteCollector
 
     ids = llm.tokenizer.encode(text)

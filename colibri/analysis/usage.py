@@ -144,7 +144,7 @@ class Recorder:
     """
 
     def __init__(self, llm):
-        from ..models.moe import SwitchGLU
+        from ..layers.moe import SwitchGLU
 
         self.llm = llm
         model = llm.model

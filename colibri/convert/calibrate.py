@@ -202,7 +202,7 @@ class _RecordingSource:
 def budget_full_names(model: torch.nn.Module, budget: int) -> set[str]:
     """The weights whose x x^T (f64) fit in `budget` bytes, in priority order: each MoE layer's
     pooled expert `gate_up` (one matrix serves all the layer's experts), then dense linears, smallest first."""
-    from ..models.moe import SwitchGLU
+    from ..layers.moe import SwitchGLU
     from ..quant import QLinear
 
     pooled = [(f"{n}.{POOLED}.gate_up.weight", m.hidden ** 2) for n, m in model.named_modules()
@@ -219,7 +219,7 @@ def budget_full_names(model: torch.nn.Module, budget: int) -> set[str]:
 
 def full_stats_bytes(model: torch.nn.Module) -> int:
     """Bytes the full E[x x^T] statistics of every linear and routed expert of `model` would take (f64)."""
-    from ..models.moe import SwitchGLU
+    from ..layers.moe import SwitchGLU
     from ..quant import QLinear
 
     n = 0
@@ -244,7 +244,7 @@ def gather(model: str | os.PathLike, text: str, ctx_size: int = 512, threads: in
     from tqdm import tqdm
 
     from ..api import Engine
-    from ..models.moe import SwitchGLU
+    from ..layers.moe import SwitchGLU
     from ..quant import QLinear
 
     with Engine(model, ctx_size=ctx_size, threads=threads, slots=slots) as eng:

@@ -9,7 +9,7 @@ several decode steps at once. Two backends:
   from disk run in the same call, which stops at a miss, runs that layer the torch way and resumes.
 - torch: the modules' own `forward` (models/base.py CausalLM.forward is the readable reference): any device
   and dtype. Its blocks call the per-layer native kernels where those take their weights
-  (models/layers.py DecoderBlock), so a layer range that is not native is still far from pure torch.
+  (layers/layers.py DecoderBlock), so a layer range that is not native is still far from pure torch.
 
 The backend of each layer range is decided here, once, with the reason recorded (`describe`, logged at load).
 Each step's routes come back as values (`take_routes`): the native calls return them, the torch layers leave them
@@ -29,8 +29,8 @@ from torch import nn
 
 from ..kernels import native
 from ..kernels import native as _kernels  # (`native` is also rebuild's argument)
-from ..models.batch import StepBatch
-from ..models.moe import SwitchGLU
+from ..layers.batch import StepBatch
+from ..layers.moe import SwitchGLU
 from . import native_step
 
 Routes = Mapping[int, tuple[torch.Tensor, torch.Tensor]]  # MoE layer -> (ids [R, k], weights [R, k])
@@ -115,7 +115,7 @@ class DecodePlan:
     # ------------------------------------------------------------------ the step
 
     def step(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [T]: the step's rows (models/batch.py) -> logits f32 [T, V], or [len(out_rows), V] for just those
+        """tokens [T]: the step's rows (layers/batch.py) -> logits f32 [T, V], or [len(out_rows), V] for just those
         rows (the head is a decode step's biggest matmul: skip rows nobody samples)."""
         self._fresh()
         nat = self._ranges[(0, self.n_layers)]

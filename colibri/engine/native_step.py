@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from ..kernels import native, native_mla, native_run
-from ..models import native_mlp
-from ..models.batch import StepBatch
-from ..models.layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias, out_norm_ptr
-from ..models.mla import LatentCache, MLAttention
-from ..models.moe import SparseMoE, native_routing, routed_ids
+from ..layers import native_mlp
+from ..layers.batch import StepBatch
+from ..layers.layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias, out_norm_ptr
+from ..layers.mla import LatentCache, MLAttention
+from ..layers.moe import SparseMoE, native_routing, routed_ids
 from ..quant import QLinear
 from .stats import StackedRoutes
 

@@ -17,8 +17,8 @@ import torch
 
 from ..errors import ColibriError
 from ..kernels import native
-from ..models.batch import Seq, StepBatch
-from ..models.moe import SwitchGLU
+from ..layers.batch import Seq, StepBatch
+from ..layers.moe import SwitchGLU
 from .decode_plan import DecodePlan
 from .request import EngineClosedError, TokenEvent
 from .sampling import prompt_logprobs
@@ -116,7 +116,10 @@ class Runner:
         o = 0
         for c in chunks:
             n_out = len(c.tokens) if c.all_rows else int(c.sample)
-            self._after(c, logits[o : o + n_out], now)
+            try:
+                self._after(c, logits[o : o + n_out], now)
+            except Exception as e:  # noqa: BLE001 - one request's picking failed: it ends, the others go on
+                self._request_failed(c, e)
             o += n_out
 
     def _run(self, chunks: list[Chunk], n_threads: int) -> bool:
@@ -174,6 +177,14 @@ class Runner:
                 if not self._took(c.a, tok, lp, top, now):
                     break
         return True
+
+    def _request_failed(self, c: Chunk, e: Exception) -> None:
+        """A request whose own processing after the step raised (its sampler, its processors): it ends with the
+        error; its slot's cache holds what the step wrote, which its end discards."""
+        if not isinstance(e, ColibriError):
+            log.exception("colibri: request %s failed after its step", c.a.h.id)
+        if c.a in self.sched.active:
+            self.sched.finish(c.a, "error", e)
 
     def _failed(self, chunks: list[Chunk], e: BaseException) -> None:
         self.plan.take_routes()

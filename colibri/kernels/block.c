@@ -6,7 +6,7 @@
  * Why: between the dozen kernels of this chain the Python glue cost more than the kernels (a third
  * of a small model's decode step) and let the pool's workers fall asleep. Each stage is the same
  * kernel the unfused path calls, on the same bf16-rounded intermediates, so the bits are those of
- * colibri/models/layers.py's native path (tests/test_native.py checks it). */
+ * colibri/layers/layers.py's native path (tests/test_native.py checks it). */
 #include "common.h"
 
 static void clamp_bf16(uint16_t *x, long n, float c) {
@@ -30,14 +30,14 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     if (T < 1 || T > MAX_T) return -1;
     int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, Dv = L->v_dim > 0 ? L->v_dim : D;
     long nq = (long)nh * D, nk = (long)nkv * D, nv = (long)nkv * Dv, no = (long)nh * Dv;
-    /* gate 1: the gated query's rows (q and gate per head), then the gates alone; 2 / 3: wg's gates */
-    long ng = L->gate == 1 ? 3 * nq : L->gate ? nq : 0;
-    if ((L->gate || L->k_eq_v) && Dv != D) return -1;
+    /* the q gate: the gated query's rows (q and gate per head), then the gates alone; a softplus gate: wg's gates */
+    long ng = L->gate == COLI_GATE_Q_SIGMOID ? 3 * nq : L->gate != COLI_GATE_NONE ? nq : 0;
+    if ((L->gate != COLI_GATE_NONE || L->k_eq_v) && Dv != D) return -1;
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (2 * Hd + 2 * nq + 2 * nk + nv + no + ng));
     if (!buf) return -2;
     uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
     uint16_t *q2 = v + T * nv, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * no;
-    uint16_t *qg = o + (long)T * Hd, *gates = L->gate == 1 ? qg + 2 * T * nq : qg;
+    uint16_t *qg = o + (long)T * Hd, *gates = L->gate == COLI_GATE_Q_SIGMOID ? qg + 2 * T * nq : qg;
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
     float tscale[MAX_T];  /* the rows' attention temperatures (1: none) */
@@ -66,26 +66,27 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     {
         /* (keys as values: no wv, the gate projection, if any, third) */
         coli_qw w[4] = {L->wq, L->wk, L->k_eq_v ? L->wg : L->wv, L->wg};
-        int N[4] = {(int)(L->gate == 1 ? 2 * nq : nq), (int)nk, L->k_eq_v ? (L->gate == 3 ? nh : (int)nq) : (int)nv,
-                    L->gate == 3 ? nh : (int)nq};
-        void *y[4] = {L->gate == 1 ? qg : q, k, L->k_eq_v ? (void *)gates : (void *)v, gates};
-        int nw = (L->gate >= 2 ? 4 : 3) - (L->k_eq_v ? 1 : 0);
+        int head_gate = L->gate == COLI_GATE_HEAD_SOFTPLUS;
+        int N[4] = {(int)(L->gate == COLI_GATE_Q_SIGMOID ? 2 * nq : nq), (int)nk,
+                    L->k_eq_v ? (head_gate ? nh : (int)nq) : (int)nv, head_gate ? nh : (int)nq};
+        void *y[4] = {L->gate == COLI_GATE_Q_SIGMOID ? qg : q, k, L->k_eq_v ? (void *)gates : (void *)v, gates};
+        int nw = (L->gate >= COLI_GATE_CHANNEL_SOFTPLUS ? 4 : 3) - (L->k_eq_v ? 1 : 0);  /* (the softplus gates) */
         PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, nw, w, N, y));
         if (rc) goto done;
-        if (L->gate == 1)  /* each head's 2 D rows: its query, then its output gate */
+        if (L->gate == COLI_GATE_Q_SIGMOID)  /* each head's 2 D rows: its query, then its output gate */
             for (long t = 0; t < T; t++)
                 for (int j = 0; j < nh; j++) {
                     memcpy(q + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D, sizeof(uint16_t) * D);
                     memcpy(gates + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D + D, sizeof(uint16_t) * D);
                 }
-        if (L->gate == 1) add_rows(gates, L->bg, T, nq);
+        if (L->gate == COLI_GATE_Q_SIGMOID) add_rows(gates, L->bg, T, nq);
         add_rows(q, L->bq, T, nq);  /* as the projection's own bias add: bf16 + bf16, one rounding */
         add_rows(k, L->bk, T, nk);
         if (L->k_eq_v) memcpy(v, k, sizeof(uint16_t) * (size_t)T * nk);  /* the projection's output, before k's norm */
         else add_rows(v, L->bv, T, nv);
         if (L->vn_w) coli_rmsnorm(v, 1, (long)T * nkv, Dv, L->vn_w, L->qk_eps, v);  /* (row by row: in place is safe) */
     }
-    if (L->qk_norm == 1) {
+    if (L->qk_norm == COLI_QK_NORM_FULL) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
         coli_rmsnorm(k, 1, T, (int)nk, L->kn_w, L->qk_eps, k2);
         memcpy(q, q2, sizeof(uint16_t) * T * nq);
@@ -98,7 +99,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     }
     if (L->v_scale != 0.f && L->v_scale != 1.f)  /* as the torch layer's bf16 * f32 product: one rounding */
         for (long i = 0; i < T * nv; i++) v[i] = f32_to_bf16(bf16_to_f32(v[i]) * L->v_scale);
-    if (L->qk_norm == 2) {
+    if (L->qk_norm == COLI_QK_NORM_HEAD) {
         coli_rmsnorm(q, 1, (long)T * nh, D, L->qn_w, L->qk_eps, q2);
         coli_rmsnorm(k, 1, (long)T * nkv, D, L->kn_w, L->qk_eps, k2);
         memcpy(q, q2, sizeof(uint16_t) * T * nq);
@@ -107,7 +108,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     PROF(P_ROPE_KV, {
         coli_rope(q, 1, T, nh, D, L->rot, cs, sn, q2);  /* q2, k2: rotated */
         coli_rope(k, 1, T, nkv, D, L->rot, cs, sn, k2);
-        if (L->qk_norm == 3) {  /* each head's norm after the rotary (Llama 4): normed into q, k, then swapped */
+        if (L->qk_norm == COLI_QK_NORM_HEAD_POST_ROPE) {  /* normed into q, k, then swapped */
             coli_rmsnorm(q2, 1, (long)T * nh, D, L->qn_w, L->qk_eps, q);
             coli_rmsnorm(k2, 1, (long)T * nkv, D, L->kn_w, L->qk_eps, k);
             uint16_t *tq = q2, *tk = k2;
@@ -140,8 +141,9 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         else
             PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
         if (rc) goto done;
-        if (L->gate == 1) coli_gate_mul(ao, gates, T * nq);
-        else if (L->gate) coli_softplus_gate_mul(ao, gates, T, nh, D, L->gate == 3);
+        if (L->gate == COLI_GATE_Q_SIGMOID) coli_gate_mul(ao, gates, T * nq);
+        else if (L->gate != COLI_GATE_NONE)
+            coli_softplus_gate_mul(ao, gates, T, nh, D, L->gate == COLI_GATE_HEAD_SOFTPLUS);
     }
     {
         void *y = o;

@@ -68,6 +68,23 @@ typedef struct {
     int gd_scheme, gd_group, gu_scheme, gu_group; /* theirs (W_up's rank may be too narrow for int4 groups) */
 } coli_mla_layer;
 
+/* coli_attn_layer's qk_norm: where q and k are RMS-normed (colibri/layers/layers.py's QKNorm). */
+enum {
+    COLI_QK_NORM_NONE = 0,
+    COLI_QK_NORM_FULL = 1,           /* over the whole projection, before the heads split (OLMoE) */
+    COLI_QK_NORM_HEAD = 2,           /* each head, before the rotary (Qwen3) */
+    COLI_QK_NORM_HEAD_POST_ROPE = 3, /* each head, after the rotary (Hunyuan; Llama 4's L2 norm: weights of ones) */
+};
+
+/* coli_attn_layer's gate: the heads' output gate before o_proj (colibri/layers/layers.py's OutGate). */
+enum {
+    COLI_GATE_NONE = 0,
+    COLI_GATE_Q_SIGMOID = 1,        /* wq gives each head's query then its gate (2 D rows a head), times sigmoid(gate)
+                                     * (Qwen3-Next; bg its bias: Beam) */
+    COLI_GATE_CHANNEL_SOFTPLUS = 2, /* wg gives a gate a channel, times softplus(gate) (Laguna) */
+    COLI_GATE_HEAD_SOFTPLUS = 3,    /* wg gives a gate a head, times softplus(gate) (Laguna) */
+};
+
 /* One attention layer's constants for block.c (built once by colibri/kernels/native.py's AttnLayer). */
 typedef struct {
     int hidden, heads, kv_heads, head_dim;
@@ -75,8 +92,7 @@ typedef struct {
     coli_qw wq, wk, wv, wo;
     const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32; NULL: no such norm (FlexOlmo) */
     float in_eps, post_eps;
-    int qk_norm;                  /* 0 none, 1 over the whole projection (OLMoE), 2 per head (Qwen3), 3 per
-                                   * head after the rotary (Hunyuan; Llama 4's L2 norm: weights of ones) */
+    int qk_norm;                  /* a COLI_QK_NORM_* */
     const float *qn_w, *kn_w;
     float qk_eps;
     float clip;                   /* > 0: clamp q, k, v to [-clip, clip] */
@@ -92,9 +108,7 @@ typedef struct {
                                    * temperature on its NoPE layers), temp_n entries */
     long temp_n;
     float temp_floor;
-    int gate;                     /* 1: wq gives each head's query then an output gate (2 D rows a head: Qwen3-Next);
-                                   * the attention output is multiplied by sigmoid(gate) (coli_gate_mul); 2 / 3: wg
-                                   * gives a gate a channel / a head, the output times softplus(gate) (Laguna) */
+    int gate;                     /* a COLI_GATE_*: sigmoid(gate) by coli_gate_mul, softplus by coli_softplus_gate_mul */
     int v_dim;                    /* > 0: the values' head width when it is not head_dim (MiMo-V2-Flash) */
     float v_scale;                /* != 0 and != 1: values times it before they are cached, one rounding */
     const float *ctab, *stab;     /* non-NULL: this layer's own rotary tables, f32 [tab_rows, rot] (MiMo-V2-Flash's
@@ -107,12 +121,12 @@ typedef struct {
     float out_eps;
     int parallel;                 /* 1: x_out is the input norm's output, no post norm (Cohere's parallel block: its
                                    * MLP reads the attention's input) */
-    coli_qw wg;                   /* gate 2 / 3: the gate projection [heads * head_dim or heads, hidden] */
+    coli_qw wg;                   /* the softplus gates' projection [heads * head_dim or heads, hidden] */
     int k_eq_v;                   /* 1: no wv, the values are wk's output before any q/k norm (Gemma 4's full layers) */
     const float *vn_w;            /* non-NULL: each value head RMS-normed with these f32 weights [v_dim], eps qk_eps
                                    * (Gemma 4: ones) */
-    const uint16_t *bg;           /* gate 1, non-NULL: bf16 [heads * head_dim] added to the output gate before its
-                                   * sigmoid, as a bias add (Beam's gate_bias, one a head, repeated) */
+    const uint16_t *bg;           /* COLI_GATE_Q_SIGMOID, non-NULL: bf16 [heads * head_dim] added to the output gate
+                                   * before its sigmoid, as a bias add (Beam's gate_bias, one a head, repeated) */
     const uint8_t *keep;          /* non-NULL (set for one call): each row's kept key blocks [T][kv_heads][keep_nb] of
                                    * keep_blk positions (MiniMax-M3's sparse layers, the indexer's selection) */
     int keep_blk, keep_nb;

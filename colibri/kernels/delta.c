@@ -1,4 +1,4 @@
-/* Gated DeltaNet decode rows (Qwen3-Next's linear attention, colibri/models/linear_attn.py) in one call:
+/* Gated DeltaNet decode rows (Qwen3-Next's linear attention, colibri/layers/linear_attn.py) in one call:
  * from the layer's two input projections to the gated-normed output that goes to out_proj, for T rows each
  * continuing its own sequence's state.
  *

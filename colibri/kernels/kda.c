@@ -1,4 +1,4 @@
-/* Kimi Delta Attention decode rows (Kimi-Linear's linear-attention layers, colibri/models/kda.py) in one call: from
+/* Kimi Delta Attention decode rows (Kimi-Linear's linear-attention layers, colibri/layers/kda.py) in one call: from
  * the layer's projections to the gated, head-normed output that goes to o_proj, for T rows each continuing its own
  * sequence's state.
  *

@@ -1,4 +1,4 @@
-/* MiniMax's lightning-attention layer (colibri/models/lightning.py LightningAttention) for decode rows, as the whole
+/* MiniMax's lightning-attention layer (colibri/layers/lightning.py LightningAttention) for decode rows, as the whole
  * mixing half of a MiniMax block in one call: the input norm, qkv_proj and output_gate, each row's state step, the
  * heads' RMSNorm and sigmoid gate, out_proj, the weighted residual over the normed stream and the post norm.
  *

@@ -1,4 +1,4 @@
-/* Mamba-2 decode rows (Granite 4.0-H's Mamba layers, colibri/models/mamba2.py Mamba2Mixer) in one call: from the
+/* Mamba-2 decode rows (Granite 4.0-H's Mamba layers, colibri/layers/mamba2.py Mamba2Mixer) in one call: from the
  * layer's input projection to the gated, group-normed output that goes to out_proj, for T rows each continuing its
  * own sequence's state; and the whole mixing half of such a decoder block, as coli_attn_block is for attention.
  *

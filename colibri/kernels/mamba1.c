@@ -1,4 +1,4 @@
-/* Mamba (the selective-scan form: Jamba's layers, colibri/models/mamba1.py Mamba1Mixer) for decode rows: the
+/* Mamba (the selective-scan form: Jamba's layers, colibri/layers/mamba1.py Mamba1Mixer) for decode rows: the
  * convolution of each row over its sequence's kept inputs and the scan step of each row's state with the D term and
  * the gate (two calls, the layer's x_proj, dt/B/C norms and dt_proj modules between them); the whole mixer from
  * in_proj's output (coli_mamba1_rows, x_proj and dt_proj native), and the whole mixing half of the block with its

@@ -3,7 +3,7 @@
  * key into the latent cache -> each head's query folded into latent space (q_nope W_uk) -> one-"head"
  * attention over the cache -> the latent context unfolded per head (W_uv) -> (a sigmoid gate per head, Ling
  * 3.0's, or per channel from the query's projection, A.X K2's, whose norms are gated too) -> o_proj -> residual
- * add -> the post-attention RMSNorm. The absorbed form of colibri/models/mla.py, whose docstring derives it.
+ * add -> the post-attention RMSNorm. The absorbed form of colibri/layers/mla.py, whose docstring derives it.
  *
  * Why: layer by layer from Python, the absorbed attention was ~25 torch ops a layer (bmm, cat, matmul,
  * softmax, masks), 60% of a DeepSeek-shaped decode step against 22% for the experts. Projections and

@@ -1,4 +1,4 @@
-/* One routed-expert layer (SiLU-GLU) in one call: colibri/models/moe.py's native path. */
+/* One routed-expert layer (SiLU-GLU) in one call: colibri/layers/moe.py's native path. */
 #include "rows.h"
 
 typedef struct {

@@ -103,6 +103,7 @@ class AttnLayer(ctypes.Structure):
                 ("wq", QW), ("wk", QW), ("wv", QW), ("wo", QW),
                 ("in_w", ctypes.c_void_p), ("post_w", ctypes.c_void_p),
                 ("in_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
+                # qk_norm: a QKNorm (colibri/layers/layers.py), the C side's COLI_QK_NORM_*
                 ("qk_norm", ctypes.c_int), ("qn_w", ctypes.c_void_p), ("kn_w", ctypes.c_void_p),
                 ("qk_eps", ctypes.c_float), ("clip", ctypes.c_float), ("rot", ctypes.c_int),
                 ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p),
@@ -111,16 +112,16 @@ class AttnLayer(ctypes.Structure):
                 # Llama 4: chunked attention; the NoPE layers' temperature table (f32 [temp_n]) and floor_scale
                 ("chunk", ctypes.c_int), ("temp", ctypes.c_void_p), ("temp_n", ctypes.c_long),
                 ("temp_floor", ctypes.c_float),
-                ("gate", ctypes.c_int),  # Qwen3-Next: q_proj gives each head's query and its output gate
+                ("gate", ctypes.c_int),  # an OutGate (layers.py): Qwen3-Next's, AFMoE's, Beam's, Laguna's
                 ("v_dim", ctypes.c_int), ("v_scale", ctypes.c_float),  # MiMo-V2-Flash: its values' width and scale
                 ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long),  # MiMo's own RoPE
                 # LayerNorm biases (f32 [hidden]) of the input / post-attention norms, or NULL: RMSNorms
                 ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p),
                 ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float),  # (AFMoE: o_proj's output RMSNorm)
                 ("parallel", ctypes.c_int),  # Cohere: the MLP reads the input norm (no post norm)
-                ("wg", QW),  # Laguna: gate 2 / 3, softplus(wg x) a channel / a head times the heads' output
+                ("wg", QW),  # Laguna: the softplus gates' projection, a gate a channel or a head
                 ("k_eq_v", ctypes.c_int), ("vn_w", ctypes.c_void_p),  # Gemma 4: keys as values; the values' norm
-                ("bg", ctypes.c_void_p),  # Beam: gate 1's bias, bf16 [heads * head_dim]
+                ("bg", ctypes.c_void_p),  # Beam: OutGate.Q_SIGMOID's bias, bf16 [heads * head_dim]
                 # MiniMax-M3: one call's kept key blocks (uint8 [T, kv_heads, keep_nb] of keep_blk positions), or NULL
                 ("keep", ctypes.c_void_p), ("keep_blk", ctypes.c_int), ("keep_nb", ctypes.c_int)]
 

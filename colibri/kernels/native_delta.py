@@ -1,4 +1,4 @@
-"""ctypes side of kernels/delta.c: Gated DeltaNet decode rows (colibri/models/linear_attn.py)."""
+"""ctypes side of kernels/delta.c: Gated DeltaNet decode rows (colibri/layers/linear_attn.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ctypes side of kernels/kda.c: Kimi Delta Attention decode rows in one call (colibri/models/kda.py)."""
+"""ctypes side of kernels/kda.c: Kimi Delta Attention decode rows in one call (colibri/layers/kda.py)."""
 
 from __future__ import annotations
 

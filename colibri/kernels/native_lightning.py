@@ -1,5 +1,5 @@
 """ctypes side of kernels/lightning.c: a MiniMax lightning-attention block's decode rows in one call
-(colibri/models/lightning.py)."""
+(colibri/layers/lightning.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""ctypes side of kernels/mamba.c and mamba1.c: Mamba-2 decode rows (colibri/models/mamba2.py) and the first
-Mamba's convolution and scan steps for decode rows (colibri/models/mamba1.py)."""
+"""ctypes side of kernels/mamba.c and mamba1.c: Mamba-2 decode rows (colibri/layers/mamba2.py) and the first
+Mamba's convolution and scan steps for decode rows (colibri/layers/mamba1.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from . import native
 
 
 class MlaLayer(ctypes.Structure):
-    """coli_mla_layer (common.h): built once per layer by colibri/models/mla.py's `MLAttention`."""
+    """coli_mla_layer (common.h): built once per layer by colibri/layers/mla.py's `MLAttention`."""
 
     _fields_ = [(n, ctypes.c_int) for n in ("hidden", "heads", "q_lora", "kv_lora", "nope", "rope", "vdim",
                                             "scheme", "group")] \

@@ -1,4 +1,4 @@
-/* The routers of the MoE layers (colibri/models/moe.py native_route; coli_moe_block and the one-call step call
+/* The routers of the MoE layers (colibri/layers/moe.py native_route; coli_moe_block and the one-call step call
  * coli_route): the logits x W^T in f32, then each family's rule for its k experts and their weights. */
 #include "rows.h"
 

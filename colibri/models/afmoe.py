@@ -29,11 +29,11 @@ import torch
 from ..convert.safetensors_reader import SplitRows
 from ..errors import ColibriError
 from ..format.validate import is_number
+from ..layers.layers import MLP, AttentionArgs, DecoderBlock, QKNorm, RMSNorm, rope_scaling, rope_theta
+from ..layers.moe import SparseMoE, SwitchGLU
 from . import deepseek_v3
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
-from .layers import MLP, AttentionArgs, DecoderBlock, RMSNorm, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
 from .qwen3_next import GatedAttention
 
 NAME = "afmoe"
@@ -76,7 +76,7 @@ class Model(CausalLM):
         raw = a.raw or {}
         base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                              rope_theta(raw, 10000.0), rope_scaling(raw), a.max_position_embeddings,
-                             qk_norm="head", norm_eps=a.rms_norm_eps, out_norm=True)
+                             qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps, out_norm=True)
         router = SimpleNamespace(n_routed_experts=a.num_experts, hidden_size=a.hidden_size, n_group=1, topk_group=1,
                                  num_experts_per_tok=a.num_experts_per_tok, routed_scaling_factor=a.route_scale,
                                  norm_topk_prob=True)  # (DeepSeek-V3's router, one group)

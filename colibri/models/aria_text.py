@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ColibriError
+from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 
 NAME = "aria_text"
 _RENAMES = ((".mlp.experts.fc1.weight", ".mlp.experts.gate_up_proj"),

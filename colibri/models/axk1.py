@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..layers.layers import RMSNorm
 from . import deepseek_v3 as v3
 from .base import refuse
 from .family import Family
-from .layers import RMSNorm
 
 NAME = "axk1"
 # Tensors a checkpoint may hold that the model does not use (transformers' _keys_to_ignore_on_load_unexpected): the

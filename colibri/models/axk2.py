@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
+from ..layers.layers import Linear, RMSNorm
 from . import deepseek_v3 as v3
 from . import deepseek_v32 as v32
 from .base import refuse, rename_first
 from .family import Family
-from .layers import Linear, RMSNorm
 
 NAME = "axk2"
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import native
+from ..layers.kda import KDAArgs, KimiDeltaAttention
+from ..layers.layers import MLP, DecoderBlock, Linear
+from ..layers.mla import MLAArgs, MLAttention
 from . import deepseek_v3 as v3
 from . import kimi_linear
 from .base import CausalLM, refuse, rename_first
 from .deepseek_v2 import moe_block
 from .family import Family
-from .kda import KDAArgs, KimiDeltaAttention
-from .layers import MLP, DecoderBlock, Linear
-from .mla import MLAArgs, MLAttention
 
 NAME = "bailing_hybrid"
 

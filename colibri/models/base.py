@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
-from .batch import StepBatch
+from ..layers.batch import StepBatch
+from ..layers.layers import ROPE_TYPES, Embedding, Linear, RMSNorm, rope_scaling
+from ..layers.moe import SwitchGLU
 from .family import family
-from .layers import ROPE_TYPES, Embedding, Linear, RMSNorm, rope_scaling
-from .moe import SwitchGLU
 
 # layer kinds under their names before transformers 5 (Granite 4.0-H's and Nemotron-H's configs) -> today's
 LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(hidden, vocab)
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [T]: the step's rows (see models/batch.py) -> logits [T, V] f32, or [len(out_rows), V]
+        """tokens [T]: the step's rows (see layers/batch.py) -> logits [T, V] f32, or [len(out_rows), V]
         for just those rows. The readable reference of a step; the engine runs its decode plan
         (engine/decode_plan.py), which takes this path where its native backend does not apply."""
         h = self.embed(tokens)  # [T, H]

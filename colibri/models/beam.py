@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from ..format.validate import is_number
+from ..layers.batch import LayerKV
+from ..layers.layers import MLP, AttentionArgs, DecoderBlock, QKNorm, RMSNorm, rope_scaling, rope_theta
+from ..layers.moe import SparseMoE, SwitchGLU
 from . import deepseek_v3
 from .afmoe import source_view  # noqa: F401  (gate_proj's rows inside q_proj, as AFMoE's)
 from .base import BaseArgs, CausalLM, SoftCapped, check_act_and_rope, refuse, rename_first
-from .batch import LayerKV
 from .family import Family
-from .layers import MLP, AttentionArgs, DecoderBlock, RMSNorm, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
 from .qwen3_next import GatedAttention
 
 NAME = "beam"
@@ -138,7 +138,7 @@ class Model(SoftCapped, CausalLM):
     def __init__(self, a: ModelArgs):
         n, eps = a.num_hidden_layers, a.rms_norm_eps
         base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, 10000.0, None,
-                             a.max_position_embeddings, qk_norm="head", norm_eps=eps, out_norm=True)
+                             a.max_position_embeddings, qk_norm=QKNorm.HEAD, norm_eps=eps, out_norm=True)
         router = SimpleNamespace(n_routed_experts=a.num_experts, hidden_size=a.hidden_size, n_group=a.n_group,
                                  topk_group=a.topk_group, num_experts_per_tok=a.num_experts_per_tok,
                                  routed_scaling_factor=a.routed_scaling_factor, norm_topk_prob=a.norm_topk_prob)

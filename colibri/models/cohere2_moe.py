@@ -22,9 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .family import Family
-from .layers import (
+from ..layers.layers import (
     MLP,
     Attention,
     AttentionArgs,
@@ -35,7 +33,9 @@ from .layers import (
     rope_theta,
     rotate_half_rows,
 )
-from .moe import BiasedLogitRouter, SoftmaxTopKRouter, SparseMoE, SwitchGLU
+from ..layers.moe import BiasedLogitRouter, SoftmaxTopKRouter, SparseMoE, SwitchGLU
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .family import Family
 
 NAME = "cohere2_moe"
 KINDS = ("full_attention", "sliding_attention")

@@ -25,11 +25,11 @@ from torch import nn
 
 from ..convert.safetensors_reader import SplitRows
 from ..errors import ColibriError
+from ..layers.layers import AttentionArgs, LayerNorm
+from ..layers.moe import TopKRouter
 from . import mixtral
 from .base import check_act_and_rope, refuse
 from .family import Family
-from .layers import AttentionArgs, LayerNorm
-from .moe import TopKRouter
 
 NAME = "dbrx"
 

@@ -24,11 +24,11 @@ from torch import nn
 
 from ..errors import ColibriError
 from ..kernels import native
+from ..layers.layers import MLP, DecoderBlock, rope_inv_freq, rope_scaling, rope_theta
+from ..layers.mla import MLAArgs, MLAttention
+from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .base import BaseArgs, CausalLM
 from .family import Family
-from .layers import MLP, DecoderBlock, rope_inv_freq, rope_scaling, rope_theta
-from .mla import MLAArgs, MLAttention
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 SCORING = "softmax"

@@ -25,10 +25,10 @@ from torch import nn
 
 from ..errors import ColibriError
 from ..kernels import native
+from ..layers.moe import RouteRule, native_route
 from . import deepseek_v2 as v2
 from .deepseek_v2 import check_common
 from .family import Family
-from .moe import RouteRule, native_route
 
 TOPK_METHODS = ("noaux_tc",)
 SCORING = "sigmoid"

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import arena
+from ..layers.batch import LayerKV
+from ..layers.layers import Linear, RoPE
+from ..layers.mla import LatentCache, MLAttention
 from . import deepseek_v3 as v3
 from .base import refuse
-from .batch import LayerKV
 from .family import Family
-from .layers import Linear, RoPE
-from .mla import LatentCache, MLAttention
 
 NAME = "deepseek_v32"
 

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ..kernels import native
+from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta, rotate_half_rows
+from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .family import Family
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta, rotate_half_rows
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
 
 
 @dataclass

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..layers.layers import Attention, NoNorm, RMSNorm
 from . import olmoe
 from .base import check_act_and_rope, rename_first
 from .family import Family
-from .layers import Attention, NoNorm, RMSNorm
 
 NAME = "flex_olmo"
 ModelArgs = olmoe.ModelArgs

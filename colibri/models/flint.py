@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..layers.layers import MLP, Attention, DecoderBlock, QKNorm
+from ..layers.moe import SparseMoE, SwitchGLU
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse
 from .family import Family
 from .glm4_moe import GroupLimitedRouter
-from .layers import MLP, Attention, DecoderBlock
-from .moe import SparseMoE, SwitchGLU
 
 NAME = "flint"
 KINDS = ("full_attention", "sliding_attention")
@@ -51,7 +51,7 @@ def default_kinds(n: int) -> list[str]:
 
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
-        base = qwen3_moe.attention_args(a, False, "head")
+        base = qwen3_moe.attention_args(a, False, QKNorm.HEAD)
 
         def attn(i: int) -> Attention:
             sliding = a.layer_types[i] == "sliding_attention"  # type: ignore[index]

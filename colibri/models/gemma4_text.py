@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
-from . import native_mlp
+from ..layers import native_mlp
+from ..layers.batch import LayerKV
+from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, QKNorm, RMSNorm
+from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from ..layers.norms import NoNorm, rms_norm
 from .base import BaseArgs, CausalLM, SoftCapped, refuse, text_model_name
-from .batch import LayerKV
 from .family import Family
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, RMSNorm
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
-from .norms import NoNorm, rms_norm
 
 NAME = "gemma4_text"
 KINDS = ("sliding_attention", "full_attention")
@@ -223,7 +223,7 @@ class Model(SoftCapped, CausalLM):
             head_dim, kv_heads = a.layer(i)
             rope = a.rope(kind)
             attn = AttentionArgs(a.hidden_size, a.num_attention_heads, kv_heads, head_dim, float(rope["rope_theta"]),
-                                 None, a.max_position_embeddings, qk_norm="head", norm_eps=a.rms_norm_eps,
+                                 None, a.max_position_embeddings, qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps,
                                  sliding_window=a.sliding_window if kind == "sliding_attention" else None,
                                  out_norm=True, scale=1.0)
             return Block(Gemma4Attention(attn, a.attention_k_eq_v and kind == "full_attention", rope),

@@ -14,10 +14,10 @@ import torch
 
 from ..errors import ColibriError
 from ..kernels import native
+from ..layers.layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from ..layers.moe import SoftmaxTopKRouter, SparseMoE, SwitchGLU  # (the router lives in moe.py: Granite shares it)
 from .base import BaseArgs, CausalLM, check_act_and_rope
 from .family import Family
-from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SoftmaxTopKRouter, SparseMoE, SwitchGLU  # (the router lives in moe.py: Granite shares it)
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..layers.layers import AttentionArgs, rope_theta
+from ..layers.moe import SoftmaxTopKRouter
 from . import mixtral
 from .base import check_act_and_rope, refuse, rename_first
 from .family import Family
-from .layers import AttentionArgs, rope_theta
-from .moe import SoftmaxTopKRouter
 
 NAME = "granitemoe"
 

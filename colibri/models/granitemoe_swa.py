@@ -15,10 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..format.validate import is_number
+from ..layers.layers import AttentionArgs
 from . import granitemoe, granitemoeshared
 from .base import refuse
 from .family import Family
-from .layers import AttentionArgs
 
 NAME = "granitemoe_swa"
 sanitize, source_view, prepare = granitemoeshared.sanitize, granitemoeshared.source_view, granitemoeshared.prepare

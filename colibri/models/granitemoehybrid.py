@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers.layers import AttentionArgs
+from ..layers.mamba2 import Mamba2Args, Mamba2Mixer
 from . import granitemoe, granitemoeshared
 from .base import LEGACY_KINDS, refuse, rename_first
 from .family import Family
-from .layers import AttentionArgs
-from .mamba2 import Mamba2Args, Mamba2Mixer
 
 NAME = "granitemoehybrid"
 source_view = granitemoeshared.source_view

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from ..convert.safetensors_reader import SplitRows
+from ..layers.layers import MLP
+from ..layers.moe import SparseMoE
 from . import granitemoe
 from .family import Family
-from .layers import MLP
-from .moe import SparseMoE
 
 NAME = "granitemoeshared"
 check_config = granitemoe.check_config

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock
+from ..layers.mamba1 import Mamba1Args, Mamba1Mixer
+from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock
-from .mamba1 import Mamba1Args, Mamba1Mixer
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 
 NAME = "jamba"
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..convert.safetensors_reader import SplitRows
+from ..layers.kda import KDAArgs, KimiDeltaAttention
+from ..layers.layers import MLP, DecoderBlock
+from ..layers.mla import MLAArgs, MLAttention
 from . import deepseek_v3 as v3
 from .base import CausalLM, check_act_and_rope, refuse, rename_first
 from .deepseek_v2 import moe_block
 from .family import Family
-from .kda import KDAArgs, KimiDeltaAttention
-from .layers import MLP, DecoderBlock
-from .mla import MLAArgs, MLAttention
 
 NAME = "kimi_linear"
 KINDS = ("linear_attention", "full_attention")

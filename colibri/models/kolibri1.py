@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..layers.layers import MLP, Attention, DecoderBlock, QKNorm, RMSNorm
+from ..layers.moe import BiasedLogitRouter, SparseMoE, SwitchGLU
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
-from .layers import MLP, Attention, DecoderBlock, RMSNorm
-from .moe import BiasedLogitRouter, SparseMoE, SwitchGLU
 
 NAME = "kolibri1"
 KINDS = ("full_attention", "sliding_attention")
@@ -48,7 +48,7 @@ def default_kinds(n: int) -> list[str]:
 
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
-        base = dataclasses.replace(qwen3_moe.attention_args(a, False, "head"), out_norm=True)
+        base = dataclasses.replace(qwen3_moe.attention_args(a, False, QKNorm.HEAD), out_norm=True)
 
         def block(i: int) -> DecoderBlock:
             sliding = a.layer_types[i] == "sliding_attention"  # type: ignore[index]

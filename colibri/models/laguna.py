@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import native
+from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, OutGate, QKNorm
+from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
 from .glm4_moe import GroupLimitedRouter
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear
-from .moe import SparseMoE, SwitchGLU
 
 NAME = "laguna"
 KINDS = ("full_attention", "sliding_attention")
@@ -100,7 +100,8 @@ class GatedAttention(Attention):
         if layer is None or getattr(g, "path", None) != "native" or g.bias is not None \
                 or (g.scheme, g.group_size) != (q.scheme, q.group_size):
             return None
-        layer.gate, layer.wg = (3 if self.per_head else 2), native.QW(*native.qw(g))
+        layer.gate = OutGate.HEAD_SOFTPLUS if self.per_head else OutGate.CHANNEL_SOFTPLUS
+        layer.wg = native.QW(*native.qw(g))
         return layer
 
 
@@ -134,7 +135,7 @@ class Model(CausalLM):
             attn = GatedAttention(AttentionArgs(
                 a.hidden_size, a.num_attention_heads_per_layer[i], a.num_key_value_heads, a.head_dim,  # type: ignore[index]
                 float(r["rope_theta"]), None, a.max_position_embeddings, bias=a.attention_bias,
-                o_bias=a.attention_bias, qk_norm="head", norm_eps=a.rms_norm_eps,
+                o_bias=a.attention_bias, qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps,
                 rotary_dim=int(a.head_dim * r.get("partial_rotary_factor", 1.0)),
                 sliding_window=a.sliding_window if kind == "sliding_attention" else None), per_head)
             if a.mlp_layer_types[i] == "dense":  # type: ignore[index]

@@ -18,21 +18,22 @@ from torch import nn
 
 from ..errors import ColibriError
 from ..kernels import native
-from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .batch import LayerKV
-from .family import Family
-from .layers import (
+from ..layers.batch import LayerKV
+from ..layers.layers import (
     MLP,
     Attention,
     AttentionArgs,
     DecoderBlock,
+    QKNorm,
     attend,
     rms_norm,
     rope_scaling,
     rope_theta,
     rotate_half_rows,
 )
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
+from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
+from .family import Family
 
 
 @dataclass
@@ -155,7 +156,7 @@ class Llama4Attention(Attention):
         if layer is None:
             return None
         if self.l2:  # mode 3: per head after the rotary, weights of ones
-            layer.qk_norm, layer.qn_w, layer.kn_w = 3, self.ones.data_ptr(), self.ones.data_ptr()
+            layer.qk_norm, layer.qn_w, layer.kn_w = QKNorm.HEAD_POST_ROPE, self.ones.data_ptr(), self.ones.data_ptr()
             layer.qk_eps = self.a.norm_eps
         layer.rot = self.rope.dim if self.use_rope else 0
         layer.chunk = self.chunk or 0

@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from ..kernels import native, native_zero
+from ..layers.batch import LayerKV
+from ..layers.layers import MLP, RMSNorm, rope_scaling, rope_theta
+from ..layers.mla import LatentCache, MLAArgs, MLAttention
+from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route, native_router_ok, native_routing
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
-from .batch import LayerKV
 from .family import Family
-from .layers import MLP, RMSNorm, rope_scaling, rope_theta
-from .mla import LatentCache, MLAArgs, MLAttention
-from .moe import RouteRule, SparseMoE, SwitchGLU, native_route, native_router_ok, native_routing
 
 NAME = "longcat_flash"
 NATIVE = True  # False: the MoE's bf16 rows take the torch glue around the native experts (tests compare the two)

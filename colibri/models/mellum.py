@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..layers.layers import MLP, Attention, DecoderBlock, QKNorm
+from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse
 from .family import Family
-from .layers import MLP, Attention, DecoderBlock
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 
 NAME = "mellum"
 KINDS = ("full_attention", "sliding_attention")
@@ -48,7 +48,7 @@ class ModelArgs(qwen3_moe.ModelArgs):
 
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
-        base = qwen3_moe.attention_args(a, False, "head")
+        base = qwen3_moe.attention_args(a, False, QKNorm.HEAD)
 
         def attn(i: int) -> Attention:
             kind = a.layer_types[i]  # type: ignore[index]

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock
+from ..layers.moe import SparseMoE, SwitchGLU
 from . import glm4_moe
 from .base import CausalLM, check_act_and_rope, refuse
 from .family import Family
 from .glm4_moe import GroupLimitedRouter
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock
-from .moe import SparseMoE, SwitchGLU
 
 NAME = "mimo_v2_flash"
 ROPE_DEFAULTS = {"full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},

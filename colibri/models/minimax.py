@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..layers.batch import LayerKV
+from ..layers.layers import Attention, AttentionArgs, RMSNorm, rope_scaling, rope_theta
+from ..layers.lightning import LightningArgs, LightningAttention
+from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from . import mixtral
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
-from .batch import LayerKV
 from .family import Family
-from .layers import Attention, AttentionArgs, RMSNorm, rope_scaling, rope_theta
-from .lightning import LightningArgs, LightningAttention
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 
 NAME = "minimax"
 KINDS = ("linear_attention", "full_attention")

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layers.layers import Attention, AttentionArgs, DecoderBlock, QKNorm, rope_scaling, rope_theta
+from ..layers.moe import SparseMoE, SwitchGLU
 from . import mixtral
 from .base import CausalLM, check_act_and_rope
 from .base import refuse as _refuse
 from .family import Family
 from .glm4_moe import GroupLimitedRouter
-from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Model(CausalLM):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                              rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings,
-                             qk_norm="full" if a.use_qk_norm else None, norm_eps=a.rms_norm_eps,
+                             qk_norm=QKNorm.FULL if a.use_qk_norm else QKNorm.NONE, norm_eps=a.rms_norm_eps,
                              rotary_dim=a.rotary_dim)
         def moe(i: int) -> SparseMoE:  # (one group: the plain biased top-k, weights renormalised, unscaled)
             gate = GroupLimitedRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, 1, 1, True, 1.0)

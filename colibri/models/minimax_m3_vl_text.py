@@ -32,14 +32,25 @@ from torch import nn
 from .. import arena
 from ..convert.safetensors_reader import SplitRows
 from ..kernels import native, native_msa
-from . import native_mlp
+from ..layers import native_mlp
+from ..layers.batch import LayerKV
+from ..layers.layers import (
+    MLP,
+    Attention,
+    AttentionArgs,
+    DecoderBlock,
+    KVCache,
+    Linear,
+    QKNorm,
+    RMSNorm,
+    rope_scaling,
+    rope_theta,
+)
+from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first, text_model_name
-from .batch import LayerKV
 from .family import Family
 from .glm4_moe import GroupLimitedRouter
 from .gpt_oss import clamped_swiglu
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, KVCache, Linear, RMSNorm, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU
 
 NAME = "minimax_m3_vl_text"
 KINDS = ("full_attention", "minimax_m3_sparse")
@@ -254,7 +265,7 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings, qk_norm="head",
+                             rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings, qk_norm=QKNorm.HEAD,
                              norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
         act = functools.partial(clamped_swiglu, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
 

@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from ..kernels import native
+from ..layers.batch import LayerKV
+from ..layers.mla import MLAttention
+from ..layers.moe import RouteRule, native_route
 from . import deepseek_v2 as v2
 from . import deepseek_v3 as v3
 from .base import refuse
-from .batch import LayerKV
 from .deepseek_v2 import check_common
 from .family import Family
-from .mla import MLAttention
-from .moe import RouteRule, native_route
 
 NAME = "mistral4"
 

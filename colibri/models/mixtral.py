@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..layers.layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM
 from .family import Family
-from .layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 
 
 @dataclass

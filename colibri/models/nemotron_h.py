@@ -26,15 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
-from . import native_mlp
+from ..layers import native_mlp
+from ..layers.batch import LayerKV
+from ..layers.layers import Attention, AttentionArgs, Linear, RMSNorm
+from ..layers.linear_attn import StateCache
+from ..layers.mamba2 import Mamba2Args, Mamba2Mixer
+from ..layers.moe import SparseMoE, SwitchGLU, relu2
 from .base import LEGACY_KINDS, BaseArgs, CausalLM, refuse
-from .batch import LayerKV
 from .family import Family
 from .glm4_moe import GroupLimitedRouter
-from .layers import Attention, AttentionArgs, Linear, RMSNorm
-from .linear_attn import StateCache
-from .mamba2 import Mamba2Args, Mamba2Mixer
-from .moe import SparseMoE, SwitchGLU, relu2
 
 NAME = "nemotron_h"
 MIXERS, FFNS = ("linear_attention", "full_attention"), ("moe", "mlp")

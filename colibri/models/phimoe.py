@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from ..kernels import native
+from ..layers.layers import AttentionArgs, LayerNorm, Linear, rope_scaling
+from ..layers.moe import RouteRule, native_route
 from . import mixtral
 from .base import check_act_and_rope, refuse
 from .family import Family
-from .layers import AttentionArgs, LayerNorm, Linear, rope_scaling
-from .moe import RouteRule, native_route
 
 NAME = "phimoe"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layers.layers import MLP, Attention, DecoderBlock, Linear, QKNorm
+from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import CausalLM
 from .family import Family
-from .layers import MLP, Attention, DecoderBlock, Linear
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 from .qwen3_moe import ModelArgs as _Qwen3Args
 from .qwen3_moe import attention_args
 
@@ -31,7 +31,7 @@ def mlp(a: ModelArgs, i: int) -> MLP | SparseMoE:
 
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
-        attn = attention_args(a, a.qkv_bias, None)
+        attn = attention_args(a, a.qkv_bias, QKNorm.NONE)
         blocks = [DecoderBlock(Attention(attn), mlp(a, i), a.hidden_size, a.rms_norm_eps)
                   for i in range(a.num_hidden_layers)]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, QKNorm, rope_scaling, rope_theta
+from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM
 from .family import Family
-from .layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
-from .moe import SparseMoE, SwitchGLU, TopKRouter
 
 
 @dataclass
@@ -43,7 +43,7 @@ class ModelArgs(BaseArgs):
         return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
 
-def attention_args(a, bias: bool, qk_norm: str | None) -> AttentionArgs:
+def attention_args(a, bias: bool, qk_norm: QKNorm) -> AttentionArgs:
     window = a.sliding_window if a.use_sliding_window else None
     return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                          rope_theta(a.raw or {}), rope_scaling(a.raw or {}), a.max_position_embeddings,
@@ -52,7 +52,7 @@ def attention_args(a, bias: bool, qk_norm: str | None) -> AttentionArgs:
 
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
-        attn = attention_args(a, a.attention_bias, "head")
+        attn = attention_args(a, a.attention_bias, QKNorm.HEAD)
 
         def mlp(i: int):
             if not a.is_sparse(i):

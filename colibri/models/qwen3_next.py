@@ -22,12 +22,22 @@ from typing import ClassVar
 import torch
 
 from ..kernels import native
+from ..layers.batch import LayerKV
+from ..layers.layers import (
+    Attention,
+    AttentionArgs,
+    DecoderBlock,
+    Linear,
+    OutGate,
+    QKNorm,
+    attend,
+    rope_scaling,
+    rope_theta,
+)
+from ..layers.linear_attn import DeltaArgs, GatedDeltaNet, grouped_rows
 from . import qwen2_moe
 from .base import CausalLM, check_act_and_rope, refuse
-from .batch import LayerKV
 from .family import Family
-from .layers import Attention, AttentionArgs, DecoderBlock, Linear, attend, rope_scaling, rope_theta
-from .linear_attn import DeltaArgs, GatedDeltaNet, grouped_rows
 from .qwen3_moe import ModelArgs as _Qwen3Args
 
 NAME = "qwen3_next"
@@ -110,7 +120,7 @@ class GatedAttention(Attention):
     def _build_native_layer(self, in_norm, post_norm):
         layer = super()._build_native_layer(in_norm, post_norm)
         if layer is not None:
-            layer.gate = 1
+            layer.gate = OutGate.Q_SIGMOID
         return layer
 
 
@@ -119,7 +129,7 @@ class Model(CausalLM):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                              rope_theta(raw), rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
-                             qk_norm="head", norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
+                             qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
         delta = DeltaArgs(a.hidden_size, a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
                           a.linear_value_head_dim, a.linear_conv_kernel_dim, a.rms_norm_eps, a.split_projections)
 

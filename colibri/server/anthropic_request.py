@@ -75,7 +75,7 @@ Block = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Ta
 ToolResultBlock.model_rebuild()
 
 
-def b_type(b: Any) -> str:
+def _type_of(b: Any) -> str:
     return getattr(b, "type", "?")
 
 
@@ -95,7 +95,7 @@ class Message(_Strict):
 
 
 class AnthropicTool(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")  # (Anthropic's names may be longer than OpenAI's 64)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None  # "custom" (or none); Anthropic's server tools (web_search_..., bash_...) are refused
@@ -142,8 +142,8 @@ class PromptRequest(_Strict):
 
     def plan(self) -> ToolPlan | None:
         """The tools as the OpenAI path plans them: auto, any (required), tool (named), none."""
-        tools = [Tool(type="function", function=FunctionDef(name=t.name, description=t.description,
-                                                             parameters=t.input_schema)) for t in self.tools or []]
+        tools = [Tool.model_construct(type="function", function=FunctionDef.model_construct(
+            name=t.name, description=t.description, parameters=t.input_schema, strict=None)) for t in self.tools or []]
         tc = self.tool_choice
         choice: Any = None
         if tc is not None:
@@ -184,7 +184,7 @@ class PromptRequest(_Strict):
 
 def _texts(blocks: list, where: str, what: str) -> str:
     if bad := next((b for b in blocks if not isinstance(b, TextBlock)), None):
-        raise bad_request(f"{where}: {what} holds text blocks only, not '{b_type(bad)}'", "messages")
+        raise bad_request(f"{where}: {what} holds text blocks only, not '{_type_of(bad)}'", "messages")
     return "".join(b.text for b in blocks)
 
 
@@ -210,7 +210,7 @@ def _user(blocks: list, n: int) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                         "content": b.text(f"messages.{n}.content.{k}.content")})
         else:
-            raise bad_request(f"messages.{n}.content.{k}: a user message cannot hold a '{b_type(b)}' block",
+            raise bad_request(f"messages.{n}.content.{k}: a user message cannot hold a '{_type_of(b)}' block",
                               "messages")
     if text or not out:
         out.append({"role": "user", "content": "".join(text)})
@@ -229,7 +229,7 @@ def _assistant(blocks: list, n: int) -> dict:
         elif isinstance(b, ThinkingBlock):
             reasoning.append(b.thinking)
         elif not isinstance(b, RedactedThinkingBlock):
-            raise bad_request(f"messages.{n}.content.{k}: an assistant message cannot hold a '{b_type(b)}' block",
+            raise bad_request(f"messages.{n}.content.{k}: an assistant message cannot hold a '{_type_of(b)}' block",
                               "messages")
     out: dict = {"role": "assistant", "content": "".join(text)}
     if calls:

@@ -98,7 +98,10 @@ def _message(m: dict, n: int) -> dict:
     if m.get("images"):
         raise bad_request(f"messages[{n}]: images are not supported (text models)", "messages")
     out = {k: m[k] for k in ("role", "content") if k in m}
-    if m.get("tool_calls"):  # Ollama's calls carry arguments as objects and no ids
+    calls = m.get("tool_calls")
+    if calls and (not isinstance(calls, list) or not all(isinstance(tc, dict) for tc in calls)):
+        raise bad_request(f"messages[{n}]: tool_calls must be a list of objects", "messages")
+    if calls:  # Ollama's calls carry arguments as objects and no ids
         out["tool_calls"] = [{"id": f"call_{n}_{k}", "type": "function", "function": tc.get("function", {})}
                              for k, tc in enumerate(m["tool_calls"])]
     return out
@@ -222,7 +225,8 @@ async def api_generate(request: Request):
         if "response_format" in sampling:
             raise bad_request("format needs the chat template: not with raw", "format")
         oai = {"prompt": body.prompt, "stream": body.stream, **sampling}
-        oai.setdefault("max_tokens", state.engine.ctx_size - len(state.tok.encode(body.prompt)))
+        # (a prompt longer than the context: 0 here, and the context check says so)
+        oai.setdefault("max_tokens", max(state.engine.ctx_size - len(state.tok.encode(body.prompt)), 0))
         if body.stream:
             oai["stream_options"] = {"include_usage": True}
         out = await request.app.state.complete(state, parse(CompletionRequest, json.dumps(oai).encode()), request)

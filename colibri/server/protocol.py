@@ -135,6 +135,9 @@ class StreamOptions(_Strict):
 
 
 MAX_N = 16  # choices per prompt (each takes a slot or waits in the queue)
+# A temperature this small samples as 0 (greedy, which it is in effect): logits divided by almost nothing
+# overflow to inf, which the sampler cannot draw from.
+MIN_TEMPERATURE = 1e-6
 Temperature = Annotated[float, Field(ge=0, le=2)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
@@ -185,7 +188,8 @@ class _Sampling(_Strict):
     def sampling_kw(self, choice: int = 0) -> dict:
         """Keywords for `Engine.submit`: OpenAI's defaults (temperature 1, top_p 1) where unset; choice i
         of n samples with seed + i (the choices differ, the request stays reproducible)."""
-        return {"temperature": 1.0 if self.temperature is None else self.temperature,
+        t = 1.0 if self.temperature is None else self.temperature
+        return {"temperature": t if t >= MIN_TEMPERATURE else 0.0,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0,
                 "min_p": self.min_p or 0.0,
                 "repeat_penalty": 1.0 if self.repeat_penalty is None else self.repeat_penalty,

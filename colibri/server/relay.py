@@ -118,7 +118,7 @@ async def until_disconnect(request: Request, work):
     finally:
         watch.cancel()
         if not task.done():
-            task.cancel()
-    if task.cancelled():
+            task.cancel()  # (it ends at the loop's next turn: not done yet)
+    if not task.done() or task.cancelled():
         raise APIError(499, "the client closed the connection", "client_closed")
     return task.result()

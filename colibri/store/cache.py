@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..arena import aligned_buffer
-from ..models.moe import ExpertWeights
+from ..layers.moe import ExpertWeights
 from .reuse import ReuseEstimator
 
 POLICIES = ("fair", "lru", "reuse")

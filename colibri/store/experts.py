@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..kernels import native
-from ..models.moe import ExpertWeights, SwitchGLU, native_expert
+from ..layers.moe import ExpertWeights, SwitchGLU, native_expert
 from .cache import ExpertCache
 
 
 class Experts:
-    """Implements models.moe.ExpertSource for every layer of a model (see module doc)."""
+    """Implements layers.moe.ExpertSource for every layer of a model (see module doc)."""
 
     def __init__(self) -> None:
         self.resident: dict[int, list[ExpertWeights]] = {}  # layer -> weights of every expert

@@ -13,7 +13,7 @@ import torch
 
 from ..arena import aligned_buffer
 from ..format.container import Container
-from ..models.moe import ExpertWeights
+from ..layers.moe import ExpertWeights
 from .reader import RecordReader, round_up
 from .weights import expert_weights
 

@@ -33,8 +33,8 @@ from ..errors import ColibriError
 from ..format.container import Container
 from ..format.integrity import Checks
 from ..format.layout import DTYPES
+from ..layers.moe import ExpertWeights
 from ..models.base import layer_of
-from ..models.moe import ExpertWeights
 from ..progress import Progress
 from .cache import ExpertCache
 from .experts import Experts

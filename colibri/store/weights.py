@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ColibriError
 from ..format.container import Container
-from ..models.moe import ExpertWeights
+from ..layers.moe import ExpertWeights
 from ..quant import QLinear, stored_linear
 
 

@@ -1,15 +1,16 @@
 """Shared building blocks: weight placeholders, RoPE, KV cache, attention, dense MLP (the norms: norms.py).
 
 Hidden states are 2-D `[T, H]` everywhere: the rows of one step, possibly of several sequences
-(models/batch.py); attention alone splits them per sequence. Placeholders (`Linear`,
+(layers/batch.py); attention alone splits them per sequence. Placeholders (`Linear`,
 `Embedding`) hold no weights: `models.base.bind()` swaps in what the store hands out,
 so a model file never decides where or how a weight is stored.
 """
 
 from __future__ import annotations
 
+import enum
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -343,8 +344,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     return out.transpose(0, 1).reshape(T, -1)  # [T, H * Dv]
 
 
+class QKNorm(enum.IntEnum):
+    """Where the queries and keys are RMS-normed; the values are coli_attn_layer's `qk_norm` codes (common.h)."""
+
+    NONE = 0
+    FULL = 1  # over the whole q / k projection, before the heads are split (OLMoE, MiniMax-M2)
+    HEAD = 2  # each head alone, before the rotary (Qwen3)
+    HEAD_POST_ROPE = 3  # each head alone, after the rotary (Hunyuan; Llama 4's L2 norm as weights of ones)
+
+
+class OutGate(enum.IntEnum):
+    """An output gate on the heads' outputs before o_proj, chosen by the family's attention subclass; the values
+    are coli_attn_layer's `gate` codes (common.h)."""
+
+    NONE = 0
+    Q_SIGMOID = 1  # q_proj gives each head its query then its gate rows, times sigmoid(gate) (Qwen3-Next, AFMoE;
+    # Beam adds a bias to the gate: the layer's `bg`)
+    CHANNEL_SOFTPLUS = 2  # g_proj gives a gate a channel, times softplus(gate) (Laguna)
+    HEAD_SOFTPLUS = 3  # g_proj gives a gate a head, times softplus(gate) (Laguna's per-head gating)
+
+
 @dataclass
 class AttentionArgs:
+    """One attention layer's shape and variants. Past the positional shape and rotary base, every field is a keyword,
+    grouped by the stage of `Attention.forward` it changes; the default is the plain Llama layer."""
+
     hidden: int
     heads: int
     kv_heads: int
@@ -352,22 +376,30 @@ class AttentionArgs:
     rope_theta: float
     rope_scaling: dict | None = None
     max_pos: int = 4096
-    bias: bool = False
-    o_bias: bool = False
-    # None | "head" (per head, Qwen3) | "full" (whole projection, OLMoE) | "head_post_rope" (per head after the
-    # rotary, Hunyuan)
-    qk_norm: str | None = None
-    norm_eps: float = 1e-6
+    _: KW_ONLY
+    # projections
+    bias: bool = False  # q/k/v biases (Qwen2-MoE, GLM)
+    o_bias: bool = False  # o_proj's bias (gpt-oss)
+    # queries and keys
+    qk_norm: QKNorm = QKNorm.NONE
+    norm_eps: float = 1e-6  # the q/k norms' and the output norm's
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE, DBRX)
+    # positions
+    use_rope: bool = True  # False: a NoPE layer (EXAONE's global layers), the rotary table kept for the others
     rotary_dim: int | None = None  # partial rotary (GLM)
     sliding_window: int | None = None
-    clip_qkv: float | None = None
+    # scores
+    scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim) (Granite: its attention_multiplier)
     sinks: bool = False  # per-head attention sink logits (gpt-oss)
-    use_rope: bool = True  # False: a NoPE layer (EXAONE's global layers), the rotary table kept for the others
+    # values
     v_head_dim: int | None = None  # values narrower or wider than q/k's heads (MiMo-V2-Flash); None: head_dim
     v_scale: float = 1.0  # values times this before they are cached (MiMo-V2-Flash)
+    # output and block
     out_norm: bool = False  # an RMSNorm of o_proj's output before the residual add (AFMoE: `self_attn.out_norm`)
-    scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim) (Granite: its attention_multiplier)
     parallel: bool = False  # the block's MLP reads this layer's input norm, not a post norm (Cohere: DecoderBlock's)
+
+    def __post_init__(self):
+        self.qk_norm = QKNorm(self.qk_norm)  # (a bare string or number is refused here, not deep in a kernel)
 
 
 class Attention(nn.Module):
@@ -383,9 +415,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(a.heads * self.v_dim, a.hidden, a.o_bias)
         if a.out_norm:
             self.out_norm = RMSNorm(a.hidden, a.norm_eps)
-        if a.qk_norm in ("head", "head_post_rope"):
+        if a.qk_norm in (QKNorm.HEAD, QKNorm.HEAD_POST_ROPE):
             self.q_norm, self.k_norm = RMSNorm(a.head_dim, a.norm_eps), RMSNorm(a.head_dim, a.norm_eps)
-        elif a.qk_norm == "full":
+        elif a.qk_norm == QKNorm.FULL:
             self.q_norm = RMSNorm(a.heads * a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.kv_heads * a.head_dim, a.norm_eps)
         if a.sinks:
@@ -397,7 +429,7 @@ class Attention(nn.Module):
         """x [T, hidden]: the step's rows; projections run on all rows, attention per sequence."""
         a, T = self.a, x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*D], [T, Hkv*D] x2
-        if a.qk_norm == "full":
+        if a.qk_norm == QKNorm.FULL:
             q, k = self.q_norm(q), self.k_norm(k)
         if a.clip_qkv is not None:
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
@@ -406,11 +438,11 @@ class Attention(nn.Module):
         v = v.view(T, a.kv_heads, self.v_dim)
         if a.v_scale != 1.0:
             v = v * a.v_scale
-        if a.qk_norm == "head":
+        if a.qk_norm == QKNorm.HEAD:
             q, k = self.q_norm(q), self.k_norm(k)
         if a.use_rope:
             q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
-        if a.qk_norm == "head_post_rope":
+        if a.qk_norm == QKNorm.HEAD_POST_ROPE:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.attend(q, k, v, kv, x)
 
@@ -478,7 +510,7 @@ class Attention(nn.Module):
             return None
         norms = [in_norm, post_norm] + ([self.q_norm, self.k_norm] if a.qk_norm else [])
         biases = [block_norm_bias(in_norm), block_norm_bias(post_norm)]  # (LayerNorms: Phi-3.5-MoE)
-        if self.rope.interleaved or a.qk_norm not in (None, "full", "head", "head_post_rope") or False in biases \
+        if self.rope.interleaved or False in biases \
                 or not all(is_rms(n) for n in norms[2:]) \
                 or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms
                        if type(n) is not NoNorm):
@@ -494,7 +526,7 @@ class Attention(nn.Module):
             a.hidden, a.heads, a.kv_heads, a.head_dim, 8 if first.scheme == "int8" else 4, first.group_size,
             *(native.QW() if p is None else native.QW(*native.qw(p)) for p in projs),
             norm_weight_ptr(in_norm), norm_weight_ptr(post_norm), in_norm.eps, post_norm.eps,
-            {None: 0, "full": 1, "head": 2, "head_post_rope": 3}[a.qk_norm], *qn, a.clip_qkv or 0.0,
+            a.qk_norm, *qn, a.clip_qkv or 0.0,
             self.rope.dim if a.use_rope else 0,
             a.sliding_window or 0, self.scale, sinks.data_ptr() if sinks is not None else None,
             *(None if p is None or p.bias is None else p.bias.data_ptr() for p in projs), v_dim=self.v_dim,
