@@ -130,23 +130,32 @@ def test_a_slot_costs_its_attention_positions_plus_fixed_states() -> None:
     assert fixed == 2 * (conv_dim * 3 * 2 + 4 * 16 * 16 * 4)  # two linear layers: conv inputs (bf16), f32 states
 
 
-def _both_ways(ckpt, model_type: str, scheme: str, monkeypatch, flag: str, kernel: str) -> dict[bool, list]:
-    """Three bf16 requests batched, with linear_attn.`flag` on and off: per request its tokens and each token's
-    (log-prob, top 3); the native_delta `kernel` must run exactly when the flag is on."""
+def _both_ways(ckpt, model_type: str, scheme: str, monkeypatch, path: str, kernel: str) -> dict[bool, list]:
+    """Three bf16 requests batched, with the mixer's native `path` ("rows": the kernels at all, "block": the whole
+    block in one call) taken and declined: per request its tokens and each token's (log-prob, top 3); the
+    native_delta `kernel` must run exactly when the path is taken."""
     from colibri.layers import linear_attn
 
+    mixer = linear_attn.GatedDeltaNet
     calls: list[int] = []
     real = getattr(linear_attn.native_delta, kernel)
-    monkeypatch.setattr(linear_attn.native_delta, kernel, lambda *a: calls.append(1) or real(*a))
     prompts = [P, P[:5] + [88, 9], [1, 250, 4, 4, 19]]
     out = {}
     for on in (True, False):
         calls.clear()
-        monkeypatch.setattr(linear_attn, flag, on)
-        with colibri.load(ckpt.coli(model_type, scheme), ctx_size=96, threads=2, slots=3) as llm:
-            events: list[list] = [[] for _ in prompts]
-            hs = [llm.submit(p, 12, ignore_eos=True, logprobs=3, listener=ev.append) for p, ev in zip(prompts, events)]
-            out[on] = [(h.wait(), [(e.logprob, e.top) for e in ev if e is not None]) for h, ev in zip(hs, events)]
+        with monkeypatch.context() as mp:
+            mp.setattr(linear_attn.native_delta, kernel, lambda *a: calls.append(1) or real(*a))
+            if path == "rows":  # (the fused block calls the same rows from C: off on both sides)
+                mp.setattr(mixer, "fused", lambda self, *a: None)
+                if not on:
+                    mp.setattr(mixer, "_native_rows", lambda self, x, kv: False)
+            elif not on:
+                mp.setattr(mixer, "fused", lambda self, *a: None)
+            with colibri.load(ckpt.coli(model_type, scheme), ctx_size=96, threads=2, slots=3) as llm:
+                events: list[list] = [[] for _ in prompts]
+                hs = [llm.submit(p, 12, ignore_eos=True, logprobs=3, listener=ev.append)
+                      for p, ev in zip(prompts, events)]
+                out[on] = [(h.wait(), [(e.logprob, e.top) for e in ev if e is not None]) for h, ev in zip(hs, events)]
         assert bool(calls) == on
     return out
 
@@ -157,10 +166,8 @@ def _both_ways(ckpt, model_type: str, scheme: str, monkeypatch, flag: str, kerne
 def test_native_decode_rows_agree_with_the_torch_path(ckpt, model_type, scheme, monkeypatch) -> None:
     """kernels/delta.c (bf16 decode rows of several sequences) against the torch path: the same arithmetic in
     another summation order, so the same tokens and log-probs to bf16 rounding."""
-    from colibri.layers import linear_attn
 
-    monkeypatch.setattr(linear_attn, "FUSED", False)  # (the fused block calls the same rows from C)
-    out = _both_ways(ckpt, model_type, scheme, monkeypatch, "NATIVE", "delta_rows")
+    out = _both_ways(ckpt, model_type, scheme, monkeypatch, "rows", "delta_rows")
     for (a, la), (b, lb) in zip(out[True], out[False]):
         assert a == b
         torch.testing.assert_close(torch.tensor([lp for lp, _ in la]), torch.tensor([lp for lp, _ in lb]),
@@ -173,7 +180,7 @@ def test_native_decode_rows_agree_with_the_torch_path(ckpt, model_type, scheme, 
 def test_the_fused_block_gives_the_layer_by_layer_bits(ckpt, model_type, scheme, monkeypatch) -> None:
     """coli_delta_block (norm, both input projections, delta rows, out_proj, residual, post norm in one call)
     against the same kernels called one by one from Python: the same tokens and log-probs, bit for bit."""
-    out = _both_ways(ckpt, model_type, scheme, monkeypatch, "FUSED", "delta_block")
+    out = _both_ways(ckpt, model_type, scheme, monkeypatch, "block", "delta_block")
     assert out[True] == out[False]
 
 

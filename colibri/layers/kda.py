@@ -29,9 +29,6 @@ from .batch import LayerKV
 from .layers import Linear
 from .linear_attn import Conv1d, StateCache, block_weights, step_states
 
-NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
-FUSED = True  # False: the native decode rows layer by layer, not the whole block in one call (tests)
-
 
 @dataclass
 class KDAArgs:
@@ -147,7 +144,7 @@ class KimiDeltaAttention(nn.Module):
         low = (self.f_a_proj, self.g_a_proj, self.f_b_proj, self.g_b_proj) if a.low_rank else (self.f_proj,
                                                                                                self.g_proj)
         projs = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *low, self.o_proj)
-        if not FUSED or T > native.MOE_MAX_ROWS or not self._native_rows(h, kv) \
+        if T > native.MOE_MAX_ROWS or not self._native_rows(h, kv) \
                 or any(r1 - r0 != 1 for r0, r1, _, _ in kv.segs) \
                 or (w := block_weights(self, projs, in_norm, post_norm)) is None:
             return None
@@ -160,7 +157,7 @@ class KimiDeltaAttention(nn.Module):
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
         """Whether kernels/kda.c takes this step: bf16 CPU rows, bf16 conv states, f32 parameters (the f32 oracle path
         stays in torch)."""
-        if not NATIVE or x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.a.head_dim > native_kda.MAX_D \
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.a.head_dim > native_kda.MAX_D \
                 or not native.available():
             return False
         params = (self.q_conv1d.weight, self.dt_bias, self.A_log, self.o_norm.weight)

@@ -28,8 +28,6 @@ from .batch import LayerKV
 from .layers import Linear
 
 CHUNK = 64
-NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
-FUSED = True  # False: the native decode rows layer by layer, not the whole block in one call (tests)
 
 
 @dataclass
@@ -246,7 +244,7 @@ class GatedDeltaNet(nn.Module):
         """(h + self(in_norm(h)), post_norm(that)) in one native call (kernels/delta.c coli_delta_block) for
         bf16 decode rows of native weights, with the bits of the layer-by-layer native path; else None."""
         projs = (*self.projections(), self.out_proj)
-        if not FUSED or not self._native_rows(h, kv) or (w := block_weights(self, projs, in_norm, post_norm)) is None:
+        if not self._native_rows(h, kv) or (w := block_weights(self, projs, in_norm, post_norm)) is None:
             return None
         first, a = projs[0], self.a
         for _, _, start, cache in kv.segs:
@@ -268,7 +266,7 @@ class GatedDeltaNet(nn.Module):
         """Whether kernels/delta.c takes this step: bf16 rows on the CPU, one per sequence, each continuing its
         state (a prompt takes the chunked form in torch), f32 weights; the f32 oracle path stays in torch."""
         a = self.a
-        if not NATIVE or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] > native.MOE_MAX_ROWS \
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] > native.MOE_MAX_ROWS \
                 or max(a.k_dim, a.v_dim) > native_delta.MAX_DIM or not native.available():
             return False
         params = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)

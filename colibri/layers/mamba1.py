@@ -27,8 +27,6 @@ from .batch import LayerKV
 from .layers import Linear, RMSNorm
 from .linear_attn import Conv1d, StateCache, step_states
 
-NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
-
 
 def _native_linear(p) -> bool:
     """A native int8 / int4 QLinear computing in bf16 (the kernels' GEMMs take its weights)."""
@@ -166,7 +164,7 @@ class Mamba1Mixer(nn.Module):
         norms = (self.dt_layernorm, self.b_layernorm, self.c_layernorm) if self.a.inner_norms else ()
         params = (self.conv1d.weight, getattr(self.conv1d, "bias", None), self.A_log, self.D,
                   *(n.weight for n in norms))
-        return NATIVE and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= native.MOE_MAX_ROWS \
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= native.MOE_MAX_ROWS \
             and self.a.state <= native_mamba.MAX_STATE and native.available() \
             and all(p is None or (p.dtype == torch.float32 and p.is_contiguous()) for p in params) \
             and all(r1 - r0 == 1 and start > 0 and c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous()

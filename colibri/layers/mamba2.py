@@ -28,8 +28,6 @@ from .batch import LayerKV
 from .layers import Linear
 from .linear_attn import Conv1d, StateCache, block_weights, step_states
 
-NATIVE = True  # False: bf16 decode rows take the torch path too (tests compare the two)
-
 
 @dataclass
 class Mamba2Args:
@@ -190,7 +188,7 @@ class Mamba2Mixer(nn.Module):
         state, f32 parameters; the f32 oracle path and prompts stay in torch."""
         params = (self.conv1d.weight, getattr(self.conv1d, "bias", None), self.dt_bias, self.A_log, self.D,
                   self.norm.weight)
-        return NATIVE and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= native.MOE_MAX_ROWS \
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= native.MOE_MAX_ROWS \
             and self.a.state <= native_mamba.MAX_STATE and native.available() \
             and all(p is None or (p.dtype == torch.float32 and p.is_contiguous()) for p in params) \
             and all(r1 - r0 == 1 and start > 0 and c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous()

@@ -40,7 +40,6 @@ from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
 
 NAME = "longcat_flash"
-NATIVE = True  # False: the MoE's bf16 rows take the torch glue around the native experts (tests compare the two)
 DEFAULT_THETA = 1e7  # transformers' LongcatFlashConfig.default_theta
 
 
@@ -114,7 +113,7 @@ class ZeroExpertMoE(SparseMoE):
         """The layer in one native call (kernels/moe.c coli_zero_moe: the router, the zero slots, the experts, the
         identity term) for a few bf16 rows of a resident layer; None where it does not apply."""
         ex, rule = self.experts, native_routing(self.gate)
-        if not NATIVE or rule is None or x.shape[0] > native.MOE_MAX_ROWS \
+        if rule is None or x.shape[0] > native.MOE_MAX_ROWS \
                 or not native_router_ok(self.gate.weight, x):
             return None
         tables = ex.source.native_tables(ex) if ex.source.holds_all(ex.layer) else None
