@@ -195,20 +195,18 @@ def test_a_failed_step_forgets_what_it_may_have_written(ckpt, monkeypatch):
     path = ckpt.coli("olmoe", "f32")
     with colibri.load(path, ctx_size=96, threads=2, slots=1) as llm:
         a, _ = run(llm, P1)
-        model = llm.model
-        real = type(model).forward
         calls = {"n": 0}
 
-        def failing(self, *args, **kw):
+        def failing(*args, **kw):
             calls["n"] += 1
             raise ColibriError("injected failure")
 
-        monkeypatch.setattr(type(model), "forward", failing)
-        h = llm.submit(P1 + a + [5, 6], N, ignore_eos=True)
-        with pytest.raises(ColibriError, match="injected"):
-            h.wait()
+        with monkeypatch.context() as mp:
+            mp.setattr(llm.plan, "step", failing)  # (the step the runner runs: the decode plan's)
+            h = llm.submit(P1 + a + [5, 6], N, ignore_eos=True)
+            with pytest.raises(ColibriError, match="injected"):
+                h.wait()
         assert calls["n"] == 1
-        monkeypatch.setattr(type(model), "forward", real)
         # The failed step ran from position len(P1) + N - 1 on: the slot still holds what came before.
         b, cached = run(llm, P1 + a + [5, 6])
         assert cached == len(P1) + N - 1
