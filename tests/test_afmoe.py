@@ -17,7 +17,7 @@ from colibri.engine import native_step
 from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.format.container import Container
-from colibri.layers.layers import OutGate
+from colibri.layers.attention import OutGate
 from colibri.models.afmoe import check_config, sanitize
 from colibri.models.base import build
 
@@ -42,8 +42,8 @@ def test_layers_and_the_stored_weights(ckpt) -> None:
     cfg = {"hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4, "vocab_size": 384}
     model, _ = build("afmoe", cfg)
     args = [b.self_attn.a for b in model.model.layers]
-    assert [a.sliding_window for a in args] == [1024, 1024, 1024, None] * 2
-    assert [a.use_rope for a in args] == [True, True, True, False] * 2
+    assert [a.scores.sliding_window for a in args] == [1024, 1024, 1024, None] * 2
+    assert [a.positions.use_rope for a in args] == [True, True, True, False] * 2
     assert native_step.one_call_shape(model.model.layers)
     st = load_file(ckpt.hf("afmoe") / "model.safetensors")
     with Container(ckpt.coli("afmoe", "f32")) as c:
@@ -64,8 +64,8 @@ def test_the_native_blocks_take_afmoes_layers(ckpt) -> None:
         m = llm.model
         for b in m.model.layers:
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
-            assert layer is not None and layer.gate == OutGate.Q_SIGMOID
-            assert layer.out_w == b.self_attn.out_norm.weight.data_ptr()
+            assert layer is not None and layer.gate.contents.kind == OutGate.Q_SIGMOID
+            assert layer.output.contents.norm_w == b.self_attn.out_norm.weight.data_ptr()
             assert b.mlp.out_norm is not None
         plan = DecodePlan(m).native_layers()
         assert plan is not None and native_step.tail(m) is not None

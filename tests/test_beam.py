@@ -17,7 +17,7 @@ from colibri.engine import native_step
 from colibri.engine.decode_plan import DecodePlan
 from colibri.errors import ColibriError
 from colibri.kernels import native
-from colibri.layers.layers import OutGate
+from colibri.layers.attention import OutGate
 from colibri.models import beam
 from colibri.models.base import build
 
@@ -100,8 +100,8 @@ def test_layers_read_the_stream_at_their_depth() -> None:
     assert model.model.norm.eps == pytest.approx(7e-5)
     assert all(b.self_attn.out_norm.eps == 1e-5 and b.mlp.out_norm.eps == 1e-5 for b in blocks)
     assert [b.self_attn.has_table for b in blocks] == [False, True, False]
-    assert [b.self_attn.a.use_rope for b in blocks] == [True, False, True]
-    assert [b.self_attn.a.sliding_window for b in blocks] == [8, None, 8]
+    assert [b.self_attn.a.positions.use_rope for b in blocks] == [True, False, True]
+    assert [b.self_attn.a.scores.sliding_window for b in blocks] == [8, None, 8]
     assert native_step.one_call_shape(blocks)
 
 
@@ -130,12 +130,13 @@ def test_each_layer_in_the_block_is_the_torch_layer(ckpt, scheme: str) -> None:
             m.__dict__.pop("_fused_layer", None)
             h_got, x_got = m.fused(h, kv[1], *args)
             offs = []
-            for field in ("bg", "temp") if m.has_table else ("bg",):
-                layer = m._native_layer(*args)
-                kept = getattr(layer, field)
-                setattr(layer, field, None)
+            layer = m._native_layer(*args)
+            # (each of Beam's two extras off in turn: the gate's bias, the positions' temperature table)
+            for struct, field in [(layer.gate.contents, "bias")] + ([(layer, "positions")] if m.has_table else []):
+                kept = getattr(struct, field)
+                setattr(struct, field, None)
                 offs.append(m.fused(h, kv[2 + len(offs)], *args))
-                setattr(layer, field, kept)
+                setattr(struct, field, kept)
             m.__dict__.pop("_fused_layer", None)
             for i, (got, ref) in enumerate(((h_got, h_ref), (x_got, x_ref))):
                 err = (got.float() - ref.float()).abs().max()
@@ -152,8 +153,9 @@ def test_the_native_blocks_take_beams_layers(ckpt) -> None:
         m = llm.model
         for b in m.model.layers:
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
-            assert layer is not None and layer.gate == OutGate.Q_SIGMOID and layer.bg
-            assert bool(layer.temp) == b.self_attn.has_table and layer.in_eps == pytest.approx(b.input_layernorm.eps)
+            assert layer is not None and layer.gate.contents.kind == OutGate.Q_SIGMOID and layer.gate.contents.bias
+            assert bool(layer.positions) == b.self_attn.has_table
+            assert layer.in_eps == pytest.approx(b.input_layernorm.eps)
         plan = DecodePlan(m).native_layers()
         assert plan is not None and native_step.tail(m) is not None
         assert native_step.tail(m).struct.eps == pytest.approx(m.model.norm.eps)

@@ -40,7 +40,7 @@ def test_layer_patterns_and_rope_are_transformers(over: dict) -> None:
         assert a.rotates(i) == (t.sliding_window is not None or t.force_rope), i
     model, _ = build("cohere2_moe", kw)
     assert all(b.parallel and b.post_attention_layernorm is b.input_layernorm for b in model.model.layers)
-    assert [b.self_attn.a.use_rope for b in model.model.layers] == [a.rotates(i) for i in range(9)]
+    assert [b.self_attn.a.positions.use_rope for b in model.model.layers] == [a.rotates(i) for i in range(9)]
 
 
 @pytest.mark.parametrize("over", [

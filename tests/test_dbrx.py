@@ -82,7 +82,7 @@ def test_the_native_blocks_take_dbrx_layers(ckpt) -> None:
         m = llm.model
         for b in m.model.layers:
             assert not is_rms(b.input_layernorm) and not b.input_layernorm.bias.any()
-            assert b.self_attn.a.clip_qkv == 2.0
+            assert b.self_attn.a.scores.clip_qkv == 2.0
             assert b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm) is not None
             assert b.mlp.gate.native_routing() is not None
         assert native_step.tail(m) is not None and DecodePlan(m).native_layers() is not None

@@ -31,7 +31,7 @@ def test_the_native_blocks_take_blocks_without_input_norms(ckpt) -> None:
             assert type(b.input_layernorm) is NoNorm and type(b.post_attention_layernorm) is NoNorm
             layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
             assert layer is not None and not layer.in_w and not layer.post_w
-            assert layer.out_w == b.self_attn.out_norm.weight.data_ptr()
+            assert layer.output.contents.norm_w == b.self_attn.out_norm.weight.data_ptr()
         plan = DecodePlan(m).native_layers()
         assert plan is not None and all(plan.moe[i].out_w for i in range(len(m.model.layers)))
         assert not any(b.mlp.gate.norm_topk_prob for b in m.model.layers)

@@ -32,9 +32,9 @@ def test_layer_patterns_are_transformers(n: int) -> None:
     for i, block in enumerate(model.model.layers):  # RoPE and a window on the sliding layers only; sinks everywhere
         sliding = ref.layer_types[i] == "sliding_attention"
         attn = block.self_attn.a
-        assert (attn.use_rope, attn.sliding_window, attn.sinks) == (sliding, ref.sliding_window if sliding else None,
-                                                                   True)
-        assert attn.rope_theta == ref.rope_parameters["rope_theta"]
+        assert (attn.positions.use_rope, attn.scores.sliding_window, attn.scores.sinks) == (
+            sliding, ref.sliding_window if sliding else None, True)
+        assert attn.positions.rope_theta == ref.rope_parameters["rope_theta"]
 
 
 def test_release_names_map_to_the_canonical_ones() -> None:

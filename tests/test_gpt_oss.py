@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 import colibri
 from colibri.convert.converter import convert
 from colibri.errors import ColibriError
-from colibri.layers import layers
-from colibri.layers.layers import attend
+from colibri.layers import attention
+from colibri.layers.attention import attend
 from colibri.models.gpt_oss import (
     SoftmaxTopKRouter,
     check_config,
@@ -71,7 +71,7 @@ def test_sink_path_in_query_chunks_equals_one_pass(monkeypatch):
     sinks = torch.randn(4, generator=g)
     for window in (None, 4):
         whole = attend(q, k, v, 5, 0.3, window, sinks)
-        monkeypatch.setattr(layers, "SINK_CHUNK_SCORES", 4 * 12 * 3)  # 3 queries per chunk: 3 + 3 + 1
+        monkeypatch.setattr(attention, "SINK_CHUNK_SCORES", 4 * 12 * 3)  # 3 queries per chunk: 3 + 3 + 1
         torch.testing.assert_close(attend(q, k, v, 5, 0.3, window, sinks), whole, atol=1e-6, rtol=0)
         monkeypatch.undo()
 

@@ -45,12 +45,12 @@ def test_each_layer_takes_its_own_attention_settings() -> None:
             "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 384, "rope_theta": 1e4}
     model, _ = build("granitemoe_swa", base)  # (defaults: every 4th layer full from 0, the rest slide over 128)
     args = [b.self_attn.a for b in model.model.layers]
-    assert [a.sliding_window for a in args] == [None, 128, 128, 128, None, 128, 128, 128]
-    assert all(a.sinks and a.use_rope and a.rope_theta == 1e4 for a in args)
+    assert [a.scores.sliding_window for a in args] == [None, 128, 128, 128, None, 128, 128, 128]
+    assert all(a.scores.sinks and a.positions.use_rope and a.positions.rope_theta == 1e4 for a in args)
     model, _ = build("granitemoe_swa", {**base, "layer_rope_theta": [0, 5e4, 1e4, 0, 1e4, 1e4, 1e4, 2e5]})
     args = [b.self_attn.a for b in model.model.layers]
-    assert [a.use_rope for a in args] == [False, True, True, False, True, True, True, True]
-    assert [a.rope_theta for a in args][1::6] == [5e4, 2e5]
+    assert [a.positions.use_rope for a in args] == [False, True, True, False, True, True, True, True]
+    assert [a.positions.rope_theta for a in args][1::6] == [5e4, 2e5]
 
 
 def test_the_native_blocks_take_the_swa_layers(ckpt) -> None:

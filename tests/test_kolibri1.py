@@ -61,8 +61,9 @@ def test_layer_pattern_is_transformers(n: int) -> None:
     for i, block in enumerate(model.model.layers):
         sliding = ref.layer_types[i] == "sliding_attention"
         a = block.self_attn.a
-        assert (a.use_rope, a.sliding_window, a.out_norm) == (sliding, ref.sliding_window if sliding else None, True)
-        assert a.rope_theta == ref.rope_parameters["rope_theta"]
+        assert (a.positions.use_rope, a.scores.sliding_window, a.output.out_norm) == (
+            sliding, ref.sliding_window if sliding else None, True)
+        assert a.positions.rope_theta == ref.rope_parameters["rope_theta"]
 
 
 def test_release_names_map_to_the_canonical_ones() -> None:

@@ -36,8 +36,8 @@ def test_defaults_are_transformers() -> None:
         assert a.rope(kind) == ref.rope_parameters[kind]
     model, _ = build("laguna", _cfg())  # the tiny config: heads, rotated share and window per layer
     assert [b.self_attn.a.heads for b in model.model.layers] == [4, 2, 4]
-    assert [b.self_attn.a.rotary_dim for b in model.model.layers] == [16, 8, 16]
-    assert [b.self_attn.a.sliding_window for b in model.model.layers] == [8, None, 8]
+    assert [b.self_attn.a.positions.rotary_dim for b in model.model.layers] == [16, 8, 16]
+    assert [b.self_attn.a.scores.sliding_window for b in model.model.layers] == [8, None, 8]
 
 
 @pytest.mark.parametrize("over", [{"moe_router_logit_softcapping": 1.5}, {"gating": "per-element"},

@@ -35,8 +35,8 @@ def test_defaults_are_transformers() -> None:
     for i, block in enumerate(model.model.layers):
         kind = _cfg()["layer_types"][i]
         attn = block.self_attn.a
-        assert attn.rope_theta == _cfg()["rope_parameters"][kind]["rope_theta"]
-        assert attn.sliding_window == (8 if kind == "sliding_attention" else None)
+        assert attn.positions.rope_theta == _cfg()["rope_parameters"][kind]["rope_theta"]
+        assert attn.scores.sliding_window == (8 if kind == "sliding_attention" else None)
 
 
 def test_mtp_module_is_dropped_and_recorded(ckpt, tmp_path) -> None:

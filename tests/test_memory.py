@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colibri.layers.layers import KV_BUCKET, attend, kv_span
+from colibri.layers.attention import KV_BUCKET, attend, kv_span
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
 

@@ -102,7 +102,7 @@ def test_small_contexts_take_the_one_call_step(ckpt) -> None:
 @pytest.mark.parametrize("scheme,rows", [("int8", 1), ("int8", 3), ("int4", 1)])
 def test_sparse_layers_past_the_span_run_in_the_block(ckpt, scheme: str, rows: int) -> None:
     """Past index_topk_blocks x index_block_size positions (12 here) a sparse layer's rows (a decode row, a 3-row
-    chunk) take the kernels' block with each row's kept blocks (coli_attn_layer.keep): its (h + attention, post norm)
+    chunk) take the kernels' block with each row's kept blocks (coli_attn_keep): its (h + attention, post norm)
     against the torch layer's from the same caches at positions 40.. to bf16 rounding, and far off when the block
     keeps every block."""
     from colibri.layers.batch import LayerKV

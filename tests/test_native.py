@@ -207,7 +207,7 @@ def test_fused_moe_layer_matches_per_expert_path(scheme: str, dt: torch.dtype, t
 # 16-position blocks and a tail, one short of a block; Dv 64 / 128 / another; Gemma 4's heads of 256 and 512
 @pytest.mark.parametrize("D,S", [(64, 37), (128, 300), (96, 21), (64, 5), (256, 40), (512, 33)])
 def test_decode_attention_matches_f32_softmax(window: int | None, with_sinks: bool, D: int, S: int) -> None:
-    from colibri.layers.layers import attend
+    from colibri.layers.attention import attend
 
     torch.manual_seed(1)
     H, Hkv = 8, 2

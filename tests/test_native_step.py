@@ -17,8 +17,8 @@ def _steps(llm, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.T
     native call ("whole": embedding, blocks, norm, head), all blocks in one call ("one_call"), the fused
     blocks one layer at a time ("fused"), or neither ("unfused")."""
     from colibri.engine.decode_plan import DecodePlan
+    from colibri.layers.attention import Attention
     from colibri.layers.batch import Seq, StepBatch
-    from colibri.layers.layers import Attention
     from colibri.layers.moe import SparseMoE
 
     out: dict[str, torch.Tensor] = {}
@@ -90,7 +90,7 @@ def prompt_then_decode(llm, prompt: list[int], first: int = 4, routes: list | No
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "original_max_position_embeddings": 4096,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}}),
     # MiMo-V2-Flash: values narrower than q/k and scaled, sliding layers with sinks and more KV heads, each layer type
-    # its own RoPE as released (the sliding layers' tables their own: coli_attn_layer.ctab), and one RoPE for both
+    # its own RoPE as released (the sliding layers' tables their own: coli_attn_layer.rotary), and one RoPE for both
     ("mimo_v2_flash", {}),
     ("mimo_v2_flash", {"rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334},

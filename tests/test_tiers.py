@@ -353,7 +353,7 @@ def test_large_arenas_ask_for_huge_pages(monkeypatch):
     assert flags_big is not None and "hg" in flags_big
     assert flags_small is not None and "hg" not in flags_small
     # a layer's KV cache preallocated for a long context: its own huge-page arena, zeros as torch.zeros's
-    from colibri.layers.layers import KVCache
+    from colibri.layers.attention import KVCache
     kv = KVCache(4, 64, 8192, torch.bfloat16)  # [4, 8192, 64] bf16 = 4 MiB each
     assert kv.k.shape == (4, 8192, 64) and kv.k.dtype == torch.bfloat16 and not kv.v.any()
     assert "hg" in (_vm_flags(kv.k.data_ptr()) or []) and "hg" in (_vm_flags(kv.v.data_ptr()) or [])

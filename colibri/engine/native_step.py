@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels import native, native_mla, native_run
+from ..kernels import native, native_block, native_mla, native_run
 from ..layers import native_mlp
+from ..layers.attention import Attention, KVCache
 from ..layers.batch import StepBatch
-from ..layers.layers import MLP, Attention, DecoderBlock, KVCache, block_norm_bias, out_norm_ptr
+from ..layers.layers import MLP, DecoderBlock
 from ..layers.mla import LatentCache, MLAttention
 from ..layers.moe import SparseMoE, native_routing, routed_ids
+from ..layers.norms import block_norm_bias, out_norm_ptr
 from ..quant import QLinear
 from .stats import StackedRoutes
 
@@ -39,7 +41,7 @@ class NativeLayers:
     """The per-layer constants of coli_decode_layers for the blocks lo..lo+len(blocks)-1 of a model, built once
     by `build` (engine/decode_plan.py holds it)."""
 
-    def __init__(self, blocks: list[DecoderBlock], attn: list[native.AttnLayer],
+    def __init__(self, blocks: list[DecoderBlock], attn: list[native_block.AttnLayer],
                  tables: list[native.MoeTables | None], mlps: list[native.Mlp | None], keep: list, lo: int = 0,
                  whole: bool = True):
         self.blocks = blocks
@@ -59,7 +61,7 @@ class NativeLayers:
         self.rope = blocks[0].self_attn.rope
         self.k = blocks[self.sparse[0]].mlp.gate.top_k
         self.tables, self.mlps = tables, mlps  # the MoeLayer structs point into them: keep them alive
-        self.attn = (native.AttnLayer * len(attn))(*attn)
+        self.attn = (native_block.AttnLayer * len(attn))(*attn)
         self.moe = (native.MoeLayer * len(blocks))(*[self._layer(b, t, m) for b, t, m in zip(blocks, tables, mlps)])
         self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
         self.ptrs: dict[tuple, tuple] = {}  # a step's row layout -> (its _Slots, K and V pointer arrays)
@@ -68,7 +70,8 @@ class NativeLayers:
         self.rope_ptrs = (0, 0, 0)  # ... as (cos pointer, sin pointer, rows)
         self.rope_rows = 0  # positions every table the call reads holds
         self.rope_alt, self.alt = None, []  # a second rotary embedding and the layers it serves (_build)
-        self.alt_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # its tables (pointers in those layers)
+        self.alt_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # its tables ...
+        self.alt_rotary = native_block.AttnRotary()  # ... as those layers' rotary variant points to them
         # positions the layers take (Llama 4's temperature tables end somewhere)
         self.pos_limit = min((b.self_attn.pos_limit() for b in blocks if hasattr(b.self_attn, "pos_limit")),
                              default=1 << 62)
@@ -108,9 +111,8 @@ class NativeLayers:
             self.rope_rows = cos.shape[0]
             if self.alt:
                 cos, sin = self.alt_tab = self.rope_alt.all_rows(end, torch.float32)
-                for i in self.alt:
-                    a = self.attn[i]
-                    a.ctab, a.stab, a.tab_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+                self.alt_rotary.cos, self.alt_rotary.sin, self.alt_rotary.rows = cos.data_ptr(), sin.data_ptr(), \
+                    cos.shape[0]
                 self.rope_rows = min(self.rope_rows, cos.shape[0])  # (grown again when either is short)
         return self.rope_ptrs
 
@@ -151,6 +153,14 @@ def shape_problem(blocks, lo: int = 0) -> str | None:
     return None if len(ks) == 1 else f"layers route to different top-k ({sorted(ks)})"
 
 
+def _weights(attn: nn.Module) -> str:
+    """What an attention layer's projection holds, for the plan's reason: its scheme, or its module's kind."""
+    p = next((m for m in attn.children() if isinstance(m, QLinear)), None)
+    if p is None:
+        return f"{type(attn).__name__}'s weights"
+    return f"{p.scheme} attention weights" + ("" if p.path == "native" else f" on the {p.path} path")
+
+
 def _fusable(m: nn.Module, kinds: tuple[type, ...]) -> bool:
     return type(m) in kinds or (isinstance(m, kinds) and "fused" in type(m).__dict__) or _dense_mlp(m)
 
@@ -174,7 +184,7 @@ def build(blocks: list, lo: int = 0, whole: bool = True) -> NativeLayers | str:
         return problem
     attn, tables, mlps, keep = [], [], [], []
     ropes: list = []  # the distinct rotary embeddings: the first layer's table is the call's, a second one's
-    alt: list[int] = []  # layers' own (coli_attn_layer.ctab: MiMo-V2-Flash's sliding layers)
+    alt: list[int] = []  # layers' own (coli_attn_layer.rotary: MiMo-V2-Flash's sliding layers)
     for i, b in enumerate(blocks):
         rope = b.self_attn.rope
         same = [r for r in ropes
@@ -187,10 +197,10 @@ def build(blocks: list, lo: int = 0, whole: bool = True) -> NativeLayers | str:
             alt.append(i)
         layer = b.self_attn._native_layer(b.input_layernorm, b.post_attention_layernorm)
         if layer is None or getattr(b.self_attn, "mode", None) == "expanded":
-            return f"layer {lo + i}: attention weights the native block does not take (not int8/int4 on the CPU)"
+            return f"layer {lo + i}: {_weights(b.self_attn)} (the kernels take int8/int4 attention on the CPU)"
         if isinstance(layer, native_mla.MlaLayer):  # the MLA block in the attention block's place
             keep.append(layer)
-            layer = native.AttnLayer(hidden=layer.hidden, rot=layer.rope, mla=ctypes.addressof(layer))
+            layer = native_block.AttnLayer(hidden=layer.hidden, rot=layer.rope, mla=ctypes.addressof(layer))
         attn.append(layer)
         if out_norm_ptr(b.mlp) is None:
             return f"layer {lo + i}: an output norm the kernels do not take"
@@ -211,6 +221,8 @@ def build(blocks: list, lo: int = 0, whole: bool = True) -> NativeLayers | str:
         mlps.append(mlp or None)
     plan = NativeLayers(list(blocks), attn, tables, mlps, keep, lo, whole)
     plan.rope_alt, plan.alt = (ropes[1], alt) if alt else (None, [])
+    for i in plan.alt:  # (the tables themselves set by rope_tables, before any call)
+        plan.attn[i].rotary = native_block.ref(plan.alt_rotary)
     return plan
 
 

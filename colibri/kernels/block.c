@@ -6,7 +6,7 @@
  * Why: between the dozen kernels of this chain the Python glue cost more than the kernels (a third
  * of a small model's decode step) and let the pool's workers fall asleep. Each stage is the same
  * kernel the unfused path calls, on the same bf16-rounded intermediates, so the bits are those of
- * colibri/layers/layers.py's native path (tests/test_native.py checks it). */
+ * colibri/layers/attention.py's native path (tests/test_native.py checks it). */
 #include "common.h"
 
 static void clamp_bf16(uint16_t *x, long n, float c) {
@@ -28,28 +28,38 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                     void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {
     if (L->mla) return coli_mla_block(L->mla, T, h, pos, kc, cs, sn, h_out, x_out);
     if (T < 1 || T > MAX_T) return -1;
-    int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, Dv = L->v_dim > 0 ? L->v_dim : D;
+    /* the variants, read once (common.h: NULL where absent) */
+    const coli_attn_values *V = L->values;
+    const coli_attn_gate *G = L->gate;
+    const coli_attn_positions *P = L->positions;
+    const coli_attn_output *O = L->output;
+    const coli_attn_keep *K = L->keep;
+    int gate = G ? G->kind : COLI_GATE_NONE, k_eq_v = V && V->k_eq_v, chunk = P ? P->chunk : 0;
+    const float *temp = P ? P->temp : NULL;
+    float v_scale = V ? V->scale : 1.f;
+    coli_qw wg = G ? G->w : (coli_qw){0};
+    int Hd = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, Dv = V && V->dim > 0 ? V->dim : D;
     long nq = (long)nh * D, nk = (long)nkv * D, nv = (long)nkv * Dv, no = (long)nh * Dv;
     /* the q gate: the gated query's rows (q and gate per head), then the gates alone; a softplus gate: wg's gates */
-    long ng = L->gate == COLI_GATE_Q_SIGMOID ? 3 * nq : L->gate != COLI_GATE_NONE ? nq : 0;
-    if ((L->gate != COLI_GATE_NONE || L->k_eq_v) && Dv != D) return -1;
+    long ng = gate == COLI_GATE_Q_SIGMOID ? 3 * nq : gate != COLI_GATE_NONE ? nq : 0;
+    if ((gate != COLI_GATE_NONE || k_eq_v) && Dv != D) return -1;
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (2 * Hd + 2 * nq + 2 * nk + nv + no + ng));
     if (!buf) return -2;
     uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
     uint16_t *q2 = v + T * nv, *k2 = q2 + T * nq, *ao = k2 + T * nk, *o = ao + T * no;
-    uint16_t *qg = o + (long)T * Hd, *gates = L->gate == COLI_GATE_Q_SIGMOID ? qg + 2 * T * nq : qg;
+    uint16_t *qg = o + (long)T * Hd, *gates = gate == COLI_GATE_Q_SIGMOID ? qg + 2 * T * nq : qg;
     const uint16_t *hb = (const uint16_t *)h;
     int rc = 0;
     float tscale[MAX_T];  /* the rows' attention temperatures (1: none) */
     for (int t = 0; t < T; t++) {
         tscale[t] = 1.f;
-        if (L->temp) {  /* floor((pos + 1) / floor_scale) in f32, as the torch layer computes it */
-            long m = (long)floorf(((float)pos[t] + 1.f) / L->temp_floor);
-            if (m < 0 || m >= L->temp_n) {
+        if (temp) {  /* floor((pos + 1) / floor_scale) in f32, as the torch layer computes it */
+            long m = (long)floorf(((float)pos[t] + 1.f) / P->temp_floor);
+            if (m < 0 || m >= P->temp_n) {
                 free(buf);
                 return -1;
             }
-            tscale[t] = L->temp[m];
+            tscale[t] = temp[m];
         }
     }
     /* The cache lines this step's keys and values go to, fetched for writing now: cold (a new position
@@ -65,26 +75,27 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     PROF(P_RMS_IN, coli_block_norm(h, T, Hd, L->in_w, L->in_b, L->in_eps, xn));
     {
         /* (keys as values: no wv, the gate projection, if any, third) */
-        coli_qw w[4] = {L->wq, L->wk, L->k_eq_v ? L->wg : L->wv, L->wg};
-        int head_gate = L->gate == COLI_GATE_HEAD_SOFTPLUS;
-        int N[4] = {(int)(L->gate == COLI_GATE_Q_SIGMOID ? 2 * nq : nq), (int)nk,
-                    L->k_eq_v ? (head_gate ? nh : (int)nq) : (int)nv, head_gate ? nh : (int)nq};
-        void *y[4] = {L->gate == COLI_GATE_Q_SIGMOID ? qg : q, k, L->k_eq_v ? (void *)gates : (void *)v, gates};
-        int nw = (L->gate >= COLI_GATE_CHANNEL_SOFTPLUS ? 4 : 3) - (L->k_eq_v ? 1 : 0);  /* (the softplus gates) */
+        coli_qw w[4] = {L->wq, L->wk, k_eq_v ? wg : L->wv, wg};
+        int head_gate = gate == COLI_GATE_HEAD_SOFTPLUS;
+        int N[4] = {(int)(gate == COLI_GATE_Q_SIGMOID ? 2 * nq : nq), (int)nk,
+                    k_eq_v ? (head_gate ? nh : (int)nq) : (int)nv, head_gate ? nh : (int)nq};
+        void *y[4] = {gate == COLI_GATE_Q_SIGMOID ? qg : q, k, k_eq_v ? (void *)gates : (void *)v, gates};
+        int nw = (gate >= COLI_GATE_CHANNEL_SOFTPLUS ? 4 : 3) - (k_eq_v ? 1 : 0);  /* (the softplus gates) */
         PROF(P_QKV, rc = coli_multi_gemm(xn, 1, T, Hd, L->scheme, L->group, nw, w, N, y));
         if (rc) goto done;
-        if (L->gate == COLI_GATE_Q_SIGMOID)  /* each head's 2 D rows: its query, then its output gate */
+        if (gate == COLI_GATE_Q_SIGMOID)  /* each head's 2 D rows: its query, then its output gate */
             for (long t = 0; t < T; t++)
                 for (int j = 0; j < nh; j++) {
                     memcpy(q + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D, sizeof(uint16_t) * D);
                     memcpy(gates + t * nq + (long)j * D, qg + t * 2 * nq + 2L * j * D + D, sizeof(uint16_t) * D);
                 }
-        if (L->gate == COLI_GATE_Q_SIGMOID) add_rows(gates, L->bg, T, nq);
+        if (gate == COLI_GATE_Q_SIGMOID) add_rows(gates, G->bias, T, nq);
         add_rows(q, L->bq, T, nq);  /* as the projection's own bias add: bf16 + bf16, one rounding */
         add_rows(k, L->bk, T, nk);
-        if (L->k_eq_v) memcpy(v, k, sizeof(uint16_t) * (size_t)T * nk);  /* the projection's output, before k's norm */
+        if (k_eq_v) memcpy(v, k, sizeof(uint16_t) * (size_t)T * nk);  /* the projection's output, before k's norm */
         else add_rows(v, L->bv, T, nv);
-        if (L->vn_w) coli_rmsnorm(v, 1, (long)T * nkv, Dv, L->vn_w, L->qk_eps, v);  /* (row by row: in place is safe) */
+        if (V && V->norm_w)  /* (row by row: in place is safe) */
+            coli_rmsnorm(v, 1, (long)T * nkv, Dv, V->norm_w, L->qk_eps, v);
     }
     if (L->qk_norm == COLI_QK_NORM_FULL) {
         coli_rmsnorm(q, 1, T, (int)nq, L->qn_w, L->qk_eps, q2);
@@ -97,8 +108,8 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         clamp_bf16(k, T * nk, L->clip);
         clamp_bf16(v, T * nv, L->clip);
     }
-    if (L->v_scale != 0.f && L->v_scale != 1.f)  /* as the torch layer's bf16 * f32 product: one rounding */
-        for (long i = 0; i < T * nv; i++) v[i] = f32_to_bf16(bf16_to_f32(v[i]) * L->v_scale);
+    if (v_scale != 0.f && v_scale != 1.f)  /* as the torch layer's bf16 * f32 product: one rounding */
+        for (long i = 0; i < T * nv; i++) v[i] = f32_to_bf16(bf16_to_f32(v[i]) * v_scale);
     if (L->qk_norm == COLI_QK_NORM_HEAD) {
         coli_rmsnorm(q, 1, (long)T * nh, D, L->qn_w, L->qk_eps, q2);
         coli_rmsnorm(k, 1, (long)T * nkv, D, L->kn_w, L->qk_eps, k2);
@@ -114,7 +125,7 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             uint16_t *tq = q2, *tk = k2;
             q2 = q, k2 = k, q = tq, k = tk;
         }
-        if (L->temp)  /* q * scale in f32, one rounding (the torch layer's bf16 * f32 product) */
+        if (temp)  /* q * scale in f32, one rounding (the torch layer's bf16 * f32 product) */
             for (int t = 0; t < T; t++)
                 for (long i = 0; i < nq; i++)
                     q2[t * nq + i] = f32_to_bf16(bf16_to_f32(q2[t * nq + i]) * tscale[t]);
@@ -129,21 +140,21 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         int S[MAX_T];
         for (int t = 0; t < T; t++) {
             int valid = pos[t] + 1, lo = L->window > 0 && valid > L->window ? valid - L->window : 0;
-            if (L->chunk > 0) lo = pos[t] / L->chunk * L->chunk;  /* chunked: the query's own chunk */
+            if (chunk > 0) lo = pos[t] / chunk * chunk;  /* chunked: the query's own chunk */
             kb[t] = (uint16_t *)kc[t] + (long)lo * D;
             vb[t] = (uint16_t *)vc[t] + (long)lo * Dv;
             S[t] = valid - lo;
         }
-        if (L->keep && (L->window > 0 || L->chunk > 0 || L->sinks)) { rc = -3; goto done; }  /* (blocks from 0) */
-        if (L->keep)
-            PROF(P_ATTN, rc = coli_attn_rows_keep(T, q2, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->keep,
-                                                  L->keep_blk, L->keep_nb, ao));
+        if (K && (L->window > 0 || chunk > 0 || L->sinks)) { rc = -3; goto done; }  /* (blocks from 0) */
+        if (K)
+            PROF(P_ATTN, rc = coli_attn_rows_keep(T, q2, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, K->blocks,
+                                                  K->blk, K->nb, ao));
         else
             PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
         if (rc) goto done;
-        if (L->gate == COLI_GATE_Q_SIGMOID) coli_gate_mul(ao, gates, T * nq);
-        else if (L->gate != COLI_GATE_NONE)
-            coli_softplus_gate_mul(ao, gates, T, nh, D, L->gate == COLI_GATE_HEAD_SOFTPLUS);
+        if (gate == COLI_GATE_Q_SIGMOID) coli_gate_mul(ao, gates, T * nq);
+        else if (gate != COLI_GATE_NONE)
+            coli_softplus_gate_mul(ao, gates, T, nh, D, gate == COLI_GATE_HEAD_SOFTPLUS);
     }
     {
         void *y = o;
@@ -151,10 +162,10 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         if (rc) goto done;
         add_rows(o, L->bo, T, Hd);
     }
-    if (L->out_w) coli_rmsnorm(o, 1, T, Hd, L->out_w, L->out_eps, o);  /* (row by row: in place is safe) */
+    if (O && O->norm_w) coli_rmsnorm(o, 1, T, Hd, O->norm_w, O->norm_eps, o);  /* (row by row: in place is safe) */
     uint16_t *hn = (uint16_t *)h_out;
     add_bf16(hb, o, (long)T * Hd, hn);
-    if (L->parallel) memcpy(x_out, xn, sizeof(uint16_t) * (size_t)T * Hd);
+    if (O && O->parallel) memcpy(x_out, xn, sizeof(uint16_t) * (size_t)T * Hd);
     else PROF(P_RMS_POST, coli_block_norm(h_out, T, Hd, L->post_w, L->post_b, L->post_eps, x_out));
 done:
     free(buf);

@@ -68,7 +68,7 @@ typedef struct {
     int gd_scheme, gd_group, gu_scheme, gu_group; /* theirs (W_up's rank may be too narrow for int4 groups) */
 } coli_mla_layer;
 
-/* coli_attn_layer's qk_norm: where q and k are RMS-normed (colibri/layers/layers.py's QKNorm). */
+/* coli_attn_layer's qk_norm: where q and k are RMS-normed (colibri/layers/attention.py's QKNorm). */
 enum {
     COLI_QK_NORM_NONE = 0,
     COLI_QK_NORM_FULL = 1,           /* over the whole projection, before the heads split (OLMoE) */
@@ -76,22 +76,79 @@ enum {
     COLI_QK_NORM_HEAD_POST_ROPE = 3, /* each head, after the rotary (Hunyuan; Llama 4's L2 norm: weights of ones) */
 };
 
-/* coli_attn_layer's gate: the heads' output gate before o_proj (colibri/layers/layers.py's OutGate). */
+/* coli_attn_gate's kind: the heads' output gate before o_proj (colibri/layers/attention.py's OutGate). */
 enum {
     COLI_GATE_NONE = 0,
     COLI_GATE_Q_SIGMOID = 1,        /* wq gives each head's query then its gate (2 D rows a head), times sigmoid(gate)
-                                     * (Qwen3-Next; bg its bias: Beam) */
-    COLI_GATE_CHANNEL_SOFTPLUS = 2, /* wg gives a gate a channel, times softplus(gate) (Laguna) */
-    COLI_GATE_HEAD_SOFTPLUS = 3,    /* wg gives a gate a head, times softplus(gate) (Laguna) */
+                                     * (Qwen3-Next; with its bias: Beam) */
+    COLI_GATE_CHANNEL_SOFTPLUS = 2, /* the gate's w gives a gate a channel, times softplus(gate) (Laguna) */
+    COLI_GATE_HEAD_SOFTPLUS = 3,    /* the gate's w gives a gate a head, times softplus(gate) (Laguna) */
 };
 
-/* One attention layer's constants for block.c (built once by colibri/kernels/native.py's AttnLayer). */
+/* An attention layer's variants, each a small struct of its own that coli_attn_layer reaches through a named
+ * pointer, NULL where the layer has no such variant. Why named pointers and not a tagged list: the block reads
+ * each variant once a call, by name, with no search and with the compiler checking its type; a NULL test is the
+ * one branch a flag cost before, so the rows' loops are untouched; and a family's extra is built by the code that
+ * knows it (colibri/kernels/native_block.py's structs, filled in the family's attention class). */
+
+/* Values unlike the keys' heads. */
+typedef struct {
+    int dim;                      /* the values' head width (MiMo-V2-Flash: not head_dim) */
+    float scale;                  /* != 0 and != 1: values times it before they are cached, one rounding (MiMo) */
+    int k_eq_v;                   /* 1: no wv, the values are wk's output before any q/k norm (Gemma 4's full layers) */
+    const float *norm_w;          /* non-NULL: each value head RMS-normed with these f32 weights [dim], eps qk_eps
+                                   * (Gemma 4: ones) */
+} coli_attn_values;
+
+/* The heads' output gate before o_proj (colibri/layers/attention.py's OutGate). */
+typedef struct {
+    int kind;                     /* a COLI_GATE_*: sigmoid by coli_gate_mul, softplus by coli_softplus_gate_mul */
+    coli_qw w;                    /* the softplus gates' projection [heads * head_dim or heads, hidden] (Laguna) */
+    const uint16_t *bias;         /* COLI_GATE_Q_SIGMOID, non-NULL: bf16 [heads * head_dim] added to the gate before
+                                   * its sigmoid, as a bias add (Beam's gate_bias, one a head, repeated) */
+} coli_attn_gate;
+
+/* What a query's position changes besides its rotary. */
+typedef struct {
+    int chunk;                    /* > 0: chunked attention (Llama 4): a query sees its own chunk's keys */
+    const float *temp;            /* non-NULL: q *= temp[floor((pos + 1) / temp_floor)] (the attention temperature of
+                                   * Llama 4's and Beam's NoPE layers), temp_n entries */
+    long temp_n;
+    float temp_floor;
+} coli_attn_positions;
+
+/* The layer's own rotary tables, f32 [rows, rot] (MiMo-V2-Flash's two layer types), in coli_decode_layers instead
+ * of the call's (row p position p's). */
+typedef struct {
+    const float *cos, *sin;
+    long rows;
+} coli_attn_rotary;
+
+/* What the block hands on besides h + o_proj's output. */
+typedef struct {
+    const float *norm_w;          /* non-NULL: an RMSNorm (f32 weights, norm_eps) of o_proj's output before the
+                                   * residual add (AFMoE's norms after each sublayer) */
+    float norm_eps;
+    int parallel;                 /* 1: x_out is the input norm's output, no post norm (Cohere's parallel block: its
+                                   * MLP reads the attention's input) */
+} coli_attn_output;
+
+/* One call's kept key blocks (MiniMax-M3's sparse layers, the indexer's selection). */
+typedef struct {
+    const uint8_t *blocks;        /* each row's [T][kv_heads][nb], of blk positions a block */
+    int blk, nb;
+} coli_attn_keep;
+
+/* One attention layer's constants for block.c (built once by colibri/kernels/native_block.py's AttnLayer): the
+ * core every standard layer has, then its variants (above). */
 typedef struct {
     int hidden, heads, kv_heads, head_dim;
     int scheme, group;            /* of all four projections: 8 (int8) or 4 (int4, group size g) */
     coli_qw wq, wk, wv, wo;
     const float *in_w, *post_w;   /* input / post-attention RMSNorm weights, f32; NULL: no such norm (FlexOlmo) */
     float in_eps, post_eps;
+    const float *in_b, *post_b;   /* non-NULL: the input / post-attention norms are LayerNorms with these
+                                   * biases, f32 (Phi-3.5-MoE), else RMSNorms */
     int qk_norm;                  /* a COLI_QK_NORM_* */
     const float *qn_w, *kn_w;
     float qk_eps;
@@ -103,33 +160,12 @@ typedef struct {
     const coli_mla_layer *mla;    /* non-NULL: an MLA layer (mla.c), whose block runs instead; of the fields
                                    * above only hidden and rot (the rope width) count, and a row's K cache
                                    * pointer is its latent cache */
-    int chunk;                    /* > 0: chunked attention (Llama 4): a query sees its own chunk's keys */
-    const float *temp;            /* non-NULL: q *= temp[floor((pos + 1) / temp_floor)] (Llama 4's attention
-                                   * temperature on its NoPE layers), temp_n entries */
-    long temp_n;
-    float temp_floor;
-    int gate;                     /* a COLI_GATE_*: sigmoid(gate) by coli_gate_mul, softplus by coli_softplus_gate_mul */
-    int v_dim;                    /* > 0: the values' head width when it is not head_dim (MiMo-V2-Flash) */
-    float v_scale;                /* != 0 and != 1: values times it before they are cached, one rounding */
-    const float *ctab, *stab;     /* non-NULL: this layer's own rotary tables, f32 [tab_rows, rot] (MiMo-V2-Flash's
-                                   * two layer types), in coli_decode_layers instead of the call's */
-    long tab_rows;
-    const float *in_b, *post_b;   /* non-NULL: the input / post-attention norms are LayerNorms with these
-                                   * biases, f32 (Phi-3.5-MoE), else RMSNorms */
-    const float *out_w;           /* non-NULL: an RMSNorm (f32 weights, out_eps) of o_proj's output before the
-                                   * residual add (AFMoE's norms after each sublayer) */
-    float out_eps;
-    int parallel;                 /* 1: x_out is the input norm's output, no post norm (Cohere's parallel block: its
-                                   * MLP reads the attention's input) */
-    coli_qw wg;                   /* the softplus gates' projection [heads * head_dim or heads, hidden] */
-    int k_eq_v;                   /* 1: no wv, the values are wk's output before any q/k norm (Gemma 4's full layers) */
-    const float *vn_w;            /* non-NULL: each value head RMS-normed with these f32 weights [v_dim], eps qk_eps
-                                   * (Gemma 4: ones) */
-    const uint16_t *bg;           /* COLI_GATE_Q_SIGMOID, non-NULL: bf16 [heads * head_dim] added to the output gate
-                                   * before its sigmoid, as a bias add (Beam's gate_bias, one a head, repeated) */
-    const uint8_t *keep;          /* non-NULL (set for one call): each row's kept key blocks [T][kv_heads][keep_nb] of
-                                   * keep_blk positions (MiniMax-M3's sparse layers, the indexer's selection) */
-    int keep_blk, keep_nb;
+    const coli_attn_values *values;
+    const coli_attn_gate *gate;
+    const coli_attn_positions *positions;
+    const coli_attn_rotary *rotary;
+    const coli_attn_output *output;
+    const coli_attn_keep *keep;   /* (set for one call) */
 } coli_attn_layer;
 
 /* x[i] = x[i] * sigmoid(g[i]) over n bf16 values, each factor rounded to bf16 (torch's bf16 sigmoid, then the

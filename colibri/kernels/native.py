@@ -95,37 +95,6 @@ class QW(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p)]
 
 
-class AttnLayer(ctypes.Structure):
-    """coli_attn_layer (block.c): one attention layer's constants for coli_attn_block."""
-
-    _fields_ = [("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
-                ("head_dim", ctypes.c_int), ("scheme", ctypes.c_int), ("group", ctypes.c_int),
-                ("wq", QW), ("wk", QW), ("wv", QW), ("wo", QW),
-                ("in_w", ctypes.c_void_p), ("post_w", ctypes.c_void_p),
-                ("in_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
-                # qk_norm: a QKNorm (colibri/layers/layers.py), the C side's COLI_QK_NORM_*
-                ("qk_norm", ctypes.c_int), ("qn_w", ctypes.c_void_p), ("kn_w", ctypes.c_void_p),
-                ("qk_eps", ctypes.c_float), ("clip", ctypes.c_float), ("rot", ctypes.c_int),
-                ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sinks", ctypes.c_void_p),
-                ("bq", ctypes.c_void_p), ("bk", ctypes.c_void_p), ("bv", ctypes.c_void_p), ("bo", ctypes.c_void_p),
-                ("mla", ctypes.c_void_p),  # a native_mla.MlaLayer's address: that block runs instead
-                # Llama 4: chunked attention; the NoPE layers' temperature table (f32 [temp_n]) and floor_scale
-                ("chunk", ctypes.c_int), ("temp", ctypes.c_void_p), ("temp_n", ctypes.c_long),
-                ("temp_floor", ctypes.c_float),
-                ("gate", ctypes.c_int),  # an OutGate (layers.py): Qwen3-Next's, AFMoE's, Beam's, Laguna's
-                ("v_dim", ctypes.c_int), ("v_scale", ctypes.c_float),  # MiMo-V2-Flash: its values' width and scale
-                ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p), ("tab_rows", ctypes.c_long),  # MiMo's own RoPE
-                # LayerNorm biases (f32 [hidden]) of the input / post-attention norms, or NULL: RMSNorms
-                ("in_b", ctypes.c_void_p), ("post_b", ctypes.c_void_p),
-                ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float),  # (AFMoE: o_proj's output RMSNorm)
-                ("parallel", ctypes.c_int),  # Cohere: the MLP reads the input norm (no post norm)
-                ("wg", QW),  # Laguna: the softplus gates' projection, a gate a channel or a head
-                ("k_eq_v", ctypes.c_int), ("vn_w", ctypes.c_void_p),  # Gemma 4: keys as values; the values' norm
-                ("bg", ctypes.c_void_p),  # Beam: OutGate.Q_SIGMOID's bias, bf16 [heads * head_dim]
-                # MiniMax-M3: one call's kept key blocks (uint8 [T, kv_heads, keep_nb] of keep_blk positions), or NULL
-                ("keep", ctypes.c_void_p), ("keep_blk", ctypes.c_int), ("keep_nb", ctypes.c_int)]
-
-
 class Tail(ctypes.Structure):
     """coli_tail (step.c): a model's bf16 embedding, final norm and quantized head for coli_decode_step."""
 
@@ -471,10 +440,10 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return out
 
 
-def attn_block(layer: AttnLayer, h: torch.Tensor, pos: list[int], kc: list[int], vc: list[int], ks: int, vs: int,
+def attn_block(layer: ctypes.Structure, h: torch.Tensor, pos: list[int], kc: list[int], vc: list[int], ks: int, vs: int,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """coli_attn_block: h [T, hidden] bf16 contiguous; per row its position and its sequence's K/V cache
-    base pointers for this layer (head strides ks/vs elements); cos/sin f32 [T, rot] contiguous ->
+    """coli_attn_block: layer a native_block.AttnLayer; h [T, hidden] bf16 contiguous; per row its position and its
+    sequence's K/V cache base pointers for this layer (head strides ks/vs elements); cos/sin f32 [T, rot] contiguous ->
     (h + attention(h), the post-attention norm of that), both bf16 [T, hidden]."""
     T = h.shape[0]
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
@@ -502,8 +471,8 @@ COLI_MISS = -7  # common.h: a route to an expert a cached layer's table lacks
 def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
                   k: int, partial: bool = False, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
-    arrays of AttnLayer/MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last block's
-    output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t); rope
+    arrays of native_block.AttnLayer / MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last
+    block's output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t); rope
     the rotary tables (cos pointer, sin pointer, rows: f32 [rows, rot], row p position p's) ->
     (idx int64 [L, T, k], weights f32 [L, T, k], None). From layer `first` on only (h its input; the rows
     of the layers before it not written); with `partial`, a layer routed to an expert its table lacks stops
@@ -512,7 +481,7 @@ def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rop
     idx, wts = _routes(L, T, k)
     failed = ctypes.c_int(-1)
     ptr = ctypes.sizeof(ctypes.c_void_p)
-    rc = _lib.coli_decode_layers(L - first, ctypes.byref(attn, first * ctypes.sizeof(AttnLayer)),
+    rc = _lib.coli_decode_layers(L - first, ctypes.byref(attn, first * ctypes.sizeof(attn._type_)),
                                  ctypes.byref(moe, first * ctypes.sizeof(MoeLayer)), T, h.data_ptr(), pos,
                                  ctypes.byref(kc, first * T * ptr), ctypes.byref(vc, first * T * ptr), ks, vs, *rope,
                                  idx[first:].data_ptr(), wts[first:].data_ptr(), ctypes.byref(failed))

@@ -112,7 +112,7 @@ static void pf_post(int n_layers, const coli_attn_layer *attn, const coli_moe_la
 /* h: bf16 [T, hidden], in place (the input rows, then the last block's output); pos [T]; kc/vc [L][T]
  * row t's key/value cache base for layer l at [l * T + t] (head strides ks / vs, the same in every
  * layer); ctab/stab the rotary cos/sin tables f32 [tab_rows, rot] (one for all layers but those with
- * their own, coli_attn_layer.ctab: row p is position p's; the rows' own are gathered here, where slicing them in Python cost four torch ops a
+ * their own, coli_attn_layer.rotary: row p is position p's; the rows' own are gathered here, where slicing them in Python cost four torch ops a
  * step); idx/w [L][T][k] receive each layer's routes. Returns 0, or the failing block's code (-1 .. -5,
  * -1 also a position past the tables) with the layer in *failed. */
 int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe_layer *moe, int T, void *h,
@@ -124,7 +124,7 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
         if (pos[t] < 0 || pos[t] >= tab_rows) return -1;
     for (int l = 0; l < n_layers; l++) {
         kmax = moe[l].k > kmax ? moe[l].k : kmax;
-        int *r = attn[l].ctab ? &rot2 : &rot;  /* the width of the call's table, of the layers' own */
+        int *r = attn[l].rotary ? &rot2 : &rot;  /* the width of the call's table, of the layers' own */
         *r = attn[l].rot > *r ? attn[l].rot : *r;  /* (a layer without RoPE has 0: Llama 4's) */
     }
     uint16_t *mid = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
@@ -143,14 +143,15 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
         const coli_attn_layer *a = attn + l;
         uint16_t *hm = mid, *x = mid + (size_t)T * H;
         const float *lc = cs, *ls = sn;
-        if (a->ctab) {
+        if (a->rotary) {
+            const coli_attn_rotary *rt = a->rotary;
             int r = a->rot;
-            for (int t = 0; t < T && a->ctab != got; t++) {
-                if (pos[t] >= a->tab_rows) { rc = -1; break; }
-                memcpy(cs2 + (size_t)t * r, a->ctab + (long)pos[t] * r, sizeof(float) * r);
-                memcpy(sn2 + (size_t)t * r, a->stab + (long)pos[t] * r, sizeof(float) * r);
+            for (int t = 0; t < T && rt->cos != got; t++) {
+                if (pos[t] >= rt->rows) { rc = -1; break; }
+                memcpy(cs2 + (size_t)t * r, rt->cos + (long)pos[t] * r, sizeof(float) * r);
+                memcpy(sn2 + (size_t)t * r, rt->sin + (long)pos[t] * r, sizeof(float) * r);
             }
-            got = rc ? NULL : a->ctab;
+            got = rc ? NULL : rt->cos;
             lc = cs2, ls = sn2;
         }
         if (!rc)

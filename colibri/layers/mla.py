@@ -26,8 +26,9 @@ from torch import nn
 
 from .. import arena
 from ..kernels import native, native_mla
+from .attention import attention_mask, kv_span
 from .batch import LayerKV
-from .layers import Linear, RMSNorm, RoPE, attention_mask, is_rms, kv_span, yarn_get_mscale
+from .layers import Linear, RMSNorm, RoPE, is_rms, yarn_get_mscale
 
 MODES = ("auto", "absorbed", "expanded")
 # The absorbed path scores at most this many (query row, key) pairs at once: 64 MiB of f32.

@@ -14,7 +14,7 @@
 - `mup_enabled`: the embedding times sqrt(hidden_size), stored so (`prepare`).
 
 At int8 / int4 on the CPU the kernels run all of it: the attention block and the MoE block take each sublayer's
-output norm (coli_attn_layer.out_w, coli_moe_block's out_w), and so does the one-call step.
+output norm (coli_attn_output.norm_w, coli_moe_block's out_w), and so does the one-call step.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from ..convert.safetensors_reader import SplitRows
 from ..errors import ColibriError
 from ..format.validate import is_number
-from ..layers.layers import MLP, AttentionArgs, DecoderBlock, QKNorm, RMSNorm, rope_scaling, rope_theta
+from ..layers.attention import AttentionArgs, Output, Positions, QKNorm
+from ..layers.layers import MLP, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU
 from . import deepseek_v3
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
@@ -75,16 +76,17 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 10000.0), rope_scaling(raw), a.max_position_embeddings,
-                             qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps, out_norm=True)
+                             Positions(rope_theta(raw, 10000.0), rope_scaling(raw), a.max_position_embeddings),
+                             qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps, output=Output(out_norm=True))
         router = SimpleNamespace(n_routed_experts=a.num_experts, hidden_size=a.hidden_size, n_group=1, topk_group=1,
                                  num_experts_per_tok=a.num_experts_per_tok, routed_scaling_factor=a.route_scale,
                                  norm_topk_prob=True)  # (DeepSeek-V3's router, one group)
 
         def block(i: int) -> DecoderBlock:
             sliding = a.layer_types[i] == "sliding_attention"
-            attn = GatedAttention(dataclasses.replace(base, sliding_window=a.sliding_window if sliding else None,
-                                                      use_rope=sliding))
+            attn = GatedAttention(dataclasses.replace(
+                base, positions=dataclasses.replace(base.positions, use_rope=sliding),
+                scores=dataclasses.replace(base.scores, sliding_window=a.sliding_window if sliding else None)))
             if i < a.num_dense_layers:
                 mlp = MLP(a.hidden_size, a.intermediate_size, out_norm_eps=a.rms_norm_eps)
             else:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ColibriError
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Output, Positions
+from ..layers.layers import MLP, DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
@@ -56,8 +57,9 @@ class ModelArgs(BaseArgs):
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(a.raw or {}, 10000.0), rope_scaling(a.raw or {}), a.max_position_embeddings,
-                             norm_eps=a.rms_norm_eps, bias=a.attention_bias, o_bias=a.attention_bias)
+                             Positions(rope_theta(a.raw or {}, 10000.0), rope_scaling(a.raw or {}),
+                                       a.max_position_embeddings), bias=a.attention_bias, norm_eps=a.rms_norm_eps,
+                             output=Output(o_bias=a.attention_bias))
 
         def moe(i: int) -> SparseMoE:
             shared = MLP(a.hidden_size, a.intermediate_size * a.moe_num_shared_experts)

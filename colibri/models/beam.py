@@ -13,8 +13,8 @@ without) with these differences:
   sigmoid router with a selection bias, renormalised, times `routed_scaling_factor`; no shared expert);
 - the logits soft-capped, tanh(z / c)·c (`final_logit_softcapping`).
 
-At int8 / int4 on the CPU the kernels run all of it (kernels/block.c's gate bias `bg` and temperature table), the
-one-call step included.
+At int8 / int4 on the CPU the kernels run all of it (coli_attn_gate's `bias`, coli_attn_positions' temperature
+table), the one-call step included.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import torch
 from torch import nn
 
 from ..format.validate import is_number
+from ..kernels import native_block
+from ..layers.attention import AttentionArgs, OutGate, Output, Positions, QKNorm
 from ..layers.batch import LayerKV
-from ..layers.layers import MLP, AttentionArgs, DecoderBlock, QKNorm, RMSNorm, rope_scaling, rope_theta
+from ..layers.layers import MLP, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU
 from . import deepseek_v3
 from .afmoe import source_view  # noqa: F401  (gate_proj's rows inside q_proj, as AFMoE's)
@@ -127,18 +129,21 @@ class BeamAttention(GatedAttention):
         if layer is None:
             return None
         bias = self.gate_bias.to(torch.bfloat16).repeat_interleave(self.a.head_dim).contiguous()  # [H·D]
-        self.__dict__["_fused_gate_bias"] = bias  # kept alive with the layer
-        layer.bg = bias.data_ptr()
+        gate = native_block.AttnGate(OutGate.Q_SIGMOID, bias=bias.data_ptr())
+        gate.tensors = (bias,)  # the bias its pointer reads, alive as long as the struct
+        layer.gate = native_block.ref(gate)
         if self.has_table:  # m = floor((pos + 1) / 1): an entry a position
-            layer.temp, layer.temp_n, layer.temp_floor = self.temp.data_ptr(), self.temp.shape[0], 1.0
+            temp = native_block.AttnPositions(temp=self.temp.data_ptr(), temp_n=self.temp.shape[0], temp_floor=1.0)
+            layer.positions = native_block.ref(temp)
         return layer
 
 
 class Model(SoftCapped, CausalLM):
     def __init__(self, a: ModelArgs):
         n, eps = a.num_hidden_layers, a.rms_norm_eps
-        base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, 10000.0, None,
-                             a.max_position_embeddings, qk_norm=QKNorm.HEAD, norm_eps=eps, out_norm=True)
+        base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             Positions(10000.0, None, a.max_position_embeddings), qk_norm=QKNorm.HEAD, norm_eps=eps,
+                             output=Output(out_norm=True))
         router = SimpleNamespace(n_routed_experts=a.num_experts, hidden_size=a.hidden_size, n_group=a.n_group,
                                  topk_group=a.topk_group, num_experts_per_tok=a.num_experts_per_tok,
                                  routed_scaling_factor=a.routed_scaling_factor, norm_topk_prob=a.norm_topk_prob)
@@ -146,11 +151,14 @@ class Model(SoftCapped, CausalLM):
 
         def block(i: int) -> DecoderBlock:
             kind, rope = a.layer_types[i], a.rope(a.layer_types[i])
-            args = dataclasses.replace(base, sliding_window=a.sliding_window if kind == "sliding_attention" else None,
-                                       use_rope=rope is not None)
+            positions = dataclasses.replace(base.positions, use_rope=rope is not None)
             if rope is not None:
                 params = {"rope_parameters": rope}
-                args = dataclasses.replace(args, rope_theta=rope_theta(params), rope_scaling=rope_scaling(params))
+                positions = dataclasses.replace(positions, rope_theta=rope_theta(params),
+                                                rope_scaling=rope_scaling(params))
+            window = a.sliding_window if kind == "sliding_attention" else None
+            args = dataclasses.replace(base, positions=positions,
+                                       scores=dataclasses.replace(base.scores, sliding_window=window))
             attn = BeamAttention(args, None if rope is not None else table)
             if a.mlp_layer_types[i] == "dense":
                 mlp = MLP(a.hidden_size, a.intermediate_size, out_norm_eps=eps)

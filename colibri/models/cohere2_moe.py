@@ -11,7 +11,7 @@
   down projection halved).
 - Head: tied to the embedding by default, times `logit_scale` (folded into the stored lm_head).
 
-The kernels' attention block hands the MLP its input norm's output (coli_attn_layer.parallel), so the blocks run
+The kernels' attention block hands the MLP its input norm's output (coli_attn_output.parallel), so the blocks run
 in the one-call step like the sequential ones.
 """
 
@@ -22,17 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.layers import (
-    MLP,
-    Attention,
-    AttentionArgs,
-    DecoderBlock,
-    LayerNorm,
-    RMSNorm,
-    rope_scaling,
-    rope_theta,
-    rotate_half_rows,
-)
+from ..layers.attention import Attention, AttentionArgs, Output, Positions, Scores
+from ..layers.layers import MLP, DecoderBlock, LayerNorm, RMSNorm, rope_scaling, rope_theta, rotate_half_rows
 from ..layers.moe import BiasedLogitRouter, SoftmaxTopKRouter, SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .family import Family
@@ -118,9 +109,10 @@ class Model(CausalLM):
         def block(i: int) -> DecoderBlock:
             sliding = a.layer_types[i] == "sliding_attention"  # type: ignore[index]
             attn = Attention(AttentionArgs(
-                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, rope_theta(raw),  # type: ignore[arg-type]
-                rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
-                sliding_window=a.sliding_window if sliding else None, use_rope=a.rotates(i), parallel=True))
+                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,  # type: ignore[arg-type]
+                Positions(rope_theta(raw), rope_scaling(raw), a.max_position_embeddings, use_rope=a.rotates(i)),
+                bias=a.attention_bias, scores=Scores(sliding_window=a.sliding_window if sliding else None),
+                output=Output(parallel=True)))
             if a.mlp_layer_types[i] == "dense":  # type: ignore[index]
                 mlp: nn.Module = MLP(a.hidden_size, a.prefix_dense_intermediate_size or a.intermediate_size)
             else:

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..convert.safetensors_reader import SplitRows
 from ..errors import ColibriError
-from ..layers.layers import AttentionArgs, LayerNorm
+from ..layers.attention import AttentionArgs
+from ..layers.layers import LayerNorm
 from ..layers.moe import TopKRouter
 from . import mixtral
 from .base import check_act_and_rope, refuse
@@ -52,7 +53,8 @@ class Model(mixtral.Model):
 
     @classmethod
     def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
-        return dataclasses.replace(super().attention_args(a, i), clip_qkv=a.clip_qkv)
+        args = super().attention_args(a, i)
+        return dataclasses.replace(args, scores=dataclasses.replace(args.scores, clip_qkv=a.clip_qkv))
 
     @classmethod
     def router(cls, a: ModelArgs) -> nn.Module:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..kernels import native
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta, rotate_half_rows
+from ..layers.attention import Attention, AttentionArgs, Positions
+from ..layers.layers import MLP, DecoderBlock, rope_scaling, rope_theta, rotate_half_rows
 from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .family import Family
@@ -94,7 +95,7 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 500000.0), rope_scaling(raw), a.max_position_embeddings,
+                             Positions(rope_theta(raw, 500000.0), rope_scaling(raw), a.max_position_embeddings),
                              norm_eps=a.rms_norm_eps)
 
         def mlp(i: int) -> nn.Module:

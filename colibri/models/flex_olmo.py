@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..layers.layers import Attention, NoNorm, RMSNorm
+from ..layers.attention import Attention
+from ..layers.layers import NoNorm, RMSNorm
 from . import olmoe
 from .base import check_act_and_rope, rename_first
 from .family import Family
@@ -23,7 +24,9 @@ class Model(olmoe.Model):
     def __init__(self, a: ModelArgs):
         super().__init__(a)
         for block in self.model.layers:  # (OLMoE's attention with an output norm; the MoE's output normed too)
-            block.self_attn = Attention(dataclasses.replace(block.self_attn.a, out_norm=True))
+            args = block.self_attn.a
+            output = dataclasses.replace(args.output, out_norm=True)
+            block.self_attn = Attention(dataclasses.replace(args, output=output))
             block.mlp.out_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
             block.input_layernorm, block.post_attention_layernorm = NoNorm(), NoNorm()
 

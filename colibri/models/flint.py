@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..layers.layers import MLP, Attention, DecoderBlock, QKNorm
+from ..layers.attention import Attention, QKNorm
+from ..layers.layers import MLP, DecoderBlock
 from ..layers.moe import SparseMoE, SwitchGLU
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse
@@ -55,8 +56,10 @@ class Model(CausalLM):
 
         def attn(i: int) -> Attention:
             sliding = a.layer_types[i] == "sliding_attention"  # type: ignore[index]
-            return Attention(dataclasses.replace(base, sliding_window=a.sliding_window if sliding else None,
-                                                 sinks=True, use_rope=sliding))
+            window = a.sliding_window if sliding else None
+            return Attention(dataclasses.replace(
+                base, positions=dataclasses.replace(base.positions, use_rope=sliding),
+                scores=dataclasses.replace(base.scores, sliding_window=window, sinks=True)))
 
         def mlp(i: int):
             if not a.is_sparse(i):

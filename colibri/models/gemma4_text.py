@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import native
+from ..kernels import native, native_block
 from ..layers import native_mlp
+from ..layers.attention import Attention, AttentionArgs, Output, Positions, QKNorm, Scores
 from ..layers.batch import LayerKV
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, QKNorm, RMSNorm
+from ..layers.layers import MLP, DecoderBlock, RMSNorm
 from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from ..layers.norms import NoNorm, rms_norm
 from .base import BaseArgs, CausalLM, SoftCapped, refuse, text_model_name
@@ -134,7 +135,8 @@ class Gemma4Attention(Attention):
     def _build_native_layer(self, in_norm, post_norm):
         layer = super()._build_native_layer(in_norm, post_norm)
         if layer is not None:
-            layer.k_eq_v, layer.vn_w = int(self.k_eq_v), self.v_norm.weight.data_ptr()
+            layer.values = native_block.ref(native_block.AttnValues(self.v_dim, self.a.values.v_scale, int(self.k_eq_v),
+                                                                    self.v_norm.weight.data_ptr()))
         return layer
 
 
@@ -222,10 +224,11 @@ class Model(SoftCapped, CausalLM):
             kind = a.layer_types[i]  # type: ignore[index]
             head_dim, kv_heads = a.layer(i)
             rope = a.rope(kind)
-            attn = AttentionArgs(a.hidden_size, a.num_attention_heads, kv_heads, head_dim, float(rope["rope_theta"]),
-                                 None, a.max_position_embeddings, qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps,
-                                 sliding_window=a.sliding_window if kind == "sliding_attention" else None,
-                                 out_norm=True, scale=1.0)
+            window = a.sliding_window if kind == "sliding_attention" else None
+            attn = AttentionArgs(a.hidden_size, a.num_attention_heads, kv_heads, head_dim,
+                                 Positions(float(rope["rope_theta"]), None, a.max_position_embeddings),
+                                 qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps,
+                                 scores=Scores(scale=1.0, sliding_window=window), output=Output(out_norm=True))
             return Block(Gemma4Attention(attn, a.attention_k_eq_v and kind == "full_attention", rope),
                          FeedForward(a, i), a.hidden_size, a.rms_norm_eps)
 

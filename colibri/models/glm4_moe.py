@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ..kernels import native
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, QKNorm, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm, Scores
+from ..layers.layers import MLP, DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .family import Family
@@ -135,10 +136,10 @@ class Model(CausalLM):
 
         def attn(i: int) -> AttentionArgs:
             return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                 rope_theta(raw, a.default_theta), rope_scaling(raw), a.max_position_embeddings,
+                                 Positions(rope_theta(raw, a.default_theta), rope_scaling(raw),
+                                           a.max_position_embeddings, rotary_dim=a.rotary_dim, use_rope=a.rope_on(i)),
                                  bias=a.attention_bias, qk_norm=QKNorm.HEAD if a.use_qk_norm else QKNorm.NONE,
-                                 norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim, sliding_window=a.window(i),
-                                 use_rope=a.rope_on(i))
+                                 norm_eps=a.rms_norm_eps, scores=Scores(sliding_window=a.window(i)))
 
         def mlp(i: int) -> nn.Module:
             if not a.is_moe(i):

@@ -14,7 +14,8 @@ import torch
 
 from ..errors import ColibriError
 from ..kernels import native
-from ..layers.layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Output, Positions, Scores
+from ..layers.layers import DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import SoftmaxTopKRouter, SparseMoE, SwitchGLU  # (the router lives in moe.py: Granite shares it)
 from .base import BaseArgs, CausalLM, check_act_and_rope
 from .family import Family
@@ -81,14 +82,14 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 150000.0), rope_scaling(raw), a.max_position_embeddings,
-                             bias=a.attention_bias, o_bias=a.attention_bias, norm_eps=a.rms_norm_eps,
-                             sinks=True)
+                             Positions(rope_theta(raw, 150000.0), rope_scaling(raw), a.max_position_embeddings),
+                             bias=a.attention_bias, norm_eps=a.rms_norm_eps, scores=Scores(sinks=True),
+                             output=Output(o_bias=a.attention_bias))
         act = functools.partial(clamped_swiglu, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
 
         def block(i: int) -> DecoderBlock:
             window = a.sliding_window if a.layer_types[i] == "sliding_attention" else None
-            attn = Attention(dataclasses.replace(base, sliding_window=window))
+            attn = Attention(dataclasses.replace(base, scores=dataclasses.replace(base.scores, sliding_window=window)))
             moe = SparseMoE(SoftmaxTopKRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok),
                             SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts, act,
                                       (native.ACT_CLAMPED, a.swiglu_alpha, a.swiglu_limit)))

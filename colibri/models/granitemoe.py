@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.layers import AttentionArgs, rope_theta
+from ..layers.attention import AttentionArgs
+from ..layers.layers import rope_theta
 from ..layers.moe import SoftmaxTopKRouter
 from . import mixtral
 from .base import check_act_and_rope, refuse, rename_first
@@ -43,8 +44,11 @@ class ModelArgs(mixtral.ModelArgs):
 class Model(mixtral.Model):
     @classmethod
     def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
-        return dataclasses.replace(super().attention_args(a, i), rope_theta=rope_theta(a.raw or {}, 10000.0),
-                                   bias=a.attention_bias, o_bias=a.attention_bias, scale=a.attention_multiplier)
+        args = super().attention_args(a, i)
+        return dataclasses.replace(
+            args, positions=dataclasses.replace(args.positions, rope_theta=rope_theta(a.raw or {}, 10000.0)),
+            bias=a.attention_bias, scores=dataclasses.replace(args.scores, scale=a.attention_multiplier),
+            output=dataclasses.replace(args.output, o_bias=a.attention_bias))
 
     @classmethod
     def router(cls, a: ModelArgs) -> nn.Module:

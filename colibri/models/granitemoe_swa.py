@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..format.validate import is_number
-from ..layers.layers import AttentionArgs
+from ..layers.attention import AttentionArgs
 from . import granitemoe, granitemoeshared
 from .base import refuse
 from .family import Family
@@ -41,11 +41,13 @@ class Model(granitemoeshared.Model):
     @classmethod
     def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
         args = super().attention_args(a, i)
-        theta = a.layer_rope_theta[i] if a.layer_rope_theta else args.rope_theta
+        theta = a.layer_rope_theta[i] if a.layer_rope_theta else args.positions.rope_theta
         window = a.sliding_window if a.layer_types[i] == "sliding_attention" else None
         # (a NoPE layer keeps a valid base: its table is built but not applied)
-        return dataclasses.replace(args, sliding_window=window, sinks=True, use_rope=theta != 0,
-                                   rope_theta=theta or args.rope_theta)
+        positions = dataclasses.replace(args.positions, use_rope=theta != 0,
+                                        rope_theta=theta or args.positions.rope_theta)
+        return dataclasses.replace(args, positions=positions,
+                                   scores=dataclasses.replace(args.scores, sliding_window=window, sinks=True))
 
 
 def check_config(cfg: dict) -> None:

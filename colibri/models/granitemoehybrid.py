@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.layers import AttentionArgs
+from ..layers.attention import AttentionArgs
 from ..layers.mamba2 import Mamba2Args, Mamba2Mixer
 from . import granitemoe, granitemoeshared
 from .base import LEGACY_KINDS, refuse, rename_first
@@ -83,7 +83,9 @@ class Model(granitemoeshared.Model):
 
     @classmethod
     def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
-        return dataclasses.replace(super().attention_args(a, i), use_rope=a.position_embedding_type == "rope")
+        args = super().attention_args(a, i)
+        return dataclasses.replace(
+            args, positions=dataclasses.replace(args.positions, use_rope=a.position_embedding_type == "rope"))
 
 
 def check_config(cfg: dict) -> None:

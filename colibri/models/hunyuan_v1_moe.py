@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, QKNorm, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm
+from ..layers.layers import MLP, DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .family import Family
@@ -67,8 +68,9 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw), rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
-                             qk_norm=QKNorm.HEAD_POST_ROPE if a.use_qk_norm else QKNorm.NONE, norm_eps=a.rms_norm_eps)
+                             Positions(rope_theta(raw), rope_scaling(raw), a.max_position_embeddings),
+                             bias=a.attention_bias, qk_norm=QKNorm.HEAD_POST_ROPE if a.use_qk_norm else QKNorm.NONE,
+                             norm_eps=a.rms_norm_eps)
 
         def moe(i: int) -> SparseMoE:
             return SparseMoE(TopKRouter(a.hidden_size, a.num_experts, a.moe_topk, True),

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock
+from ..layers.attention import Attention, AttentionArgs, Positions
+from ..layers.layers import MLP, DecoderBlock
 from ..layers.mamba1 import Mamba1Args, Mamba1Mixer
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
@@ -64,8 +65,9 @@ class ModelArgs(BaseArgs):
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         H = a.hidden_size
-        attn = AttentionArgs(H, a.num_attention_heads, a.num_key_value_heads, H // a.num_attention_heads, 10000.0,
-                             max_pos=a.max_position_embeddings, norm_eps=a.rms_norm_eps, use_rope=False)
+        attn = AttentionArgs(H, a.num_attention_heads, a.num_key_value_heads, H // a.num_attention_heads,
+                             Positions(10000.0, max_pos=a.max_position_embeddings, use_rope=False),
+                             norm_eps=a.rms_norm_eps)
 
         def block(i: int) -> DecoderBlock:
             mixer = Attention(attn) if a.attends(i) else Mamba1Mixer(a.mamba_args())

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..layers.layers import MLP, Attention, DecoderBlock, QKNorm, RMSNorm
+from ..layers.attention import Attention, QKNorm
+from ..layers.layers import MLP, DecoderBlock, RMSNorm
 from ..layers.moe import BiasedLogitRouter, SparseMoE, SwitchGLU
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse, rename_first
@@ -48,12 +49,14 @@ def default_kinds(n: int) -> list[str]:
 
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
-        base = dataclasses.replace(qwen3_moe.attention_args(a, False, QKNorm.HEAD), out_norm=True)
+        base = qwen3_moe.attention_args(a, False, QKNorm.HEAD)
+        base = dataclasses.replace(base, output=dataclasses.replace(base.output, out_norm=True))
 
         def block(i: int) -> DecoderBlock:
             sliding = a.layer_types[i] == "sliding_attention"  # type: ignore[index]
-            attn = dataclasses.replace(base, sliding_window=a.sliding_window if sliding else None,
-                                       use_rope=sliding or a.sliding_window is None)
+            attn = dataclasses.replace(
+                base, positions=dataclasses.replace(base.positions, use_rope=sliding or a.sliding_window is None),
+                scores=dataclasses.replace(base.scores, sliding_window=a.sliding_window if sliding else None))
             gate = BiasedLogitRouter(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob)
             mlp = SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.moe_intermediate_size, a.num_experts),
                             MLP(a.hidden_size, a.shared_expert_intermediate_size), shared_name="shared_experts",

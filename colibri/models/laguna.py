@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import native
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, OutGate, QKNorm
+from ..kernels import native, native_block
+from ..layers.attention import Attention, AttentionArgs, OutGate, Output, Positions, QKNorm, Scores
+from ..layers.layers import MLP, DecoderBlock, Linear
 from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
@@ -100,8 +101,8 @@ class GatedAttention(Attention):
         if layer is None or getattr(g, "path", None) != "native" or g.bias is not None \
                 or (g.scheme, g.group_size) != (q.scheme, q.group_size):
             return None
-        layer.gate = OutGate.HEAD_SOFTPLUS if self.per_head else OutGate.CHANNEL_SOFTPLUS
-        layer.wg = native.QW(*native.qw(g))
+        kind = OutGate.HEAD_SOFTPLUS if self.per_head else OutGate.CHANNEL_SOFTPLUS
+        layer.gate = native_block.ref(native_block.AttnGate(kind, native.QW(*native.qw(g))))
         return layer
 
 
@@ -132,12 +133,13 @@ class Model(CausalLM):
         def block(i: int) -> DecoderBlock:
             kind = a.layer_types[i]  # type: ignore[index]
             r = a.rope(kind)
+            rotary = int(a.head_dim * r.get("partial_rotary_factor", 1.0))
+            window = a.sliding_window if kind == "sliding_attention" else None
             attn = GatedAttention(AttentionArgs(
                 a.hidden_size, a.num_attention_heads_per_layer[i], a.num_key_value_heads, a.head_dim,  # type: ignore[index]
-                float(r["rope_theta"]), None, a.max_position_embeddings, bias=a.attention_bias,
-                o_bias=a.attention_bias, qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps,
-                rotary_dim=int(a.head_dim * r.get("partial_rotary_factor", 1.0)),
-                sliding_window=a.sliding_window if kind == "sliding_attention" else None), per_head)
+                Positions(float(r["rope_theta"]), None, a.max_position_embeddings, rotary_dim=rotary),
+                bias=a.attention_bias, qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps,
+                scores=Scores(sliding_window=window), output=Output(o_bias=a.attention_bias)), per_head)
             if a.mlp_layer_types[i] == "dense":  # type: ignore[index]
                 return DecoderBlock(attn, MLP(a.hidden_size, a.intermediate_size), a.hidden_size, a.rms_norm_eps)
             gate = Router(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.moe_routed_scaling_factor,

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native, native_conv
+from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm
 from ..layers.batch import LayerKV
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, Linear, QKNorm, rope_scaling, rope_theta
+from ..layers.layers import MLP, DecoderBlock, Linear, rope_scaling, rope_theta
 from ..layers.linear_attn import Conv1d, StateCache, block_weights
 from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
@@ -145,8 +146,8 @@ class Model(CausalLM):
         raw = a.raw or {}
         H = a.hidden_size
         attn = AttentionArgs(H, a.num_attention_heads, a.num_key_value_heads, H // a.num_attention_heads,
-                             rope_theta(raw, 1e6), rope_scaling(raw), a.max_position_embeddings, qk_norm=QKNorm.HEAD,
-                             norm_eps=a.norm_eps)
+                             Positions(rope_theta(raw, 1e6), rope_scaling(raw), a.max_position_embeddings),
+                             qk_norm=QKNorm.HEAD, norm_eps=a.norm_eps)
 
         def block(i: int) -> DecoderBlock:
             mixer = ShortConv(H, a.conv_L_cache, a.conv_bias) if a.layer_types[i] == "conv" \

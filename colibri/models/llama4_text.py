@@ -17,20 +17,10 @@ import torch
 from torch import nn
 
 from ..errors import ColibriError
-from ..kernels import native
+from ..kernels import native, native_block
+from ..layers.attention import Attention, AttentionArgs, Output, Positions, QKNorm, attend
 from ..layers.batch import LayerKV
-from ..layers.layers import (
-    MLP,
-    Attention,
-    AttentionArgs,
-    DecoderBlock,
-    QKNorm,
-    attend,
-    rms_norm,
-    rope_scaling,
-    rope_theta,
-    rotate_half_rows,
-)
+from ..layers.layers import MLP, DecoderBlock, rms_norm, rope_scaling, rope_theta, rotate_half_rows
 from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse
 from .family import Family
@@ -113,7 +103,7 @@ class Llama4Attention(Attention):
             # The scale of every m = floor((pos + 1) / floor_scale) up to max(max_pos, 2^20) positions: torch's
             # values, which the native block reads too (one table: the paths cannot differ in a last bit).
             floor_scale, attn_scale = temperature
-            m = torch.arange(max(a.max_pos, 1 << 20) // int(floor_scale) + 2, dtype=torch.float32)
+            m = torch.arange(max(a.positions.max_pos, 1 << 20) // int(floor_scale) + 2, dtype=torch.float32)
             self.register_buffer("temp", torch.log(m + 1.0) * attn_scale + 1.0, persistent=False)  # [M]
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
@@ -159,9 +149,10 @@ class Llama4Attention(Attention):
             layer.qk_norm, layer.qn_w, layer.kn_w = QKNorm.HEAD_POST_ROPE, self.ones.data_ptr(), self.ones.data_ptr()
             layer.qk_eps = self.a.norm_eps
         layer.rot = self.rope.dim if self.use_rope else 0
-        layer.chunk = self.chunk or 0
-        if self.temperature is not None:
-            layer.temp, layer.temp_n, layer.temp_floor = self.temp.data_ptr(), self.temp.shape[0], self.temperature[0]
+        if self.chunk or self.temperature is not None:  # chunked attention, or the NoPE layers' temperature
+            temp = (None, 0, 0.0) if self.temperature is None \
+                else (self.temp.data_ptr(), self.temp.shape[0], self.temperature[0])
+            layer.positions = native_block.ref(native_block.AttnPositions(self.chunk or 0, *temp))
         return layer
 
     @staticmethod
@@ -229,8 +220,8 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         base = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 500000.0), rope_scaling(raw), a.max_position_embeddings,
-                             bias=a.attention_bias, o_bias=a.attention_bias, norm_eps=a.rms_norm_eps)
+                             Positions(rope_theta(raw, 500000.0), rope_scaling(raw), a.max_position_embeddings),
+                             bias=a.attention_bias, norm_eps=a.rms_norm_eps, output=Output(o_bias=a.attention_bias))
 
         def block(i: int) -> DecoderBlock:
             rope = bool(a.no_rope_layers[i])

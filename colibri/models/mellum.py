@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..layers.layers import MLP, Attention, DecoderBlock, QKNorm
+from ..layers.attention import Attention, QKNorm
+from ..layers.layers import MLP, DecoderBlock
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from . import qwen3_moe
 from .base import CausalLM, check_act_and_rope, refuse
@@ -53,8 +54,10 @@ class Model(CausalLM):
         def attn(i: int) -> Attention:
             kind = a.layer_types[i]  # type: ignore[index]
             return Attention(dataclasses.replace(
-                base, rope_theta=float(a.rope(kind)["rope_theta"]), rope_scaling=None,
-                sliding_window=a.sliding_window if kind == "sliding_attention" else None))
+                base, positions=dataclasses.replace(base.positions, rope_theta=float(a.rope(kind)["rope_theta"]),
+                                                    rope_scaling=None),
+                scores=dataclasses.replace(base.scores,
+                                           sliding_window=a.sliding_window if kind == "sliding_attention" else None)))
 
         def mlp(i: int):
             if a.mlp_layer_types[i] == "dense":  # type: ignore[index]

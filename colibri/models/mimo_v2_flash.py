@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock
+from ..layers.attention import Attention, AttentionArgs, Positions, Scores, Values
+from ..layers.layers import MLP, DecoderBlock
 from ..layers.moe import SparseMoE, SwitchGLU
 from . import glm4_moe
 from .base import CausalLM, check_act_and_rope, refuse
@@ -85,12 +86,13 @@ class Model(CausalLM):
             sliding = a.kinds()[i] == "sliding_attention"
             r = a.rope(a.kinds()[i])
             scaling = None if r.get("rope_type", "default") == "default" else {**r, "rope_type": r["rope_type"]}
+            rotary = int(a.head_dim * r.get("partial_rotary_factor", 0.334))
             return Attention(AttentionArgs(
                 a.hidden_size, a.num_attention_heads, a.num_key_value_heads * (2 if sliding else 1), a.head_dim,
-                float(r["rope_theta"]), scaling, a.max_position_embeddings, bias=a.attention_bias,
-                norm_eps=a.rms_norm_eps, rotary_dim=int(a.head_dim * r.get("partial_rotary_factor", 0.334)),
-                sliding_window=a.sliding_window if sliding else None, sinks=sliding, v_head_dim=a.v_head_dim,
-                v_scale=a.attention_value_scale))
+                Positions(float(r["rope_theta"]), scaling, a.max_position_embeddings, rotary_dim=rotary),
+                bias=a.attention_bias, norm_eps=a.rms_norm_eps,
+                scores=Scores(sliding_window=a.sliding_window if sliding else None, sinks=sliding),
+                values=Values(v_head_dim=a.v_head_dim, v_scale=a.attention_value_scale)))
 
         def mlp(i: int) -> nn.Module:
             if not a.is_moe(i):

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..layers.attention import Attention, AttentionArgs, Positions
 from ..layers.batch import LayerKV
-from ..layers.layers import Attention, AttentionArgs, RMSNorm, rope_scaling, rope_theta
+from ..layers.layers import RMSNorm, rope_scaling, rope_theta
 from ..layers.lightning import LightningArgs, LightningAttention
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from . import mixtral
@@ -114,9 +115,9 @@ class Model(CausalLM):
                 w = (a.linear_attn_alpha_factor, a.linear_attn_beta_factor)
             else:
                 raw = a.raw or {}
-                attn = Attention(AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads,
-                                               a.head_dim, rope_theta(raw, DEFAULT_THETA), rope_scaling(raw),
-                                               a.max_position_embeddings, norm_eps=a.rms_norm_eps))
+                attn = Attention(AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                                               Positions(rope_theta(raw, DEFAULT_THETA), rope_scaling(raw),
+                                                         a.max_position_embeddings), norm_eps=a.rms_norm_eps))
                 w = (a.full_attn_alpha_factor, a.full_attn_beta_factor)
             moe = SparseMoE(TopKRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, True),
                             SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts))

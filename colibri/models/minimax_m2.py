@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers.layers import Attention, AttentionArgs, DecoderBlock, QKNorm, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm
+from ..layers.layers import DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU
 from . import mixtral
 from .base import CausalLM, check_act_and_rope
@@ -61,9 +62,9 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings,
-                             qk_norm=QKNorm.FULL if a.use_qk_norm else QKNorm.NONE, norm_eps=a.rms_norm_eps,
-                             rotary_dim=a.rotary_dim)
+                             Positions(rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings,
+                                       rotary_dim=a.rotary_dim), qk_norm=QKNorm.FULL if a.use_qk_norm else QKNorm.NONE,
+                             norm_eps=a.rms_norm_eps)
         def moe(i: int) -> SparseMoE:  # (one group: the plain biased top-k, weights renormalised, unscaled)
             gate = GroupLimitedRouter(a.hidden_size, a.num_local_experts, a.num_experts_per_tok, 1, 1, True, 1.0)
             return SparseMoE(gate, SwitchGLU(i, a.hidden_size, a.intermediate_size, a.num_local_experts))

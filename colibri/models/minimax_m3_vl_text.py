@@ -17,7 +17,7 @@ While a sequence holds at most index_topk_blocks x index_block_size positions ev
 are dense attention. A context (`ctx_size`) that small never selects, so it caches no indexer keys and takes the
 native blocks and the one-call step; a larger one caches each sparse layer's indexer keys and, past that many
 positions, selects (kernels/msa.c, or torch's `_blocks` for f32 / GPU rows) and attends over the kept blocks in the
-kernels' block (coli_attn_layer.keep) or in torch.
+kernels' block (coli_attn_keep) or in torch.
 """
 
 from __future__ import annotations
@@ -31,21 +31,11 @@ from torch import nn
 
 from .. import arena
 from ..convert.safetensors_reader import SplitRows
-from ..kernels import native, native_msa
+from ..kernels import native, native_block, native_msa
 from ..layers import native_mlp
+from ..layers.attention import Attention, AttentionArgs, KVCache, Positions, QKNorm
 from ..layers.batch import LayerKV
-from ..layers.layers import (
-    MLP,
-    Attention,
-    AttentionArgs,
-    DecoderBlock,
-    KVCache,
-    Linear,
-    QKNorm,
-    RMSNorm,
-    rope_scaling,
-    rope_theta,
-)
+from ..layers.layers import MLP, DecoderBlock, Linear, RMSNorm, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first, text_model_name
 from .family import Family
@@ -197,7 +187,7 @@ class SparseAttention(Attention):
 
     def fused(self, h: torch.Tensor, kv: LayerKV, in_norm, post_norm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The kernels' block (the indexer's keys written from the normed rows first); past `span` positions with
-        each row's kept blocks (coli_attn_layer.keep), selected as the torch path selects."""
+        each row's kept blocks (coli_attn_keep), selected as the torch path selects."""
         if h.dtype != torch.bfloat16 or h.device.type != "cpu" or h.shape[0] > native.MOE_MAX_ROWS:
             return None
         layer = self._native_layer(in_norm, post_norm)
@@ -211,7 +201,7 @@ class SparseAttention(Attention):
             return super().fused(h, kv, in_norm, post_norm)
         keys = [cache.ik[0, :start + i + 1] for r0, r1, start, cache in kv.segs for i in range(r1 - r0)]
         keep = native_msa.select(self._index_queries(x, kv), keys, self.block, self.topk, self.local)  # [T, Hkv, nb]
-        layer.keep, layer.keep_blk, layer.keep_nb = keep.data_ptr(), self.block, keep.shape[-1]
+        layer.keep = native_block.ref(native_block.AttnKeep(keep.data_ptr(), self.block, keep.shape[-1]))
         try:
             return super().fused(h, kv, in_norm, post_norm)
         finally:
@@ -265,8 +255,8 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings, qk_norm=QKNorm.HEAD,
-                             norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
+                             Positions(rope_theta(raw, 5e6), rope_scaling(raw), a.max_position_embeddings,
+                                       rotary_dim=a.rotary_dim), qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps)
         act = functools.partial(clamped_swiglu, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
 
         def block(i: int) -> DecoderBlock:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..layers.layers import Attention, AttentionArgs, DecoderBlock, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Positions, Scores
+from ..layers.layers import DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM
 from .family import Family
@@ -52,8 +53,9 @@ class Model(CausalLM):
     def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
         """Layer i's attention settings."""
         return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(a.raw or {}, 1e6), rope_scaling(a.raw or {}), a.max_position_embeddings,
-                             norm_eps=a.rms_norm_eps, sliding_window=a.sliding_window)
+                             Positions(rope_theta(a.raw or {}, 1e6), rope_scaling(a.raw or {}),
+                                       a.max_position_embeddings), norm_eps=a.rms_norm_eps,
+                             scores=Scores(sliding_window=a.sliding_window))
 
     @classmethod
     def router(cls, a: ModelArgs) -> nn.Module:

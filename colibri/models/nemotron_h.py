@@ -27,8 +27,9 @@ from torch import nn
 
 from ..kernels import native
 from ..layers import native_mlp
+from ..layers.attention import Attention, AttentionArgs, Positions
 from ..layers.batch import LayerKV
-from ..layers.layers import Attention, AttentionArgs, Linear, RMSNorm
+from ..layers.layers import Linear, RMSNorm
 from ..layers.linear_attn import StateCache
 from ..layers.mamba2 import Mamba2Args, Mamba2Mixer
 from ..layers.moe import SparseMoE, SwitchGLU, relu2
@@ -168,8 +169,8 @@ class SublayerBlock(nn.Module):
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         H, eps = a.hidden_size, a.layer_norm_epsilon
-        attn = AttentionArgs(H, a.num_attention_heads, a.num_key_value_heads, a.head_dim, 10000.0,
-                             max_pos=a.max_position_embeddings, norm_eps=eps, use_rope=False)
+        attn = AttentionArgs(H, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                             Positions(10000.0, max_pos=a.max_position_embeddings, use_rope=False), norm_eps=eps)
         mamba = Mamba2Args(H, a.mamba_num_heads, a.mamba_head_dim, a.ssm_state_size, a.n_groups, a.conv_kernel,
                            a.chunk_size, eps, a.use_conv_bias, a.use_bias, (float(a.time_step_min), float("inf")))
 

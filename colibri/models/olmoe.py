@@ -12,16 +12,18 @@ experts. One layer, for the step's rows h [T, hidden]:
     h = h + sum_j p_j down_j(silu(gate_j x) * up_j x)   the k routed experts, summed in f32
 
 then a final RMSNorm and the head (base.py's `CausalLM`). The shared pieces are in colibri/layers/: `Attention`
-(layers.py) with `QKNorm.FULL` and `clip_qkv`, `TopKRouter`, `SwitchGLU` and `SparseMoE` (moe.py), `DecoderBlock`
-(layers.py: the two residual adds). The checkpoint is in the canonical layout (each expert's gate_proj and up_proj
-joined into one record by family.py's default `expert_record`), so the family declares no conversion hook.
+(attention.py) with `QKNorm.FULL` and `Scores(clip_qkv=...)`, `TopKRouter`, `SwitchGLU` and `SparseMoE` (moe.py),
+`DecoderBlock` (layers.py: the two residual adds). The checkpoint is in the canonical layout (each expert's gate_proj
+and up_proj joined into one record by family.py's default `expert_record`), so the family declares no conversion
+hook.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers.layers import Attention, AttentionArgs, DecoderBlock, QKNorm, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm, Scores
+from ..layers.layers import DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM
 from .family import Family
@@ -55,8 +57,8 @@ def attention(a: ModelArgs) -> Attention:
     head_dim = a.hidden_size // a.num_attention_heads
     return Attention(AttentionArgs(
         a.hidden_size, a.num_attention_heads, a.num_key_value_heads, head_dim,
-        rope_theta(a.raw or {}), rope_scaling(a.raw or {}), a.max_position_embeddings,
-        bias=a.attention_bias, qk_norm=QKNorm.FULL, norm_eps=a.rms_norm_eps, clip_qkv=a.clip_qkv))
+        Positions(rope_theta(a.raw or {}), rope_scaling(a.raw or {}), a.max_position_embeddings),
+        bias=a.attention_bias, qk_norm=QKNorm.FULL, norm_eps=a.rms_norm_eps, scores=Scores(clip_qkv=a.clip_qkv)))
 
 
 def moe(a: ModelArgs, layer: int) -> SparseMoE:

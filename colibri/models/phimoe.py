@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..kernels import native
-from ..layers.layers import AttentionArgs, LayerNorm, Linear, rope_scaling
+from ..layers.attention import AttentionArgs
+from ..layers.layers import LayerNorm, Linear, rope_scaling
 from ..layers.moe import RouteRule, native_route
 from . import mixtral
 from .base import check_act_and_rope, refuse
@@ -83,7 +84,9 @@ class Model(mixtral.Model):
 
     @classmethod
     def attention_args(cls, a: ModelArgs, i: int) -> AttentionArgs:
-        return dataclasses.replace(super().attention_args(a, i), bias=a.attention_bias, o_bias=a.attention_bias)
+        args = super().attention_args(a, i)
+        return dataclasses.replace(args, bias=a.attention_bias,
+                                   output=dataclasses.replace(args.output, o_bias=a.attention_bias))
 
     @classmethod
     def router(cls, a: ModelArgs) -> nn.Module:

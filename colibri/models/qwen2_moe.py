@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers.layers import MLP, Attention, DecoderBlock, Linear, QKNorm
+from ..layers.attention import Attention, QKNorm
+from ..layers.layers import MLP, DecoderBlock, Linear
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import CausalLM
 from .family import Family

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..layers.layers import MLP, Attention, AttentionArgs, DecoderBlock, QKNorm, rope_scaling, rope_theta
+from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm, Scores
+from ..layers.layers import MLP, DecoderBlock, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
 from .base import BaseArgs, CausalLM
 from .family import Family
@@ -46,8 +47,8 @@ class ModelArgs(BaseArgs):
 def attention_args(a, bias: bool, qk_norm: QKNorm) -> AttentionArgs:
     window = a.sliding_window if a.use_sliding_window else None
     return AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                         rope_theta(a.raw or {}), rope_scaling(a.raw or {}), a.max_position_embeddings,
-                         bias=bias, qk_norm=qk_norm, norm_eps=a.rms_norm_eps, sliding_window=window)
+                         Positions(rope_theta(a.raw or {}), rope_scaling(a.raw or {}), a.max_position_embeddings),
+                         bias=bias, qk_norm=qk_norm, norm_eps=a.rms_norm_eps, scores=Scores(sliding_window=window))
 
 
 class Model(CausalLM):

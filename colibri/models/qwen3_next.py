@@ -21,19 +21,10 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels import native
+from ..kernels import native, native_block
+from ..layers.attention import Attention, AttentionArgs, OutGate, Positions, QKNorm, attend
 from ..layers.batch import LayerKV
-from ..layers.layers import (
-    Attention,
-    AttentionArgs,
-    DecoderBlock,
-    Linear,
-    OutGate,
-    QKNorm,
-    attend,
-    rope_scaling,
-    rope_theta,
-)
+from ..layers.layers import DecoderBlock, Linear, rope_scaling, rope_theta
 from ..layers.linear_attn import DeltaArgs, GatedDeltaNet, grouped_rows
 from . import qwen2_moe
 from .base import CausalLM, check_act_and_rope, refuse
@@ -91,14 +82,14 @@ class GatedAttention(Attention):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(T, a.kv_heads, a.head_dim))
         v = self.v_proj(x).view(T, a.kv_heads, a.head_dim)
-        if a.use_rope:  # (AFMoE's full layers have none)
+        if a.positions.use_rope:  # (AFMoE's full layers have none)
             q, k = self.rope(q, kv.pos), self.rope(k, kv.pos)
         q = self.scaled_queries(q, kv)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         outs = []
         for r0, r1, start, cache in kv.segs:
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
-            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.sliding_window))
+            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, a.scores.sliding_window))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H*D]
         gate = self.gate_logits(gate.reshape(T, -1))
         if o.dtype == torch.bfloat16 and o.device.type == "cpu" and native.available():
@@ -120,7 +111,7 @@ class GatedAttention(Attention):
     def _build_native_layer(self, in_norm, post_norm):
         layer = super()._build_native_layer(in_norm, post_norm)
         if layer is not None:
-            layer.gate = OutGate.Q_SIGMOID
+            layer.gate = native_block.ref(native_block.AttnGate(OutGate.Q_SIGMOID))
         return layer
 
 
@@ -128,8 +119,9 @@ class Model(CausalLM):
     def __init__(self, a: ModelArgs):
         raw = a.raw or {}
         attn = AttentionArgs(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                             rope_theta(raw), rope_scaling(raw), a.max_position_embeddings, bias=a.attention_bias,
-                             qk_norm=QKNorm.HEAD, norm_eps=a.rms_norm_eps, rotary_dim=a.rotary_dim)
+                             Positions(rope_theta(raw), rope_scaling(raw), a.max_position_embeddings,
+                                       rotary_dim=a.rotary_dim), bias=a.attention_bias, qk_norm=QKNorm.HEAD,
+                             norm_eps=a.rms_norm_eps)
         delta = DeltaArgs(a.hidden_size, a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
                           a.linear_value_head_dim, a.linear_conv_kernel_dim, a.rms_norm_eps, a.split_projections)
 
