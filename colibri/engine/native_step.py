@@ -10,7 +10,7 @@ range cannot run so (a GPU layer, another router, ...); a step whose rows do not
 another kind) gets None back.
 
 Layers whose experts an expert cache serves (the disk tier) run in the same call over tables the cache keeps
-equal to the experts in memory (`SwitchGLU.live_tables`): a route to an expert not in memory stops the
+equal to the experts in memory (`ExpertSource.native_tables`): a route to an expert not in memory stops the
 call before that layer's feed-forward half writes anything (COLI_MISS); that layer runs the per-layer way
 (its attention again: the same K/V rewritten; then fetch, reads and the next layer's look-ahead as always)
 and the call resumes after it. The cache accounts the experts the calls used as the fetches they stood

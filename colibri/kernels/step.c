@@ -170,7 +170,7 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
 }
 
 /* A model's ends around coli_decode_layers: its bf16 token embedding, final norm and quantized head
- * (colibri/models/native_step.py's _Tail). */
+ * (colibri/engine/native_step.py's _Tail). */
 typedef struct {
     const uint16_t *embed; /* bf16 [vocab_in, hidden] */
     long vocab_in;
