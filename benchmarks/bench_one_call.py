@@ -48,6 +48,7 @@ from colibri.convert.converter import convert  # noqa: E402
 from colibri.engine.threads import DecodeThreads  # noqa: E402
 from colibri.kernels import native  # noqa: E402
 from colibri.layers import mla, native_mlp  # noqa: E402
+from colibri.layers.attention import Attention  # noqa: E402
 from colibri.layers.moe import SwitchGLU, silu_glu  # noqa: E402
 from colibri.models import deepseek_v2, deepseek_v3, ernie4_5_moe, gpt_oss, llama4_text, mistral4  # noqa: E402
 
@@ -329,7 +330,8 @@ def _set_mode(llm, mode: str, states: dict) -> None:
     llama4_text.Llama4Attention.fused = (lambda self, *a: None) if torch_mlp else _L4_ATTN
     llama4_text.Llama4MoE.fused = (lambda self, *a: None) if torch_mlp else _L4_MOE
     for m in llm.model.modules():  # the cached kernel constants follow the mode
-        m.__dict__.pop("_fused_layer", None)
+        if isinstance(m, Attention | mla.MLAttention):
+            m._fused_layer = None
         if isinstance(m, SwitchGLU) and m.act is not silu_glu:  # gpt-oss's experts: kernels or torch
             m.__dict__.setdefault("_kernel_act", m.native_act)
             m.native_act = None if torch_mlp else m.__dict__["_kernel_act"]

@@ -177,9 +177,9 @@ def test_the_gated_mla_layer_runs_in_the_native_block(ckpt, monkeypatch, scheme:
             if mode == "ungated":
                 mp.setattr(bailing_hybrid.GatedMLAttention, "_build_native_layer",
                            MLAttention._build_native_layer)
-            llm.model.model.layers[2].self_attn.__dict__.pop("_fused_layer", None)
+            llm.model.model.layers[2].self_attn._fused_layer = None
             out = prompt_then_decode(llm, PROMPT, first=1)  # (every position a one-row step)
-            llm.model.model.layers[2].self_attn.__dict__.pop("_fused_layer", None)
+            llm.model.model.layers[2].self_attn._fused_layer = None
         if mode != "torch":
             assert taken == [True] * len(PROMPT)
         return out

@@ -127,7 +127,7 @@ def test_each_layer_in_the_block_is_the_torch_layer(ckpt, scheme: str) -> None:
                 kv.append(LayerKV([(0, 6, start, cache)], start))
             h_ref = h + m(b.input_layernorm(h), kv[0])
             x_ref = b.post_attention_layernorm(h_ref)
-            m.__dict__.pop("_fused_layer", None)
+            m._fused_layer = None
             h_got, x_got = m.fused(h, kv[1], *args)
             offs = []
             layer = m._native_layer(*args)
@@ -137,7 +137,7 @@ def test_each_layer_in_the_block_is_the_torch_layer(ckpt, scheme: str) -> None:
                 setattr(struct, field, None)
                 offs.append(m.fused(h, kv[2 + len(offs)], *args))
                 setattr(struct, field, kept)
-            m.__dict__.pop("_fused_layer", None)
+            m._fused_layer = None
             for i, (got, ref) in enumerate(((h_got, h_ref), (x_got, x_ref))):
                 err = (got.float() - ref.float()).abs().max()
                 assert err <= 0.02 * ref.float().abs().max()

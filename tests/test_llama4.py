@@ -94,7 +94,7 @@ def test_positions_past_the_temperature_table_leave_the_native_blocks(ckpt, monk
         assert nope
         for a in nope:  # 3 entries: positions below 2 * floor_scale - 1 = 7
             a.temp = a.temp[:3].clone()
-            a.__dict__.pop("_fused_layer", None)
+            a._fused_layer = None
         llm.plan.rebuild()
         assert all(a.pos_limit() == 7 for a in nope)
         assert runs and all(runs)  # native runs took the steps

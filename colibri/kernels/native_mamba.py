@@ -4,6 +4,7 @@ Mamba's convolution and scan steps for decode rows (colibri/layers/mamba1.py).""
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -107,11 +108,27 @@ def _mamba1_params(m) -> tuple:
             m.native_f32("dt_bias").data_ptr(), m.native_f32("A").data_ptr(), m.D.data_ptr())
 
 
+# per Mamba1Mixer: its projections' weight pointers for the rows / block calls, beside the module, gone with it
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights(m, call: str, projs: tuple) -> tuple:
+    kept = _WEIGHTS.setdefault(m, {})
+    if call not in kept:
+        kept[call] = _qws(projs)
+    return kept[call]
+
+
+def forget(m) -> None:
+    """Drop m's weight pointers (its weights moved)."""
+    _WEIGHTS.pop(m, None)
+
+
 def mamba1_rows(m, xz: torch.Tensor, conv: list[int], ssm: list[int]) -> torch.Tensor:
     """coli_mamba1_rows: xz bf16 [T, 2I] contiguous (in_proj's output); conv / ssm: each row's states (moved on); m:
     the Mamba1Mixer, its x_proj and dt_proj native QLinears -> (S C + D u) * silu(z), bf16 [T, I]."""
     a = m.a
-    w, sch, grp = m.__dict__.get("_rows_qw") or m.__dict__.setdefault("_rows_qw", _qws((m.x_proj, m.dt_proj)))
+    w, sch, grp = _weights(m, "rows", (m.x_proj, m.dt_proj))
     y = torch.empty(xz.shape[0], a.inner, dtype=torch.bfloat16)
     rc = _lib().coli_mamba1_rows(xz.shape[0], a.inner, a.state, a.dt_rank, a.conv_kernel, sch, grp, w, xz.data_ptr(),
                                  _ptrs(conv), _ptrs(ssm), *_mamba1_params(m), y.data_ptr())
@@ -126,8 +143,7 @@ def mamba1_block(m, h: torch.Tensor, in_norm, post_norm, conv: list[int], ssm: l
     QLinears; the norms' f32 weights and eps -> (h + the layer's output, the post-attention norm of that)."""
     a = m.a
     T, hidden = h.shape
-    w, sch, grp = m.__dict__.get("_block_qw") or m.__dict__.setdefault(
-        "_block_qw", _qws((m.in_proj, m.x_proj, m.dt_proj, m.out_proj)))
+    w, sch, grp = _weights(m, "block", (m.in_proj, m.x_proj, m.dt_proj, m.out_proj))
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
     rc = _lib().coli_mamba1_block(T, hidden, a.inner, a.state, a.dt_rank, a.conv_kernel, sch, grp, w, h.data_ptr(),
                                   in_norm.weight.data_ptr(), in_norm.eps, post_norm.weight.data_ptr(), post_norm.eps,

@@ -244,6 +244,10 @@ class AttentionArgs:
 class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE, optional q/k norm, bias and sliding window."""
 
+    # the native block's constants for one (in_norm, post_norm) pair, built on first use; the sinks they point to
+    _fused_layer: tuple[tuple[int, int], native_block.AttnLayer | None] | None = None
+    _fused_sinks: torch.Tensor | None = None
+
     def __init__(self, a: AttentionArgs):
         super().__init__()
         self.a = a
@@ -334,11 +338,11 @@ class Attention(nn.Module):
     def _native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_block.AttnLayer | None:
         """The layer's constants for the native block, built once (None: the block does not apply)."""
         key = (id(in_norm), id(post_norm))
-        cached = self.__dict__.get("_fused_layer")
+        cached = self._fused_layer
         if cached is not None and cached[0] == key:
             return cached[1]
         layer = self._build_native_layer(in_norm, post_norm) if native.available() else None
-        self.__dict__["_fused_layer"] = (key, layer)
+        self._fused_layer = (key, layer)
         return layer
 
     def _build_native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_block.AttnLayer | None:
@@ -359,8 +363,8 @@ class Attention(nn.Module):
         out = out_norm_ptr(self)
         if out is None:
             return None
-        sinks = self.sinks.float().contiguous() if a.scores.sinks else None
-        self.__dict__["_fused_sinks"] = sinks  # kept alive with the layer
+        sinks = self.sinks.detach().float().contiguous() if a.scores.sinks else None  # (a tensor, not the Parameter)
+        self._fused_sinks = sinks  # kept alive with the layer
         qn = (self.q_norm.weight.data_ptr(), self.k_norm.weight.data_ptr(), self.q_norm.eps) if a.qk_norm \
             else (0, 0, 0.0)
         vs = a.values.v_scale
@@ -377,5 +381,5 @@ class Attention(nn.Module):
             values=native_block.ref(values), output=native_block.ref(output))
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
-        self.__dict__.pop("_fused_layer", None)
+        self._fused_layer = None
         return super()._apply(fn, recurse)

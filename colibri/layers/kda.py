@@ -27,7 +27,7 @@ from torch import nn
 from ..kernels import native, native_kda
 from .batch import LayerKV
 from .layers import Linear
-from .linear_attn import Conv1d, StateCache, block_weights, step_states
+from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states
 
 
 @dataclass
@@ -72,6 +72,8 @@ class GatedHeadNorm(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     """x [T, hidden] -> [T, hidden] over the step's sequences, each continuing its own `StateCache`."""
+
+    _conv_w: torch.Tensor | None = None  # the three short convolutions' weights as one, built on first use
 
     def __init__(self, a: KDAArgs):
         super().__init__()
@@ -165,15 +167,15 @@ class KimiDeltaAttention(nn.Module):
             and all(c.conv.dtype == torch.bfloat16 and c.conv.is_contiguous() for *_, c in kv.segs)
 
     def _conv_weight(self) -> torch.Tensor:
-        w = self.__dict__.get("_conv_w")
+        w = self._conv_w
         if w is None:
-            w = self.__dict__["_conv_w"] = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight,
+            w = self._conv_w = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight,
                                                       self.v_conv1d.weight))  # [3 H D, 1, K]
         return w
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the concatenated conv and the block's pointers go
-        self.__dict__.pop("_conv_w", None)
-        self.__dict__.pop("_fused_qw", None)
+        self._conv_w = None
+        forget_block_weights(self)
         return super()._apply(fn, recurse)
 
     def _sequence(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: StateCache) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 from ..kernels import native, native_lightning
 from .batch import LayerKV
 from .layers import Linear, RMSNorm
-from .linear_attn import StateCache, block_weights, step_states
+from .linear_attn import StateCache, block_weights, forget_block_weights, step_states
 
 NORM_EPS = 1e-6  # (transformers' MiniMaxRMSNorm default: the heads' norm is built without rms_norm_eps)
 
@@ -121,5 +121,5 @@ class LightningAttention(nn.Module):
                                                 h.contiguous(), in_norm, post_norm, alpha, beta, ssm)
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the block's pointers go
-        self.__dict__.pop("_fused_qw", None)
+        forget_block_weights(self)
         return super()._apply(fn, recurse)

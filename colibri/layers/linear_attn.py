@@ -16,6 +16,7 @@ turns prompt caching off for such models; saved slots are refused).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -88,19 +89,29 @@ def step_states(kv: LayerKV) -> tuple[list[int], list[int]]:
     return conv, ssm
 
 
+# per state layer: its projections' weight pointers for the whole native block, beside the layer, gone with it
+_BLOCK_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, ctypes.Array] = weakref.WeakKeyDictionary()
+
+
 def block_weights(m: nn.Module, projs: tuple, in_norm: nn.Module, post_norm: nn.Module) -> ctypes.Array | None:
     """The projections' weight pointers for a state layer's whole native block (coli_delta_block, coli_conv_block,
-    coli_mamba_block), kept on `m` (its `_apply` drops them when it moves): None unless every projection is a native
-    bf16 QLinear without a bias, of the first one's scheme and group size, and both norms' weights f32 contiguous."""
+    coli_mamba_block), kept for `m` until it moves (its `_apply` calls forget_block_weights): None unless every
+    projection is a native bf16 QLinear without a bias, of the first one's scheme and group size, and both norms'
+    weights f32 contiguous."""
     first = projs[0]
     if not all(getattr(p, "path", None) == "native" and (p.scheme, p.group_size) == (first.scheme, first.group_size)
                and p.compute_dtype == torch.bfloat16 and p.bias is None for p in projs) \
             or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (in_norm, post_norm)):
         return None
-    w = m.__dict__.get("_fused_qw")
+    w = _BLOCK_WEIGHTS.get(m)
     if w is None:
-        w = m.__dict__["_fused_qw"] = (native.QW * len(projs))(*(native.QW(*native.qw(p)) for p in projs))
+        w = _BLOCK_WEIGHTS[m] = (native.QW * len(projs))(*(native.QW(*native.qw(p)) for p in projs))
     return w
+
+
+def forget_block_weights(m: nn.Module) -> None:
+    """Drop `m`'s block weight pointers (its weights moved)."""
+    _BLOCK_WEIGHTS.pop(m, None)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -259,7 +270,7 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the fused call's pointers are stale
-        self.__dict__.pop("_fused_qw", None)
+        forget_block_weights(self)
         return super()._apply(fn, recurse)
 
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:

@@ -49,6 +49,8 @@ class Mamba1Args:
 class Mamba1Mixer(nn.Module):
     """x [T, hidden] -> [T, hidden] over the step's sequences, each continuing its own `StateCache`."""
 
+    _f32: dict[str, torch.Tensor] | None = None  # what the kernels take in f32 (native_f32), computed on first use
+
     def __init__(self, a: Mamba1Args):
         super().__init__()
         self.a = a
@@ -152,10 +154,12 @@ class Mamba1Mixer(nn.Module):
     def native_f32(self, what: str) -> torch.Tensor:
         """What the kernels take in f32, computed once (dropped when the module moves, see _apply): "A" = -exp(A_log)
         [I, N], "dt_bias" dt_proj's bias [I]."""
-        t = self.__dict__.get("_f32_" + what)
+        if self._f32 is None:
+            self._f32 = {}
+        t = self._f32.get(what)
         if t is None:
             src = -self.A_log.float().exp() if what == "A" else self.dt_proj.bias.float()
-            t = self.__dict__["_f32_" + what] = src.contiguous()
+            t = self._f32[what] = src.contiguous()
         return t
 
     def _native_rows(self, x: torch.Tensor, kv: LayerKV) -> bool:
@@ -171,6 +175,6 @@ class Mamba1Mixer(nn.Module):
                     and c.conv.device.type == "cpu" for r0, r1, start, c in kv.segs)
 
     def _apply(self, fn, recurse: bool = True):  # moved parameters: the cached A and weight pointers are stale
-        for k in ("_f32_A", "_f32_dt_bias", "_rows_qw", "_block_qw"):
-            self.__dict__.pop(k, None)
+        self._f32 = None
+        native_mamba.forget(self)
         return super()._apply(fn, recurse)

@@ -26,7 +26,7 @@ from torch import nn
 from ..kernels import native, native_mamba
 from .batch import LayerKV
 from .layers import Linear
-from .linear_attn import Conv1d, StateCache, block_weights, step_states
+from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states
 
 
 @dataclass
@@ -195,5 +195,5 @@ class Mamba2Mixer(nn.Module):
                     and c.conv.device.type == "cpu" for r0, r1, start, c in kv.segs)
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the fused call's pointers are stale
-        self.__dict__.pop("_fused_qw", None)
+        forget_block_weights(self)
         return super()._apply(fn, recurse)

@@ -105,6 +105,8 @@ class LatentCache:
 class MLAttention(nn.Module):
     """MLA over `LatentCache`s: `forward(x [T, hidden], kv: LayerKV) -> [T, hidden]`."""
 
+    _fused_layer: tuple | None = None  # ((id(in_norm), id(post_norm)), the native block's constants), on first use
+
     def __init__(self, a: MLAArgs, mode: str = "auto"):
         super().__init__()
         if mode not in MODES:
@@ -215,10 +217,10 @@ class MLAttention(nn.Module):
     def _native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_mla.MlaLayer | None:
         """The layer's constants for the native block, built once per norm pair (None: it does not apply)."""
         key = (id(in_norm), id(post_norm))
-        kept = self.__dict__.get("_fused_layer")
+        kept = self._fused_layer
         if kept is None or kept[0] != key:
             kept = (key, self._build_native_layer(in_norm, post_norm) if native.available() else None)
-            self.__dict__["_fused_layer"] = kept
+            self._fused_layer = kept
         return kept[1]
 
     def _build_native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_mla.MlaLayer | None:
@@ -253,7 +255,7 @@ class MLAttention(nn.Module):
             ptr(self.kv_a_proj_with_mqa.bias), ptr(self.o_proj.bias))
 
     def _apply(self, fn, recurse: bool = True):  # .to(device) replaces the weights: rebuild the block's table
-        self.__dict__.pop("_fused_layer", None)
+        self._fused_layer = None
         return super()._apply(fn, recurse)
 
     def native_form(self, T: int, S: int) -> bool:

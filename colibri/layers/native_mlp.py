@@ -10,22 +10,28 @@ in Python per layer and token; one call is what lets the one-call step take thes
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from ..kernels import native
 from ..quant import QLinear
 
+# per MLP module: (id of its gate, its constants), beside the module rather than in it (any module with the three
+# projections may be one), gone with the module
+_TABLES: weakref.WeakKeyDictionary[nn.Module, tuple[int, native.Mlp | None]] = weakref.WeakKeyDictionary()
+
 
 def table(mlp: nn.Module, gate: nn.Module | None = None) -> native.Mlp | None:
     """The kernel's constants for `mlp` (gate_proj / up_proj / down_proj) behind `gate` ([1, H] sigmoid gate,
     or None), built once per gate; None where the kernel does not run them (a projection not native, with a
     bias, not bf16 compute, on another device, or of another scheme / group size)."""
-    cached = mlp.__dict__.get("_native_mlp")
+    cached = _TABLES.get(mlp)
     if cached is not None and cached[0] == id(gate):
         return cached[1]
     t = _build(mlp, gate) if native.available() else None
-    mlp.__dict__["_native_mlp"] = (id(gate), t)
+    _TABLES[mlp] = (id(gate), t)
     return t
 
 
@@ -50,7 +56,7 @@ def _build(mlp: nn.Module, gate: nn.Module | None) -> native.Mlp | None:
 
 def forget(mlp: nn.Module) -> None:
     """Drop the constants (the weights moved)."""
-    mlp.__dict__.pop("_native_mlp", None)
+    _TABLES.pop(mlp, None)
 
 
 def applies(t: native.Mlp | None, x: torch.Tensor) -> bool:

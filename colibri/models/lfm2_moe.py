@@ -28,7 +28,7 @@ from ..kernels import native, native_conv
 from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm
 from ..layers.batch import LayerKV
 from ..layers.layers import MLP, DecoderBlock, Linear, rope_scaling, rope_theta
-from ..layers.linear_attn import Conv1d, StateCache, block_weights
+from ..layers.linear_attn import Conv1d, StateCache, block_weights, forget_block_weights
 from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
@@ -137,7 +137,7 @@ class ShortConv(nn.Module):
         return ptrs
 
     def _apply(self, fn, recurse: bool = True):  # moved weights: the fused call's pointers are stale
-        self.__dict__.pop("_fused_qw", None)
+        forget_block_weights(self)
         return super()._apply(fn, recurse)
 
 
