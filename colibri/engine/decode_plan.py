@@ -90,7 +90,7 @@ class DecodePlan:
 
     def describe(self) -> str:
         """One line: which backend runs which layers and why (`colibri run --log-level info` prints it)."""
-        rows = f"; steps over {native.MOE_MAX_ROWS} rows (prefill) torch" if self.tail is not None or any(
+        rows = f"; steps over {native.MOE_MAX_ROWS} rows (prefill) torch" if any(
             s.backend == "native" for s in self.segments) else ""
         return "decode plan: " + ", ".join(map(str, self.segments)) + rows
 

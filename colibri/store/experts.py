@@ -40,10 +40,6 @@ class Experts:
     def holds_all(self, layer: int) -> bool:
         return layer in self.resident
 
-    def cache_of(self, layer: int) -> ExpertCache | None:
-        """The cache serving `layer` (None: a resident layer)."""
-        return self.cached.get(layer)
-
     def look_ahead(self, layer: int, resid: torch.Tensor) -> None:
         if self.ahead is not None:
             self.ahead(layer, resid)
