@@ -20,10 +20,13 @@ from .engine.kv import SlotPool
 from .engine.request import EngineClosedError, QueueFullError, RequestHandle, RequestStats, SamplingParams, TokenEvent
 from .engine.runner import Runner
 from .engine.scheduler import Scheduler
+from .engine.speculative import DRAFT_MAX
+from .engine.speculative import check as check_speculative
 from .engine.stats import StepInfo
 from .errors import ColibriError, SlotBusyError
 from .format.container import Container
 from .kernels import native
+from .layers.kvquant import KVTypes
 from .models.base import bind, build
 from .store import Placement, TieredStore
 from .store.placement import parse_size
@@ -109,6 +112,9 @@ class Engine:
     - `gpu_device`: device of the "gpu" tier (default "cuda"; "cpu" runs the GPU code path on
       the CPU, for tests).
     Greedy output is the same whatever the tiers, budgets, prefetch, I/O settings and batch.
+
+    - `kv_type`: the KV cache's storage (llama.cpp's -ctk / -ctv): "bf16" (the compute dtype, the default),
+      "q8_0" or "q4_0" for K and V both, or a pair (K, V); docs/QUANT.md "The KV cache" has its numerics.
     """
 
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
@@ -117,7 +123,7 @@ class Engine:
                  placement: Placement | PlacementFn | None = None, mem_budget: int | str | None = None,
                  gpu_budget: int | str | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None,
-                 mmap: bool = False):
+                 mmap: bool = False, kv_type: str | tuple[str, str] | KVTypes | None = None):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -126,6 +132,7 @@ class Engine:
                                           or not 0 <= decode_run_ms <= 10_000):
             raise ColibriError(f"decode_run_ms must be a number of milliseconds in 0..10000, got {decode_run_ms!r}")
         mem_budget, gpu_budget = _budget("mem_budget", mem_budget), _budget("gpu_budget", gpu_budget)
+        self.kv_types = KVTypes.of(kv_type)
         self._closed = True  # until fully built: close() and __del__ then have nothing to undo
         self.threads = threads or physical_cores()
         # Loading runs on one torch thread: a parallel op here would give this (the caller's) thread an
@@ -143,7 +150,7 @@ class Engine:
         if placement is None:  # the planner: no tier flags -> place by budgets and free memory
             from .plan import placement_fn
 
-            placement = placement_fn(c, ctx_size * slots)
+            placement = placement_fn(c, ctx_size * slots, kv_types=self.kv_types)
         self.store = TieredStore(c, self.dtype, placement, mem_budget=mem_budget, gpu_budget=gpu_budget,
                                  prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device, policy=cache_policy,
                                  mmap=mmap)
@@ -154,7 +161,7 @@ class Engine:
             self.model.eval()
             self.ctx_size, self.n_slots = ctx_size, slots
             self.vocab_rows = self.model.model.embed_tokens.num_embeddings
-            self.slots = SlotPool(self.model, slots, ctx_size, self.dtype, self.store.layer_device)
+            self.slots = SlotPool(self.model, slots, ctx_size, self.dtype, self.store.layer_device, self.kv_types)
             self.plan = DecodePlan(self.model)  # which backend runs which layers, decided once
             log.info("colibri: %s", self.plan.describe())
         except BaseException:
@@ -209,17 +216,27 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
+    # The defaults of submit's `speculative` and `draft_max` (the CLI's --spec and --draft-max set them).
+    speculative: str = "off"  # (opt-in until bench_spec.py shows "auto" never costs on free text: issue 46)
+    draft_max: int = DRAFT_MAX
+
     def submit(self, prompt_ids: list[int], max_tokens: int = 256, *, sampling: SamplingParams | None = None,
                stop_ids: tuple[int, ...] | frozenset[int] = (), ignore_eos: bool = False,
                prompt_logprobs: int | None = None, request_id: str | None = None,
                listener: Callable[[TokenEvent | None], None] | None = None, _want_logits: bool = False,
-               **sampling_kw) -> RequestHandle:
+               speculative: str | None = None, draft_max: int | None = None, **sampling_kw) -> RequestHandle:
         """Queue a request; returns its handle at once (iterate it for tokens, `cancel()` to stop it).
 
         `listener`: registered before the request is queued, so it sees every event (see
-        `RequestHandle.add_listener`). Raises `QueueFullError` when `max_queue` requests already wait,
-        `ColibriError` for bad input."""
+        `RequestHandle.add_listener`). `speculative` (engine/speculative.py): "auto" (prompt-lookup drafts
+        where the measured gate says they pay), "lookup" (every match verified) or "off" (the default); greedy
+        requests without processors, grammar or log-probs only, and the same tokens either way; `draft_max`: drafts
+        per verify at most (None: the engine's `speculative` / `draft_max`). Raises `QueueFullError` when
+        `max_queue` requests already wait, `ColibriError` for bad input."""
         self._check_open()
+        speculative = self.speculative if speculative is None else speculative
+        draft_max = self.draft_max if draft_max is None else draft_max
+        check_speculative(speculative, draft_max)
         if sampling is None:
             try:
                 sampling = SamplingParams(**sampling_kw)
@@ -245,7 +262,7 @@ class Engine:
             raise ColibriError(f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}")
         h = RequestHandle(ids, max_tokens, sampling, stop_ids=frozenset(stop_ids), ignore_eos=ignore_eos,
                           prompt_logprobs=prompt_logprobs, want_logits=_want_logits, request_id=request_id,
-                          constraint=constraint)
+                          constraint=constraint, speculative=speculative, draft_max=draft_max)
         if listener is not None:
             h.add_listener(listener)
         self._sched.submit(h)
@@ -412,6 +429,9 @@ class Engine:
                "experts_summed": k.experts_summed, "busy_s": k.busy_s,
                "batching_gain": k.experts_summed / k.experts_unique if k.experts_unique else 1.0,
                "prompt_tokens_cached": self._sched.cached_tokens, "prompt_positions_copied": self.slots.copied}
+        spec = self._runner.spec  # drafts verified and accepted; tokens per decode forward (1 + accepted / forwards)
+        out.update(spec_drafted=spec.drafted, spec_accepted=spec.accepted, decode_forwards=spec.forwards,
+                   tokens_per_forward=1 + spec.accepted / spec.forwards if spec.forwards else 1.0)
         out.update(self._sched.counts())
         out["store"] = self.store.stats()
         return out

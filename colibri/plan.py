@@ -68,24 +68,25 @@ class PlanSizes(ModelSizes):
     embed_row: int = 0
     kv_per_token: int = 0  # KV cache bytes per context position (all layers)
     kv_fixed: int = 0  # a slot's bytes whatever its context (linear-attention states)
+    kv_types: str = "bf16"  # the K/V cache's storage (layers/kvquant.py), as the report names it
     scheme: str = "?"
     model_type: str = "?"
     one_call: bool = False  # int8/int4 and a layer shape the one-call decode step runs (when all in RAM)
 
     @classmethod
-    def from_container(cls, c, kv_per_token: int | None = None) -> PlanSizes:
+    def from_container(cls, c, kv_per_token: int | None = None, kv_types=None) -> PlanSizes:
         """From a Container, or anything with its `header`, `config` and `quant` (tests use stubs)."""
         base = model_sizes(c)
         embed = next((e for n, e in c.header["tensors"].items() if n.endswith("embed_tokens.weight")), None)
         model = _skeleton(c)
         kv, fixed = kv_per_token, 0
         if kv is None:
-            kv, fixed = _kv_measured(model) or (_kv_formula(c.config, base.n_layers), 0)
+            kv, fixed = _kv_measured(model, kv_types) or (_kv_formula(c.config, base.n_layers), 0)
         scheme = c.quant.get("scheme", "?")
         return cls(**{f.name: getattr(base, f.name) for f in fields(ModelSizes)},
                    embed_bytes=embed["nbytes"] if embed else 0,
                    embed_row=embed["nbytes"] // max(embed["shape"][0], 1) if embed else 0,
-                   kv_per_token=kv, kv_fixed=fixed, scheme=scheme,
+                   kv_per_token=kv, kv_fixed=fixed, kv_types=str(_types(kv_types)), scheme=scheme,
                    model_type=(c.header.get("meta") or {}).get("model_type", "?"),
                    one_call=scheme in ("int8", "int4") and model is not None and _one_call_shape(model))
 
@@ -102,6 +103,12 @@ class PlanSizes(ModelSizes):
     @property
     def global_active(self) -> int:
         return self.global_dense_bytes - self.embed_bytes + self.embed_row
+
+
+def _types(kv_types):
+    from .layers.kvquant import KVTypes
+
+    return KVTypes.of(kv_types)
 
 
 def _kv_formula(cfg: dict, n_layers: int) -> int:
@@ -121,14 +128,16 @@ def _skeleton(c):
         return None
 
 
-def _kv_measured(model) -> tuple[int, int] | None:
+def _kv_measured(model, kv_types=None) -> tuple[int, int] | None:
     """(bytes per position, fixed bytes) of a slot from the family's own cache (MLA, sliding windows, linear
-    attention's state); None if unknown."""
+    attention's state, the K/V storage types); None if unknown."""
     if model is None:
         return None
     import torch
 
-    return model.cache_cost(torch.bfloat16)
+    from .layers.kvquant import KVTypes
+
+    return model.cache_cost(torch.bfloat16, KVTypes.of(kv_types))
 
 
 def _one_call_shape(model) -> bool:
@@ -307,30 +316,30 @@ def _fill_slots(sizes: PlanSizes, layers: list[LayerPlan], moe: list[int], n_slo
 
 def auto_placement(container, mem_budget: int | None = None, gpu_budget: int | None = None,
                    usage: Usage | None = None, machine: Machine | None = None, ctx: int = DEFAULT_CTX,
-                   slots: int = 1) -> Placement:
+                   slots: int = 1, kv_types=None) -> Placement:
     """The Placement for `container` on this machine (header and /proc/meminfo only, no weight read)."""
-    sizes = PlanSizes.from_container(container)
+    sizes = PlanSizes.from_container(container, kv_types=kv_types)
     return plan(sizes, machine or current_machine(), mem_budget, gpu_budget, ctx, usage, slots).placement()
 
 
 def placement_fn(container, ctx: int = DEFAULT_CTX, usage: Usage | None = None, machine: Machine | None = None,
-                 slots: int = 1):
+                 slots: int = 1, kv_types=None):
     """A store PlacementFn `(sizes, mem_budget, gpu_budget) -> Placement` running the planner:
     what the Engine uses when no tier flags are given."""
     def place(_sizes: ModelSizes, mem_budget: int | None, gpu_budget: int | None) -> Placement:
-        return auto_placement(container, mem_budget, gpu_budget, usage, machine, ctx, slots)
+        return auto_placement(container, mem_budget, gpu_budget, usage, machine, ctx, slots, kv_types)
     return place
 
 
 def hot_set_placement(model_path: str | os.PathLike[str], usage_file: str | os.PathLike[str], ctx_size: int,
-                      slots: int = 1):
+                      slots: int = 1, kv_types=None):
     """The planner's PlacementFn with the usage file's counts (hot experts pinned first), for an
     Engine run with `--usage-file` and no tier flags; plain planner until the file has counts."""
     from .format.container import Container
 
     with Container(model_path) as c:  # the planner needs only the parsed header, kept after close
         usage = Usage.load(usage_file, model_sizes(c).n_experts)
-    return placement_fn(c, ctx_size, usage if usage.total_tokens() else None, slots=slots)
+    return placement_fn(c, ctx_size, usage if usage.total_tokens() else None, slots=slots, kv_types=kv_types)
 
 
 # ----------------------------------------------------------------------------- report
@@ -388,7 +397,7 @@ def report(sizes: PlanSizes, m: Machine, mem_budget: int | None, gpu_budget: int
         f"{m.ram_bps / 1e9:.1f} GB/s ({m.ram_note})"
         + (f"; one torch op {m.op_s * 1e6:.1f} us" if m.op_s else ""),
         f"KV cache: {_gib(kv)} = {slots} slot{'s' if slots != 1 else ''} x {ctx} positions x "
-        f"{sizes.kv_per_token / 1024:.1f} KiB"
+        f"{sizes.kv_per_token / 1024:.1f} KiB ({sizes.kv_types} K/V)"
         + (f" + {_gib(sizes.kv_fixed)} of linear-attention state a slot" if sizes.kv_fixed else ""),
         f"memory for weights: {_gib(ours.weights_budget)} "
         + ("(--mem-budget)" if mem_budget is not None else
@@ -427,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sequences served at once (colibri serve --slots): each has a KV cache of --ctx-size")
     p.add_argument("--usage-file", help="routing counts recorded by `colibri run --usage-file`: "
                    "pin hot experts")
+    from .cli.kvflags import add_cache_type_args
+
+    add_cache_type_args(p)
     p.add_argument("--disk-speed", help="skip the read probe and assume this many bytes/s (e.g. 2G)")
     p.add_argument("--probe-seconds", type=float, default=0.5, help="length of the disk read probe")
     a = p.parse_args(argv)
@@ -445,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     if disk is not None and disk <= 0:
         raise ColibriError(f"--disk-speed must be above 0, got {a.disk_speed}")
     with Container(a.model) as c:
-        sizes = PlanSizes.from_container(c)
+        sizes = PlanSizes.from_container(c, kv_types=(a.cache_type_k, a.cache_type_v))
     usage = None
     if a.usage_file:
         usage = Usage.load(a.usage_file, sizes.n_experts)

@@ -17,8 +17,8 @@ def _spy_runs(monkeypatch) -> list[int]:
     """Steps per coli_decode_run call, recorded."""
     real, runs = native_run.decode_run, []
 
-    def spy(*a):
-        out = real(*a)
+    def spy(*a, **kw):
+        out = real(*a, **kw)
         runs.append(len(out[0]))
         return out
     monkeypatch.setattr(native_run, "decode_run", spy)
@@ -176,8 +176,8 @@ def test_concurrent_greedy_requests_run_together(ckpt, monkeypatch) -> None:
     shapes: list[int] = []
     real = native_run.decode_run
 
-    def spy(*a):
-        out = real(*a)
+    def spy(*a, **kw):
+        out = real(*a, **kw)
         shapes.append(out[1].shape[2])  # rows of the run
         return out
 
@@ -277,8 +277,8 @@ def test_rows_with_and_without_processors_share_a_run(ckpt, monkeypatch) -> None
     rows: list[int] = []
     real = native_run.decode_run
 
-    def spy(*a):
-        out = real(*a)
+    def spy(*a, **kw):
+        out = real(*a, **kw)
         rows.append(out[1].shape[2])
         return out
 

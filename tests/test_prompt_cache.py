@@ -103,7 +103,7 @@ class _Cache:
 
 
 class _Model:
-    def make_cache(self, ctx, dtype, device="cpu"):
+    def make_cache(self, ctx, dtype, device="cpu", types=None):
         return [_Cache()]
 
 

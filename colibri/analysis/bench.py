@@ -34,6 +34,7 @@ PROMPTS = (
 def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bool = True) -> dict:
     """Run the prompts on a loaded Engine; returns the figures (see `colibri bench --help`)."""
     from ..api import peak_rss_mib
+    from ..store.limit import decode_limit
 
     if warmup:  # (16 tokens: the engine times 1 and all decode threads over its first ~10 steps)
         for _ in llm.generate_ids(llm.tokenizer.encode("Hello"), 16, temperature=0.0, ignore_eos=True):
@@ -54,7 +55,8 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
     prefill_s = sum(r["prefill_s"] for r in runs)
     decode_s = sum(r["decode_s"] for r in runs)
     out = {
-        "model": llm.container.path, "scheme": llm.scheme, "threads": _threads(),
+        "model": llm.container.path, "scheme": llm.scheme, "threads": _threads(), "kv_cache": str(llm.kv_types),
+        "kv_bytes": llm.kv_bytes(),
         "prompts": len(runs), "n_tokens": n_tokens, "prompt_tokens": prompt_toks,
         "generated": decoded + len(runs),
         # Prompt tokens computed (a slot's cache may hold the start of a prompt: engine/kv.py).
@@ -67,19 +69,22 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
         "outputs": [r["tokens"] for r in runs],
     }
     out.update(_store_figures(before, llm.store_stats()))
+    # (the store's delta, decode_s and decoded cover the same runs: the measured ones, warm-up excluded)
+    out.update(decode_limit(out["store_stats"], decode_s, decoded))
     out["loadavg"] = os.getloadavg()[0]  # other load on the box skews every figure: keep it on record
     return out
 
 
-def plan_estimate(llm, budget: dict) -> float:
-    """The decode speed `colibri plan` expects for this model and these budgets on this machine
-    (its probes take about a second; run with the engine's threads, before the measured runs)."""
+def plan_estimate(llm, budget: dict) -> tuple[float, float, str]:
+    """The decode speed `colibri plan` expects for this model and these budgets on this machine, and
+    its disk probe's bytes/s and note (the probes take about a second; run with the engine's threads,
+    before the measured runs)."""
     from ..plan import PlanSizes, plan
     from .probe import probe_machine
 
     sizes = PlanSizes.from_container(llm.container)
     m = probe_machine(llm.container.path, 0.3, max(max(sizes.record_bytes, default=0), 4096), sizes.scheme)
-    return plan(sizes, m, budget["mem_budget"], budget["gpu_budget"], llm.ctx_size).tok_s
+    return plan(sizes, m, budget["mem_budget"], budget["gpu_budget"], llm.ctx_size).tok_s, m.disk_bps, m.disk_note
 
 
 def _threads() -> int:
@@ -103,13 +108,16 @@ def _store_figures(before: dict, after: dict) -> dict:
 
 
 def format_text(r: dict) -> str:
+    from ..store.limit import limit_text
+
     def opt(v, fmt: str) -> str:
         return "n/a" if v is None else fmt.format(v)
 
     bpt = r["decode_bytes_read_per_token"]
 
     return "\n".join([
-        f"model        {r['model']} ({r['scheme']}), {r['threads']} threads",
+        f"model        {r['model']} ({r['scheme']}), {r['threads']} threads, KV cache {r['kv_cache']} "
+        f"({r['kv_bytes'] / 2**20:.1f} MiB)",
         f"workload     {r['prompts']} prompts, {r['prompt_tokens']} prompt tokens, "
         f"{r['n_tokens']} greedy tokens each (EOS ignored)",
         f"prefill      {r['prefill_tok_s']:.1f} tok/s",
@@ -118,6 +126,7 @@ def format_text(r: dict) -> str:
         f"cache        hit rate {opt(r['cache_hit_rate'], '{:.1%}')}, "
         f"read {opt(None if bpt is None else bpt / 1e6, '{:.2f}')} "
         f"MB/decode token, prefetch precision {opt(r['prefetch_precision'], '{:.1%}')}",
+        f"limit        {limit_text(r)}",
         f"peak RSS     {r['peak_rss_mib']:.0f} MiB"
         + ("" if r.get("huge_pages_mib") is None else f", {r['huge_pages_mib']:.0f} MiB in huge pages"),
         f"load avg     {r['loadavg']:.1f} (other work on this machine while measuring)",
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = engine_from_args(a)
     load_s = time.perf_counter() - t0
     try:
-        plan_tok_s = plan_estimate(llm, budget)
+        plan_tok_s, disk_bps, disk_note = plan_estimate(llm, budget)
     except BaseException:
         llm.close()
         raise
@@ -165,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     r["load_s"] = load_s
     r["budget"] = budget
     r["plan_tok_s"] = plan_tok_s
+    r["disk_probe_bps"], r["disk_probe_note"] = disk_bps, disk_note
     if a.json:
         print(json.dumps(r, default=str))
     else:
         ratio = r["decode_tok_s"] / plan_tok_s if plan_tok_s else 0.0
         print(format_text(r) + f"\nplan         {plan_tok_s:.2f} tok/s expected by colibri plan (measured / "
-              f"expected = {ratio:.2f})\nload         {load_s:.2f} s")
+              f"expected = {ratio:.2f})\ndisk probe   {disk_bps / 1e9:.2f} GB/s ({disk_note})"
+              f"\nload         {load_s:.2f} s")
     sys.stdout.flush()
     return 0

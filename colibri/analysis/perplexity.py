@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens between window starts (default: --ctx-size, i.e. non-overlapping windows); "
                         "each window scores its last min(stride, ctx-size/2) tokens")
     p.add_argument("--kl-base", default=None, metavar="REF.coli",
-                   help="reference container (e.g. the bf16 one): run on the same windows side by side")
+                   help="reference container (e.g. the bf16 one): run on the same windows side by side, with the "
+                        "default bf16 K/V cache (so that the model's own file with -ctk/-ctv measures the cache)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     add_engine_args(p, ctx_size=512, slots=4)
@@ -225,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     try:
         if a.kl_base is not None:
-            if os.path.abspath(a.kl_base) == os.path.abspath(a.model):
+            default_kv = (a.cache_type_k, a.cache_type_v) == ("bf16", "bf16")
+            if os.path.abspath(a.kl_base) == os.path.abspath(a.model) and default_kv:
                 base = model  # the same file: one engine, scored twice
-            else:
-                base = _engine(a, a.kl_base)
+            else:  # (the reference keeps the default K/V cache: the KL then measures -ctk / -ctv too)
+                base = _engine(a, a.kl_base, ("bf16", "bf16"))
         r = perplexity(model, text, a.ctx_size, a.stride, base, progress=False if a.no_progress else None)
     finally:
         model.close()
@@ -238,14 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _engine(a: argparse.Namespace, path: str):
-    """An engine for `path` with the command's engine and tier flags."""
+def _engine(a: argparse.Namespace, path: str, kv: tuple[str, str] | None = None):
+    """An engine for `path` with the command's engine and tier flags (`kv`: other K/V cache types)."""
     from ..cli.common import engine_from_args
 
     if not Path(path).exists():
         raise ColibriError(f"model file {path} not found")
-    saved, a.model = a.model, path
+    saved = a.model, a.cache_type_k, a.cache_type_v
+    a.model = path
+    if kv is not None:
+        a.cache_type_k, a.cache_type_v = kv
     try:
         return engine_from_args(a)
     finally:
-        a.model = saved
+        a.model, a.cache_type_k, a.cache_type_v = saved

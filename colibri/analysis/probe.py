@@ -1,6 +1,7 @@
 """What the planner needs to know about this machine: free memory and VRAM, and three speeds.
 
-- disk: random O_DIRECT reads of expert-record size from the container itself;
+- disk: random O_DIRECT reads of expert-record size from the container itself, as many at a time
+  as the store's reader runs (its threads);
 - weights through a matrix-vector product (bytes/s): what a decode token's matmuls sustain,
   in the model's own scheme and compute dtype (memory bandwidth or the kernel's limit);
 - one torch operation on a tiny tensor (seconds): the fixed cost a small model pays hundreds
@@ -98,9 +99,10 @@ def mem_available() -> tuple[int, bool]:
 
 
 def measure_disk(path: str, seconds: float = 0.5, chunk: int = 4 * MiB,
-                 threads: int = 4) -> tuple[float, str]:
+                 threads: int | None = None) -> tuple[float, str]:
     """Read speed of `path`'s device: random aligned O_DIRECT reads of expert-record size, issued
-    by `threads` readers at once as the store's I/O pool does (SSDs need queue depth to reach speed).
+    by `threads` readers at once (default: as many as the store's reader threads, store/reader.py
+    IO_THREADS), the queue depth the store reads at (SSDs need queue depth to reach speed).
 
     O_DIRECT bypasses the page cache, so this is the device, not RAM, whatever was read before.
     Falls back to buffered reads where O_DIRECT is refused (tmpfs), and says so.
@@ -108,6 +110,9 @@ def measure_disk(path: str, seconds: float = 0.5, chunk: int = 4 * MiB,
     import random
     from concurrent.futures import ThreadPoolExecutor
 
+    from ..store.reader import IO_THREADS  # (late: the store package imports torch)
+
+    threads = IO_THREADS if threads is None else threads
     size = os.path.getsize(path)
     chunk = max(4096, min(chunk, size) // 4096 * 4096)
     note = "O_DIRECT"
@@ -140,8 +145,9 @@ def measure_disk(path: str, seconds: float = 0.5, chunk: int = 4 * MiB,
     finally:
         os.close(fd)
     dt = time.perf_counter() - t0
-    return (done / dt if dt > 0 else 0.0), (f"{note}, {seconds:.1f} s of {chunk / MiB:.1f} MiB random reads, "
-                                            f"{threads} at a time")
+    depth = f"{threads} at a time" + (", as many as the store's reader threads" if threads == IO_THREADS else "")
+    size = f"{chunk / MiB:.1f} MiB" if chunk >= MiB else f"{chunk // 1024} KiB"
+    return (done / dt if dt > 0 else 0.0), f"{note}, {seconds:.1f} s of {size} random reads, {depth}"
 
 
 def measure_op(seconds: float = 0.5) -> float:

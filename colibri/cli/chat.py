@@ -21,6 +21,8 @@ from ..errors import ColibriError
 from .common import HelpFormatter, add_engine_args, engine_from_args, positive, setup_logging
 from .run import (
     add_sampling_args,
+    add_spec_args,
+    apply_spec_args,
     check_prompt_cache,
     grammar_from_args,
     load_prompt_cache,
@@ -45,6 +47,7 @@ def chat_parser() -> argparse.ArgumentParser:
                    help="load the K/V of an earlier chat from FILE (a conversation that starts the same, e.g. its "
                         "system message, is not computed again) and save the conversation's to it after each answer")
     add_sampling_args(p)
+    add_spec_args(p)
     add_engine_args(p)
     return p
 
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     check_prompt_cache(a)
     a.grammar_text = grammar_from_args(a)  # every answer follows it (checked before loading)
     llm = engine_from_args(a)
+    apply_spec_args(llm, a)
     try:
         if a.prompt_cache:
             load_prompt_cache(llm, a.prompt_cache)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ColibriError
+from .kvflags import add_cache_type_args
 
 log = logging.getLogger("colibri")
 
@@ -121,6 +122,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False,
     g.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the K/V a free slot holds for the start of a new prompt (a chat's earlier turns); "
                         "off while routes are traced or logged")
+    add_cache_type_args(g)
     g.add_argument("--verify", action="store_true", help="verify every checksum of the container before running")
     g.add_argument("--log-level", default="warning", choices=["error", "warning", "info", "debug"],
                    help="stderr verbosity; debug logs each token's experts and routing weights per layer")
@@ -203,7 +205,7 @@ def _mem_available() -> int | None:
     return mem_available()[0] or None
 
 
-def check_kv_fits(model: str, ctx: int, slots: int) -> None:
+def check_kv_fits(model: str, ctx: int, slots: int, kv_types=None) -> None:
     """A context whose KV cache (preallocated, zero-filled: slots x ctx x bytes per position) cannot fit in
     memory is refused now, in one line, rather than swapping for minutes or failing in the allocator.
     Only long contexts pay for the check (one more header read and a model skeleton)."""
@@ -213,15 +215,17 @@ def check_kv_fits(model: str, ctx: int, slots: int) -> None:
 
     from ..format.container import Container
     from ..format.validate import build_checked
+    from ..layers.kvquant import KVTypes
 
     with Container(model) as c:
         skeleton, _ = build_checked(c.model_type, c.config)
         dtype = torch.float32 if c.quant.get("scheme") == "f32" else torch.bfloat16
-    per_pos, fixed = skeleton.cache_cost(dtype)
+    per_pos, fixed = skeleton.cache_cost(dtype, KVTypes.of(kv_types))
     need, avail = (per_pos * ctx + fixed) * slots, _mem_available()
     if avail is not None and need > avail - (1 << 30):  # 1 GiB left to the weights, runtime and system
         raise ColibriError(f"--ctx-size {ctx} x --slots {slots} needs a {need / 2**30:.1f} GiB KV cache and "
-                           f"{avail / 2**30:.1f} GiB of memory is available: lower --ctx-size")
+                           f"{avail / 2**30:.1f} GiB of memory is available: lower --ctx-size (or quantize the "
+                           "cache: -ctk q8_0 -ctv q8_0)")
 
 
 def check_engine_args(a: argparse.Namespace) -> None:
@@ -249,7 +253,8 @@ def engine_from_args(a: argparse.Namespace):
 
     model = resolve_model(a)
     check_engine_args(a)
-    check_kv_fits(model, a.ctx_size, a.slots)
+    kv_types = (a.cache_type_k, a.cache_type_v)
+    check_kv_fits(model, a.ctx_size, a.slots, kv_types)
     mem_budget = parse_size(a.mem_budget) if a.mem_budget is not None else None
     gpu_budget = parse_size(a.gpu_budget) if a.gpu_budget is not None else None
     layer_flags = a.gpu_layers is not None or a.ram_layers is not None or a.disk_layers is not None
@@ -261,13 +266,13 @@ def engine_from_args(a: argparse.Namespace):
     elif a.usage_file:
         from ..plan import hot_set_placement  # learned hot set: plan with past runs' routing counts
 
-        placement = hot_set_placement(model, a.usage_file, a.ctx_size)
+        placement = hot_set_placement(model, a.usage_file, a.ctx_size, kv_types=kv_types)
     try:
         llm = Engine(model, ctx_size=a.ctx_size, threads=a.threads, verify=a.verify, placement=placement,
                      mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
                      direct_io=a.direct_io, slots=a.slots, max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
                      route_trace=a.route_trace, cache_policy=a.cache_policy,
-                     cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap)
+                     cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap, kv_type=kv_types)
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
         if isinstance(e, RuntimeError) and "alloc" not in str(e) and "memory" not in str(e):

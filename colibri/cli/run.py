@@ -41,6 +41,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="load the K/V of an earlier run's prompt from FILE (the part this prompt shares is not "
                         "computed again), and save this run's to it")
     add_sampling_args(p)
+    add_spec_args(p)
     add_engine_args(p)
     o = p.add_argument_group("output")
     o.add_argument("--no-stats", action="store_true", help="do not print the stats line at the end")
@@ -74,6 +75,34 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
     g.add_argument("--grammar", metavar="GRAMMAR", default=None,
                    help="the text must follow this GBNF (root rule 'root') or Lark grammar")
     g.add_argument("--grammar-file", metavar="FILE", default=None, help="--grammar read from FILE")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """--spec and --draft-max: the engine's defaults for requests that do not say (engine/speculative.py)."""
+    from ..engine.speculative import CAP, DRAFT_MAX
+
+    g = p.add_argument_group("speculative decoding (greedy requests: the same tokens, fewer forwards)")
+    g.add_argument("--spec", type=_spec_mode, default="off", metavar="auto|off|lookup",
+                   help="auto: prompt-lookup drafts where the measured gate says they pay; lookup: every match "
+                        "verified; off: one token per forward")
+    g.add_argument("--draft-max", type=bounded("--draft-max", 0, CAP - 1), default=DRAFT_MAX, metavar="N",
+                   help="most drafted tokens verified per forward")
+
+
+def _spec_mode(text: str) -> str:
+    from ..engine.speculative import DRAFT_MAX, check
+
+    try:
+        check(text, DRAFT_MAX)
+    except ColibriError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def apply_spec_args(llm, a: argparse.Namespace) -> None:
+    """The engine's defaults from --spec / --draft-max (a namespace built without them keeps the engine's)."""
+    llm.speculative = getattr(a, "spec", llm.speculative)
+    llm.draft_max = getattr(a, "draft_max", llm.draft_max)
 
 
 def grammar_from_args(a: argparse.Namespace) -> str | None:
@@ -145,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     grammar = grammar_from_args(a)  # (before loading: a bad schema is one line, not a wait)
     t0 = time.perf_counter()
     llm = engine_from_args(a)
-    log.info("loaded %s (%s, %s, %d layers) in %.2fs; KV cache %.1f MiB for ctx %d", a.model,
+    apply_spec_args(llm, a)
+    log.info("loaded %s (%s, %s, %d layers) in %.2fs; KV cache %.1f MiB (%s) for ctx %d", a.model,
              llm.container.model_type, llm.scheme, llm.n_layers, time.perf_counter() - t0,
-             llm.kv_bytes() / 2**20, a.ctx_size)
+             llm.kv_bytes() / 2**20, llm.kv_types, a.ctx_size)
     try:
         if a.prompt_cache:
             load_prompt_cache(llm, a.prompt_cache)
@@ -229,8 +259,10 @@ def _generate(a: argparse.Namespace, llm, prompt: str, grammar: str | None) -> N
 def stats_line(st) -> str:
     rss = st.extra.get("peak_rss_mib", 0.0)
     cached = f" ({st.cached_tokens} cached)" if st.cached_tokens else ""
+    spec = (f" | drafts {st.accepted}/{st.drafted} accepted ({st.acceptance:.0%}), "
+            f"{st.tokens_per_forward:.2f} tok/forward") if st.drafted else ""
     return (f"[colibri] prompt {st.prompt_tokens} tok{cached}, prefill {st.prefill_tps:.1f} tok/s | "
-            f"generated {st.generated} tok, decode {st.decode_tps:.2f} tok/s | "
+            f"generated {st.generated} tok, decode {st.decode_tps:.2f} tok/s{spec} | "
             f"TTFT {st.ttft_s * 1000:.0f} ms | peak RSS {rss:.0f} MiB")
 
 
@@ -258,4 +290,8 @@ def tier_stats_line(st) -> str:
         line += (f" | experts: {st.experts_own} routed, {st.experts_fetched_share:.0f} fetched as its share "
                  f"of the batches ({st.experts_own / max(st.experts_fetched_share, 1e-9):.2f}x batching gain), "
                  f"{st.bytes_read_share / mib:.1f} MiB read as its share")
+    if s.get("decode_tokens"):
+        from ..store.limit import decode_limit, limit_text
+
+        line += " | " + limit_text(decode_limit(s, st.decode_s, max(st.generated - 1, 0)))
     return line

@@ -10,6 +10,7 @@ import argparse
 
 from ..server.tool_formats import NAMES as TOOL_FORMATS
 from .common import HelpFormatter, add_engine_args, bounded
+from .run import add_spec_args
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,7 @@ def serve_parser() -> argparse.ArgumentParser:
     h.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable POST /slots/{id}?action=save|restore: slot prompt caches are saved to and "
                         "restored from files in DIR (created if missing)")
+    add_spec_args(p)  # (the defaults of requests that do not say: the body's `speculative` field)
     add_engine_args(p, slots=4)
     p.set_defaults(log_level="info")  # one line per request
     return p

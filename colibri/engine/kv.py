@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import arena
+from ..layers.kvquant import DEFAULT, KVTypes
 
 
 def positions(cache, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -41,16 +42,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class SlotPool:
     def __init__(self, model: nn.Module, n_slots: int, ctx: int, dtype: torch.dtype,
-                 device_of: Callable[[int], torch.device]):
-        self.n_slots, self.ctx = n_slots, ctx
+                 device_of: Callable[[int], torch.device], types: KVTypes = DEFAULT):
+        self.n_slots, self.ctx, self.types = n_slots, ctx, types
         self.caches: list[list] = []
         # One arena a slot (huge pages where the slot's caches reach a few MiB, colibri/arena.py): what its
         # caches hold on the meta device, plus a page a tensor for their alignment.
-        meta = model.make_cache(ctx, dtype, "meta")
+        meta = model.make_cache(ctx, dtype, "meta", types)
         slot_bytes = sum(c.nbytes for c in meta) + 4 * arena.PAGE * len(meta)
         for _ in range(n_slots):
             with arena.pooled(slot_bytes):
-                caches = model.make_cache(ctx, dtype)
+                caches = model.make_cache(ctx, dtype, types=types)
             for i, cache in enumerate(caches):
                 if device_of(i).type != "cpu":
                     cache.to(device_of(i))

@@ -4,8 +4,10 @@ A long prompt is computed once; the next run with the same model loads its K/V i
 prompt caching (engine/kv.py) skips whatever prefix the new prompt shares with it. The file is a
 `torch.save` of plain tensors and lists, read back with `weights_only=True` (no code runs from it),
 and it names the model it belongs to (a hash of the container's header, which holds every
-tensor's checksum), the compute dtype and every layer's shapes: a file of another model, dtype or
-shape is refused with a clear error, never loaded into the wrong cache.
+tensor's checksum), the compute dtype, the K/V storage types (a quantized cache is saved as its quantized
+rows) and every layer's shapes: a file of another model, dtype, cache type or shape is refused with a clear
+error, never loaded into the wrong cache. Format 1 (before quantized caches) had no types: its files hold the
+compute dtype's K/V and still load into such a cache.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from pathlib import Path
 import torch
 
 from ..errors import ColibriError
+from ..layers.kvquant import KVTypes
 from .kv import SlotPool, positions
 
-FORMAT = "colibri-prompt-cache/1"
+FORMAT = "colibri-prompt-cache/2"
+FORMATS = ("colibri-prompt-cache/1", FORMAT)  # (1: no "kv" entry, always the compute dtype's K/V)
 
 
 def model_identity(header: dict, dtype: torch.dtype) -> str:
@@ -37,7 +41,8 @@ def save(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> i
     n = len(tokens)
     if n == 0:
         return 0
-    state = {"format": FORMAT, "model": identity, "tokens": torch.tensor(tokens, dtype=torch.int64),
+    state = {"format": FORMAT, "model": identity, "kv": str(pool.types),
+             "tokens": torch.tensor(tokens, dtype=torch.int64),
              "layers": [{k: t.cpu() for k, t in positions(c, 0, n).items()} for c in pool.caches[slot]]}
     tmp = Path(f"{path}.tmp")
     torch.save(state, tmp)
@@ -56,10 +61,14 @@ def load(pool: SlotPool, slot: int, path: str | os.PathLike, identity: str) -> i
         raise
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
         raise ColibriError(f"{path}: not a colibri prompt cache ({type(e).__name__})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ColibriError(f"{path}: not a colibri prompt cache")
+    if not isinstance(state, dict) or state.get("format") not in FORMATS:
+        raise ColibriError(f"{path}: not a colibri prompt cache (or one of a newer colibri)")
     if state.get("model") != identity:
         raise ColibriError(f"{path}: a prompt cache of another model or dtype")
+    kv = state.get("kv", str(KVTypes()))
+    if kv != str(pool.types):
+        raise ColibriError(f"{path}: holds a {kv} K/V cache and this engine's is {pool.types}: load it with the "
+                           "--cache-type-k/-v it was written with")
     tokens, layers = state.get("tokens"), state.get("layers")
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or not isinstance(layers, list):
         raise ColibriError(f"{path}: a damaged prompt cache")

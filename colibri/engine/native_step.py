@@ -270,6 +270,7 @@ class _Slot:
     ks: int  # head strides, the same in every layer
     vs: int
     ctx: int
+    kvt: int  # the caches' storage (kernels' `kvt`: K type | V type << 4; layers/kvquant.py)
 
 
 def _kv(c) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +294,7 @@ def _slot(plan: NativeLayers, caches: list) -> _Slot | None:
     kv = [_kv(c) for c in mine]
     ks, vs = (0, 0) if kind is LatentCache else (c0.k.stride(0), c0.v.stride(0))
     hit = _Slot(caches, [k for k, _ in kv], [v for _, v in kv], [k.data_ptr() for k, _ in kv],
-                [v.data_ptr() for _, v in kv], ks, vs, c0.max_len)
+                [v.data_ptr() for _, v in kv], ks, vs, c0.max_len, 0 if kind is LatentCache else c0.types.code)
     if len(plan.slots) > 64:
         plan.slots.clear()
     plan.slots[id(caches)] = hit
@@ -310,7 +311,7 @@ def _args(plan: NativeLayers, batch: StepBatch, T: int, steps: int = 1) -> tuple
     pos: list[int] = []
     for s, slot in zip(batch.seqs, slots):
         if slot is None or s.start + s.r1 - s.r0 + steps - 1 > min(slot.ctx, plan.pos_limit) \
-                or (slot.ks, slot.vs) != (slots[0].ks, slots[0].vs):
+                or (slot.ks, slot.vs, slot.kvt) != (slots[0].ks, slots[0].vs, slots[0].kvt):
             return None  # (a full context: the per-layer path raises the error)
         if plan.mla is not None and not plan.mla.native_form(s.r1 - s.r0, s.start + s.r1 - s.r0):
             return None  # (as MLAttention.fused: e.g. the expanded form in torch, "expanded" mode)
@@ -322,7 +323,7 @@ def _args(plan: NativeLayers, batch: StepBatch, T: int, steps: int = 1) -> tuple
             plan.ptrs.clear()
             plan.ptrs[key] = ptrs
     return ((ctypes.c_int * T)(*pos), ptrs[1], ptrs[2], slots[0].ks, slots[0].vs,
-            plan.rope_tables(max(pos) + steps))
+            plan.rope_tables(max(pos) + steps)), slots[0].kvt
 
 
 def _pointers(L: int, batch: StepBatch, slots: list[_Slot], T: int) -> tuple:
@@ -365,14 +366,15 @@ def step(plan: NativeLayers, tl: _Tail, tokens: torch.Tensor, batch: StepBatch, 
     rows = torch.arange(T) if out_rows is None else out_rows
     if T > native.MOE_MAX_ROWS or rows.shape[0] == 0 or rows.shape[0] > tl.max_rows or rows.dtype != torch.int64:
         return None
-    args = _args(plan, batch, T)
-    if args is None:
+    got = _args(plan, batch, T)
+    if got is None:
         return None
+    args, kvt = got
     if tokens.dtype != torch.int64 or not tokens.is_contiguous():
         tokens = tokens.to(torch.int64).contiguous()
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    logits, idx, wts = native.decode_step(tl.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows)
+    logits, idx, wts = native.decode_step(tl.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows, kvt=kvt)
     return logits, _routes(plan, idx, wts)
 
 
@@ -390,13 +392,13 @@ def steps(plan: NativeLayers, tl: _Tail, tokens: list[int], batch: StepBatch, n_
     T = len(tokens)
     if T > tl.max_rows or any(s.r1 - s.r0 != 1 for s in batch.seqs):
         return None
-    args = _args(plan, batch, T, n_steps)
-    if args is None:
+    got = _args(plan, batch, T, n_steps)
+    if got is None:
         return None
-    pos, kc, vc, ks, vs, rope = args
+    (pos, kc, vc, ks, vs, rope), kvt = got
     out, idx, _, lps = native_run.decode_run(tl.struct, tokens, plan.attn, plan.moe, list(pos), kc, vc, ks,
                                              vs, rope, plan.k, n_steps, stop, sampling, uniforms, processors,
-                                             logprobs)
+                                             logprobs, kvt=kvt)
     return out, plan.routed(idx), lps
 
 
@@ -408,17 +410,19 @@ def layers(plan: NativeLayers, h: torch.Tensor, batch: StepBatch) -> tuple[torch
     T = h.shape[0]
     if T > native.MOE_MAX_ROWS or h.dtype != torch.bfloat16 or h.device.type != "cpu":
         return None
-    args = _args(plan, batch, T)
-    if args is None:
+    got = _args(plan, batch, T)
+    if got is None:
         return None
+    args, kvt = got
     h = h.contiguous()  # (this step's own tensor, the embedding's output: overwritten in place)
     if not plan.cached:
-        idx, wts, _ = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k)
+        idx, wts, _ = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, kvt=kvt)
         return h, _routes(plan, idx, wts)
     L, first, routes = len(plan.blocks), 0, {}
     while first < L:
         plan.source.collect_landed(plan.cached_layers)
-        idx, wts, stop = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, partial=True, first=first)
+        idx, wts, stop = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, partial=True, first=first,
+                                              kvt=kvt)
         end = L if stop is None else stop
         routes.update(_routes(plan, idx, wts, first, end))
         _account(plan, idx, first, end)

@@ -115,6 +115,10 @@ class RequestStats:
     experts_own: int = 0
     experts_fetched_share: float = 0.0
     bytes_read_share: float = 0.0
+    # Speculative decoding (engine/speculative.py): drafts verified, those accepted, decode forwards run
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -126,6 +130,15 @@ class RequestStats:
         # The first token comes out of the prefill; decode speed counts the ones after it.
         n = max(self.generated - 1, 0)
         return n / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Generated tokens per decode forward: 1 without drafts, 1 + accepted drafts per forward with them."""
+        return 1.0 + self.accepted / self.forwards if self.forwards else 1.0
 
     # the name the CLI's stats line and `colibri bench` read
     @property
@@ -144,8 +157,10 @@ class RequestHandle:
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, *,
                  stop_ids: frozenset[int] = frozenset(), ignore_eos: bool = False,
                  prompt_logprobs: int | None = None, want_logits: bool = False, request_id: str | None = None,
-                 constraint=None):
+                 constraint=None, speculative: str = "auto", draft_max: int = 8):
         self.id = request_id or f"req-{next(_ids)}"
+        # engine/speculative.py: "auto" (drafts where the gate says they pay), "lookup" (every match), "off"
+        self.speculative, self.draft_max = speculative, draft_max
         self.constraint = constraint  # the grammar's state (engine/grammar.py Constraint), or None
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens

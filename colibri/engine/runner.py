@@ -23,6 +23,7 @@ from .decode_plan import DecodePlan
 from .request import EngineClosedError, TokenEvent
 from .sampling import prompt_logprobs
 from .scheduler import Active, Chunk, Scheduler
+from .speculative import Speculator
 from .stats import EngineCounters, StepInfo, batching_counts
 from .threads import DecodeThreads
 
@@ -51,6 +52,7 @@ class Runner:
         self._threads_now = (threads, threads)  # (torch, native pool)
         self._step_s: dict[int, float] = {}  # decode rows -> the last such step's seconds (sizes `_run`)
         self.run_s: float | None = None  # seconds per native run (Engine's decode_run_ms); None: RUN_S
+        self.spec = Speculator.of(model, plan, sched.slots.caches[0], sched.slots.ctx)  # drafts, gate, verify
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="colibri-engine", daemon=True)
         self.thread.start()
@@ -81,10 +83,16 @@ class Runner:
             self._threads_now = want
 
     def _step(self, chunks: list[Chunk]) -> None:
+        # Drafts first (they add rows); none while listeners watch: they would take draft rows for fed tokens.
+        try:
+            hold = not self.listeners and self.spec.plan(chunks, self._step_s.get(len(chunks)))
+        except Exception as e:  # noqa: BLE001 - as a failed step: its requests end, the engine goes on
+            self._failed(chunks, e)
+            return
         decode_only = all(len(c.tokens) == 1 for c in chunks)
         n_threads = self.decode_threads.pick(len(chunks)) if decode_only else self.threads
         self._set_threads(n_threads, sum(len(c.tokens) for c in chunks) <= native.MOE_MAX_ROWS)
-        if decode_only and self._run(chunks, n_threads):
+        if decode_only and not hold and self._run(chunks, n_threads):
             return
         t0 = time.perf_counter()
         seqs, tokens, out_rows, r = [], [], [], 0
@@ -111,16 +119,25 @@ class Runner:
         if decode_only:
             self.decode_threads.record(len(chunks), n_threads, now - t0)
             self._step_s[len(chunks)] = now - t0
-        # Counters and listeners first: a request's stats and routing are complete when it ends.
-        self._account(chunks, seqs, routes, bytes0, now - t0)
-        o = 0
+        elif any(c.drafts for c in chunks):
+            self.spec.costs.observe(r, now - t0)
+        outs, o = [], 0
         for c in chunks:
             n_out = len(c.tokens) if c.all_rows else int(c.sample)
+            outs.append(logits[o : o + n_out])  # [n_out, V]
+            o += n_out
+        # A verify's tokens, then counters and listeners: the store counts the tokens a step gives, and a
+        # request's stats and routing are complete when it ends.
+        picks = [self.spec.accept(c, out) if c.drafts else None for c, out in zip(chunks, outs)]
+        self._account(chunks, seqs, routes, bytes0, now - t0, sum(len(p) - 1 for p in picks if p))
+        for c, out, got in zip(chunks, outs, picks):
             try:
-                self._after(c, logits[o : o + n_out], now)
+                if got is None:
+                    self._after(c, out, now)
+                else:
+                    self._verified(c, got, now)
             except Exception as e:  # noqa: BLE001 - one request's picking failed: it ends, the others go on
                 self._request_failed(c, e)
-            o += n_out
 
     def _run(self, chunks: list[Chunk], n_threads: int) -> bool:
         """Decode requests that need nothing of a step but its token (greedy or sampled, with a logit bias,
@@ -176,6 +193,7 @@ class Runner:
                 lp, top = logprobs[s][t] if logprobs is not None and logprobs[s][t] is not None else (None, None)
                 if not self._took(c.a, tok, lp, top, now):
                     break
+            self.spec.forward(c.a, c.a.fed - c.start)  # (a forward per token taken)
         return True
 
     def _request_failed(self, c: Chunk, e: Exception) -> None:
@@ -218,7 +236,23 @@ class Runner:
             if h.max_tokens == 0:
                 self.sched.finish(a, "length")
                 return
+        else:
+            self.spec.forward(a)
         self._took(a, *a.picker.pick(logits[-1]), now)
+
+    def _verified(self, c: Chunk, toks: list[int], now: float) -> None:
+        """A verify's tokens (`Speculator.accept`): the accepted drafts and the model's own next token go out one by
+        one through `_took`, so stops, max_tokens and the context's end act inside the run. The slot keeps the fed
+        token and the accepted drafts; the rejected rows' K/V stay past the request's length, where attention
+        never reads, and the next step overwrites them (engine/speculative.py)."""
+        a = c.a
+        self.spec.forward(a)
+        self.sched.slots.wrote(a.slot, c.start, c.tokens[: len(toks)])
+        for tok in toks:
+            a.fed += 1  # row i's pick follows the fed token and drafts 1..i, now in the cache
+            a.picker.took(tok)
+            if not self._took(a, tok, None, None, now) or a.final:
+                break
 
     def _took(self, a: Active, tok: int, lp: float | None, top: list | None, now: float) -> bool:
         """A token picked for `a` after its cache took `a.fed` tokens: emit it, or end the request;
@@ -266,15 +300,19 @@ class Runner:
     def _bytes_read(self) -> int:
         return self.store.bytes_read()
 
-    def _account(self, chunks: list[Chunk], seqs: list[Seq], routes: dict, bytes0: int, seconds: float) -> None:
+    def _account(self, chunks: list[Chunk], seqs: list[Seq], routes: dict, bytes0: int, seconds: float,
+                 accepted: int = 0) -> None:
+        """`accepted`: drafts the step's verifies accepted (the store counts a step's decode tokens: one a sequence,
+        plus those)."""
         k = self.counters
         k.steps += 1
         k.rows += seqs[-1].r1
-        decode_rows = sum(1 for c in chunks if c.start >= c.a.prompt_len)
+        decode = [c for c in chunks if c.start >= c.a.prompt_len]
+        decode_rows = sum(len(c.tokens) for c in decode)  # (a verify's drafts too)
         k.decode_rows += decode_rows
         k.busy_s += seconds
         read = self._bytes_read() - bytes0
-        self.store.count_step(seqs[-1].r1 - decode_rows, decode_rows, read)
+        self.store.count_step(seqs[-1].r1 - decode_rows, len(decode) + accepted, read)
         bounds = [(s.r0, s.r1) for s in seqs]
         unique, summed, own = batching_counts(routes, bounds) if routes else ({}, {}, [0] * len(seqs))
         total_unique = sum(unique.values())

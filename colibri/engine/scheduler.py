@@ -38,6 +38,7 @@ class Active:
     first_at: float = 0.0
     final: bool = False  # done generating; its last token is fed once more only so listeners see its routing
     native_prefill: bool = False  # its prompt is short enough for the native-sized steps throughout
+    spec: object = None  # engine/speculative.py RequestSpec at its first decode step; False: it does not speculate
 
     @property
     def prompt_len(self) -> int:
@@ -51,13 +52,15 @@ class Active:
 @dataclass
 class Chunk:
     """One request's rows in a step: `tokens` at positions start..; `sample`: its last row is sampled;
-    `all_rows`: every row's logits are kept (prompt scoring)."""
+    `all_rows`: every row's logits are kept (prompt scoring, a verify); `drafts`: the tokens after the first
+    are drafts to verify (engine/speculative.py)."""
 
     a: Active
     tokens: list[int]
     start: int
     sample: bool
     all_rows: bool
+    drafts: int = 0
 
 
 class Scheduler:

@@ -5,7 +5,9 @@
 /* Decode attention for one query row: q [H, D], keys/values of kv head j at k + j * ks (rows of D,
  * row stride D) and v + j * vs (rows of Dv), S of them; query head h reads kv head h / (H / Hkv).
  * out [H, Dv] = softmax(scale * q k^T [| sink_h]) v, scores and sums in f32, all in x's dtype
- * (bf16 when bf16 != 0, else f32). sinks: [H] f32 logits that join the denominator only, or NULL. */
+ * (bf16 when bf16 != 0, else f32). sinks: [H] f32 logits that join the denominator only, or NULL.
+ * Keys (kt) or values (vt) of a quantized type (common.h COLI_KV_*): rows of krb / vrb bytes, head strides
+ * ks / vs in bytes, read by kvq.c. */
 typedef struct {
     const void *q, *k, *v;
     int bf16, H, rep, D, Dv, S;
@@ -14,6 +16,8 @@ typedef struct {
     const float *sinks;
     float *buf;
     void *out;
+    int kt, vt;
+    long krb, vrb;
 } attn_job;
 
 #ifdef COLI_AVX512
@@ -55,7 +59,7 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
     void *out = j->out;
     int fast = 0;  /* the bf16 vector path (keys scored 16 at a time): reads q as it is */
 #if defined(COLI_AVX512) && defined(__AVX512BF16__)
-    fast = bf16 && D % 32 == 0;
+    fast = bf16 && D % 32 == 0 && !j->kt;
 #endif
     for (int h = (int)h0; h < (int)h1; h++) {
         float *sc = buf + (size_t)h * S, *qf = buf + (size_t)H * S + (size_t)h * (D + Dv), *of = qf + D;
@@ -66,11 +70,16 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
         long es = bf16 ? 2 : 4;
         (void)es;  /* (the prefetches are AVX-512 builds only) */
 #ifdef COLI_AVX512
-        /* the head's first ATTN_PF key and value rows, which no row before them prefetches */
-        attn_prefetch((const char *)k + kv * ks * es, (S < ATTN_PF ? S : ATTN_PF) * D * es);
-        attn_prefetch((const char *)v + kv * vs * es, (S < ATTN_PF ? S : ATTN_PF) * Dv * es);
+        /* the head's first ATTN_PF key and value rows, which no row before them prefetches (kvq.c: its own) */
+        if (!j->kt) attn_prefetch((const char *)k + kv * ks * es, (S < ATTN_PF ? S : ATTN_PF) * D * es);
+        if (!j->vt) attn_prefetch((const char *)v + kv * vs * es, (S < ATTN_PF ? S : ATTN_PF) * Dv * es);
 #endif
         int s1 = 0;  /* positions scored so far */
+        if (j->kt) {
+            coli_kvq_scores((const uint8_t *)k + kv * ks, j->krb, j->kt, D, 1, (const float *const *)&qf, &S, scale,
+                            &sc, &mx);
+            s1 = S;
+        }
 #if defined(COLI_AVX512) && defined(__AVX512BF16__)
         if (fast) {  /* bf16 keys and query, 16 positions at a time (attn_scores16) */
             const uint16_t *qb = (const uint16_t *)q + (long)h * D, *kb = (const uint16_t *)k + kv * ks;
@@ -105,14 +114,15 @@ static void attn_heads(const attn_job *j, long h0, long h1) {
             if (sc[s] > mx) mx = sc[s];
         }
         float den = attn_exp(sc, S, mx, sinks ? sinks + h : NULL);
+        if (j->vt)
+            coli_kvq_values((const uint8_t *)v + kv * vs, j->vrb, j->vt, Dv, 1, &S, &sc, &of);
 #ifdef COLI_AVX512
-        if (bf16 && Dv == 64)
+        else if (bf16 && Dv == 64)
             attn_values_bf((const uint16_t *)v + kv * vs, S, 64, sc, of);
         else if (bf16 && Dv == 128)
             attn_values_bf((const uint16_t *)v + kv * vs, S, 128, sc, of);
-        else
 #endif
-        {
+        else {
             for (int d = 0; d < Dv; d++) of[d] = 0.f;
             for (int s = 0; s < S; s++) {
                 long base = kv * vs + (long)s * Dv;
@@ -211,7 +221,42 @@ static void attn_heads_rows(const attn_job *j, int nr, int h) {
 
 /* Whether rows r0..r0+n can take attn_heads_rows: one sequence, the bf16 vector path. */
 static int attn_rows_ok(const attn_job *j, int n) {
-    if (!(j[0].bf16 && j[0].D % 32 == 0 && (j[0].Dv == 64 || j[0].Dv == 128))) return 0;
+    if (!(j[0].bf16 && j[0].D % 32 == 0 && (j[0].Dv == 64 || j[0].Dv == 128) && !j[0].kt && !j[0].vt)) return 0;
+    for (int r = 1; r < n; r++)
+        if (j[r].k != j[0].k || j[r].v != j[0].v) return 0;
+    return 1;
+}
+
+/* Head h of nr query rows of one sequence over quantized keys and values: each row's arithmetic is attn_heads' (the
+ * same bits), but KVQ_RB rows at a time score each 16-position block of keys in turn while it sits in L1 and share
+ * each value row's widening (kvq.c): a prompt chunk reads a long context once per KVQ_RB rows. */
+static void attn_heads_rows_q(const attn_job *j, int nr, int h) {
+    int D = j[0].D, Dv = j[0].Dv;
+    long kv = h / j[0].rep;
+    const uint8_t *kh = (const uint8_t *)j[0].k + kv * j[0].ks, *vh = (const uint8_t *)j[0].v + kv * j[0].vs;
+    for (int r0 = 0; r0 < nr; r0 += KVQ_RB) {
+        int R = nr - r0 < KVQ_RB ? nr - r0 : KVQ_RB, S[KVQ_RB];
+        float *sc[KVQ_RB], *qf[KVQ_RB], *of[KVQ_RB], mx[KVQ_RB];
+        for (int r = 0; r < R; r++) {
+            const attn_job *a = j + r0 + r;
+            S[r] = a->S;
+            sc[r] = a->buf + (size_t)h * a->S;
+            qf[r] = a->buf + (size_t)a->H * a->S + (size_t)h * (D + Dv);
+            of[r] = qf[r] + D;
+            mx[r] = a->sinks ? a->sinks[h] : -INFINITY;
+            for (int d = 0; d < D; d++) qf[r][d] = ld(a->q, a->bf16, (long)h * D + d);
+        }
+        coli_kvq_scores(kh, j[0].krb, j[0].kt, D, R, (const float *const *)qf, S, j[0].scale, sc, mx);
+        float den[KVQ_RB];
+        for (int r = 0; r < R; r++) den[r] = attn_exp(sc[r], S[r], mx[r], j[r0 + r].sinks ? j[r0 + r].sinks + h : NULL);
+        coli_kvq_values(vh, j[0].vrb, j[0].vt, Dv, R, S, sc, of);
+        for (int r = 0; r < R; r++) attn_out(of[r], den[r], j[r0 + r].out, j[r0 + r].bf16, h, Dv);
+    }
+}
+
+/* Whether rows r0..r0+n can take attn_heads_rows_q: one sequence, quantized keys and values. */
+static int attn_rows_q_ok(const attn_job *j, int n) {
+    if (!j[0].kt || !j[0].vt) return 0;
     for (int r = 1; r < n; r++)
         if (j[r].k != j[0].k || j[r].v != j[0].v) return 0;
     return 1;
@@ -240,6 +285,8 @@ static void attn_multi_part(void *p, int id, int n) {
         int h = (int)(i / nb), r0 = (int)(i % nb) * ATTN_RB, nr = m->T - r0 < ATTN_RB ? m->T - r0 : ATTN_RB;
         if (nr > 1 && attn_rows_ok(m->rows + r0, nr))
             attn_heads_rows(m->rows + r0, nr, h);
+        else if (nr > 1 && attn_rows_q_ok(m->rows + r0, nr))
+            attn_heads_rows_q(m->rows + r0, nr, h);
         else
             for (int r = r0; r < r0 + nr; r++) attn_heads(&m->rows[r], h, h + 1);
     }
@@ -252,10 +299,14 @@ static void attn_multi_part(void *p, int id, int n) {
 /* coli_attn_decode for T query rows at once (a prompt chunk, a batch of sequences): row t's query at
  * q + t * H * D, its keys/values at k[t] / v[t] (S[t] of them), its output at out + t * H * Dv. All
  * rows x heads go to the threads in one parallel region (a fork/join per row cost more than a short
- * row's attention). A head's bits do not depend on the other rows of the call. */
+ * row's attention). A head's bits do not depend on the other rows of the call. kvt: the caches' row types
+ * (common.h), a quantized one's head stride in bytes. Returns 0, -2 (memory), -3 (a bad S or layout). */
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
-                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out) {
+                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out, int kvt) {
     long tot = 0, es = bf16 ? 2 : 4;
+    int kt = kvt & 15, vt = kvt >> 4;
+    if (!coli_kv_ok(kvt, D, Dv) || (kt && D > KVQ_DMAX) || (vt && Dv > KVQ_DMAX)) return -3;
+    long krb = coli_kv_row_bytes(kt, D, (int)es), vrb = coli_kv_row_bytes(vt, Dv, (int)es);
     for (int t = 0; t < T; t++) {
         if (S[t] < 1) return -3;
         tot += S[t];
@@ -266,12 +317,12 @@ int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv
     float *b = buf;
     for (int t = 0; t < T; t++) {
         attn_job r = {(const char *)q + (long)t * H * D * es, k[t], v[t], bf16, H, H / Hkv, D, Dv, S[t], ks, vs,
-                      scale, sinks, b, (char *)out + (long)t * H * Dv * es};
+                      scale, sinks, b, (char *)out + (long)t * H * Dv * es, kt, vt, krb, vrb};
         rows[t] = r;
         b += (size_t)H * S[t] + (size_t)H * (D + Dv);
     }
     attn_multi m = {rows, T, H};
-    coli_parallel(attn_multi_part, &m, n_threads_for((long)Hkv * tot * (D + Dv) * es * 4));
+    coli_parallel(attn_multi_part, &m, n_threads_for((long)Hkv * tot * (krb + vrb) * 4));
     free(rows);
     free(buf);
     return 0;
@@ -320,7 +371,7 @@ int coli_attn_rows_keep(int T, const void *q, int H, int Hkv, int D, int Dv, con
             }
         }
     /* row t's group g: its H / Hkv query heads (q + (t H + g H / Hkv) D) over its own keys; out likewise */
-    int rc = coli_attn_rows(R, q, 1, H / Hkv, 1, D, Dv, kr, 0, vr, 0, n, scale, NULL, out);
+    int rc = coli_attn_rows(R, q, 1, H / Hkv, 1, D, Dv, kr, 0, vr, 0, n, scale, NULL, out, 0);
     free(n);
     free(kv);
     free(kr);
@@ -328,8 +379,8 @@ int coli_attn_rows_keep(int T, const void *q, int H, int Hkv, int D, int Dv, con
 }
 
 int coli_attn_decode(const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *k, long ks,
-                     const void *v, long vs, int S, float scale, const float *sinks, void *out) {
-    return coli_attn_rows(1, q, bf16, H, Hkv, D, Dv, &k, ks, &v, vs, &S, scale, sinks, out);
+                     const void *v, long vs, int S, float scale, const float *sinks, void *out, int kvt) {
+    return coli_attn_rows(1, q, bf16, H, Hkv, D, Dv, &k, ks, &v, vs, &S, scale, sinks, out, kvt);
 }
 
 /* ------------------------------------------------------------------- norm and rotary, per row */

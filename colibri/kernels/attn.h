@@ -49,6 +49,40 @@ static inline __attribute__((always_inline)) void attn_scores16(const uint16_t *
 }
 #endif
 
+#ifdef COLI_AVX512
+/* The integer form of hsum16's tree, stopped one level early: of 16 rows' int32 vectors r[i] (lanes 0-7 one block
+ * of 32 values, lanes 8-15 the next), b0 lane i = the sum of r[i]'s lanes 0-7 and b1 lane i of its lanes 8-15.
+ * (Integer sums: exact in any order.) */
+static inline void isum16_halves(const __m512i *r, __m512i *b0, __m512i *b1) {
+    __m512i c[8], e[4], h[2];
+    for (int i = 0; i < 8; i++)  /* per 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3] of r[2i], r[2i+1] */
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]),
+                                _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128 bits P: P's sums of r[4i..4i+3] */
+        __m512 x = _mm512_castsi512_ps(c[2 * i]), y = _mm512_castsi512_ps(c[2 * i + 1]);
+        e[i] = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(x, y, 0x44)),
+                                _mm512_castps_si512(_mm512_shuffle_ps(x, y, 0xEE)));
+    }
+    for (int i = 0; i < 2; i++)  /* [r 8i.. block 0 | r 8i.. block 1 | r 8i+4.. block 0 | r 8i+4.. block 1] */
+        h[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(e[2 * i], e[2 * i + 1], 0x88),
+                                _mm512_shuffle_i32x4(e[2 * i], e[2 * i + 1], 0xDD));
+    *b0 = _mm512_shuffle_i32x4(h[0], h[1], 0x88);
+    *b1 = _mm512_shuffle_i32x4(h[0], h[1], 0xDD);
+}
+#endif
+
+/* Quantized caches (kvq.c), for R <= KVQ_RB query rows over the same cache head: row r's scores sc[r][s] = scale
+ * q_r.k_s over its S[r] key rows of type kt (kh: position 0's, rows rb bytes apart, D <= KVQ_DMAX), mx[r] raised to
+ * their max; of[r][0..Dv) = sum_s p[r][s] v_s over value rows of type vt. A row's bits do not depend on the others.
+ * coli_kvq_portable = 1 (tests) takes the portable loops on any build: the same bits. */
+#define KVQ_DMAX 1024
+#define KVQ_RB 4
+void coli_kvq_scores(const uint8_t *kh, long rb, int kt, int D, int R, const float *const *qf, const int *S,
+                     float scale, float *const *sc, float *mx);
+void coli_kvq_values(const uint8_t *vh, long rb, int vt, int Dv, int R, const int *S, float *const *p,
+                     float *const *of);
+extern int coli_kvq_portable;
+
 /* sc[s] = exp(sc[s] - mx) for s < S; returns the softmax denominator (plus the sink's share). */
 static inline float attn_exp(float *sc, int S, float mx, const float *sink) {
     float den = sink ? expf(*sink - mx) : 0.f;

@@ -18,15 +18,17 @@ static void clamp_bf16(uint16_t *x, long n, float c) {
 }
 
 /* T rows of bf16 hidden states h [T, hidden]; row t sits at position pos[t] of the sequence whose
- * caches for this layer are kc[t] / vc[t] (bf16 [kv_heads, ctx, head_dim], head stride ks / vs);
+ * caches for this layer are kc[t] / vc[t] (bf16 [kv_heads, ctx, head_dim], head stride ks / vs; kvt != 0: rows of
+ * common.h's quantized types, written by coli_kv_quantize, head strides in bytes);
  * cos/sin f32 [T, rot] the rows' rotary tables. Writes each row's key and value at its position,
  * then (all rows' keys written: a prompt chunk's rows see their predecessors) h_out = h + attn(h)
  * and x_out = post_norm(h_out) (a parallel block's: the input norm of h), both bf16 [T, hidden]. Returns 0, -1 (T out of range, or a position past
- * the temperature table), -2 (memory). */
+ * the temperature table), -2 (memory), -3 (a layout the layer cannot take). */
 
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
-                    void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out) {
-    if (L->mla) return coli_mla_block(L->mla, T, h, pos, kc, cs, sn, h_out, x_out);
+                    void *const *vc, long ks, long vs, int kvt, const float *cs, const float *sn, void *h_out,
+                    void *x_out) {
+    if (L->mla) return kvt ? -3 : coli_mla_block(L->mla, T, h, pos, kc, cs, sn, h_out, x_out);
     if (T < 1 || T > MAX_T) return -1;
     /* the variants, read once (common.h: NULL where absent) */
     const coli_attn_values *V = L->values;
@@ -43,6 +45,11 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
     /* the q gate: the gated query's rows (q and gate per head), then the gates alone; a softplus gate: wg's gates */
     long ng = gate == COLI_GATE_Q_SIGMOID ? 3 * nq : gate != COLI_GATE_NONE ? nq : 0;
     if ((gate != COLI_GATE_NONE || k_eq_v) && Dv != D) return -1;
+    if (!coli_kv_ok(kvt, D, Dv) || (kvt && K)) return -3;  /* (the kept blocks' gather copies bf16 rows) */
+    /* a row's bytes, a head's stride in bytes */
+    int kt = kvt & 15, vt = kvt >> 4;
+    long krb = coli_kv_row_bytes(kt, D, 2), vrb = coli_kv_row_bytes(vt, Dv, 2);
+    long ksb = kt ? ks : ks * 2, vsb = vt ? vs : vs * 2;
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * (2 * Hd + 2 * nq + 2 * nk + nv + no + ng));
     if (!buf) return -2;
     uint16_t *xn = buf, *q = xn + (long)T * Hd, *k = q + T * nq, *v = k + T * nk;
@@ -67,10 +74,9 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
      * a step); the projections hide the fetch. */
     for (int t = 0; t < T; t++)
         for (int j = 0; j < nkv; j++)
-            for (long b = 0; b < (long)D * 2; b += 64) {
-                __builtin_prefetch((char *)((uint16_t *)kc[t] + j * ks + (long)pos[t] * D) + b, 1, 3);
-                if (b < (long)Dv * 2)
-                    __builtin_prefetch((char *)((uint16_t *)vc[t] + j * vs + (long)pos[t] * Dv) + b, 1, 3);
+            for (long b = 0; b < (krb > vrb ? krb : vrb); b += 64) {
+                if (b < krb) __builtin_prefetch((char *)kc[t] + j * ksb + pos[t] * krb + b, 1, 3);
+                if (b < vrb) __builtin_prefetch((char *)vc[t] + j * vsb + pos[t] * vrb + b, 1, 3);
             }
     PROF(P_RMS_IN, coli_block_norm(h, T, Hd, L->in_w, L->in_b, L->in_eps, xn));
     {
@@ -131,8 +137,11 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
                     q2[t * nq + i] = f32_to_bf16(bf16_to_f32(q2[t * nq + i]) * tscale[t]);
         for (int t = 0; t < T; t++)
             for (int j = 0; j < nkv; j++) {
-                memcpy((uint16_t *)kc[t] + j * ks + (long)pos[t] * D, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
-                memcpy((uint16_t *)vc[t] + j * vs + (long)pos[t] * Dv, v + t * nv + (long)j * Dv, sizeof(uint16_t) * Dv);
+                uint8_t *kd = (uint8_t *)kc[t] + j * ksb + pos[t] * krb, *vd = (uint8_t *)vc[t] + j * vsb + pos[t] * vrb;
+                if (kt) coli_kv_quantize(k2 + t * nk + (long)j * D, 1, 1, D, kt, kd, 0);
+                else memcpy(kd, k2 + t * nk + (long)j * D, sizeof(uint16_t) * D);
+                if (vt) coli_kv_quantize(v + t * nv + (long)j * Dv, 1, 1, Dv, vt, vd, 0);
+                else memcpy(vd, v + t * nv + (long)j * Dv, sizeof(uint16_t) * Dv);
             }
     });
     {
@@ -141,8 +150,8 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
         for (int t = 0; t < T; t++) {
             int valid = pos[t] + 1, lo = L->window > 0 && valid > L->window ? valid - L->window : 0;
             if (chunk > 0) lo = pos[t] / chunk * chunk;  /* chunked: the query's own chunk */
-            kb[t] = (uint16_t *)kc[t] + (long)lo * D;
-            vb[t] = (uint16_t *)vc[t] + (long)lo * Dv;
+            kb[t] = (char *)kc[t] + lo * krb;
+            vb[t] = (char *)vc[t] + lo * vrb;
             S[t] = valid - lo;
         }
         if (K && (L->window > 0 || chunk > 0 || L->sinks)) { rc = -3; goto done; }  /* (blocks from 0) */
@@ -150,7 +159,8 @@ int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *p
             PROF(P_ATTN, rc = coli_attn_rows_keep(T, q2, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, K->blocks,
                                                   K->blk, K->nb, ao));
         else
-            PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, ao));
+            PROF(P_ATTN, rc = coli_attn_rows(T, q2, 1, nh, nkv, D, Dv, kb, ks, vb, vs, S, L->scale, L->sinks, ao,
+                                             kvt));
         if (rc) goto done;
         if (gate == COLI_GATE_Q_SIGMOID) coli_gate_mul(ao, gates, T * nq);
         else if (gate != COLI_GATE_NONE)

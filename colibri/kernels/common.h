@@ -189,7 +189,7 @@ typedef struct {
 int coli_multi_gemm(const void *x, int bf16, int T, int K, int scheme, int g, int n, const coli_qw *w, const int *N,
                     void *const *y);
 int coli_attn_rows(int T, const void *q, int bf16, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
-                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out);
+                   const void *const *v, long vs, const int *S, float scale, const float *sinks, void *out, int kvt);
 int coli_attn_rows_keep(int T, const void *q, int H, int Hkv, int D, int Dv, const void *const *k, long ks,
                         const void *const *v, long vs, const int *S, float scale, const uint8_t *keep, int blk, int nb,
                         void *out);
@@ -205,7 +205,8 @@ int coli_route(const void *x, int bf16, int T, int H, const float *W, int E, int
                int n_group, int topk_group, const float *bias, float scale, int64_t *idx, float *w);
 int coli_rope(const void *x, int bf16, int T, int nh, int D, int rot, const float *cs, const float *sn, void *out);
 int coli_attn_block(const coli_attn_layer *L, int T, const void *h, const int *pos, void *const *kc,
-                    void *const *vc, long ks, long vs, const float *cs, const float *sn, void *h_out, void *x_out);
+                    void *const *vc, long ks, long vs, int kvt, const float *cs, const float *sn, void *h_out,
+                    void *x_out);
 int coli_mla_block(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
                    const float *cs, const float *sn, void *h_out, void *x_out);
 int coli_mla_block_sel(const coli_mla_layer *L, int T, const void *h, const int *pos, void *const *cache,
@@ -398,6 +399,41 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 #endif
 }
+
+/* f32 -> IEEE f16, rounded to nearest even (subnormals kept, past 65504 inf, a NaN stays NaN): F16C's conversion,
+ * and the same bits without it. */
+static inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u, s, a;
+    memcpy(&u, &f, 4);
+    s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(s | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (uint16_t)(s | 0x7c00u);  /* 65520 and up round to inf */
+    if (a >= 0x38800000u) {  /* a normal f16: rebias the exponent, round the 13 bits dropped */
+        a -= 0x38000000u;
+        return (uint16_t)(s | ((a + 0xfffu + ((a >> 13) & 1u)) >> 13));
+    }
+    float m;  /* a subnormal one: units of 2^-24, the scaling exact */
+    memcpy(&m, &a, 4);
+    return (uint16_t)(s | (uint32_t)rintf(m * 16777216.f));
+#endif
+}
+
+/* A KV cache's row types (kernels/kvq.c): the compute dtype (bf16, or f32 on f32 paths), or blocks of 32 values
+ * with an f16 scale each: row = nb f16 scales, then int8 values (q8_0) or 16 bytes of nibbles a block (q4_0: byte j
+ * holds elements j and j + 16). A call's layout is kvt = k_type | v_type << 4. */
+enum { COLI_KV_BF16 = 0, COLI_KV_Q8_0 = 1, COLI_KV_Q4_0 = 2 };
+static inline long coli_kv_row_bytes(int type, int D, int es) {
+    return type == COLI_KV_Q8_0 ? 2L * (D / 32) + D : type == COLI_KV_Q4_0 ? 2L * (D / 32) + D / 2 : (long)D * es;
+}
+/* Whether kvt names types these heads can take (a quantized row needs whole blocks). */
+static inline int coli_kv_ok(int kvt, int D, int Dv) {
+    int kt = kvt & 15, vt = kvt >> 4;
+    return kt <= COLI_KV_Q4_0 && vt <= COLI_KV_Q4_0 && (!kt || D % 32 == 0) && (!vt || Dv % 32 == 0);
+}
+int coli_kv_quantize(const void *x, int bf16, long rows, int D, int type, uint8_t *out, long out_stride);
 
 static inline void load_x(const void *x, int bf16, int T, int K, float *xf) {
     if (bf16) {

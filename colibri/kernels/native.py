@@ -34,7 +34,7 @@ log = logging.getLogger("colibri")
 _SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "route.c", "attn.c", "block.c",
                                                         "mla.c", "step.c", "sample.c", "procs.c", "logprobs.c",
                                                         "delta.c", "conv.c", "mamba.c", "mamba1.c", "lightning.c",
-                                                        "kda.c", "msa.c")]
+                                                        "kda.c", "msa.c", "kvq.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("common.h", "rows.h", "rows_q4.h", "attn.h", "vmath.h")]
 # -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
 # (the int4 dequantization then gives quant.dequantize's bits).
@@ -142,16 +142,17 @@ class Mlp(ctypes.Structure):
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     returns_int = {  # name: argument types (None: left undeclared, no arguments)
-        "coli_decode_layers": [i, p, p, i, p, p, p, p, n, n, p, p, n, p, p, p],
-        "coli_decode_step": [p, p, i, p, p, i, p, p, p, n, n, p, p, n, p, p, p, p, i, p],
+        "coli_decode_layers": [i, p, p, i, p, p, p, p, n, n, i, p, p, n, p, p, p],
+        "coli_decode_step": [p, p, i, p, p, i, p, p, p, n, n, i, p, p, n, p, p, p, p, i, p],
         "coli_route": [p, i, i, i, p, i, i, i, i, i, i, p, f, p, p],
         "coli_moe_block": [p, p, i, i, i, p, i, i, i, i, i, i, p, f, p, p, i, i, p, p, p, p, p, p, p, f],
-        "coli_mlp_rows": [p, p, i, i, p], "coli_attn_block": [p, i, p, p, p, p, n, n, p, p, p, p],
+        "coli_mlp_rows": [p, p, i, i, p], "coli_attn_block": [p, i, p, p, p, p, n, n, i, p, p, p, p],
         "coli_moe": [p, i, i, i, i, i, p, p, i, p, p, i, i, p, p, p], "coli_q8_gemm": [p, i, i, i, p, p, i, p],
         "coli_q4_gemm": [p, i, i, i, p, p, p, i, i, p], "coli_max_rows": None, "coli_simd": None,
         "coli_set_threads": [i], "coli_get_threads": None,
-        "coli_attn_decode": [p, i, i, i, i, i, p, n, p, n, i, f, p, p],
-        "coli_attn_rows": [i, p, i, i, i, i, i, p, n, p, n, p, f, p, p], "coli_rmsnorm": [p, i, n, i, p, f, p],
+        "coli_attn_decode": [p, i, i, i, i, i, p, n, p, n, i, f, p, p, i],
+        "coli_attn_rows": [i, p, i, i, i, i, i, p, n, p, n, p, f, p, p, i], "coli_rmsnorm": [p, i, n, i, p, f, p],
+        "coli_kv_quantize": [p, i, n, i, i, p, n],
         "coli_layernorm": [p, i, n, i, p, p, f, p], "coli_rope": [p, i, i, i, i, i, p, p, p],
         "coli_q4_dequant": [p, p, p, i, i, i, i, p]}
     returns_nothing = {"coli_background_wait": [], "coli_gate_mul": [p, p, n],
@@ -401,13 +402,62 @@ def moe_block(tables: MoeTables, x: torch.Tensor, h: torch.Tensor, router: torch
     return h_out, idx, wts
 
 
+# A KV cache's row types (common.h COLI_KV_*; kernels/kvq.c): the compute dtype, or blocks of 32 values with an f16
+# scale each in 8 or 4 bits. A call's layout is kvt = k_type | v_type << 4.
+KV_BF16, KV_Q8_0, KV_Q4_0 = 0, 1, 2
+
+
+def kv_row_bytes(kv_type: int, D: int, elem_size: int = 2) -> int:
+    """Bytes of one (head, position) cache row of D values (common.h coli_kv_row_bytes; elem_size: the compute dtype's,
+    for KV_BF16)."""
+    nb = D // 32
+    return {KV_Q8_0: 2 * nb + D, KV_Q4_0: 2 * nb + D // 2}.get(kv_type, D * elem_size)
+
+
+def kv_quantize(x: torch.Tensor, kv_type: int) -> torch.Tensor:
+    """coli_kv_quantize: rows x [R, D] bf16/f32 (D % 32 == 0) -> uint8 [R, kv_row_bytes] cache rows of kv_type
+    (KV_Q8_0 / KV_Q4_0; the layout and rounding in kernels/kvq.c)."""
+    x = x.contiguous()
+    R, D = x.shape
+    rb = kv_row_bytes(kv_type, D)
+    out = torch.empty(R, rb, dtype=torch.uint8)
+    if lib() is None:
+        raise RuntimeError(f"native kernels unavailable: {_error}")
+    rc = _lib.coli_kv_quantize(x.data_ptr(), int(x.dtype == torch.bfloat16), R, D, kv_type, out.data_ptr(), rb)
+    if rc != 0:
+        raise ValueError(f"coli_kv_quantize: cannot write type {kv_type} rows of {D}")
+    return out
+
+
+def _kv_widths(kvt: int, D: int, Dv: int | None, k: torch.Tensor, v: torch.Tensor, es: int) -> int:
+    """Dv, checking that k/v [Hkv, *, row] have the rows kvt says (a quantized type: uint8 rows of kv_row_bytes)."""
+    kt, vt = kvt & 15, kvt >> 4
+    if Dv is None:
+        if vt:
+            raise ValueError("quantized values: give Dv")
+        Dv = v.shape[2]
+    for t, x, width, name in ((kt, k, D, "keys"), (vt, v, Dv, "values")):
+        rb = kv_row_bytes(t, width, es)
+        if x.stride(2) != 1 or x.shape[2] * x.element_size() != rb or x.stride(1) != x.shape[2]:
+            raise ValueError(f"attention: {name} need contiguous rows of {rb} bytes")
+        if (x.dtype == torch.uint8) != bool(t):
+            raise ValueError(f"attention: {name} of type {t} in {x.dtype}")
+    return Dv
+
+
 def attn_rows(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], S: list[int], scale: float,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, kvt: int = 0, D: int | None = None,
+              Dv: int | None = None) -> torch.Tensor:
     """T query rows at once (what a step's attention calls): q [T, H, D]; row t attends over the first S[t]
     positions of ks[t] [Hkv, *, D] / vs[t] [Hkv, *, Dv] (views of KV caches, one head stride for all) ->
-    [T, H * Dv] in q's dtype. Tests compare it with attn_decode row by row."""
-    T, H, D = q.shape
-    Hkv, _, Dv = vs[0].shape
+    [T, H * Dv] in q's dtype. Tests compare it with attn_decode row by row. kvt (k_type | v_type << 4, KV_*): a
+    quantized side's tensors are uint8 [Hkv, *, kv_row_bytes] views; quantized values need Dv."""
+    T, H, Dq = q.shape
+    D = Dq if D is None else D
+    if D != Dq:
+        raise ValueError(f"attn_rows: q has rows of {Dq}, not {D}")
+    Hkv = vs[0].shape[0]
+    Dv = _kv_widths(kvt, D, Dv, ks[0], vs[0], q.element_size())
     q = q.contiguous()
     out = torch.empty(T, H * Dv, dtype=q.dtype)
     kp = (ctypes.c_void_p * T)(*[k.data_ptr() for k in ks])
@@ -415,40 +465,45 @@ def attn_rows(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], S
     sk = sinks.float().contiguous() if sinks is not None else None
     rc = _lib.coli_attn_rows(T, q.data_ptr(), int(q.dtype == torch.bfloat16), H, Hkv, D, Dv, kp, ks[0].stride(0), vp,
                              vs[0].stride(0), (ctypes.c_int * T)(*S), scale, None if sk is None else sk.data_ptr(),
-                             out.data_ptr())
+                             out.data_ptr(), kvt)
     if rc != 0:
         raise RuntimeError(f"coli_attn_rows failed ({rc})")
     return out
 
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, kvt: int = 0, D: int | None = None,
+                Dv: int | None = None) -> torch.Tensor:
     """One query row's attention: q [H, D], k [Hkv, S, D], v [Hkv, S, Dv] (rows contiguous, any head
-    stride: views of a KV cache), all f32 or all bf16; sinks [H] or None -> [1, H * Dv] in q's dtype."""
-    H, D = q.shape
-    Hkv, S, Dv = v.shape
-    if k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != Dv or k.dtype != q.dtype:
+    stride: views of a KV cache), all f32 or all bf16; sinks [H] or None -> [1, H * Dv] in q's dtype. kvt as
+    attn_rows: a quantized side uint8 [Hkv, S, kv_row_bytes] (head stride in bytes), Dv given for quantized values."""
+    H, Dq = q.shape
+    D = Dq if D is None else D
+    Hkv, S = v.shape[:2]
+    Dv = _kv_widths(kvt, D, Dv, k, v, q.element_size())
+    if D != Dq or any(x.dtype not in (q.dtype, torch.uint8) for x in (k, v)):
         raise ValueError("attn_decode: keys/values need contiguous rows in q's dtype")
     q = q.contiguous()
     out = torch.empty(1, H * Dv, dtype=q.dtype)
     sk = sinks.float().contiguous() if sinks is not None else None
     rc = _lib.coli_attn_decode(q.data_ptr(), int(q.dtype == torch.bfloat16), H, Hkv, D, Dv, k.data_ptr(), k.stride(0),
                                v.data_ptr(), v.stride(0), S, scale, None if sk is None else sk.data_ptr(),
-                               out.data_ptr())
+                               out.data_ptr(), kvt)
     if rc != 0:
         raise RuntimeError(f"coli_attn_decode failed ({rc})")
     return out
 
 
 def attn_block(layer: ctypes.Structure, h: torch.Tensor, pos: list[int], kc: list[int], vc: list[int], ks: int, vs: int,
-               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               cos: torch.Tensor, sin: torch.Tensor, kvt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """coli_attn_block: layer a native_block.AttnLayer; h [T, hidden] bf16 contiguous; per row its position and its
-    sequence's K/V cache base pointers for this layer (head strides ks/vs elements); cos/sin f32 [T, rot] contiguous ->
+    sequence's K/V cache base pointers for this layer (head strides ks/vs elements; bytes for a quantized side of
+    kvt, whose rows the block writes quantized); cos/sin f32 [T, rot] contiguous ->
     (h + attention(h), the post-attention norm of that), both bf16 [T, hidden]."""
     T = h.shape[0]
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
     rc = _lib.coli_attn_block(ctypes.byref(layer), T, h.data_ptr(), (ctypes.c_int * T)(*pos),
-                              (ctypes.c_void_p * T)(*kc), (ctypes.c_void_p * T)(*vc), ks, vs,
+                              (ctypes.c_void_p * T)(*kc), (ctypes.c_void_p * T)(*vc), ks, vs, kvt,
                               cos.data_ptr(), sin.data_ptr(), h_out.data_ptr(), x_out.data_ptr())
     if rc != 0:
         raise RuntimeError(f"coli_attn_block failed ({rc})")
@@ -469,22 +524,24 @@ COLI_MISS = -7  # common.h: a route to an expert a cached layer's table lacks
 
 
 def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
-                  k: int, partial: bool = False, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+                  k: int, partial: bool = False, first: int = 0,
+                  kvt: int = 0) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """coli_decode_layers: every block of a model whose layers all take the fused blocks. attn/moe: ctypes
     arrays of native_block.AttnLayer / MoeLayer [L]; h [T, hidden] bf16 contiguous, replaced in place by the last
     block's output; pos ctypes int [T]; kc/vc ctypes pointer arrays [L * T] (layer l's row t at l * T + t); rope
     the rotary tables (cos pointer, sin pointer, rows: f32 [rows, rot], row p position p's) ->
     (idx int64 [L, T, k], weights f32 [L, T, k], None). From layer `first` on only (h its input; the rows
     of the layers before it not written); with `partial`, a layer routed to an expert its table lacks stops
-    the call with h that layer's input: (idx, weights, that layer), the rows from `first` up to it valid."""
+    the call with h that layer's input: (idx, weights, that layer), the rows from `first` up to it valid. kvt: the
+    caches' row types (attn_block's), the same in every layer."""
     L, T = len(attn), h.shape[0]
     idx, wts = _routes(L, T, k)
     failed = ctypes.c_int(-1)
     ptr = ctypes.sizeof(ctypes.c_void_p)
     rc = _lib.coli_decode_layers(L - first, ctypes.byref(attn, first * ctypes.sizeof(attn._type_)),
                                  ctypes.byref(moe, first * ctypes.sizeof(MoeLayer)), T, h.data_ptr(), pos,
-                                 ctypes.byref(kc, first * T * ptr), ctypes.byref(vc, first * T * ptr), ks, vs, *rope,
-                                 idx[first:].data_ptr(), wts[first:].data_ptr(), ctypes.byref(failed))
+                                 ctypes.byref(kc, first * T * ptr), ctypes.byref(vc, first * T * ptr), ks, vs, kvt,
+                                 *rope, idx[first:].data_ptr(), wts[first:].data_ptr(), ctypes.byref(failed))
     if rc == COLI_MISS and partial:
         return idx, wts, first + failed.value
     if rc != 0:
@@ -494,14 +551,14 @@ def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rop
 
 
 def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
-                k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                k: int, rows: torch.Tensor, kvt: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coli_decode_step: embedding, every block (as decode_layers), final norm and head for `rows` (int64
     [R], contiguous) of the step's tokens (int64 [T], contiguous) -> (logits f32 [R, V], idx, weights)."""
     idx, wts = _routes(len(attn), tokens.shape[0], k)
     logits = torch.empty(rows.shape[0], tail.vocab, dtype=torch.float32)
     failed = ctypes.c_int(-1)
     rc = _lib.coli_decode_step(ctypes.byref(tail), tokens.data_ptr(), len(attn), attn, moe, tokens.shape[0], pos, kc,
-                               vc, ks, vs, *rope, idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed),
+                               vc, ks, vs, kvt, *rope, idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed),
                                rows.data_ptr(), rows.shape[0], logits.data_ptr())
     if rc == -6:
         raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")

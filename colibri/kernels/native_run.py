@@ -18,7 +18,7 @@ def _lib() -> ctypes.CDLL:
     lib = native.lib()
     if not _declared:
         p, i = ctypes.c_void_p, ctypes.c_int
-        lib.coli_decode_run.argtypes = [p, p, i, i, p, p, p, p, p, ctypes.c_long, ctypes.c_long, p, p,
+        lib.coli_decode_run.argtypes = [p, p, i, i, p, p, p, p, p, ctypes.c_long, ctypes.c_long, i, p, p,
                                         ctypes.c_long, i, p, i, p, p, p, p, p, p, p, p, p, p, p]
         lib.coli_decode_run.restype = i
         _declared = True
@@ -52,7 +52,7 @@ def procs(spec, n_steps: int) -> tuple[Procs, tuple]:
 def decode_run(tail, tokens: list[int], attn, moe, pos0: list[int], kc, vc, ks: int, vs: int,
                rope: tuple[int, int, int], k: int, n_steps: int, stop: torch.Tensor,
                sampling: list[tuple[float, int, float, float]] | None = None, uniforms: list[list[float]] | None = None,
-               processors: list | None = None, logprobs: list[int | None] | None = None
+               processors: list | None = None, logprobs: list[int | None] | None = None, kvt: int = 0
                ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, list | None]:
     """coli_decode_run: up to n_steps decode steps of T sequences (one row each) from `tokens` at positions
     `pos0`, ending after a step in which a row picked a token of `stop` (int64 [S], contiguous) -> (per step
@@ -60,7 +60,8 @@ def decode_run(tail, tokens: list[int], attn, moe, pos0: list[int], kc, vc, ks: 
     (temperature > 0, top_k, top_p, min_p) samples with `uniforms[t][step]` (kernels/sample.c); with
     `processors[t]` (an engine/sampling.py RunProcs, or None) of its logits after those (kernels/procs.c).
     With `logprobs[t]` = n (not None), per step the pick's log-probability and the n most likely tokens'
-    (kernels/logprobs.c) -> the fourth item, [step][row] (logprob, [(id, logprob)]) or None."""
+    (kernels/logprobs.c) -> the fourth item, [step][row] (logprob, [(id, logprob)]) or None. kvt: the caches' row
+    types (native.attn_block's)."""
     T, L = len(tokens), len(attn)
     idx, wts = native._routes(n_steps * L, T, k)
     out = torch.empty(n_steps, T, dtype=torch.int64)
@@ -81,7 +82,7 @@ def decode_run(tail, tokens: list[int], attn, moe, pos0: list[int], kc, vc, ks: 
         lp_vals = torch.empty(n_steps, T, LP_MAX, dtype=torch.float32)
     failed = ctypes.c_int(-1)
     n = _lib().coli_decode_run(ctypes.byref(tail), (ctypes.c_int64 * T)(*tokens), T, L, attn, moe,
-                               (ctypes.c_int * T)(*pos0), kc, vc, ks, vs, *rope, n_steps, stop.data_ptr(),
+                               (ctypes.c_int * T)(*pos0), kc, vc, ks, vs, kvt, *rope, n_steps, stop.data_ptr(),
                                stop.shape[0], samp, u, pr, lp_n, *(None if t is None else t.data_ptr()
                                                                    for t in (lp, lp_ids, lp_vals)),
                                out.data_ptr(), idx.data_ptr(), wts.data_ptr(), ctypes.byref(failed))

@@ -110,13 +110,13 @@ static void pf_post(int n_layers, const coli_attn_layer *attn, const coli_moe_la
 }
 
 /* h: bf16 [T, hidden], in place (the input rows, then the last block's output); pos [T]; kc/vc [L][T]
- * row t's key/value cache base for layer l at [l * T + t] (head strides ks / vs, the same in every
- * layer); ctab/stab the rotary cos/sin tables f32 [tab_rows, rot] (one for all layers but those with
+ * row t's key/value cache base for layer l at [l * T + t] (head strides ks / vs and the rows' types kvt,
+ * coli_attn_block's, the same in every layer); ctab/stab the rotary cos/sin tables f32 [tab_rows, rot] (one for all layers but those with
  * their own, coli_attn_layer.rotary: row p is position p's; the rows' own are gathered here, where slicing them in Python cost four torch ops a
  * step); idx/w [L][T][k] receive each layer's routes. Returns 0, or the failing block's code (-1 .. -5,
  * -1 also a position past the tables) with the layer in *failed. */
 int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe_layer *moe, int T, void *h,
-                       const int *pos, void *const *kc, void *const *vc, long ks, long vs, const float *ctab,
+                       const int *pos, void *const *kc, void *const *vc, long ks, long vs, int kvt, const float *ctab,
                        const float *stab, long tab_rows, int64_t *idx, float *w, int *failed) {
     if (T < 1 || T > MAX_T) return -1;
     int H = attn[0].hidden, rot = 0, rot2 = 0, kmax = 0;
@@ -155,7 +155,7 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
             lc = cs2, ls = sn2;
         }
         if (!rc)
-            rc = coli_attn_block(a, T, h, pos, kc + (long)l * T, vc + (long)l * T, ks, vs, lc, ls, hm, x);
+            rc = coli_attn_block(a, T, h, pos, kc + (long)l * T, vc + (long)l * T, ks, vs, kvt, lc, ls, hm, x);
         if (!rc)
             rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind,
                                 m->n_group ? m->n_group : 1, m->topk_group ? m->topk_group : 1, m->bias,
@@ -190,8 +190,8 @@ typedef struct {
  * widened). Returns 0, -6 (a token id out of range), -3 (a bad row), or coli_decode_layers's code. */
 int coli_decode_step(const coli_tail *tl, const int64_t *tokens, int n_layers, const coli_attn_layer *attn,
                      const coli_moe_layer *moe, int T, const int *pos, void *const *kc, void *const *vc, long ks,
-                     long vs, const float *ctab, const float *stab, long tab_rows, int64_t *idx, float *w, int *failed,
-                     const int64_t *rows, int R, float *logits) {
+                     long vs, int kvt, const float *ctab, const float *stab, long tab_rows, int64_t *idx, float *w,
+                     int *failed, const int64_t *rows, int R, float *logits) {
     if (T < 1 || T > MAX_T || R < 1 || R > T) return -1;
     int H = attn[0].hidden, V = tl->vocab;
     for (int t = 0; t < T; t++)
@@ -202,7 +202,8 @@ int coli_decode_step(const coli_tail *tl, const int64_t *tokens, int n_layers, c
     if (!h) return -2;
     uint16_t *xr = h + (size_t)T * H, *xn = xr + (size_t)R * H, *y = xn + (size_t)R * H;
     for (int t = 0; t < T; t++) memcpy(h + (size_t)t * H, tl->embed + tokens[t] * H, sizeof(uint16_t) * H);
-    int rc = coli_decode_layers(n_layers, attn, moe, T, h, pos, kc, vc, ks, vs, ctab, stab, tab_rows, idx, w, failed);
+    int rc = coli_decode_layers(n_layers, attn, moe, T, h, pos, kc, vc, ks, vs, kvt, ctab, stab, tab_rows, idx, w,
+                                failed);
     if (!rc) PROF(P_TAIL, {
         for (int r = 0; r < R; r++) memcpy(xr + (size_t)r * H, h + rows[r] * H, sizeof(uint16_t) * H);
         coli_block_norm(xr, R, H, tl->norm_w, tl->norm_b, tl->eps, xn);
@@ -244,7 +245,7 @@ static long argmax_f32(const float *x, long n) {
  * early: the caller's next step meets it again; -8: a processor's token id out of range). */
 int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layers, const coli_attn_layer *attn,
                     const coli_moe_layer *moe, const int *pos0, void *const *kc, void *const *vc, long ks, long vs,
-                    const float *ctab, const float *stab, long tab_rows, int n_steps, const int64_t *stop,
+                    int kvt, const float *ctab, const float *stab, long tab_rows, int n_steps, const int64_t *stop,
                     int n_stop, const float *samp, const double *u, coli_procs *procs, const int *lp_n, float *lp,
                     int64_t *lp_ids, float *lp_vals, int64_t *out, int64_t *idx, float *w, int *failed) {
     if (n_steps < 1 || T < 1 || T > MAX_T) return -1;
@@ -265,7 +266,7 @@ int coli_decode_run(const coli_tail *tl, const int64_t *tok0, int T, int n_layer
     for (; s < n_steps; s++) {
         for (int t = 0; t < T; t++) pos[t] = pos0[t] + s;
         size_t r = (size_t)s * n_layers * T * k;
-        int rc = coli_decode_step(tl, tok, n_layers, attn, moe, T, pos, kc, vc, ks, vs, ctab, stab, tab_rows,
+        int rc = coli_decode_step(tl, tok, n_layers, attn, moe, T, pos, kc, vc, ks, vs, kvt, ctab, stab, tab_rows,
                                   idx + r, w + r, failed, rows, T, logits);
         int end = 0;
         for (int t = 0; t < T && !rc; t++) {

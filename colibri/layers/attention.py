@@ -17,6 +17,7 @@ from torch import nn
 from .. import arena
 from ..kernels import native, native_block
 from .batch import LayerKV
+from .kvquant import DEFAULT, KVType, KVTypes, check_dim, dequantize, quantize, row_bytes
 from .layers import Linear, RoPE
 from .norms import NoNorm, RMSNorm, block_norm_bias, is_rms, norm_weight_ptr, out_norm_ptr
 
@@ -24,24 +25,41 @@ from .norms import NoNorm, RMSNorm, block_norm_bias, is_rms, norm_weight_ptr, ou
 
 
 class KVCache:
-    """Keys/values of one layer, preallocated for the whole context: `[Hkv, ctx, D]` each."""
+    """Keys/values of one layer, preallocated for the whole context: `[Hkv, ctx, D]` each in the compute dtype, or
+    quantized byte rows `[Hkv, ctx, row_bytes]` (layers/kvquant.py) where `types` asks for q8_0 / q4_0."""
 
     def __init__(self, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
-                 v_head_dim: int | None = None, device: torch.device | str = "cpu"):
-        self.k = arena.zeros((n_kv_heads, max_len, head_dim), dtype, device)  # (huge pages: colibri/arena.py)
-        self.v = arena.zeros((n_kv_heads, max_len, v_head_dim or head_dim), dtype, device)
-        self.max_len = max_len
+                 v_head_dim: int | None = None, device: torch.device | str = "cpu", types: KVTypes = DEFAULT):
+        self.dims = (head_dim, v_head_dim or head_dim)
+        self.types, self.dtype, self.max_len = types, dtype, max_len
+        for t, dim, what in ((types.k, head_dim, "key"), (types.v, self.dims[1], "value")):
+            check_dim(t, dim, what)
+        # (huge pages: colibri/arena.py)
+        self.k, self.v = (arena.zeros((n_kv_heads, max_len, dim), dtype, device) if t == KVType.BF16
+                          else arena.zeros((n_kv_heads, max_len, row_bytes(t, dim)), torch.uint8, device)
+                          for t, dim in ((types.k, head_dim), (types.v, self.dims[1])))
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [Hkv, T, D] at positions start..start+T; returns everything up to there (for a one-row
-        decode in a reduced precision, up to the next multiple of KV_BUCKET: see `kv_span`)."""
+        decode in a reduced precision, up to the next multiple of KV_BUCKET: see `kv_span`) in the compute
+        dtype (a quantized cache's rows dequantized: the torch path's reading of it)."""
+        end = self.write(k, v, start)
+        span = kv_span(end, k.shape[1], self.max_len, k.dtype)
+        return self.read(self.k, self.types.k, 0, span), self.read(self.v, self.types.v, 1, span)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> int:
+        """k, v: [Hkv, T, D] into positions start..start+T (quantized where the cache is); returns the end."""
         end = start + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"context full: position {end} exceeds ctx-size {self.max_len}")
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
-        span = kv_span(end, k.shape[1], self.max_len, k.dtype)
-        return self.k[:, :span], self.v[:, :span]
+        for dst, t, x in ((self.k, self.types.k, k), (self.v, self.types.v, v)):
+            dst[:, start:end] = x if t == KVType.BF16 else quantize(x, t)
+        return end
+
+    def read(self, cache: torch.Tensor, t: KVType, which: int, end: int, lo: int = 0) -> torch.Tensor:
+        """Positions lo..end of the K (which 0) or V (1) tensor `cache` in the compute dtype [Hkv, S, D]."""
+        rows = cache[:, lo:end]
+        return rows if t == KVType.BF16 else dequantize(rows, t, self.dims[which], self.dtype)
 
     def to(self, device: torch.device | str) -> KVCache:
         self.k, self.v = self.k.to(device), self.v.to(device)
@@ -58,10 +76,11 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def native_like(self, first: object) -> bool:
-        """The native blocks can write and read this cache next to `first` (the step's first): bf16 on
-        the CPU, laid out alike (they take one pair of head strides for all rows)."""
-        return isinstance(first, KVCache) and self.k.dtype == torch.bfloat16 and self.k.device.type == "cpu" \
-            and self.k.stride() == first.k.stride() and self.v.stride() == first.v.stride()
+        """The native blocks can write and read this cache next to `first` (the step's first): bf16 compute on
+        the CPU, the same storage types, laid out alike (they take one pair of head strides for all rows)."""
+        return isinstance(first, KVCache) and self.dtype == torch.bfloat16 and self.k.device.type == "cpu" \
+            and self.types == first.types and self.k.stride() == first.k.stride() \
+            and self.v.stride() == first.v.stride()
 
 
 KV_BUCKET = 128
@@ -159,6 +178,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)
     out = out[0]
     return out.transpose(0, 1).reshape(T, -1)  # [T, H * Dv]
+
+
+ROWS_SCORES = 1 << 23  # scores (f32) the native kernel holds at once for a prompt chunk's rows: 32 MiB
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, cache: KVCache, scale: float,
+                window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's bf16 rows over a quantized cache: their k, v [Hkv, T, D] written, then the native kernel
+    reading the quantized rows as they are -- no dequantized copy of the context, which for a prompt chunk deep in
+    a long context cost more than the attention (and as much memory as a layer's bf16 cache). Row t (position
+    start + t) sees the positions up to its own, within the window; rows go in groups whose scores fit
+    ROWS_SCORES. q [H, T, D] -> [T, H * Dv]."""
+    end = cache.write(k, v, start)
+    H, T, _ = q.shape
+    D, Dv = cache.dims
+    qt = q.transpose(0, 1)  # [T, H, D]
+    los = [p + 1 - window if window is not None and p + 1 > window else 0 for p in range(start, end)]
+    group = max(1, ROWS_SCORES // (H * end))
+    outs = []
+    for g0 in range(0, T, group):
+        rows = range(g0, min(T, g0 + group))
+        outs.append(native.attn_rows(qt[g0:rows.stop], [cache.k[:, los[t]:] for t in rows],
+                                     [cache.v[:, los[t]:] for t in rows], [start + t + 1 - los[t] for t in rows],
+                                     scale, sinks, kvt=cache.types.code, D=D, Dv=Dv))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class QKNorm(enum.IntEnum):
@@ -297,9 +341,14 @@ class Attention(nn.Module):
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, T, D] x2
         sinks = self.sinks if self.a.scores.sinks else None
         outs = []
+        window = self.a.scores.sliding_window
         for r0, r1, start, cache in kv.segs:
+            if cache.types.quantized and q.dtype == torch.bfloat16 and q.device.type == "cpu" and native.available():
+                outs.append(attend_rows(q[:, r0:r1], k[:, r0:r1], v[:, r0:r1], start, cache, self.scale, window,
+                                        sinks))
+                continue
             k_all, v_all = cache.update(k[:, r0:r1], v[:, r0:r1], start)
-            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, self.a.scores.sliding_window, sinks))
+            outs.append(attend(q[:, r0:r1], k_all, v_all, start, self.scale, window, sinks))
         return self.out(outs[0] if len(outs) == 1 else torch.cat(outs), x)
 
     def out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -308,8 +357,8 @@ class Attention(nn.Module):
         y = self.o_proj(o)
         return self.out_norm(y) if self.a.output.out_norm else y
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> KVCache:
-        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype, self.v_dim, device)
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> KVCache:
+        return KVCache(self.a.kv_heads, self.a.head_dim, max_len, dtype, self.v_dim, device, types)
 
     # ------------------------------------------------------------------ the fused native block
 
@@ -333,7 +382,7 @@ class Attention(nn.Module):
             vc.extend([cache.v.data_ptr()] * (r1 - r0))
         cos, sin = self.rope.tables(kv.pos, T, torch.float32)
         return native.attn_block(layer, h.contiguous(), pos, kc, vc, c0.k.stride(0), c0.v.stride(0),
-                                 cos.contiguous(), sin.contiguous())
+                                 cos.contiguous(), sin.contiguous(), kvt=c0.types.code)
 
     def _native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_block.AttnLayer | None:
         """The layer's constants for the native block, built once (None: the block does not apply)."""

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..kernels import native, native_kda
 from .batch import LayerKV
+from .kvquant import DEFAULT, KVTypes
 from .layers import Linear
 from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states
 
@@ -93,7 +94,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedHeadNorm(a.head_dim, a.eps)
         self.o_proj = Linear(HD, a.hidden)
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> StateCache:
+        # (a recurrent state stays in the compute dtype whatever the K/V cache types)
         a = self.a
         return StateCache(3 * a.heads * a.head_dim, a.conv_kernel, a.heads, a.head_dim, a.head_dim, dtype, device)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..kernels import native, native_lightning
 from .batch import LayerKV
+from .kvquant import DEFAULT, KVTypes
 from .layers import Linear, RMSNorm
 from .linear_attn import StateCache, block_weights, forget_block_weights, step_states
 
@@ -95,7 +96,8 @@ class LightningAttention(nn.Module):
         o = torch.cat(outs, 1).transpose(0, 1).reshape(T, -1).to(x.dtype)  # [T, H*D]
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * self.norm(o))
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> StateCache:
+        # (a recurrent state stays in the compute dtype whatever the K/V cache types)
         return StateCache(0, 2, self.a.heads, self.a.head_dim, self.a.head_dim, dtype, device)
 
     @property

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import ColibriError
 from ..kernels import native, native_delta
 from .batch import LayerKV
+from .kvquant import DEFAULT, KVTypes
 from .layers import Linear
 
 CHUNK = 64
@@ -222,7 +223,8 @@ class GatedDeltaNet(nn.Module):
         qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
         return qkvz[:, :C], qkvz[:, C:], ba[:, :nv], ba[:, nv:]
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> StateCache:
+        # (a recurrent state stays in the compute dtype whatever the K/V cache types)
         a = self.a
         return StateCache(self.conv_dim, a.conv_kernel, a.v_heads, a.k_dim, a.v_dim, dtype, device)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..kernels import native, native_mamba
 from .batch import LayerKV
+from .kvquant import DEFAULT, KVTypes
 from .layers import Linear, RMSNorm
 from .linear_attn import Conv1d, StateCache, step_states
 
@@ -67,7 +68,8 @@ class Mamba1Mixer(nn.Module):
             self.dt_layernorm = RMSNorm(a.dt_rank, a.eps)
             self.b_layernorm, self.c_layernorm = RMSNorm(a.state, a.eps), RMSNorm(a.state, a.eps)
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> StateCache:
+        # (a recurrent state stays in the compute dtype whatever the K/V cache types)
         a = self.a
         return StateCache(a.inner, a.conv_kernel, a.inner, a.state, 1, dtype, device)  # (ssm [I, N, 1])
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..kernels import native, native_mamba
 from .batch import LayerKV
+from .kvquant import DEFAULT, KVTypes
 from .layers import Linear
 from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states
 
@@ -123,7 +124,8 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupGatedRMSNorm(a.inner, a.groups, a.eps)
         self.out_proj = Linear(a.inner, a.hidden, a.proj_bias)
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> StateCache:
+        # (a recurrent state stays in the compute dtype whatever the K/V cache types)
         a = self.a
         return StateCache(a.conv_dim, a.conv_kernel, a.heads, a.head_dim, a.state, dtype, device)
 

@@ -28,6 +28,7 @@ from .. import arena
 from ..kernels import native, native_mla
 from .attention import attention_mask, kv_span
 from .batch import LayerKV
+from .kvquant import DEFAULT, KVTypes, refuse_quantized
 from .layers import Linear, RMSNorm, RoPE, is_rms, yarn_get_mscale
 
 MODES = ("auto", "absorbed", "expanded")
@@ -339,5 +340,7 @@ class MLAttention(nn.Module):
             self._absorbed_w = (src, w[:, :Dn].contiguous(), w[:, Dn:].transpose(1, 2).contiguous())
         return self._absorbed_w[1], self._absorbed_w[2]
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> LatentCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu",
+                   types: KVTypes = DEFAULT) -> LatentCache:
+        refuse_quantized(types, "the MLA latent cache")
         return LatentCache(self.a.kv_lora_rank, self.a.qk_rope_head_dim, max_len, dtype, device)

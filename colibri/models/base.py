@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import ColibriError
 from ..layers.batch import StepBatch
+from ..layers.kvquant import DEFAULT, KVTypes
 from ..layers.layers import ROPE_TYPES, Embedding, Linear, RMSNorm, rope_scaling
 from ..layers.moe import SwitchGLU
 from .family import family
@@ -128,15 +129,17 @@ class CausalLM(nn.Module):
         """What a family does to the head's f32 logits [R, V] (nothing here; SoftCapped caps them)."""
         return logits
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> list:
-        return [layer.self_attn.make_cache(max_len, dtype, device) for layer in self.model.layers]
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> list:
+        """A slot's caches, one a layer; `types`: the K/V storage (layers/kvquant.py), which a recurrent state
+        ignores and a cache that cannot take it refuses in one line."""
+        return [layer.self_attn.make_cache(max_len, dtype, device, types) for layer in self.model.layers]
 
-    def cache_cost(self, dtype: torch.dtype) -> tuple[int, int]:
+    def cache_cost(self, dtype: torch.dtype, types: KVTypes = DEFAULT) -> tuple[int, int]:
         """A slot's bytes as (per context position, fixed): K/V grow with the context, a linear-attention
         layer's state does not. Measured on the meta device (nothing allocated) at a long context, so that
         what only long contexts cache (DeepSeek-V3.2's indexer keys past index_topk) is counted."""
         n = 1 << 20
-        a, b = (sum(c.nbytes for c in self.make_cache(m, dtype, "meta")) for m in (n, n + 64))
+        a, b = (sum(c.nbytes for c in self.make_cache(m, dtype, "meta", types)) for m in (n, n + 64))
         return (b - a) // 64, a - n * ((b - a) // 64)
 
     weights_version = 0  # counts moves of the weights: a decode plan built before one rebuilds

@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import arena
 from ..layers.batch import LayerKV
+from ..layers.kvquant import DEFAULT, KVTypes, refuse_quantized
 from ..layers.layers import Linear, RoPE
 from ..layers.mla import LatentCache, MLAttention
 from . import deepseek_v3 as v3
@@ -124,10 +125,12 @@ class DSAttention(MLAttention):
         """native_step: the one-call step writes no indexer keys, so it runs only where none are needed."""
         return self.dense
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> LatentCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu",
+                   types: KVTypes = DEFAULT) -> LatentCache:
         """A context of at most index_topk positions keeps every position for every query: the attention is V3's
         dense MLA, and the indexer never runs (no keys cached, and the one-call step applies). (On the meta
         device -- a size measurement -- the layer's own mode stays as it is.)"""
+        refuse_quantized(types, "the MLA latent cache and the indexer's keys")
         a = self.a
         dense = max_len <= self.topk
         if device != "meta":

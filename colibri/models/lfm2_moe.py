@@ -27,6 +27,7 @@ from torch import nn
 from ..kernels import native, native_conv
 from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm
 from ..layers.batch import LayerKV
+from ..layers.kvquant import DEFAULT, KVTypes
 from ..layers.layers import MLP, DecoderBlock, Linear, rope_scaling, rope_theta
 from ..layers.linear_attn import Conv1d, StateCache, block_weights, forget_block_weights
 from ..layers.moe import SparseMoE, SwitchGLU
@@ -74,7 +75,8 @@ class ShortConv(nn.Module):
             self.conv.bias = nn.Parameter(torch.zeros(hidden), requires_grad=False)
         self.out_proj = Linear(hidden, hidden, bias)
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> StateCache:
+        # (a recurrent state stays in the compute dtype whatever the K/V cache types)
         return StateCache(self.hidden, self.kernel, 0, 0, 0, dtype, device)  # (no delta-rule state: [0, 0, 0])
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:

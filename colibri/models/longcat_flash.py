@@ -33,6 +33,7 @@ from torch import nn
 
 from ..kernels import native, native_zero
 from ..layers.batch import LayerKV
+from ..layers.kvquant import DEFAULT, KVTypes
 from ..layers.layers import MLP, RMSNorm, rope_scaling, rope_theta
 from ..layers.mla import LatentCache, MLAArgs, MLAttention
 from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route, native_router_ok, native_routing
@@ -170,8 +171,8 @@ class PairCache:
 class PairAttention(nn.ModuleList):
     """The layer's two MLA sublayers (`self_attn.0`, `self_attn.1`), whose caches the slot keeps as one."""
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> PairCache:
-        return PairCache(tuple(m.make_cache(max_len, dtype, device) for m in self))
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> PairCache:
+        return PairCache(tuple(m.make_cache(max_len, dtype, device, types) for m in self))
 
     @staticmethod
     def split(kv: LayerKV) -> tuple[LayerKV, LayerKV]:

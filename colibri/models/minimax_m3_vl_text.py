@@ -35,6 +35,7 @@ from ..kernels import native, native_block, native_msa
 from ..layers import native_mlp
 from ..layers.attention import Attention, AttentionArgs, KVCache, Positions, QKNorm
 from ..layers.batch import LayerKV
+from ..layers.kvquant import DEFAULT, KVTypes, refuse_quantized
 from ..layers.layers import MLP, DecoderBlock, Linear, RMSNorm, rope_scaling, rope_theta
 from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first, text_model_name
@@ -162,12 +163,13 @@ class SparseAttention(Attention):
         """native_step: the one-call step writes no indexer keys, so it runs only where none are needed."""
         return self.dense
 
-    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu") -> KVCache:
+    def make_cache(self, max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> KVCache:
         dense = max_len <= self.span
         if device != "meta":  # (a size measurement leaves the layer's mode as it is)
             self.dense = dense
         if dense:
-            return super().make_cache(max_len, dtype, device)
+            return super().make_cache(max_len, dtype, device, types)
+        refuse_quantized(types, "a sparse-attention cache (its kernel gathers 16-bit keys)")  # (past `span` positions)
         return IndexedKVCache(self.a.kv_heads, self.a.head_dim, self.indexer.dim, max_len, dtype, device)
 
     def _index_keys(self, x: torch.Tensor, kv: LayerKV) -> None:

@@ -29,6 +29,7 @@ from ..kernels import native
 from ..layers import native_mlp
 from ..layers.attention import Attention, AttentionArgs, Positions
 from ..layers.batch import LayerKV
+from ..layers.kvquant import DEFAULT, KVTypes
 from ..layers.layers import Linear, RMSNorm
 from ..layers.linear_attn import StateCache
 from ..layers.mamba2 import Mamba2Args, Mamba2Mixer
@@ -130,7 +131,7 @@ class _NoState:
     """What a feed-forward layer keeps for a sequence: nothing (an empty state, so the slot has one cache a layer)."""
 
     @staticmethod
-    def make_cache(max_len: int, dtype: torch.dtype, device: str = "cpu") -> StateCache:
+    def make_cache(max_len: int, dtype: torch.dtype, device: str = "cpu", types: KVTypes = DEFAULT) -> StateCache:
         return StateCache(0, 2, 0, 0, 0, dtype, device)
 
 

@@ -118,10 +118,11 @@ class ServerState:
         ttft = st.ttft_s if st.generated else None
         self.metrics.finished(endpoint, r.finish_reason, st.prompt_tokens, st.generated, ttft,
                               time.perf_counter() - r.started, st.cached_tokens)
-        log.info("%s %s: prompt %d tok (%d cached), completion %d tok, TTFT %s, %.1f tok/s, finish %s", h.id,
+        spec = (f" (drafts {st.accepted}/{st.drafted} accepted, {st.tokens_per_forward:.2f} tok/forward)"
+                if getattr(st, "drafted", 0) else "")
+        log.info("%s %s: prompt %d tok (%d cached), completion %d tok, TTFT %s, %.1f tok/s%s, finish %s", h.id,
                  endpoint, st.prompt_tokens, st.cached_tokens, st.generated,
-                 f"{ttft * 1000:.0f} ms" if ttft is not None else "-",
-                 st.decode_tps, r.finish_reason)
+                 f"{ttft * 1000:.0f} ms" if ttft is not None else "-", st.decode_tps, spec, r.finish_reason)
 
     def cancel_all(self) -> None:
         for h in list(self.inflight):
@@ -484,10 +485,13 @@ def _timings(r: Relay) -> dict:
     st = r.handle.stats
     prompt_n, pred_n = st.prompt_tokens - st.cached_tokens, st.generated
     prompt_ms, pred_ms = st.ttft_s * 1e3, st.decode_s * 1e3
-    return {"cache_n": st.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
-            "predicted_n": pred_n, "predicted_ms": pred_ms,
-            "predicted_per_second": st.decode_tps}
+    out = {"cache_n": st.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+           "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
+           "predicted_n": pred_n, "predicted_ms": pred_ms,
+           "predicted_per_second": st.decode_tps}
+    if st.drafted:  # (llama-server's names, where it drafted)
+        out.update(draft_n=st.drafted, draft_n_accepted=st.accepted)
+    return out
 
 
 def _echo_text(state: ServerState, prompt, ids: list[int]) -> str:

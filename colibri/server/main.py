@@ -47,6 +47,7 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(a: argparse.Namespace) -> int:
     from ..cli.common import engine_from_args, setup_logging
+    from ..cli.run import apply_spec_args
 
     setup_logging(a.log_level)
     t0 = time.perf_counter()
@@ -58,6 +59,7 @@ def serve(a: argparse.Namespace) -> int:
         except OSError as e:
             raise ColibriError(f"--slot-save-path {slot_dir}: {e.strerror or e}") from None
     engine = engine_from_args(a)
+    apply_spec_args(engine, a)
     try:
         origins = [o.strip() for o in (a.allowed_origins or "").split(",") if o.strip()]
         state = ServerState(engine, a.model_id or default_model_id(a.model), a.api_key, slot_dir,
@@ -66,7 +68,8 @@ def serve(a: argparse.Namespace) -> int:
         config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         server = _DrainingServer(config, state, float(a.shutdown_grace))
-        print(f"colibri: serving '{state.model_id}' ({engine.n_slots} slots x {engine.ctx_size} ctx, loaded in "
+        print(f"colibri: serving '{state.model_id}' ({engine.n_slots} slots x {engine.ctx_size} ctx, "
+              f"KV cache {engine.kv_bytes() / 2**20:.0f} MiB {engine.kv_types}, loaded in "
               f"{time.perf_counter() - t0:.1f} s) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:
             server.run()

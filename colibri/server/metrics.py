@@ -30,13 +30,20 @@ class _EngineCollector(Collector):
                              ("expert_cache_hit_rate", "expert cache hits / lookups since load",
                               store.get("hit_rate", 0.0) if store.get("lookups") else 0.0),
                              ("batching_gain", "experts summed over requests / experts fetched per step",
-                              m.get("batching_gain", 1.0))):
+                              m.get("batching_gain", 1.0)),
+                             ("spec_acceptance_rate", "drafted tokens accepted / drafted tokens verified",
+                              m["spec_accepted"] / m["spec_drafted"] if m.get("spec_drafted") else 0.0),
+                             ("tokens_per_forward", "generated tokens per decode forward of a request (1: no drafts)",
+                              m.get("tokens_per_forward", 1.0))):
             yield GaugeMetricFamily(f"colibri_{name}", doc, value=v)
         for name, doc, v in (("engine_steps", "engine forward steps", m.get("steps", 0)),
                              ("expert_cache_hits", "expert cache hits", store.get("hits", 0)),
                              ("expert_cache_misses", "expert cache misses", store.get("misses", 0)),
                              ("disk_read_bytes", "bytes of expert weights read from disk", store.get("bytes_read", 0)),
-                             ("engine_busy_seconds", "time the engine thread spent in steps", m.get("busy_s", 0.0))):
+                             ("engine_busy_seconds", "time the engine thread spent in steps", m.get("busy_s", 0.0)),
+                             ("spec_draft_tokens", "drafted tokens verified (speculative decoding)",
+                              m.get("spec_drafted", 0)),
+                             ("spec_accepted_tokens", "drafted tokens accepted", m.get("spec_accepted", 0))):
             yield CounterMetricFamily(f"colibri_{name}", doc, value=v)
 
 

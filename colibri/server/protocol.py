@@ -176,6 +176,8 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
     json_schema: dict[str, Any] | None = None  # extension (llama-server): the schema itself
     grammar: str | None = None  # extension (llama-server): a GBNF (or Lark) grammar
+    # extension: "auto" | "lookup" | "off" (engine/speculative.py; unset: the server's --spec); refused by the engine
+    speculative: str | None = None
     user: str | None = None
     _grammar: tuple[str | None] | None = PrivateAttr(default=None)  # (constraint(),) once made
 
@@ -196,7 +198,8 @@ class _Sampling(_Strict):
                 "repeat_last_n": 64 if self.repeat_last_n is None else self.repeat_last_n,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "seed": None if self.seed is None else (self.seed + choice) % 2**63,
-                "logit_bias": self.token_biases(), "grammar": self.constraint()}
+                "logit_bias": self.token_biases(), "grammar": self.constraint(),
+                **({} if self.speculative is None else {"speculative": self.speculative})}
 
     @property
     def json_mode(self) -> bool:

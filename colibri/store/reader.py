@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -32,6 +33,9 @@ from ..format.integrity import Checks
 log = logging.getLogger("colibri")
 
 ALIGN = 4096  # O_DIRECT alignment we guarantee: page size, and the .coli record/tensor alignment
+# Reader threads, hence reads in flight at most: the store's default, and the queue depth the disk probe
+# (analysis/probe.py) reads at, so that the planner's disk speed is the one the reader can reach.
+IO_THREADS = 4
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -47,9 +51,11 @@ class RecordReader:
     O_DIRECT is in use (it can turn False after a refused read). `bytes_read` counts every
     byte requested through this reader (thread-safe). With `checks`, every read of a whole
     record or tensor is checksummed before it returns (a ContainerError naming the tensor).
+    `busy_s()` is the wall time during which at least one pread was in flight: bytes over it
+    is the bandwidth the reader achieved at the queue depth it ran at.
     """
 
-    def __init__(self, path: str | os.PathLike[str], threads: int = 4, direct: bool = True,
+    def __init__(self, path: str | os.PathLike[str], threads: int = IO_THREADS, direct: bool = True,
                  checks: Checks | None = None):
         self.path = os.fspath(path)
         self.checks = checks
@@ -73,6 +79,9 @@ class RecordReader:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
+        # The union of the preads' intervals: overlapping reads count once, so this is wall time the
+        # disk had work queued, not thread-seconds (which would divide the bandwidth by the depth).
+        self._busy, self._active, self._since = 0.0, 0, 0.0
 
     def _fall_back(self, err: OSError) -> None:
         with self._lock:
@@ -93,17 +102,11 @@ class RecordReader:
             raise ValueError("read_into needs a 1-D uint8 CPU tensor with room for the bytes")
         view = memoryview(buf.numpy())
         span = min(round_up(nbytes), buf.numel())
-        if (self.direct and offset % ALIGN == 0 and span % ALIGN == 0
-                and buf.data_ptr() % ALIGN == 0):
-            try:
-                got = _pread_full(self._dfd, view[:span], offset, nbytes)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._fall_back(e)
-                got = _pread_full(self._fd, view[:nbytes], offset, nbytes)
-        else:
-            got = _pread_full(self._fd, view[:nbytes], offset, nbytes)
+        self._begin()
+        try:
+            got = self._pread(view, offset, nbytes, span, buf.data_ptr())
+        finally:
+            self._end()
         if got < nbytes:
             raise ColibriError(f"{self.path}: short read at offset {offset} ({got} of {nbytes} bytes)")
         if check and self.checks is not None:
@@ -111,6 +114,35 @@ class RecordReader:
         with self._lock:
             self.bytes_read += nbytes
             self.reads += 1
+
+    def _pread(self, view: memoryview, offset: int, nbytes: int, span: int, addr: int) -> int:
+        """O_DIRECT where the range and buffer allow (falling back for good if refused), else buffered."""
+        if (self.direct and offset % ALIGN == 0 and span % ALIGN == 0
+                and addr % ALIGN == 0):
+            try:
+                return _pread_full(self._dfd, view[:span], offset, nbytes)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._fall_back(e)
+        return _pread_full(self._fd, view[:nbytes], offset, nbytes)
+
+    def _begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+
+    def _end(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._busy += time.perf_counter() - self._since
+
+    def busy_s(self) -> float:
+        """Wall seconds so far during which at least one pread was in flight (see the class doc)."""
+        with self._lock:
+            return self._busy + (time.perf_counter() - self._since if self._active else 0.0)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)

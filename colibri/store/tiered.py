@@ -41,7 +41,7 @@ from .experts import Experts
 from .loader import RecordLoader, adopt, release_free_heap
 from .lookahead import LookAhead
 from .placement import Placement
-from .reader import RecordReader, round_up
+from .reader import IO_THREADS, RecordReader, round_up
 from .sizes import ModelSizes, human, model_sizes
 from .weights import WeightStore, expert_weights
 
@@ -70,7 +70,7 @@ class TieredStore(WeightStore):
     def __init__(self, container: Container, compute_dtype: torch.dtype,
                  placement: Placement | PlacementFn | None = None, *, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
-                 gpu_device: str | torch.device | None = None, io_threads: int = 4, policy: str = "reuse",
+                 gpu_device: str | torch.device | None = None, io_threads: int = IO_THREADS, policy: str = "reuse",
                  prefetch_min_precision: float = PREFETCH_MIN_PRECISION, mmap: bool = False):
         super().__init__(container, compute_dtype)
         self.sizes = sizes = model_sizes(container, compute_dtype)
@@ -113,13 +113,15 @@ class TieredStore(WeightStore):
         self._prefixes: dict[int, str] = {}
         self.caches: dict[str, ExpertCache] = {}
         self._hooks: list = []
-        self.tok = {"prefill_tokens": 0, "prefill_bytes_read": 0, "decode_tokens": 0, "decode_bytes_read": 0}
+        self.tok = {"prefill_tokens": 0, "prefill_bytes_read": 0, "decode_tokens": 0, "decode_bytes_read": 0,
+                    "decode_io_wait_s": 0.0, "decode_reader_bytes": 0, "decode_reader_busy_s": 0.0}
         if self.read_mode or self._gpu_layers:
             self._load_dense()
         if not self.read_mode:  # mapped dense weights: count what forward passes will touch
             self.acct["ram_dense"] += sum(e["nbytes"] for n, e in container.header["tensors"].items()
                                           if "record" not in e and self._device_of(n) is None)
         self.load_bytes_read = self.reader.bytes_read
+        self._mark_step()
 
     # ------------------------------------------------------------------ dense weights
 
@@ -246,6 +248,7 @@ class TieredStore(WeightStore):
         self._move_gpu_layers(model, blocks)
         if self.prefetch_enabled and self.caches:
             self.source.ahead = LookAhead(self.source, blocks)
+        self._mark_step()  # (the loads and pins above are no step's reads)
 
     def _mapped_experts(self, layer: int) -> list[ExpertWeights]:
         """A RAM layer's experts as views of the mapping (no budget). The buffers the modules
@@ -347,6 +350,17 @@ class TieredStore(WeightStore):
         self.tok["prefill_tokens"] += prefill_rows
         self.tok["decode_tokens"] += decode_rows
         self.tok["prefill_bytes_read" if prefill_rows else "decode_bytes_read"] += bytes_read
+        # What the reader and the compute thread did since the last step, by the same rule: the split of
+        # a decode token's time into waiting on reads and the rest (docs/TIERS.md, "The streamed limit").
+        wait, nbytes, busy = self._mark
+        self._mark_step()
+        if not prefill_rows:
+            self.tok["decode_io_wait_s"] += self._mark[0] - wait
+            self.tok["decode_reader_bytes"] += self._mark[1] - nbytes
+            self.tok["decode_reader_busy_s"] += self._mark[2] - busy
+
+    def _mark_step(self) -> None:
+        self._mark = (sum(c.wait_s for c in self.caches.values()), self.reader.bytes_read, self.reader.busy_s())
 
     def resident_bytes(self) -> int:
         """RAM held by weights: dense + RAM-layer experts + the RAM expert cache (at capacity)."""
@@ -388,7 +402,8 @@ class TieredStore(WeightStore):
 
 COUNTERS = ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
             "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "io_wait_s", "prefill_tokens",
-            "prefill_bytes_read", "decode_tokens", "decode_bytes_read")
+            "prefill_bytes_read", "decode_tokens", "decode_bytes_read", "decode_io_wait_s", "decode_reader_bytes",
+            "decode_reader_busy_s")
 
 
 def derive(s: dict) -> dict:
@@ -401,6 +416,8 @@ def derive(s: dict) -> dict:
     s["decode_bytes_per_token"] = s["decode_bytes_read"] / s["decode_tokens"] if s["decode_tokens"] else 0.0
     s["prefetch_precision"] = s["pred_hits"] / s["pred_total"] if s["pred_total"] else 0.0
     s["prefetch_recall"] = s["pred_hits"] / s["actual_total"] if s["actual_total"] else 0.0
+    busy = s["decode_reader_busy_s"]
+    s["decode_read_bps"] = s["decode_reader_bytes"] / busy if busy > 0 else 0.0
     return s
 
 

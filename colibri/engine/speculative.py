@@ -1,0 +1,316 @@
+"""Speculative decoding, first slice: prompt-lookup drafts for greedy requests, verified in one step.
+
+A greedy request's decode row [next] becomes [next, d1..dk]: k tokens guessed by finding the longest n-gram
+(n = 3, 2, 1) that ends its context (prompt + generated) earlier in that context, and copying what followed its
+most recent occurrence (prompt lookup decoding; transformers' `prompt_lookup_num_tokens`). One forward computes
+the k + 1 rows; row i's argmax is the token plain decoding picks after d1..di, so draft i + 1 is accepted while
+it equals that pick, and the first pick that differs (or, all k accepted, row k's pick: a bonus) ends the run:
+1 to k + 1 tokens per forward, exactly plain decoding's tokens.
+
+Rollback is bookkeeping: the request's length (`Active.fed`) and its slot's record (`SlotPool.wrote`) advance by
+the fed token and the accepted drafts only. The rejected rows' K/V stay in the cache past that length, where
+attention never reads (a row reads the positions up to its own) and the next step overwrites them.
+
+Exactness needs a verify's rows to get what they get one at a time, so a model speculates (`Speculator.able`)
+where
+- every layer keeps plain K/V or MLA latents: a recurrent state (linear attention, Mamba, short convolutions) would
+  need rolling back to the last accepted row, which is not built; a sparse attention's indexer (DeepSeek-V3.2's,
+  MiniMax-M3's) picks each row's positions by a top-k, which the rounding of a step of more rows, or a tie broken
+  by the step's shape, changes (seen on the tiny models: other tokens);
+- and each row is computed alone: the native whole step (its kernels keep a row's accumulators to itself), or
+  torch at f32 (whose GEMMs round a row within f32 differently with the step's rows, as they do a batch's). torch
+  at bf16 rounds visibly: on the demo model one of six random draft patterns changed the 196th of 200 tokens.
+
+The gate (`choose`) sets the depth of each verify from measured figures: per draft position the chance it is
+accepted (counted per n-gram length by replaying the lookup against every token a request generates, drafted
+or not: the request's own counts once it has enough, else the engine's), and the seconds of a step by its rows
+(the runner's plain decode step or native run per token for none drafted; an EWMA per row count of the verify
+steps, unmeasured counts estimated from their measured neighbours, so that its first picks explore). It picks
+the depths maximizing expected tokens per second, 0 (plain decoding, which may then take the native multi-step
+runs) included. Where experts stream from disk "auto" does not draft: a draft row routes to experts of its own,
+read on a miss, and the look-ahead prefetch predicts one row a sequence; the gate's row costs do not model that
+yet ("lookup" still drafts there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..errors import ColibriError
+from ..kernels import native
+from ..layers.attention import KVCache
+from ..layers.mla import LatentCache
+from ..layers.moe import SwitchGLU
+from .sampling import greedy
+
+MODES = ("auto", "off", "lookup")
+NOT_BUILT = {"mtp": "multi-token-prediction heads", "draft": "a draft model"}
+# The longest n-gram matched first: a longer match is more specific, its continuation more often right.
+# Single tokens still match (an identifier, an indentation predicts what follows), but acceptance is counted per
+# match length, so the gate gives 1-gram matches the depth they earn, often none. 4+ grams add little: the
+# longest 3-gram match already points into the repeated passage.
+NGRAM_MAX = 3
+DRAFT_MAX = 8  # the default most drafts per verify (submit's draft_max)
+CAP = native.MOE_MAX_ROWS  # a verify step stays within the native kernels' rows: so does its draft depth
+OWN_SEEN = 16  # a request's own acceptance counts for a position are used once this many proposals reached it
+EWMA = 0.25  # weight of a verify step's new timing
+
+
+def check(mode: object, draft_max: object) -> None:
+    """Refuse an unknown mode or depth in one line (Engine.submit)."""
+    if mode in NOT_BUILT:
+        raise ColibriError(f"speculative={mode!r} ({NOT_BUILT[mode]}) is not built yet; use 'auto', 'lookup' or 'off'")
+    if mode not in MODES:
+        raise ColibriError(f"speculative must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if isinstance(draft_max, bool) or not isinstance(draft_max, int) or not 0 <= draft_max < CAP:
+        raise ColibriError(f"draft_max must be an integer in [0, {CAP - 1}], got {draft_max!r}")
+
+
+# An n-gram's key: its ids packed BITS apiece into one int (vocabularies stay far below 2^21 ids; a collision
+# would only propose a wrong draft, which the verify rejects). Ints, not tuples: a 32k-token prompt indexed in
+# 15 ms instead of 107 (tuples are objects the garbage collector then walks).
+BITS = 21
+
+
+def _key(gram: list[int]) -> int:
+    k = 0
+    for t in gram:
+        k = k << BITS | t
+    return k
+
+
+class Lookup:
+    """One request's context and its n-gram index: for n = 1..NGRAM_MAX, n-gram -> the position just past its most
+    recent occurrence that has a token after it. Updated as tokens arrive (NGRAM_MAX dict writes a token), never
+    rescanned."""
+
+    def __init__(self, context: list[int]):
+        self.tokens: list[int] = []
+        self.index: list[dict[int, int]] = [{} for _ in range(NGRAM_MAX + 1)]  # [n]: {n-gram key: position after}
+        self.extend(context)
+
+    def extend(self, new: list[int]) -> None:
+        """Index toks[j - n : j] -> j for the new positions j (later ones win: the most recent occurrence)."""
+        toks = self.tokens
+        j0 = len(toks)
+        toks.extend(new)
+        L = len(toks)
+        if L - j0 < 16:  # a token or a few (decoding)
+            for j in range(max(j0, 1), L):
+                for n in range(1, min(NGRAM_MAX, j) + 1):
+                    self.index[n][_key(toks[j - n : j])] = j
+            return
+        arr = np.asarray(toks, dtype=np.int64)  # a prompt: every position's keys at once
+        for n in range(1, NGRAM_MAX + 1):
+            lo = max(j0, n)
+            key = np.zeros(L - lo, dtype=np.int64)  # [L - lo]
+            for m in range(n):
+                key = key << BITS | arr[lo - n + m : L - n + m]
+            self.index[n].update(zip(key.tolist(), range(lo, L)))
+
+    def propose(self, k: int) -> tuple[int, list[int]]:
+        """(n, up to k drafts): what followed the most recent earlier occurrence of the longest n-gram ending the
+        context; (0, []) without a match. A copy that reaches the context's end goes on over its own output
+        (LZ77's overlapping copy): a match one period back continues the period."""
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(NGRAM_MAX, L), 0, -1):
+            j = self.index[n].get(_key(toks[L - n :]))
+            if j is not None:
+                src = toks[j : j + k]
+                return n, [src[i % len(src)] for i in range(k)]
+        return 0, []
+
+
+class Acceptance:
+    """Counts per (match length n, draft position i): proposals that reached position i, and of them how many had
+    draft i right."""
+
+    def __init__(self):
+        self.seen = np.zeros((NGRAM_MAX + 1, CAP), dtype=np.int64)
+        self.ok = np.zeros((NGRAM_MAX + 1, CAP), dtype=np.int64)
+
+    def add(self, n: int, drafted: int, accepted: int) -> None:
+        self.seen[n, : min(accepted + 1, drafted)] += 1
+        self.ok[n, :accepted] += 1
+
+
+class RequestSpec:
+    """A speculating request's state: its lookup, and the replay that counts its acceptance (`sync`)."""
+
+    def __init__(self, mode: str, draft_max: int, context: list[int]):
+        self.mode, self.draft_max = mode, draft_max
+        self.lookup = Lookup(context)
+        self.counts = Acceptance()
+        self.synced = 0  # generated tokens indexed
+        self.shadow: tuple[int, list[int], int] | None = None  # (n, drafts, matched so far) proposed at a token
+
+    def sync(self, generated: list[int], engine: Acceptance) -> None:
+        """Index the tokens generated since the last call, replaying the lookup on each: the drafts it would
+        propose there are matched against the tokens that came, as a verify would match them, and counted."""
+        for tok in generated[self.synced:]:
+            if self.shadow is not None:
+                n, drafts, i = self.shadow
+                if drafts[i] == tok and i + 1 < len(drafts):
+                    self.shadow = (n, drafts, i + 1)
+                else:  # a draft missed, or the last one was right: the verify this replays ends here
+                    got = i + (drafts[i] == tok)
+                    self.counts.add(n, len(drafts), got)
+                    engine.add(n, len(drafts), got)
+                    self.shadow = None
+            self.lookup.extend([tok])
+            if self.shadow is None:
+                n, drafts = self.lookup.propose(self.draft_max)
+                self.shadow = (n, drafts, 0) if drafts else None
+        self.synced = len(generated)
+
+    def gains(self, engine: Acceptance, n: int, k: int) -> np.ndarray:
+        """[k]: the expected extra tokens of drafts 1..k of an n-gram match: products of the acceptance rates of
+        the positions up to each (own counts where there are enough, else the engine's; a count of none: 1/2)."""
+        own = self.counts.seen[n, :k] >= OWN_SEEN
+        seen = np.where(own, self.counts.seen[n, :k], engine.seen[n, :k])
+        ok = np.where(own, self.counts.ok[n, :k], engine.ok[n, :k])
+        return np.cumprod((ok + 1) / (seen + 2))
+
+
+class StepCosts:
+    """Seconds of a verify step by its rows in all: an EWMA per row count; unmeasured counts linear between their
+    measured neighbours (the plain step at the low end), as the deepest measured beyond them (optimistic, so that
+    the gate tries them and they get measured)."""
+
+    def __init__(self):
+        self.s: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.s.get(rows)
+        self.s[rows] = seconds if old is None else old + EWMA * (seconds - old)
+
+    def estimate(self, T: int, plain_s: float) -> Callable[[int], float]:
+        """rows -> seconds, for steps of T sequences whose plain step takes plain_s."""
+        pts = [(T, plain_s)] + sorted((r, s) for r, s in self.s.items() if r > T)
+
+        def seconds(rows: int) -> float:
+            if rows == T:
+                return plain_s
+            if rows in self.s:
+                return self.s[rows]
+            for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+                if r0 < rows < r1:
+                    return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+            return pts[-1][1]
+        return seconds
+
+
+def choose(gains: list[np.ndarray], rows: int, tokens: float, seconds: Callable[[int], float], cap: int) -> list[int]:
+    """The gate: drafts to verify per candidate, given each one's expected extra tokens per draft (gains[j] [k_j],
+    non-increasing), a step of `rows` rows giving `tokens` expected tokens without them, and `seconds(rows)`.
+    Each draft adds a row; the best m drafts are the m largest gains (a prefix of each candidate's), so the
+    depths maximizing expected tokens per second are the best prefix of the merged gains. Ties keep fewer rows."""
+    order = sorted((-float(g), j, i) for j, gs in enumerate(gains) for i, g in enumerate(gs))
+    best, best_m = tokens / seconds(rows), 0
+    for m, (g, _, _) in enumerate(order[: max(cap - rows, 0)], 1):
+        tokens -= g
+        rate = tokens / seconds(rows + m)
+        if rate > best:
+            best, best_m = rate, m
+    depths = [0] * len(gains)
+    for _, j, _ in order[:best_m]:
+        depths[j] += 1
+    return depths
+
+
+class Speculator:
+    """The engine's side: which requests speculate, their drafts each step (`plan`), the verify (`accept`), the
+    measured figures and the counters (metrics)."""
+
+    def __init__(self, able: bool, streamed: bool, ctx: int):
+        self.able, self.streamed, self.ctx = able, streamed, ctx  # (module doc)
+        self.acceptance = Acceptance()
+        self.costs = StepCosts()
+        self.drafted = self.accepted = self.forwards = 0  # engine-wide: verified drafts, decode forwards
+
+    def state(self, a) -> RequestSpec | None:
+        """The request's RequestSpec (engine/scheduler.py Active.spec), made at its first decode step; None where
+        it cannot speculate: not greedy, a processor, a grammar, log-probs or prompt scoring; a model that cannot
+        (`able`); "auto" where experts stream."""
+        if a.spec is None:
+            h, p = a.h, a.picker
+            mode = "off" if self.streamed and h.speculative == "auto" else h.speculative
+            able = (self.able and mode != "off" and h.draft_max > 0 and p.run_spec is not None
+                    and p.run_spec[0] == 0.0 and p.run_procs() is None and p.sp.logprobs is None
+                    and h.prompt_logprobs is None and not h.want_logits)
+            a.spec = RequestSpec(h.speculative, h.draft_max, h.prompt_ids) if able else False
+        return a.spec or None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, plan, caches: list, ctx: int) -> Speculator:
+        """For a loaded model: its decode plan (engine/decode_plan.py) and a slot's layer caches (module doc)."""
+        nat = plan.native_layers()
+        alone = plan.tail is not None and nat is not None and not nat.cached  # the native whole step
+        f32 = model.model.embed_tokens.out_dtype == torch.float32
+        plain = all(type(c) in (KVCache, LatentCache) for c in caches)
+        streamed = any(not m.source.holds_all(m.layer) for m in model.modules() if isinstance(m, SwitchGLU))
+        return cls(plain and (alone or f32), streamed, ctx)
+
+    def plan(self, chunks: list, plain_s: float | None) -> bool:
+        """Append drafts to the decode chunks (engine/scheduler.py Chunk) of requests that speculate, every row's
+        logits kept; whether the step must stay a single step (drafts to verify, or a "lookup" request: it looks
+        up every step). A step with prompt rows drafts nothing: its row budget is the prompt's."""
+        if any(c.start < c.a.prompt_len for c in chunks):
+            return False
+        hold, cands = False, []  # cands: (chunk, its RequestSpec, n, drafts)
+        for c in chunks:
+            st = self.state(c.a) if c.sample else None
+            if st is None:
+                continue
+            h = c.a.h
+            st.sync(h.tokens, self.acceptance)
+            hold |= st.mode == "lookup"
+            # k + 1 tokens at most come out: no more than are left to generate, at positions inside the context
+            k = min(st.draft_max, h.max_tokens - h.stats.generated - 1, self.ctx - 1 - c.start)
+            n, drafts = st.lookup.propose(k) if k > 0 else (0, [])
+            if drafts:
+                cands.append((c, st, n, drafts))
+        rows = T = len(chunks)
+        tokens = float(T)
+        for c, st, n, drafts in cands:  # "lookup": every match verified, while the step's rows allow
+            if st.mode == "lookup" and (d := _extend(c, drafts[: max(CAP - rows, 0)])):
+                rows += d
+                tokens += float(st.gains(self.acceptance, n, d).sum())
+        gated = [x for x in cands if x[1].mode == "auto"]
+        if gated and plain_s is not None:  # (plain decoding's cost is measured first)
+            gains = [st.gains(self.acceptance, n, len(d)) for _, st, n, d in gated]
+            for (c, _, _, drafts), k in zip(gated, choose(gains, rows, tokens, self.costs.estimate(T, plain_s), CAP)):
+                rows += _extend(c, drafts[:k])
+        return hold or rows > T
+
+    def accept(self, c, logits) -> list[int]:
+        """The tokens a verified chunk gives (logits [k + 1, V] of its rows): the target's picks while they equal
+        the drafts, then its first pick that differs, or its pick after the last draft."""
+        drafts = c.tokens[1:]
+        picks = []
+        for i in range(len(c.tokens)):
+            picks.append(greedy(logits[i]))  # (plain decoding's pick, row by row: the same function)
+            if i == len(drafts) or picks[i] != drafts[i]:
+                break
+        st = c.a.h.stats
+        st.drafted += len(drafts)
+        st.accepted += len(picks) - 1
+        self.drafted += len(drafts)
+        self.accepted += len(picks) - 1
+        return picks
+
+    def forward(self, a, n: int = 1) -> None:
+        """Count n decode forwards of a request (tokens per forward: 1 + accepted drafts / forwards)."""
+        a.h.stats.forwards += n
+        self.forwards += n
+
+
+def _extend(c, drafts: list[int]) -> int:
+    """Put the drafts after the chunk's token; their rows' logits are kept for the verify."""
+    if drafts:
+        c.tokens = [c.tokens[0], *drafts]
+        c.drafts, c.all_rows = len(drafts), True
+    return len(drafts)

@@ -1,0 +1,276 @@
+"""Speculative decoding (engine/speculative.py): prompt-lookup drafts verified in one step give plain greedy
+decoding's tokens, whatever is accepted or rolled back, in a batch, at stops and limits; models it cannot roll
+back do not speculate; the gate picks no drafts where they do not pay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri.engine import speculative
+from colibri.engine.speculative import Acceptance, Lookup, RequestSpec, StepCosts, choose
+from colibri.errors import ColibriError
+from colibri.kernels import native
+
+REPEAT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200] * 3  # a prompt that repeats itself: lookup proposes at once
+N = 40
+
+
+def _run(llm, prompt=REPEAT, n=N, **kw):
+    h = llm.submit(prompt, n, temperature=0, ignore_eos=True, **kw)
+    return h.wait(), h
+
+
+@pytest.mark.parametrize("model_type,scheme", [("mixtral", "f32"), ("olmoe", "f32"), ("qwen3_moe", "f32"),
+                                               ("deepseek_v3", "f32"), ("gpt_oss", "f32"), ("olmoe", "int8")])
+def test_lookup_gives_plain_tokens(ckpt, model_type, scheme) -> None:
+    """MLA latents, attention sinks and a sliding window (gpt-oss's, 8 positions) included; int8 on the native
+    kernels, whose plain decoding takes native runs. Drafts are proposed, some accepted, some rejected."""
+    if scheme != "f32" and not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    with colibri.load(ckpt.coli(model_type, scheme), ctx_size=128, threads=2) as llm:
+        ref, _ = _run(llm, speculative="off")
+        got, h = _run(llm, speculative="lookup")
+        auto, _ = _run(llm, speculative="auto")
+        st, m = h.stats, llm.metrics()
+    assert got == ref and auto == ref and len(ref) == N
+    assert 0 < st.accepted < st.drafted and st.tokens_per_forward > 1
+    assert st.forwards + st.accepted == N - 1  # every token after the prefill's from a forward: its own or a draft
+    assert m["spec_drafted"] >= st.drafted and m["spec_accepted"] >= st.accepted and m["tokens_per_forward"] > 1
+
+
+def _source(monkeypatch, ref: list[int], prompt_len: int, kind: str) -> None:
+    """Drafts from plain decoding's own continuation: all right ("accept"), all wrong ("reject"), or right up to
+    a depth that cycles through 0..k from one verify to the next ("cycle": every rollback length)."""
+    calls = [0]
+
+    def propose(self, k):
+        g = len(self.tokens) - prompt_len  # tokens generated, the one to feed included
+        true = ref[g : g + k]
+        if not true:
+            return 0, []
+        true += [true[-1]] * (k - len(true))  # (past the reference: anything)
+        if kind == "accept":
+            return 3, true
+        if kind == "reject":
+            return 3, [(t + 1) % 300 for t in true]
+        calls[0] += 1
+        cut = calls[0] % (k + 1)
+        return 3, [(t + 1) % 300 if i == cut else t for i, t in enumerate(true)]
+
+    monkeypatch.setattr(Lookup, "propose", propose)
+
+
+@pytest.mark.parametrize("kind,scheme", [("accept", "f32"), ("reject", "f32"), ("cycle", "f32"), ("cycle", "int8")])
+def test_forced_drafts_roll_back_to_plain_tokens(ckpt, monkeypatch, kind, scheme) -> None:
+    """Whatever the drafts, the tokens are plain decoding's (int8: on the native kernels); the slot's record holds
+    only the positions fed (the rejected rows' K/V are past it), so the next request reuses the slot's prefix and
+    continues as plain."""
+    if scheme != "f32" and not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    prompt = [1, 88, 5, 61, 230, 12, 9]
+    with colibri.load(ckpt.coli("olmoe", scheme), ctx_size=96, threads=2, slots=1) as llm:
+        ref, _ = _run(llm, prompt, speculative="off")
+        with monkeypatch.context() as mp:
+            _source(mp, ref, len(prompt), kind)
+            got, h = _run(llm, prompt, speculative="lookup")
+            assert llm.slots.tokens[0] == prompt + ref[:-1]
+            more, h2 = _run(llm, prompt + ref[:20], 12, speculative="lookup")
+    st = h.stats
+    assert got == ref and more == ref[20:32] and h2.stats.cached_tokens == len(prompt) + 19
+    assert st.drafted > 0 and st.forwards + st.accepted == N - 1
+    if kind == "accept":
+        assert st.accepted == st.drafted and st.tokens_per_forward > 4
+    elif kind == "reject":
+        assert st.accepted == 0 and st.tokens_per_forward == 1
+    else:
+        assert 0 < st.accepted < st.drafted
+
+
+def test_staggered_batch_with_drafts_matches_solo(ckpt) -> None:
+    """Two requests, the second joining while the first verifies drafts (its prefill steps draft nothing): each
+    gets its solo tokens; a plain request beside them too."""
+    prompts = [REPEAT, [1, 230, 12, 9, 77, 41, 130, 2, 66] * 2, [1, 88, 5, 61]]
+    with colibri.load(ckpt.coli("qwen3_moe", "f32"), ctx_size=128, threads=2, slots=3) as llm:
+        solo = [_run(llm, p, speculative="off")[0] for p in prompts]
+        hs = []
+        for p, mode in zip(prompts, ("lookup", "lookup", "off")):
+            hs.append(llm.submit(p, N, temperature=0, ignore_eos=True, speculative=mode))
+            it = iter(hs[-1])
+            for _ in range(3):
+                next(it)
+        assert [h.wait() for h in hs] == solo
+    assert all(h.stats.drafted > 0 for h in hs[:2]) and hs[2].stats.drafted == 0
+
+
+def test_stops_and_limits_inside_an_accepted_run(ckpt, monkeypatch) -> None:
+    """A stop id, max_tokens and the context's end met among accepted drafts end the request there, as in plain
+    decoding."""
+    prompt = [1, 88, 5, 61, 230, 12, 9]
+    path = ckpt.coli("olmoe", "f32")
+    with colibri.load(path, ctx_size=96, threads=2) as llm:
+        ref, _ = _run(llm, prompt, speculative="off")
+        j = next(j for j in range(3, N) if ref[j] not in ref[:j])  # the first of its kind
+        with monkeypatch.context() as mp:
+            _source(mp, ref, len(prompt), "accept")
+            got, h = _run(llm, prompt, stop_ids=(ref[j],), speculative="lookup")
+            # (plain decoding takes j forwards to meet it; runs of 9 tokens a forward met it inside one)
+            assert got == ref[:j] and h.finish_reason == "stop" and h.stats.forwards <= j // 9 + 1
+            got, h = _run(llm, prompt, 6, speculative="lookup")
+            assert got == ref[:6] and h.finish_reason == "length" and h.stats.accepted == 4
+        with monkeypatch.context() as mp:  # a stop as the correction of rejected drafts: the slot keeps what was fed
+            _source(mp, ref, len(prompt), "reject")
+            got, h = _run(llm, prompt, stop_ids=(ref[j],), speculative="lookup")
+            assert got == ref[:j] and h.stats.drafted > 0 and llm.slots.tokens[0] == prompt + ref[:j]
+    with colibri.load(path, ctx_size=len(prompt) + 7, threads=2) as llm:
+        with monkeypatch.context() as mp:
+            _source(mp, ref, len(prompt), "accept")
+            got, h = _run(llm, prompt, speculative="lookup")
+    assert got == ref[:8] and h.finish_reason == "ctx" and h.stats.accepted > 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v32"])
+def test_models_without_rollback_do_not_speculate(ckpt, model_type) -> None:
+    """A recurrent state (qwen3_next's linear attention) would need rolling back; a sparse attention's indexer
+    (deepseek_v32) can select other positions in a verify step: neither drafts, asked or not."""
+    with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=128, threads=2) as llm:
+        ref, _ = _run(llm, speculative="off")
+        got, h = _run(llm, speculative="lookup")
+    assert got == ref and h.stats.drafted == 0 and h.stats.tokens_per_forward == 1
+
+
+def test_streamed_experts_draft_only_when_asked(ckpt) -> None:
+    """Experts read from disk: "auto" does not draft (its row costs do not model the reads yet), "lookup" does,
+    with plain tokens."""
+    from colibri.format.container import Container
+    from colibri.store import Placement, model_sizes
+
+    path = ckpt.coli("olmoe", "f32")
+    with Container(path) as c:
+        n_layers = model_sizes(c).n_layers
+    with colibri.load(path, ctx_size=128, threads=2, placement=Placement(["disk"] * n_layers)) as llm:
+        ref, _ = _run(llm, speculative="off")
+        auto, ha = _run(llm, speculative="auto")
+        got, h = _run(llm, speculative="lookup")
+    assert auto == got == ref and ha.stats.drafted == 0 and 0 < h.stats.accepted < h.stats.drafted
+
+
+def test_requests_that_do_not_speculate(ckpt) -> None:
+    """Sampled requests, processors, log-probs and a bad mode: no drafts, or a one-line refusal."""
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=128, threads=2) as llm:
+        for kw in ({"temperature": 0.7, "seed": 1}, {"repeat_penalty": 1.2}, {"logprobs": 1}):
+            h = llm.submit(REPEAT, 16, ignore_eos=True, speculative="lookup", **{"temperature": 0, **kw})
+            h.wait()
+            assert h.stats.drafted == 0, kw
+        for mode, msg in (("mtp", "not built yet"), ("draft", "not built yet"), ("fast", "must be one of")):
+            with pytest.raises(ColibriError, match=msg):
+                llm.submit(REPEAT, 4, speculative=mode)
+        with pytest.raises(ColibriError, match="draft_max"):
+            llm.submit(REPEAT, 4, draft_max=64)
+        llm.speculative = "off"  # the engine's default (--spec): requests that do not say
+        assert _run(llm, n=16)[1].stats.drafted == 0
+
+
+def test_lookup_index() -> None:
+    """The longest n-gram ending the context, its most recent earlier occurrence, the copy running on over its own
+    output; the index kept up to date token by token is the index built at once."""
+    lk = Lookup([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
+    assert lk.propose(3) == (2, [4, 7, 1])  # (1, 2) last seen before 4
+    lk.extend([4])
+    assert lk.propose(4) == (3, [7, 1, 2, 4])  # (1, 2, 4)
+    assert Lookup([6, 6]).propose(5) == (1, [6, 6, 6, 6, 6])  # one period back: the period goes on
+    assert Lookup([1, 2, 3]).propose(4) == (0, [])
+    digits = [int(c) for c in "31415926535897932384626433832795028841971693993751"]
+    inc = Lookup(digits[:2])
+    for t in digits[2:]:
+        inc.extend([t])
+    bulk = Lookup(digits[:20])  # (a prompt: indexed at once)
+    bulk.extend(digits[20:])
+    assert inc.index == bulk.index and inc.propose(4) == bulk.propose(4) == (1, [6, 9, 3, 9])  # ...1 6 9 3 9 9 3 7 5 1
+
+
+def test_replayed_acceptance_counts() -> None:
+    """Every generated token replays the lookup: the drafts proposed there against the tokens that came."""
+    spec = RequestSpec("auto", 3, [1, 2, 3, 1, 2])
+    engine = Acceptance()
+    spec.sync([3, 1, 2, 9], engine)  # after 3: (1, 2, 3) proposes 1 2 3; 1 and 2 came, then 9
+    assert spec.counts.seen[3, :3].tolist() == [1, 1, 1] and spec.counts.ok[3, :3].tolist() == [1, 1, 0]
+    spec.sync([3, 1, 2, 9, 1, 2, 3], engine)  # after 9: no match; after 1: (1,) proposes 2 9 1; 2 came, then 3
+    assert spec.counts.seen[1, :3].tolist() == [1, 1, 0] and spec.counts.ok[1, :3].tolist() == [1, 0, 0]
+    assert (engine.seen == spec.counts.seen).all() and (engine.ok == spec.counts.ok).all()
+    assert spec.shadow == (3, [1, 2, 9], 0)  # after 3: (1, 2, 3) last seen before 1 2 9
+
+
+def test_the_gate() -> None:
+    """Injected figures: acceptance measured at 0 gives no drafts even when rows are nearly free; high acceptance
+    and cheap rows give the depth that maximizes tokens per second; rows that cost as much as plain steps give
+    none; the row cap holds."""
+    spec, engine = RequestSpec("auto", 8, [1]), Acceptance()
+    engine.seen[3, :8], engine.ok[3, :8] = 1000, 0
+    zero = spec.gains(engine, 3, 8)
+    assert zero.max() < 0.01
+    flat = StepCosts()
+    for r in range(2, 10):
+        flat.observe(r, 0.0101)
+    assert choose([zero], 1, 1.0, flat.estimate(1, 0.01), 64) == [0]
+    assert choose([np.zeros(8)], 1, 1.0, StepCosts().estimate(1, 0.01), 64) == [0]  # a tie keeps the plain step
+
+    engine.ok[3, :8] = 900
+    high = spec.gains(engine, 3, 8)
+    cheap = StepCosts()
+    for r in range(2, 10):
+        cheap.observe(r, 0.01 * (1 + 0.05 * (r - 1)))
+    assert choose([high], 1, 1.0, cheap.estimate(1, 0.01), 64) == [8]
+    dear = StepCosts()
+    for r in range(2, 10):
+        dear.observe(r, 0.01 * r)
+    assert choose([high], 1, 1.0, dear.estimate(1, 0.01), 64) == [0]
+    steep = StepCosts()  # cheap up to 3 rows, then dear: 2 drafts
+    for r, s in ((2, 0.0105), (3, 0.011), (5, 0.03), (9, 0.08)):
+        steep.observe(r, s)
+    assert choose([high], 1, 1.0, steep.estimate(1, 0.01), 64) == [2]
+    assert sum(choose([high, high], 60, 60.0, cheap.estimate(60, 0.01), 64)) == 4  # the cap: 64 rows
+    own = RequestSpec("auto", 8, [1])  # a request's own counts, once it has enough, over the engine's
+    own.counts.seen[3, :8] = speculative.OWN_SEEN
+    assert own.gains(engine, 3, 8).max() < 0.1 < high.min()
+
+
+def test_step_costs_estimate() -> None:
+    c = StepCosts()
+    est = c.estimate(1, 1.0)
+    assert est(1) == 1.0 and est(9) == 1.0  # nothing measured: as the plain step (its first picks explore)
+    c.observe(5, 2.0)
+    c.observe(5, 4.0)  # EWMA
+    est = c.estimate(1, 1.0)
+    assert est(5) == 2.5 and est(3) == pytest.approx(1.75) and est(9) == 2.5
+
+
+def test_cli_flags(capsys) -> None:
+    from colibri.cli.run import run_parser
+    from colibri.cli.serve import serve_parser
+
+    a = run_parser().parse_args(["--spec", "lookup", "--draft-max", "4", "-p", "x"])
+    assert (a.spec, a.draft_max) == ("lookup", 4)
+    assert serve_parser().parse_args([]).spec == "off"
+    with pytest.raises(SystemExit):
+        run_parser().parse_args(["--spec", "mtp"])
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_server_field_timings_and_metrics(server) -> None:
+    """A completion's `speculative` field, llama-server's draft timings, the refusal of what is not built, and
+    /metrics' acceptance and tokens per forward."""
+    from chat_server import AUTH
+
+    body = {"prompt": REPEAT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    status, off = server.request("POST", "/v1/completions", {**body, "speculative": "off"}, AUTH)
+    status2, on = server.request("POST", "/v1/completions", {**body, "speculative": "lookup"}, AUTH)
+    assert status == status2 == 200 and on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert "draft_n" not in off["timings"] and 0 < on["timings"]["draft_n_accepted"] < on["timings"]["draft_n"]
+    status, err = server.request("POST", "/v1/completions", {**body, "speculative": "mtp"}, AUTH)
+    assert status == 400 and "not built yet" in err["error"]["message"]
+    metrics = server.request("GET", "/metrics")[1]
+    drafted = next(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("colibri_spec_draft_tokens"))
+    tpf = next(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("colibri_tokens_per_forward"))
+    assert drafted >= on["timings"]["draft_n"] and tpf > 1
