@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ColibriError
+from ..kernels import native
 
 BLOCK = 32
 F16_MAX = 65504.0
@@ -87,9 +88,8 @@ DEFAULT = KVTypes()
 
 
 def row_bytes(t: KVType, dim: int) -> int:
-    """Bytes of one quantized row of `dim` values."""
-    nb = dim // BLOCK
-    return 2 * nb + (dim if t == KVType.Q8_0 else dim // 2)
+    """Bytes of one quantized row of `dim` values (the kernels' own count)."""
+    return native.kv_row_bytes(int(t), dim)
 
 
 def check_dim(t: KVType, dim: int, what: str) -> None:
