@@ -123,7 +123,8 @@ class Engine:
                  placement: Placement | PlacementFn | None = None, mem_budget: int | str | None = None,
                  gpu_budget: int | str | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None,
-                 mmap: bool = False, kv_type: str | tuple[str, str] | KVTypes | None = None):
+                 mmap: bool = False, kv_type: str | tuple[str, str] | KVTypes | None = None,
+                 cluster: str | None = None, cluster_stages: int | None = None, cluster_timeout: float | None = None):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -147,13 +148,19 @@ class Engine:
         self.scheme = c.quant.get("scheme", "bf16")
         self.dtype = dtype or compute_dtype_for(self.scheme)
         self.model, self.args = build(c.model_type, self.config)
-        if placement is None:  # the planner: no tier flags -> place by budgets and free memory
+        self.cluster, keep = cluster, None
+        if cluster is not None:  # the layers run on stages (colibri/cluster); this process: the ends
+            from .cluster.elsewhere import hold
+
+            keep = hold(self.model, 0, 0, ends=True)
+            placement, cluster_budget, mem_budget = Placement(["ram"] * len(self.model.model.layers)), mem_budget, None
+        elif placement is None:  # the planner: no tier flags -> place by budgets and free memory
             from .plan import placement_fn
 
             placement = placement_fn(c, ctx_size * slots, kv_types=self.kv_types)
         self.store = TieredStore(c, self.dtype, placement, mem_budget=mem_budget, gpu_budget=gpu_budget,
                                  prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device, policy=cache_policy,
-                                 mmap=mmap)
+                                 mmap=mmap, keep=keep)
         try:
             bind(self.model, self.store)
             self.store.attach(self.model)
@@ -161,8 +168,16 @@ class Engine:
             self.model.eval()
             self.ctx_size, self.n_slots = ctx_size, slots
             self.vocab_rows = self.model.model.embed_tokens.num_embeddings
-            self.slots = SlotPool(self.model, slots, ctx_size, self.dtype, self.store.layer_device, self.kv_types)
-            self.plan = DecodePlan(self.model)  # which backend runs which layers, decided once
+            if cluster is not None:
+                from .cluster.head import open_cluster
+
+                kv = (self.kv_types.k.label, self.kv_types.v.label)
+                self.slots, self.plan = open_cluster(self, cluster, cluster_stages, cluster_budget, dict(
+                    ctx=ctx_size, slots=slots, dtype=str(self.dtype).removeprefix("torch."), kv=kv,
+                    prefetch=prefetch, direct_io=direct_io, cache_policy=cache_policy), cluster_timeout)
+            else:
+                self.slots = SlotPool(self.model, slots, ctx_size, self.dtype, self.store.layer_device, self.kv_types)
+                self.plan = DecodePlan(self.model)  # which backend runs which layers, decided once
             log.info("colibri: %s", self.plan.describe())
         except BaseException:
             self.store.close()
@@ -177,6 +192,8 @@ class Engine:
         self._runner = Runner(self.model, self.plan, self._sched, self.store, self.threads,
                               lambda: self.tokenizer.eos_ids)
         self._runner.run_s = None if decode_run_ms is None else decode_run_ms / 1000
+        if cluster is not None:  # the experts live on the stages
+            self._runner.n_experts = {k: v for s in self.plan.stages for k, v in s.info["n_experts"].items()}
         self._grammars = GrammarCompiler(self.tokenizer.tk, self.vocab_rows)
         self._local = _PerThread()
         self._closed = False
@@ -417,7 +434,7 @@ class Engine:
     def health(self) -> dict:
         """Slots busy/free and queue length."""
         self._check_open()
-        return self._sched.counts()
+        return {**self._sched.counts(), **(self.plan.health() if self.cluster else {})}
 
     def metrics(self) -> dict:
         """Engine counters (requests, tokens, steps, batching gain) and the store's (hit rate, bytes read)."""
@@ -434,6 +451,8 @@ class Engine:
                    tokens_per_forward=1 + spec.accepted / spec.forwards if spec.forwards else 1.0)
         out.update(self._sched.counts())
         out["store"] = self.store.stats()
+        if self.cluster:
+            out["cluster"] = self.plan.counters()
         return out
 
     def store_stats(self) -> dict:
@@ -454,6 +473,8 @@ class Engine:
     def save_prompt_cache(self, path: str | os.PathLike, slot: int = 0) -> int:
         """Write a free slot's token ids and their K/V to `path` (engine/kvfile.py); returns the positions
         written. `load_prompt_cache` in a later run lets a prompt that starts the same skip that part."""
+        if self.cluster:
+            raise ColibriError("prompt cache files are not available on a cluster yet: the K/V live on its stages")
         from .engine import kvfile
 
         with self._idle_slot(slot):
@@ -462,6 +483,8 @@ class Engine:
     def load_prompt_cache(self, path: str | os.PathLike, slot: int = 0) -> int:
         """Fill a free slot from a file of `save_prompt_cache` (same model and dtype, else ColibriError);
         returns the positions loaded."""
+        if self.cluster:
+            raise ColibriError("prompt cache files are not available on a cluster yet: the K/V live on its stages")
         from .engine import kvfile
 
         with self._idle_slot(slot):
@@ -530,6 +553,8 @@ class Engine:
 
 def _shutdown(runner: Runner, store: TieredStore, container: Container) -> None:
     runner.close()
+    if hasattr(runner.plan, "close"):  # a cluster's stages (colibri/cluster/head.py)
+        runner.plan.close()
     native.background_wait()  # (its read-ahead of the weights, before the file goes)
     store.close()
     container.close()

@@ -26,3 +26,8 @@ class SlotBusyError(ColibriError):
 
 class ContainerError(ColibriError):
     """A .coli container cannot be written, opened, validated or read."""
+
+
+class StageLostError(ColibriError):
+    """A cluster stage's process died mid-step: every request in flight lost its K/V on that stage
+    (colibri/cluster)."""

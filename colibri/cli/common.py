@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ColibriError
+from .clusterflags import add_cluster_args, check_cluster_args
 from .kvflags import add_cache_type_args
 
 log = logging.getLogger("colibri")
@@ -123,6 +124,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False,
                    help="reuse the K/V a free slot holds for the start of a new prompt (a chat's earlier turns); "
                         "off while routes are traced or logged")
     add_cache_type_args(g)
+    add_cluster_args(p, positive, number)
     g.add_argument("--verify", action="store_true", help="verify every checksum of the container before running")
     g.add_argument("--log-level", default="warning", choices=["error", "warning", "info", "debug"],
                    help="stderr verbosity; debug logs each token's experts and routing weights per layer")
@@ -253,8 +255,10 @@ def engine_from_args(a: argparse.Namespace):
 
     model = resolve_model(a)
     check_engine_args(a)
+    check_cluster_args(a, ColibriError)
     kv_types = (a.cache_type_k, a.cache_type_v)
-    check_kv_fits(model, a.ctx_size, a.slots, kv_types)
+    if a.cluster is None:  # (on a cluster the K/V live on the stages)
+        check_kv_fits(model, a.ctx_size, a.slots, kv_types)
     mem_budget = parse_size(a.mem_budget) if a.mem_budget is not None else None
     gpu_budget = parse_size(a.gpu_budget) if a.gpu_budget is not None else None
     layer_flags = a.gpu_layers is not None or a.ram_layers is not None or a.disk_layers is not None
@@ -272,7 +276,8 @@ def engine_from_args(a: argparse.Namespace):
                      mem_budget=mem_budget, gpu_budget=gpu_budget, prefetch=not a.no_prefetch,
                      direct_io=a.direct_io, slots=a.slots, max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
                      route_trace=a.route_trace, cache_policy=a.cache_policy,
-                     cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap, kv_type=kv_types)
+                     cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap, kv_type=kv_types,
+                     cluster=a.cluster, cluster_stages=a.cluster_stages, cluster_timeout=a.cluster_timeout)
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
         if isinstance(e, RuntimeError) and "alloc" not in str(e) and "memory" not in str(e):

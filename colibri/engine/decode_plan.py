@@ -55,9 +55,12 @@ class DecodePlan:
     torch backend; `whole_step=False` keeps the embedding and head out of the native call (tests compare the
     forms bit for bit)."""
 
-    def __init__(self, model: nn.Module, native: bool = True, whole_step: bool = True):
+    def __init__(self, model: nn.Module, native: bool = True, whole_step: bool = True,
+                 held: tuple[int, int] | None = None):
         self.model = model
         self.n_layers = len(model.model.layers)
+        # the layers this process runs: all of them, or a cluster stage's range (colibri/cluster)
+        self.held = held or (0, self.n_layers)
         self.use_native, self.whole_step = native, whole_step
         # per block, the routed experts whose `route` the torch backend leaves for the plan to read
         self._experts = [[m for m in b.modules() if isinstance(m, SwitchGLU)] for b in model.model.layers]
@@ -72,21 +75,22 @@ class DecodePlan:
         _kernels.background_wait()  # (the kernels' read-ahead may be reading the old weights)
         self._ranges: dict[tuple[int, int], native_step.NativeLayers | str] = {}
         self._version = self.model.weights_version
-        L = self.n_layers
-        whole = self._native(0, L)
+        lo, L = self.held
+        whole = self._native(lo, L)
         self.tail = None
         if isinstance(whole, str):
-            self.segments = [Segment(0, L, "torch", whole)]
+            self.segments = [Segment(lo, L, "torch", whole)]
             return
-        self.tail = native_step.tail(self.model) if self.whole_step else None
+        self.tail = native_step.tail(self.model) if self.whole_step and self.held == (0, self.n_layers) else None
         what = ["one call a step"]
-        what.append("with the embedding and head" if self.tail is not None else
-                    "the embedding and head in torch" + ("" if self.whole_step else " (asked)"))
+        if self.held == (0, self.n_layers):
+            what.append("with the embedding and head" if self.tail is not None else
+                        "the embedding and head in torch" + ("" if self.whole_step else " (asked)"))
         if whole.cached:
             what.append(f"layers {_ranges(whole.cached)}'s experts stream: the call resumes after a miss")
         elif self.tail is not None:
             what.append("runs of decode steps")
-        self.segments = [Segment(0, L, "native", ", ".join(what))]
+        self.segments = [Segment(lo, L, "native", ", ".join(what))]
 
     def describe(self) -> str:
         """One line: which backend runs which layers and why (`colibri run --log-level info` prints it)."""
@@ -181,7 +185,7 @@ class DecodePlan:
 
     def native_layers(self) -> native_step.NativeLayers | None:
         """The whole model's native constants, None where its layers are on the torch backend (introspection)."""
-        nat = self._ranges[(0, self.n_layers)]
+        nat = self._ranges[self.held]
         return None if isinstance(nat, str) else nat
 
 

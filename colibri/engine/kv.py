@@ -58,8 +58,9 @@ class SlotPool:
             self.caches.append(caches)
         # Whether every layer's contents are indexed by position, so that a prefix of them can be kept (a
         # linear-attention, short-convolution or Mamba layer's state is the whole past: no prompt caching, nothing
-        # to save)
-        self.rewindable = all(c.parts() for c in self.caches[0]) if self.caches else True
+        # to save; a layer another cluster stage holds does not count here)
+        self.rewindable = all(c.parts() for c in self.caches[0] if not getattr(c, "elsewhere", False)) \
+            if self.caches else True
         self._free = list(range(n_slots))  # least recently released first
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # per slot: the ids its K/V hold
         self.copied = 0  # positions copied between slots (a shared prefix)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..errors import ColibriError
+from ..errors import ColibriError, StageLostError
 from ..kernels import native
 from ..layers.batch import Seq, StepBatch
 from ..layers.moe import SwitchGLU
@@ -212,6 +212,11 @@ class Runner:
             log.exception("colibri: engine step failed")
         for c in chunks:
             self.sched.finish(c.a, "error", e)
+        if isinstance(e, StageLostError):  # a cluster stage died with its K/V: every request in flight ends
+            self.plan.failed(e)
+            for a in list(self.sched.active):
+                self.sched.slots.forget(a.slot)
+                self.sched.finish(a, "error", e)
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise e
 

@@ -71,8 +71,12 @@ class TieredStore(WeightStore):
                  placement: Placement | PlacementFn | None = None, *, mem_budget: int | None = None,
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | torch.device | None = None, io_threads: int = IO_THREADS, policy: str = "reuse",
-                 prefetch_min_precision: float = PREFETCH_MIN_PRECISION, mmap: bool = False):
+                 prefetch_min_precision: float = PREFETCH_MIN_PRECISION, mmap: bool = False,
+                 keep: Callable[[str], bool] | None = None):
         super().__init__(container, compute_dtype)
+        # `keep(name)`: the tensors this process uses (a cluster stage holds a range of layers, the head only the
+        # ends: colibri/cluster); the others are never read, mapped or counted. None: all of them.
+        self.keep = keep or (lambda name: True)
         self.sizes = sizes = model_sizes(container, compute_dtype)
         if callable(placement):
             placement = placement(sizes, mem_budget, gpu_budget)
@@ -119,7 +123,7 @@ class TieredStore(WeightStore):
             self._load_dense()
         if not self.read_mode:  # mapped dense weights: count what forward passes will touch
             self.acct["ram_dense"] += sum(e["nbytes"] for n, e in container.header["tensors"].items()
-                                          if "record" not in e and self._device_of(n) is None)
+                                          if "record" not in e and self._device_of(n) is None and self.keep(n))
         self.load_bytes_read = self.reader.bytes_read
         self._mark_step()
 
@@ -132,7 +136,7 @@ class TieredStore(WeightStore):
     def _load_dense(self) -> None:
         """Read the dense tensors that need owned memory: all of them with a RAM budget (into one
         page-aligned arena, in parallel, O_DIRECT when allowed), and the GPU layers' ones."""
-        entries = [(n, e) for n, e in self.c.header["tensors"].items() if "record" not in e]
+        entries = [(n, e) for n, e in self.c.header["tensors"].items() if "record" not in e and self.keep(n)]
         cpu = [(n, e) for n, e in entries if self.read_mode and self._device_of(n) is None]
         gpu = [(n, e) for n, e in entries if self._device_of(n) is not None]
         if cpu:
@@ -162,6 +166,8 @@ class TieredStore(WeightStore):
     def _mapped(self, name: str, is_record: bool) -> bool:
         """Whether the engine uses this record/tensor through the file's mapping (`mmap`, no budget)."""
         i = layer_of(name)
+        if not self.keep(name):
+            return False
         if is_record:
             return i is None or i >= len(self.placement.tiers) or self.placement.tiers[i] == "ram"
         return self._device_of(name) is None

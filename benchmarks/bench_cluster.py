@@ -1,0 +1,225 @@
+"""Pipeline stages on a local Ray cluster (colibri/cluster) against the single-node engine, in the same run.
+
+    .venv/bin/python benchmarks/bench_cluster.py --part ram      # (a) the 0.44B OLMoE shape in RAM
+    .venv/bin/python benchmarks/bench_cluster.py --part capped   # (b) a model ~1.5x one node's memory cap
+
+Every node is a `ray start` process group on this machine (its own raylet and stage worker), stopped at the end.
+(a) single node vs 2 and 3 stages, 1 and 8 streams: tok/s, the ms a token gains per hop (hops: head -> stage 0
+-> ... -> head, S + 1 of them), bytes crossing processes per token, the pipeline's bubble. The single node runs
+with as many threads as one stage (`--threads`), so the difference is the pipeline's, not the cores'.
+(b) one node streaming the model under `memcap CAP` (its experts beyond `--mem-budget` read from disk, from a cold
+page cache) vs 2 nodes, each `ray start` under `memcap CAP` with the same --mem-budget, holding half the layers in
+RAM; the head process runs under the same cap. Peak memory per node from memcap's cgroup peak.
+Load average printed with every row; nothing else should run meanwhile (2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT.parent / "shared" / "tools"
+RAY = str(Path(sys.executable).parent / "ray")
+PROMPTS = ["The history of the city begins", "In a small village by the sea", "The theory of relativity says",
+           "Once upon a time there was", "The best way to cook rice is", "Machine learning models can",
+           "The river flows through the valley", "A good night's sleep helps"]
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] >= 20000:  # above Ray's worker ports
+                return s.getsockname()[1]
+
+
+class LocalCluster:
+    """A head node (no stage) and `n` stage nodes of `cpus` CPUs each, optionally each under memcap."""
+
+    def __init__(self, n: int, cpus: int, cap: str | None = None, budget: str | None = None):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        if budget:
+            self.env["COLIBRI_STAGE_BUDGET"] = budget
+        self.blocked: list[subprocess.Popen] = []
+        self.logs = []
+        node = ["--node-ip-address", "127.0.0.1"]
+        self._start(["--head", "--port", str(self.port), "--include-dashboard", "false", "--num-cpus", "0",
+                     *node], cap)
+        for _ in range(n):
+            self._start(["--address", self.address, "--num-cpus", str(cpus), "--resources", '{"colibri": 1}', *node],
+                        cap)
+        time.sleep(2)
+
+    def _start(self, args: list[str], cap: str | None) -> None:
+        if cap is None:
+            subprocess.run([RAY, "start", *args], check=True, capture_output=True, env=self.env, timeout=120)
+            return
+        log = open(f"/tmp/colibri-bench-cluster-{len(self.blocked)}.log", "w")  # memcap prints the peak at exit
+        self.logs.append(log.name)
+        self.blocked.append(subprocess.Popen([str(TOOLS / "memcap"), cap, RAY, "start", "--block", *args],
+                                             stdout=log, stderr=subprocess.STDOUT, env=self.env))
+        time.sleep(4)
+
+    def stop(self) -> list[int]:
+        """Stop every node; the memcap peaks (MiB) of the capped ones."""
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=self.env, timeout=120)
+        peaks = []
+        for p, log in zip(self.blocked, self.logs):
+            p.wait(60)
+            m = re.search(r"memcap: limit \S+, peak (\d+) MiB", Path(log).read_text())
+            peaks.append(int(m[1]) if m else -1)
+        return peaks
+
+
+def child(a: argparse.Namespace) -> None:
+    """One engine (single node or the head of a cluster): warm up, then 1 and 8 streams; JSON on stdout."""
+    import colibri
+    from colibri.api import peak_rss_mib
+
+    kw = dict(cluster=a.address, cluster_stages=a.stages) if a.address else {}
+    llm = colibri.load(a.model, ctx_size=256, threads=a.threads, slots=max(a.streams), cache_prompt=False,
+                       mem_budget=a.mem_budget, **kw)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    out = []
+    for n in a.streams:
+        for h in [llm.submit(ids[i], 16, ignore_eos=True) for i in range(n)]:  # warm-up: every path
+            h.wait()
+        m0, t0 = llm.metrics(), time.perf_counter()
+        hs = [llm.submit(ids[i], a.tokens, ignore_eos=True) for i in range(n)]
+        toks = [h.wait() for h in hs]
+        wall = time.perf_counter() - t0
+        m1 = llm.metrics()
+        gen = sum(len(t) for t in toks)
+        c0, c1 = m0.get("cluster", {}), m1.get("cluster", {})
+        row = {"streams": n, "tok_s": gen / wall, "ms_per_step": 1000 * wall / max(m1["steps"] - m0["steps"], 1),
+               "tokens": toks, "read_per_token": (m1["store"]["bytes_read"] - m0["store"]["bytes_read"]) / gen,
+               "load": os.getloadavg()[0]}
+        if c1:
+            st = llm.plan.stage_stats()
+            steps = c1["steps"] - c0["steps"]
+            row.update(moved_per_token=(c1["bytes_moved"] - c0["bytes_moved"]) / gen,
+                       bubble=(c1["bubble"] * c1["steps"] - c0["bubble"] * c0["steps"]) / max(steps, 1),
+                       read_per_token=sum(s["store"].get("bytes_read", 0) for s in st) / gen,
+                       stage_rss_mib=[s["peak_rss"] / 2**20 for s in st], layers=c1["layers"])
+        out.append(row)
+    out.append({"head_rss_mib": peak_rss_mib()})
+    llm.close()
+    print(json.dumps(out))
+
+
+def run_child(model: Path, threads: int, streams: str, tokens: int, *, address: str | None = None, stages: int = 0,
+              cap: str | None = None, budget: str | None = None) -> tuple[list[dict], int | None]:
+    cmd = [sys.executable, __file__, "--child", "--model", str(model), "--threads", str(threads), "--streams", streams,
+           "--tokens", str(tokens)]
+    if address:
+        cmd += ["--address", address, "--stages", str(stages)]
+    if budget:
+        cmd += ["--mem-budget", budget]
+    if cap:
+        subprocess.run([str(TOOLS / "evict"), str(model)], check=True)
+        cmd = [str(TOOLS / "memcap"), cap, *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    if p.returncode != 0:
+        sys.exit(f"run failed ({p.returncode}): {p.stderr[-3000:]}")
+    peak = re.search(r"memcap: limit \S+, peak (\d+) MiB", p.stderr)
+    return json.loads(p.stdout.strip().splitlines()[-1]), int(peak[1]) if peak else None
+
+
+def show(name: str, rows: list[dict], base: dict[int, dict] | None, hops: int, peaks=None) -> dict[int, dict]:
+    by = {r["streams"]: r for r in rows if "streams" in r}
+    for n, r in by.items():
+        line = f"| {name} | {n} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} |"
+        if base is None:
+            line += " 1.00x | - | - | - |"
+        else:
+            b = base[n]
+            same = "same" if r["tokens"] == b["tokens"] else "DIFFERENT"
+            added = (r["ms_per_step"] - b["ms_per_step"]) / hops
+            line += (f" {r['tok_s'] / b['tok_s']:.2f}x | {added:+.2f} | {r.get('moved_per_token', 0) / 1024:.1f} KiB |"
+                     f" {r.get('bubble', 0):.2f} | {same}")
+        line += f" {r['read_per_token'] / 2**20:.1f} MiB |"
+        if "stage_rss_mib" in r:
+            line += " " + "/".join(f"{x:.0f}" for x in r["stage_rss_mib"]) + " MiB |"
+        if peaks:
+            line += " " + "/".join(str(p) for p in peaks) + " MiB |"
+        print(line + f" {r['load']:.1f} |", flush=True)
+    return by
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("ram", "capped"), default="ram")
+    ap.add_argument("--workdir", default="/tmp/colibri-bench")
+    ap.add_argument("--model", default=None, help="(a): the 0.44B shape; (b): the 7B shape int8 (bench_capped.py)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="threads of the single node and of each stage")
+    ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--cap", default="4700M", help="(b): each node's memcap (the model ~1.5x it)")
+    ap.add_argument("--mem-budget", default="3800M", help="(b): each node's weights budget")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--stages", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        a.streams = [int(x) for x in a.streams.split(",")]
+        child(a)
+        return
+    work = Path(a.workdir)
+    if a.part == "ram":
+        model = Path(a.model or work / "olmoe-0.44b.int8.coli")
+        if not model.exists():
+            sys.exit(f"{model} missing: run benchmarks/bench_vs_llamacpp.py once (it writes the 0.44b shape)")
+        print(f"(a) {model.name} in RAM, {a.tokens} greedy tokens a stream, {a.threads} thread(s) per process; "
+              f"load {os.getloadavg()[0]:.1f}\n")
+        print("| engine | streams | tok/s | ms/step | vs single | ms added/hop | moved/token | bubble | tokens "
+              "| read/token | stage peak RSS | load |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+        rows, _ = run_child(model, a.threads, a.streams, a.tokens)
+        base = show("single node", rows, None, 1)
+        for n in (2, 3):
+            cl = LocalCluster(n, a.threads)
+            try:
+                rows, _ = run_child(model, a.threads, a.streams, a.tokens, address=cl.address, stages=n)
+            finally:
+                cl.stop()
+            show(f"{n} stages", rows, base, n + 1)
+        return
+    model = Path(a.model or work / "olmoe-7b.int8.coli")
+    if not model.exists():
+        sys.exit(f"{model} missing: run benchmarks/bench_capped.py once (it writes the 7B shape)")
+    size = model.stat().st_size
+    print(f"(b) {model.name} ({size / 2**30:.2f} GiB) = {size / _bytes(a.cap):.2f}x the cap {a.cap}; --mem-budget "
+          f"{a.mem_budget} per node; {a.tokens} greedy tokens a stream, {a.threads} thread(s) per process, cold "
+          f"page cache; load {os.getloadavg()[0]:.1f}\n")
+    print("| engine | streams | tok/s | ms/step | vs single | ms added/hop | moved/token | bubble | tokens "
+          "| read/token | stage peak RSS | cgroup peaks (head, nodes) | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    rows, peak = run_child(model, a.threads, a.streams, a.tokens, cap=a.cap, budget=a.mem_budget)
+    base = show("1 node, streamed", rows, None, 1, [peak])
+    cl = LocalCluster(2, a.threads, cap=a.cap, budget=a.mem_budget)
+    try:
+        subprocess.run([str(TOOLS / "evict"), str(model)], check=True)
+        rows, peak = run_child(model, a.threads, a.streams, a.tokens, address=cl.address, stages=2, cap=a.cap,
+                               budget=a.mem_budget)
+    finally:
+        peaks = cl.stop()
+    show("2 stages", rows, base, 3, [peak, *peaks[1:]])
+
+
+def _bytes(size: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)", size.upper())
+    return int(float(m[1]) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m[2]])
+
+
+if __name__ == "__main__":
+    main()

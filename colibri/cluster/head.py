@@ -1,0 +1,271 @@
+"""The head of a pipeline: the engine's scheduler, embedding, final norm, head and sampler stay here; the layers run
+on stage actors, one per Ray node that offers the resource `colibri`, each a contiguous range of layers.
+
+A step: the head embeds the rows, sends them through the stages in order (stage j's output ref goes straight into
+stage j+1's call: Ray moves it), and runs the head on what comes back. With several sequences in the step, their
+rows are cut into micro-batches (one per stage, whole sequences each) and every call is sent before any is
+awaited: while stage 1 runs micro-batch 0, stage 0 runs micro-batch 1 (GPipe's schedule within one step). A step
+of M micro-batches over S stages keeps each stage busy M of its M + S - 1 slots: the bubble is (S - 1) / (M + S - 1).
+Rows are independent outside attention, and attention is per sequence: the cut changes no bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.decode_plan import Segment
+from ..engine.kv import SlotPool
+from ..errors import ColibriError, StageLostError
+from ..layers.batch import StepBatch
+from ..store.sizes import model_sizes
+from . import nodes, wire
+from .split import layer_bytes, split
+from .stage import container_id
+
+log = logging.getLogger("colibri")
+
+
+@dataclass
+class StageRef:
+    actor: object
+    node: dict
+    name: str
+    index: int
+    lo: int = 0
+    hi: int = 0
+    threads: int = 1
+    info: dict | None = None
+
+    def __str__(self) -> str:
+        return f"stage {self.index} on {self.name} (layers {self.lo}-{self.hi - 1})"
+
+
+class StagedSlots(SlotPool):
+    """The head's slots: token bookkeeping only (its caches are `Absent`); a prefix copied between slots is
+    copied on every stage."""
+
+    def __init__(self, *a, plan: StagedPlan, **kw):
+        super().__init__(*a, **kw)
+        self.plan = plan
+        self.slot_of = {id(c): i for i, c in enumerate(self.caches)}
+        self.rewindable = all(s.info["rewindable"] for s in plan.stages)
+
+    def _copy(self, src: int, dst: int, start: int, end: int) -> None:
+        self.plan.call_all("copy", src, dst, start, end)
+        super()._copy(src, dst, start, end)
+
+    def forget_all(self) -> None:
+        for s in range(self.n_slots):
+            self.forget(s)
+
+
+class StagedPlan:
+    """The DecodePlan of a model whose layers run on cluster stages (engine/decode_plan.py: the same calls)."""
+
+    def __init__(self, model, stages: list[StageRef], opts: dict, deadline_s: float):
+        self.model, self.stages, self.opts, self.deadline_s = model, stages, opts, deadline_s
+        self.n_layers = len(model.model.layers)
+        self.held, self.tail, self.micro = (0, self.n_layers), None, True
+        self.segments = [Segment(s.lo, s.hi, "cluster", f"stage {s.index} on {s.name}") for s in stages]
+        self._routes: dict = {}
+        self.lost: str | None = None  # why the pipeline is down (a stage being restarted), None when whole
+        self._lock = threading.Lock()
+        self.steps = self.micro_batches = self.bytes_moved = 0
+        self.idle = 0.0
+
+    def describe(self) -> str:
+        parts = "; ".join(f"{s.info['plan'].removeprefix('decode plan: ')} on {s.name}" for s in self.stages)
+        return f"decode plan: cluster of {len(self.stages)} stages: {parts}"
+
+    def rebuild(self, *a, **kw) -> None:
+        pass
+
+    def native_layers(self):
+        return None
+
+    def run_steps(self, *a, **kw):
+        return None  # (no multi-step runs across stages: each token is one pass down the pipeline)
+
+    def take_routes(self) -> dict:
+        out, self._routes = self._routes, {}
+        return out
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(tokens)
+
+    def head(self, h: torch.Tensor, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.logits(h if out_rows is None else h[out_rows])
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self.lost is not None:
+            self.restore()
+        h = self.layers(self.embed(tokens), batch, 0, self.n_layers)
+        return self.head(h, out_rows)
+
+    def layers(self, h: torch.Tensor, batch: StepBatch, lo: int, hi: int) -> torch.Tensor:
+        if (lo, hi) != (0, self.n_layers):
+            raise ValueError("a cluster's head runs the whole pipeline, not a range of it")
+        slot_of = self.slot_of
+        segs = [(s.r0, s.r1, s.start, slot_of[id(s.caches)]) for s in batch.seqs]
+        groups = _micro_batches(segs, len(self.stages)) if self.micro else [segs]
+        outs = []
+        for g in groups:
+            r0, r1 = g[0][0], g[-1][1]
+            x = (wire.pack(h[r0:r1]), {})
+            local = [(a - r0, b - r0, start, slot) for a, b, start, slot in g]
+            for s in self.stages:  # (an actor call takes the ref of the one before: Ray hands the result over)
+                x = s.actor.run.remote(x, local)
+            outs.append(x)
+        S, M = len(self.stages), len(groups)
+        self.steps += 1
+        self.micro_batches += M
+        self.idle += (S - 1) / (M + S - 1)  # this step's bubble: each stage idle S - 1 of M + S - 1 turns
+        got = nodes.wait(outs, [f"the pipeline ({', '.join(map(str, self.stages))})"] * M, self.deadline_s)
+        # what crossed processes: the rows into each remote stage and back, the routes gathered on the way
+        remote = sum(not isinstance(s.actor, nodes.LocalActor) for s in self.stages)
+        self.bytes_moved += h.nbytes * (remote + 1 - isinstance(self.stages[-1].actor, nodes.LocalActor)) + sum(
+            t.nbytes for _, r in got for pair in r.values() for t in pair)
+        self._routes = _merge([wire.unpack_routes(r) for _, r in got])
+        rows = [wire.unpack(x, h.dtype) for x, _ in got]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    # ------------------------------------------------------------------ stages
+
+    def call_all(self, method: str, *args, deadline_s: float | None = None) -> list:
+        refs = [getattr(s.actor, method).remote(*args) for s in self.stages]
+        return nodes.wait(refs, [str(s) for s in self.stages], deadline_s or self.deadline_s)
+
+    def load(self) -> None:
+        """Every stage loads its range (in parallel); their reports kept."""
+        refs = [s.actor.load.remote(s.lo, s.hi, threads=s.threads, **self.opts) for s in self.stages]
+        for s, info in zip(self.stages, nodes.wait(refs, [str(s) for s in self.stages], nodes.LOAD_S)):
+            s.info = info
+
+    def restore(self) -> None:
+        """After a lost stage: wait for Ray to restart its actor and load its range again. Raises (the pipeline
+        stays down) when it does not come back."""
+        with self._lock:
+            if self.lost is None:
+                return
+            end = time.monotonic() + nodes.PING_S * 4
+            while True:  # Ray restarts the actor (a new process): "unavailable" until it is up
+                try:
+                    self.call_all("ping", deadline_s=max(end - time.monotonic(), 0.001))
+                    break
+                except StageLostError:
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(0.2)
+            stats = self.call_all("stats")
+            todo = [s for s, st in zip(self.stages, stats) if tuple(st["layers"]) != (s.lo, s.hi)]
+            refs = [s.actor.load.remote(s.lo, s.hi, threads=s.threads, **self.opts) for s in todo]
+            nodes.wait(refs, [str(s) for s in todo], nodes.LOAD_S)
+            log.warning("colibri: cluster whole again (%s reloaded)", ", ".join(map(str, todo)) or "no stage")
+            self.lost = None
+
+    def counters(self) -> dict:
+        """For Engine.metrics: steps down the pipeline, micro-batches, bytes moved, the mean bubble."""
+        return {"stages": len(self.stages), "steps": self.steps, "micro_batches": self.micro_batches,
+                "bytes_moved": self.bytes_moved, "bubble": self.idle / self.steps if self.steps else 0.0,
+                "layers": [(s.lo, s.hi) for s in self.stages], "nodes": [s.name for s in self.stages]}
+
+    def stage_stats(self) -> list[dict]:
+        """Each stage's own figures (peak RSS, its store's counters): one call to every stage."""
+        return self.call_all("stats")
+
+    def health(self) -> dict:
+        return {"cluster": "degraded" if self.lost else "ok", "stages": len(self.stages),
+                **({"cluster_error": self.lost} if self.lost else {})}
+
+    def close(self) -> None:
+        ray = nodes.ray()
+        try:
+            nodes.wait([s.actor.close.remote() for s in self.stages], [str(s) for s in self.stages], nodes.PING_S)
+        except ColibriError as e:
+            log.warning("colibri: %s", e)
+        for s in self.stages:
+            if not isinstance(s.actor, nodes.LocalActor):
+                ray.kill(s.actor, no_restart=True)
+
+    def failed(self, e: BaseException) -> None:
+        """A step raised: a lost stage takes the pipeline down until `restore`, and every slot's contents with it
+        (that stage's K/V are gone: no prompt may reuse them)."""
+        if isinstance(e, StageLostError):
+            self.lost = str(e)
+            self.slots.forget_all()
+
+
+def open_cluster(engine, address: str, n_stages: int | None, mem_budget: int | None, opts: dict,
+                 deadline_s: float | None) -> tuple[StagedSlots, StagedPlan]:
+    """Join the cluster, start a stage on each node, split the layers by the nodes' budgets, load them; the head's
+    slots and plan. `opts`: the stages' load options besides the range (ctx, slots, dtype, kv, prefetch, ...)."""
+    nodes.connect(address)
+    picked = nodes.pick_nodes(n_stages)
+    c = engine.container
+    me = nodes.ray().get_runtime_context().get_node_id()
+    stages = [StageRef(nodes.start_stage(n, str(c.path), local=n["NodeID"] == me), n, n["NodeManagerAddress"], j,
+                       threads=max(1, int(n.get("Resources", {}).get("CPU", 1)))) for j, n in enumerate(picked)]
+    for s in stages:
+        if isinstance(s.actor, nodes.LocalActor):  # runs in the engine thread, on the engine's threads
+            s.threads = 0
+    plan = None
+    try:
+        facts = nodes.wait([s.actor.facts.remote(mem_budget) for s in stages],
+                           [f"stage {s.index} on node {s.name}" for s in stages], nodes.PING_S * 4)
+        mine = container_id(c)
+        for s, f in zip(stages, facts):
+            s.name = f["name"]
+            if f["id"] != mine:
+                raise ColibriError(f"cluster: node {s.name}: its container {f['path']} differs from the head's "
+                                   f"{c.path} (header checksum {f['id']} vs {mine}); give every node the same file")
+        budgets = [f["budget"] if f["budget"] is not None else f["available"] for f in facts]
+        for s, (lo, hi) in zip(stages, split(layer_bytes(model_sizes(c, engine.dtype)), budgets)):
+            s.lo, s.hi = lo, hi
+        plan = StagedPlan(engine.model, stages, dict(opts, mem_budget=mem_budget), deadline_s or nodes.CALL_S)
+        plan.load()
+        slots = StagedSlots(engine.model, opts["slots"], opts["ctx"], engine.dtype, lambda i: torch.device("cpu"),
+                            engine.kv_types, plan=plan)
+        plan.slots, plan.slot_of = slots, slots.slot_of
+        for s in stages:
+            log.info("colibri: %s: %s; %s", s, s.info["placement"], s.info["plan"])
+        return slots, plan
+    except BaseException:
+        ray = nodes.ray()
+        for s in stages:
+            if not isinstance(s.actor, nodes.LocalActor):
+                ray.kill(s.actor, no_restart=True)
+        raise
+
+
+def _micro_batches(segs: list, n: int) -> list[list]:
+    """The step's sequences cut into at most n groups of whole sequences, rows as even as the cut allows."""
+    if n < 2 or len(segs) < 2:
+        return [segs]
+    n = min(n, len(segs))
+    total, groups, cur = segs[-1][1], [], []
+    for i, seg in enumerate(segs):
+        cur.append(seg)
+        left_groups = n - len(groups) - 1
+        if left_groups and (seg[1] >= total * (len(groups) + 1) / n or len(segs) - i - 1 == left_groups):
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _merge(parts: list[dict]) -> dict:
+    """Routes of every (micro-batch, stage) call -> one step's routes: per layer, rows in the step's order."""
+    by_layer: dict[int, list] = {}
+    for routes in parts:  # micro-batch-major: a layer's parts come in row order
+        for layer, r in routes.items():
+            by_layer.setdefault(layer, []).append(r)
+    return {layer: rs[0] if len(rs) == 1 else (torch.cat([r[0] for r in rs]), torch.cat([r[1] for r in rs]))
+            for layer, rs in by_layer.items()}

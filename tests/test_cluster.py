@@ -1,0 +1,174 @@
+"""colibri on a Ray cluster (colibri/cluster): pipeline stages give the single-node engine's bits (prompt logits,
+greedy tokens, seeded samples, staggered batches, reused slots), for plain, MLA, sliding-window-with-sinks and
+recurrent-hybrid families; faults end in one line naming the node, and a stage killed mid-generation fails the
+requests in flight, leaves the engine up (health: degraded) and the next request runs.
+
+The tests start their own local cluster (3 nodes on this machine, `ray start` with the resource `colibri`, a free
+port outside Ray's worker range) and stop it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import colibri
+from colibri.errors import ColibriError
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'colibri[cluster]')")
+
+RAY = str(Path(sys.executable).parent / "ray")
+PROMPTS = [[1, 17, 42, 99, 7, 150, 23, 64, 5, 200], [3, 9, 27, 81, 243, 11, 33], [250, 4, 8, 15, 16, 23, 42, 108]]
+N = 10
+
+
+def _free_port() -> int:
+    """A free TCP port above Ray's worker ports (10002-19999)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 20000:
+            return port
+
+
+def _ray(*args: str, env: dict | None = None) -> None:
+    subprocess.run([RAY, *args], check=True, capture_output=True, timeout=120, env=env)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    """Three local Ray nodes of one CPU each, offering `colibri`; yields the head's address."""
+    if not Path(RAY).exists() or shutil.which("ray", path=str(Path(RAY).parent)) is None:
+        pytest.skip("the `ray` command is not installed")
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", CUDA_VISIBLE_DEVICES="")
+    node = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--resources", '{"colibri": 1}']
+    try:
+        _ray("start", "--head", "--port", str(port), "--include-dashboard", "false", *node, env=env)
+        for _ in range(2):
+            _ray("start", "--address", address, *node, env=env)
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _ray("stop", "--force", env=env)
+
+
+def _generate(llm, prompt: list[int], **kw) -> list[int]:
+    return list(llm.generate_ids(prompt, N, ignore_eos=True, **kw))
+
+
+def _reference(path: Path) -> dict:
+    """The single-node engine's outputs for the checks below."""
+    with colibri.load(path, ctx_size=64, threads=1, slots=2) as llm:
+        return {"logits": llm.logits(PROMPTS[0]), "greedy": [_generate(llm, p, temperature=0) for p in PROMPTS],
+                "sampled": _generate(llm, PROMPTS[1], temperature=0.9, seed=7)}
+
+
+def _staggered(llm) -> list[list[int]]:
+    """Request 0 starts; request 1 joins after 3 of its tokens; request 2 takes the slot request 0 frees."""
+    a = llm.submit(PROMPTS[0], N, temperature=0, ignore_eos=True)
+    while a.stats.generated < 3 and not a.done:
+        time.sleep(0.002)
+    b = llm.submit(PROMPTS[1], N, temperature=0, ignore_eos=True)
+    got_a = a.wait()
+    c = llm.submit(PROMPTS[2], N, temperature=0, ignore_eos=True)
+    return [got_a, b.wait(), c.wait()]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
+def test_stages_give_the_single_node_bits(ckpt, cluster, model_type) -> None:
+    """f32: 2 and 3 stages, prompt logits bit for bit, greedy tokens, a seeded sample, staggered joins and a reused
+    slot, each equal to the single-node engine's."""
+    path = ckpt.coli(model_type, "f32")
+    ref = _reference(path)
+    for n in (2, 3):
+        with colibri.load(path, ctx_size=64, threads=1, slots=2, cluster=cluster, cluster_stages=n) as llm:
+            assert len(llm.plan.stages) == n
+            assert [s.lo for s in llm.plan.stages][0] == 0 and llm.plan.stages[-1].hi == llm.n_layers
+            assert torch.equal(llm.logits(PROMPTS[0]), ref["logits"])
+            assert [_generate(llm, p, temperature=0) for p in PROMPTS] == ref["greedy"]
+            assert _generate(llm, PROMPTS[1], temperature=0.9, seed=7) == ref["sampled"]
+            assert _staggered(llm) == ref["greedy"]
+            m = llm.metrics()
+            assert llm.health()["cluster"] == "ok" and m["steps"] > 0
+
+
+def test_micro_batches_pipeline_a_step_without_changing_it(ckpt, cluster) -> None:
+    """Three sequences in a step over 3 stages run as 3 micro-batches (the stages overlap them); the tokens are
+    those of each request alone, with micro-batching on and off."""
+    path = ckpt.coli("olmoe", "f32")
+    ref = _reference(path)["greedy"]
+    with colibri.load(path, ctx_size=64, threads=1, slots=3, cluster=cluster, cluster_stages=3) as llm:
+        hs = [llm.submit(p, N, temperature=0, ignore_eos=True) for p in PROMPTS]
+        assert [h.wait() for h in hs] == ref
+        assert llm.plan.micro_batches > llm.plan.steps  # some steps were cut
+        llm.plan.micro = False
+        hs = [llm.submit(p, N, temperature=0, ignore_eos=True) for p in PROMPTS]
+        assert [h.wait() for h in hs] == ref
+
+
+def test_int8_stages_run_the_native_kernels(ckpt, cluster) -> None:
+    """bf16 compute (int8 weights): each stage's range runs in the native kernels and the tokens equal the single
+    node's."""
+    path = ckpt.coli("olmoe", "int8")
+    ref = _reference(path)["greedy"]
+    with colibri.load(path, ctx_size=64, threads=1, slots=2, cluster=cluster, cluster_stages=2) as llm:
+        assert all("native" in s.info["plan"] for s in llm.plan.stages)
+        assert [_generate(llm, p, temperature=0) for p in PROMPTS] == ref
+
+
+def test_a_killed_stage_fails_the_requests_in_flight_and_comes_back(ckpt, cluster) -> None:
+    path = ckpt.coli("olmoe", "f32")
+    ref = _reference(path)["greedy"]
+    with colibri.load(path, ctx_size=512, threads=1, slots=2, cluster=cluster, cluster_stages=2) as llm:
+        h = llm.submit(PROMPTS[0], 400, temperature=0, ignore_eos=True)
+        while h.stats.generated < 2:
+            time.sleep(0.002)
+        ray.kill(llm.plan.stages[1].actor, no_restart=False)  # Ray restarts the actor: an empty process
+        with pytest.raises(ColibriError, match=r"stage 1 on .* was lost"):
+            h.wait()
+        health = llm.health()
+        assert health["cluster"] == "degraded" and "stage 1" in health["cluster_error"]
+        assert _generate(llm, PROMPTS[0], temperature=0) == ref[0]  # the stage reloads; the slots start empty
+        assert llm.health()["cluster"] == "ok"
+
+
+def test_faults_at_start_are_one_line_naming_the_node(ckpt, cluster, monkeypatch) -> None:
+    path = ckpt.coli("olmoe", "f32")
+    with pytest.raises(ColibriError, match=r"5 node\(s\) with the resource 'colibri' needed, 3 found"):
+        colibri.load(path, ctx_size=64, cluster=cluster, cluster_stages=5)
+    with pytest.raises(ColibriError, match=r"cluster: stage \d on .*: --mem-budget .* leaves no room"):
+        colibri.load(path, ctx_size=64, cluster=cluster, cluster_stages=2, mem_budget=4096)
+    # a node that holds another file at the path it reads
+    from colibri.cluster import nodes
+
+    other, start, calls = str(ckpt.coli("olmoe", "int8")), nodes.start_stage, []
+
+    def second_elsewhere(node, p, **kw):  # the second node reads another container
+        calls.append(node)
+        return start(node, other if len(calls) == 2 else p, **kw)
+
+    monkeypatch.setattr(nodes, "start_stage", second_elsewhere)
+    with pytest.raises(ColibriError, match=r"node .* its container .* differs from the head's"):
+        colibri.load(path, ctx_size=64, cluster=cluster, cluster_stages=2)
+    with pytest.raises(ColibriError, match=r"no Ray cluster at 127.0.0.1:1\b"):
+        colibri.load(path, ctx_size=64, cluster="127.0.0.1:1")
+
+
+def test_a_step_past_its_deadline_is_one_line(ckpt, cluster) -> None:
+    path = ckpt.coli("olmoe", "f32")
+    with colibri.load(path, ctx_size=64, threads=1, cluster=cluster, cluster_stages=2, cluster_timeout=1e-4) as llm:
+        with pytest.raises(ColibriError, match=r"did not answer within"):
+            _generate(llm, PROMPTS[0], temperature=0)
+        llm.plan.deadline_s = 60.0
+        assert len(_generate(llm, PROMPTS[0], temperature=0)) == N
