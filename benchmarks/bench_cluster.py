@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/bench_cluster.py --part capped   # (b) a model ~1.5x one node's memory cap
 
 Every node is a `ray start` process group on this machine (its own raylet and stage worker), stopped at the end.
-(a) single node vs 2 and 3 stages, 1 and 8 streams: tok/s, the ms a token gains per hop (hops: head -> stage 0
--> ... -> head, S + 1 of them), bytes crossing processes per token, the pipeline's bubble. The single node runs
+(a) single node vs 1, 2 and 3 stages (stage 0 in the head's process), 1 and 8 streams: tok/s, the ms a token
+gains per hop (a hop: one process crossing, S of them for S stages: stage 0 -> 1 -> ... -> the head; 1 stage has
+none and measures the head's own cost), bytes crossing processes per token, the pipeline's bubble. The single node runs
 with as many threads as one stage (`--threads`), so the difference is the pipeline's, not the cores'.
 (b) one node streaming the model under `memcap CAP` (its experts beyond `--mem-budget` read from disk, from a cold
 page cache) vs 2 nodes, each `ray start` under `memcap CAP` with the same --mem-budget, holding half the layers in
@@ -42,7 +43,9 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    """A head node (no stage) and `n` stage nodes of `cpus` CPUs each, optionally each under memcap."""
+    """A head node and n - 1 more, each offering one stage with `cpus` CPUs, optionally each under memcap. The
+    head's stage runs in the engine's own process (colibri/cluster/nodes.py LocalActor), as on a real cluster
+    whose head machine also holds layers."""
 
     def __init__(self, n: int, cpus: int, cap: str | None = None, budget: str | None = None):
         self.port = free_port()
@@ -53,11 +56,10 @@ class LocalCluster:
         self.blocked: list[subprocess.Popen] = []
         self.logs = []
         node = ["--node-ip-address", "127.0.0.1"]
-        self._start(["--head", "--port", str(self.port), "--include-dashboard", "false", "--num-cpus", "0",
-                     *node], cap)
-        for _ in range(n):
-            self._start(["--address", self.address, "--num-cpus", str(cpus), "--resources", '{"colibri": 1}', *node],
-                        cap)
+        stage = ["--num-cpus", str(cpus), "--resources", '{"colibri": 1}']
+        self._start(["--head", "--port", str(self.port), "--include-dashboard", "false", *stage, *node], cap)
+        for _ in range(n - 1):
+            self._start(["--address", self.address, *stage, *node], cap)
         time.sleep(2)
 
     def _start(self, args: list[str], cap: str | None) -> None:
@@ -86,6 +88,16 @@ def child(a: argparse.Namespace) -> None:
     import colibri
     from colibri.api import peak_rss_mib
 
+    if a.start_head:  # (b): the head node's Ray processes in this process's cgroup, then wait for the others
+        port = a.address.rpartition(":")[2]
+        subprocess.run([RAY, "start", "--head", "--port", port, "--include-dashboard", "false", "--node-ip-address",
+                        "127.0.0.1", "--num-cpus", str(a.threads), "--resources", '{"colibri": 1}'], check=True,
+                       capture_output=True, timeout=120)
+        import ray
+
+        ray.init(address=a.address, log_to_driver=False)
+        while sum(n["Alive"] and n["Resources"].get("colibri", 0) > 0 for n in ray.nodes()) < a.stages:
+            time.sleep(0.5)
     kw = dict(cluster=a.address, cluster_stages=a.stages) if a.address else {}
     llm = colibri.load(a.model, ctx_size=256, threads=a.threads, slots=max(a.streams), cache_prompt=False,
                        mem_budget=a.mem_budget, **kw)
@@ -112,31 +124,54 @@ def child(a: argparse.Namespace) -> None:
                        read_per_token=sum(s["store"].get("bytes_read", 0) for s in st) / gen,
                        stage_rss_mib=[s["peak_rss"] / 2**20 for s in st], layers=c1["layers"])
         out.append(row)
+    remote = [s for s in getattr(llm, "plan", None).stages if s.index > 0] if a.address else []
+    if remote:  # the transport's floor: an actor call with a decode row and its routes, and back
+        import numpy as np
+        import ray
+
+        x = (np.zeros((1, llm.model.model.embed_tokens.dim), np.int16),
+             {i: (np.zeros((1, 8), np.int64), np.zeros((1, 8), np.float32)) for i in range(llm.n_layers)})
+        for _ in range(50):
+            ray.get(remote[0].actor.echo.remote(x))
+        t0 = time.perf_counter()
+        for _ in range(500):
+            ray.get(remote[0].actor.echo.remote(x))
+        out.append({"round_trip_ms": (time.perf_counter() - t0) * 2})
     out.append({"head_rss_mib": peak_rss_mib()})
     llm.close()
     print(json.dumps(out))
 
 
 def run_child(model: Path, threads: int, streams: str, tokens: int, *, address: str | None = None, stages: int = 0,
-              cap: str | None = None, budget: str | None = None) -> tuple[list[dict], int | None]:
+              cap: str | None = None, budget: str | None = None, start_head: bool = False, others=None):
+    """The child's rows and its cgroup's peak (MiB); `others(cluster_address)` starts the other nodes once the child
+    runs (`start_head`: the child starts the head node, in its own cgroup)."""
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--threads", str(threads), "--streams", streams,
            "--tokens", str(tokens)]
     if address:
-        cmd += ["--address", address, "--stages", str(stages)]
+        cmd += ["--address", address, "--stages", str(stages)] + (["--start-head"] if start_head else [])
     if budget:
         cmd += ["--mem-budget", budget]
     if cap:
         subprocess.run([str(TOOLS / "evict"), str(model)], check=True)
         cmd = [str(TOOLS / "memcap"), cap, *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **({"COLIBRI_STAGE_BUDGET": budget} if budget else {}))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    if others is not None:
+        others(address)
+    out, err = p.communicate()
     if p.returncode != 0:
-        sys.exit(f"run failed ({p.returncode}): {p.stderr[-3000:]}")
-    peak = re.search(r"memcap: limit \S+, peak (\d+) MiB", p.stderr)
-    return json.loads(p.stdout.strip().splitlines()[-1]), int(peak[1]) if peak else None
+        sys.exit(f"run failed ({p.returncode}): {err[-3000:]}")
+    peak = re.search(r"memcap: limit \S+, peak (\d+) MiB", err)
+    return json.loads(out.strip().splitlines()[-1]), int(peak[1]) if peak else None
 
 
 def show(name: str, rows: list[dict], base: dict[int, dict] | None, hops: int, peaks=None) -> dict[int, dict]:
     by = {r["streams"]: r for r in rows if "streams" in r}
+    rt = next((r["round_trip_ms"] for r in rows if "round_trip_ms" in r), None)
+    if rt is not None:
+        print(f"| ({name}: a bare Ray actor call with a decode row and its routes, and back: {rt:.2f} ms, "
+              f"{rt / 2:.2f} ms a hop) |")
     for n, r in by.items():
         line = f"| {name} | {n} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} |"
         if base is None:
@@ -169,6 +204,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--start-head", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         a.streams = [int(x) for x in a.streams.split(",")]
@@ -186,13 +222,13 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
         rows, _ = run_child(model, a.threads, a.streams, a.tokens)
         base = show("single node", rows, None, 1)
-        for n in (2, 3):
-            cl = LocalCluster(n, a.threads)
-            try:
+        cl = LocalCluster(3, a.threads)
+        try:
+            for n in (1, 2, 3):  # 1: the head's own stage, no process crossed (the head's own cost)
                 rows, _ = run_child(model, a.threads, a.streams, a.tokens, address=cl.address, stages=n)
-            finally:
-                cl.stop()
-            show(f"{n} stages", rows, base, n + 1)
+                show(f"{n} stage{'s' * (n > 1)}", rows, base, max(n, 1))
+        finally:
+            cl.stop()
         return
     model = Path(a.model or work / "olmoe-7b.int8.coli")
     if not model.exists():
@@ -206,14 +242,30 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     rows, peak = run_child(model, a.threads, a.streams, a.tokens, cap=a.cap, budget=a.mem_budget)
     base = show("1 node, streamed", rows, None, 1, [peak])
-    cl = LocalCluster(2, a.threads, cap=a.cap, budget=a.mem_budget)
+    # node 0: the engine's process (the head and its stage) and the head node's Ray processes, in one cgroup;
+    # node 1: `ray start --block` under memcap
+    port, nodes = free_port(), []
+
+    def node1(address: str) -> None:
+        while subprocess.run([RAY, "status", "--address", address], capture_output=True).returncode != 0:
+            time.sleep(0.5)
+        log = open("/tmp/colibri-bench-cluster-1.log", "w")
+        nodes.append((log.name, subprocess.Popen(
+            [str(TOOLS / "memcap"), a.cap, RAY, "start", "--block", "--address", address, "--node-ip-address",
+             "127.0.0.1", "--num-cpus", str(a.threads), "--resources", '{"colibri": 1}'], stdout=log,
+            stderr=subprocess.STDOUT, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
+                                               COLIBRI_STAGE_BUDGET=a.mem_budget))))
     try:
-        subprocess.run([str(TOOLS / "evict"), str(model)], check=True)
-        rows, peak = run_child(model, a.threads, a.streams, a.tokens, address=cl.address, stages=2, cap=a.cap,
-                               budget=a.mem_budget)
+        rows, peak = run_child(model, a.threads, a.streams, a.tokens, address=f"127.0.0.1:{port}", stages=2,
+                               cap=a.cap, budget=a.mem_budget, start_head=True, others=node1)
     finally:
-        peaks = cl.stop()
-    show("2 stages", rows, base, 3, [peak, *peaks[1:]])
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+    peaks = [peak]
+    for log, p in nodes:
+        p.wait(60)
+        m = re.search(r"memcap: limit \S+, peak (\d+) MiB", Path(log).read_text())
+        peaks.append(int(m[1]) if m else -1)
+    show("2 stages", rows, base, 2, peaks)
 
 
 def _bytes(size: str) -> int:

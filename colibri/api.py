@@ -124,7 +124,8 @@ class Engine:
                  gpu_budget: int | str | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None,
                  mmap: bool = False, kv_type: str | tuple[str, str] | KVTypes | None = None,
-                 cluster: str | None = None, cluster_stages: int | None = None, cluster_timeout: float | None = None):
+                 cluster: str | None = None, cluster_mode: str = "pipeline", cluster_stages: int | None = None,
+                 cluster_timeout: float | None = None):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -148,19 +149,19 @@ class Engine:
         self.scheme = c.quant.get("scheme", "bf16")
         self.dtype = dtype or compute_dtype_for(self.scheme)
         self.model, self.args = build(c.model_type, self.config)
-        self.cluster, keep = cluster, None
-        if cluster is not None:  # the layers run on stages (colibri/cluster); this process: the ends
-            from .cluster.elsewhere import hold
+        self.cluster, keep, routed, self._cluster_part = cluster, None, True, None
+        if cluster is not None:  # pipeline stages or expert workers on Ray (colibri/cluster, docs/CLUSTER.md)
+            from .cluster import attach
 
-            keep = hold(self.model, 0, 0, ends=True)
-            placement, cluster_budget, mem_budget = Placement(["ram"] * len(self.model.model.layers)), mem_budget, None
+            keep, routed, placement = attach.prepare(self.model, cluster_mode)
+            cluster_budget, mem_budget = mem_budget, None  # (--mem-budget applies to each node)
         elif placement is None:  # the planner: no tier flags -> place by budgets and free memory
             from .plan import placement_fn
 
             placement = placement_fn(c, ctx_size * slots, kv_types=self.kv_types)
         self.store = TieredStore(c, self.dtype, placement, mem_budget=mem_budget, gpu_budget=gpu_budget,
                                  prefetch=prefetch, direct_io=direct_io, gpu_device=gpu_device, policy=cache_policy,
-                                 mmap=mmap, keep=keep)
+                                 mmap=mmap, keep=keep, routed=routed)
         try:
             bind(self.model, self.store)
             self.store.attach(self.model)
@@ -169,12 +170,11 @@ class Engine:
             self.ctx_size, self.n_slots = ctx_size, slots
             self.vocab_rows = self.model.model.embed_tokens.num_embeddings
             if cluster is not None:
-                from .cluster.head import open_cluster
-
                 kv = (self.kv_types.k.label, self.kv_types.v.label)
-                self.slots, self.plan = open_cluster(self, cluster, cluster_stages, cluster_budget, dict(
-                    ctx=ctx_size, slots=slots, dtype=str(self.dtype).removeprefix("torch."), kv=kv,
-                    prefetch=prefetch, direct_io=direct_io, cache_policy=cache_policy), cluster_timeout)
+                self.slots, self.plan, self._cluster_part = attach.start(
+                    self, cluster_mode, cluster, cluster_stages, cluster_budget,
+                    dict(ctx=ctx_size, slots=slots, dtype=str(self.dtype).removeprefix("torch."), kv=kv,
+                         prefetch=prefetch, direct_io=direct_io, cache_policy=cache_policy), cluster_timeout)
             else:
                 self.slots = SlotPool(self.model, slots, ctx_size, self.dtype, self.store.layer_device, self.kv_types)
                 self.plan = DecodePlan(self.model)  # which backend runs which layers, decided once
@@ -192,12 +192,13 @@ class Engine:
         self._runner = Runner(self.model, self.plan, self._sched, self.store, self.threads,
                               lambda: self.tokenizer.eos_ids)
         self._runner.run_s = None if decode_run_ms is None else decode_run_ms / 1000
-        if cluster is not None:  # the experts live on the stages
-            self._runner.n_experts = {k: v for s in self.plan.stages for k, v in s.info["n_experts"].items()}
+        if cluster is not None:  # (the experts live on the other nodes)
+            self._runner.n_experts = self._cluster_part.n_experts()
         self._grammars = GrammarCompiler(self.tokenizer.tk, self.vocab_rows)
         self._local = _PerThread()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.store, self.container)
+        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.store, self.container,
+                                           self._cluster_part)
         self._trace = self._route_logger = None
         if route_trace is not None:
             from .analysis.trace import RouteTraceWriter
@@ -434,7 +435,7 @@ class Engine:
     def health(self) -> dict:
         """Slots busy/free and queue length."""
         self._check_open()
-        return {**self._sched.counts(), **(self.plan.health() if self.cluster else {})}
+        return {**self._sched.counts(), **(self._cluster_part.health() if self.cluster else {})}
 
     def metrics(self) -> dict:
         """Engine counters (requests, tokens, steps, batching gain) and the store's (hit rate, bytes read)."""
@@ -452,7 +453,7 @@ class Engine:
         out.update(self._sched.counts())
         out["store"] = self.store.stats()
         if self.cluster:
-            out["cluster"] = self.plan.counters()
+            out["cluster"] = self._cluster_part.counters()
         return out
 
     def store_stats(self) -> dict:
@@ -551,10 +552,10 @@ class Engine:
         self.close()
 
 
-def _shutdown(runner: Runner, store: TieredStore, container: Container) -> None:
+def _shutdown(runner: Runner, store: TieredStore, container: Container, cluster_part=None) -> None:
     runner.close()
-    if hasattr(runner.plan, "close"):  # a cluster's stages (colibri/cluster/head.py)
-        runner.plan.close()
+    if cluster_part is not None:  # a cluster's stages or expert workers
+        cluster_part.close()
     native.background_wait()  # (its read-ahead of the weights, before the file goes)
     store.close()
     container.close()

@@ -439,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     from .cli.kvflags import add_cache_type_args
 
     add_cache_type_args(p)
+    p.add_argument("--cluster", metavar="ADDRESS", help="print the layer split over the Ray cluster's nodes that "
+                   "offer 'colibri' (HOST:PORT, or auto) and the speed to expect (docs/CLUSTER.md)")
+    p.add_argument("--cluster-stages", type=int, default=None, metavar="N", help="use N of those nodes")
     p.add_argument("--disk-speed", help="skip the read probe and assume this many bytes/s (e.g. 2G)")
     p.add_argument("--probe-seconds", type=float, default=0.5, help="length of the disk read probe")
     a = p.parse_args(argv)
@@ -466,5 +469,12 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             usage = None
     m = probe_machine(a.model, a.probe_seconds, max(max(sizes.record_bytes, default=0), 4096), sizes.scheme, disk)
+    if a.cluster:
+        from .cluster.report import cluster_report
+
+        in_ram = sum(plan(sizes, m, 1 << 60, 0, a.ctx_size, usage, a.slots).seconds_per_token)
+        with Container(a.model) as c:
+            print(cluster_report(c, model_sizes(c), a.cluster, a.cluster_stages, mem, in_ram))
+        return 0
     print(report(sizes, m, mem, gpu, a.ctx_size, usage, slots=a.slots))
     return 0

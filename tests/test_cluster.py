@@ -86,15 +86,20 @@ def _staggered(llm) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
-def test_stages_give_the_single_node_bits(ckpt, cluster, model_type) -> None:
-    """f32: 2 and 3 stages, prompt logits bit for bit, greedy tokens, a seeded sample, staggered joins and a reused
-    slot, each equal to the single-node engine's."""
+def test_stages_and_expert_workers_give_the_single_node_bits(ckpt, cluster, model_type) -> None:
+    """f32: 2 and 3 stages, and 3 expert workers: prompt logits bit for bit, greedy tokens, a seeded sample,
+    staggered joins and a reused slot, each equal to the single-node engine's."""
     path = ckpt.coli(model_type, "f32")
     ref = _reference(path)
-    for n in (2, 3):
-        with colibri.load(path, ctx_size=64, threads=1, slots=2, cluster=cluster, cluster_stages=n) as llm:
-            assert len(llm.plan.stages) == n
-            assert [s.lo for s in llm.plan.stages][0] == 0 and llm.plan.stages[-1].hi == llm.n_layers
+    for mode, n in (("pipeline", 2), ("pipeline", 3), ("experts", 3)):
+        with colibri.load(path, ctx_size=64, threads=1, slots=2, cluster=cluster, cluster_mode=mode,
+                          cluster_stages=n) as llm:
+            if mode == "pipeline":
+                assert len(llm.plan.stages) == n
+                assert llm.plan.stages[0].lo == 0 and llm.plan.stages[-1].hi == llm.n_layers
+            else:  # every expert on exactly one worker
+                shares = llm.metrics()["cluster"]["nodes"]
+                assert len(shares) == n
             assert torch.equal(llm.logits(PROMPTS[0]), ref["logits"])
             assert [_generate(llm, p, temperature=0) for p in PROMPTS] == ref["greedy"]
             assert _generate(llm, PROMPTS[1], temperature=0.9, seed=7) == ref["sampled"]
@@ -117,14 +122,18 @@ def test_micro_batches_pipeline_a_step_without_changing_it(ckpt, cluster) -> Non
         assert [h.wait() for h in hs] == ref
 
 
-def test_int8_stages_run_the_native_kernels(ckpt, cluster) -> None:
-    """bf16 compute (int8 weights): each stage's range runs in the native kernels and the tokens equal the single
-    node's."""
+def test_int8_stages_and_workers_run_the_native_kernels(ckpt, cluster) -> None:
+    """bf16 compute (int8 weights): each stage's range runs in the native kernels, expert workers run the native
+    expert kernel and the head sums their slots with it; the tokens and prompt logits equal the single node's."""
     path = ckpt.coli("olmoe", "int8")
-    ref = _reference(path)["greedy"]
+    ref = _reference(path)
     with colibri.load(path, ctx_size=64, threads=1, slots=2, cluster=cluster, cluster_stages=2) as llm:
         assert all("native" in s.info["plan"] for s in llm.plan.stages)
-        assert [_generate(llm, p, temperature=0) for p in PROMPTS] == ref
+        assert [_generate(llm, p, temperature=0) for p in PROMPTS] == ref["greedy"]
+    with colibri.load(path, ctx_size=64, threads=1, slots=2, cluster=cluster, cluster_mode="experts") as llm:
+        assert [_generate(llm, p, temperature=0) for p in PROMPTS] == ref["greedy"]
+        assert torch.equal(llm.logits(PROMPTS[0]), ref["logits"])
+        assert llm.metrics()["cluster"]["calls"] > 0
 
 
 def test_a_killed_stage_fails_the_requests_in_flight_and_comes_back(ckpt, cluster) -> None:

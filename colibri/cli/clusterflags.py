@@ -12,6 +12,9 @@ def add_cluster_args(p: argparse.ArgumentParser, positive, number) -> None:
                    help="run the layers as pipeline stages on the Ray cluster at HOST:PORT (auto: the one this "
                         "machine's `ray start` joined): one stage per node offering the resource 'colibri', layers "
                         "split in proportion to the nodes' budgets (--mem-budget applies per node)")
+    g.add_argument("--cluster-mode", choices=("pipeline", "experts"), default="pipeline",
+                   help="pipeline: each node holds a range of layers (default); experts: this machine keeps attention, "
+                        "the dense layers and the K/V, the nodes hold shares of every layer's routed experts")
     g.add_argument("--cluster-stages", type=positive("--cluster-stages"), default=None, metavar="N",
                    help="use N of the nodes offering 'colibri' (default: all of them)")
     g.add_argument("--cluster-timeout", type=number("--cluster-timeout", 0, lo_open=True), default=None, metavar="S",

@@ -176,6 +176,10 @@ class StagedPlan:
                 "bytes_moved": self.bytes_moved, "bubble": self.idle / self.steps if self.steps else 0.0,
                 "layers": [(s.lo, s.hi) for s in self.stages], "nodes": [s.name for s in self.stages]}
 
+    def n_experts(self) -> dict[int, int]:
+        """MoE layer -> its routed experts (the runner's counters)."""
+        return {k: v for s in self.stages for k, v in s.info["n_experts"].items()}
+
     def stage_stats(self) -> list[dict]:
         """Each stage's own figures (peak RSS, its store's counters): one call to every stage."""
         return self.call_all("stats")

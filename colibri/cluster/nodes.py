@@ -104,17 +104,18 @@ class _Failed:
         self.error = error
 
 
-def start_stage(node: dict, path: str, local: bool = False) -> Any:
+def start_stage(node: dict, path: str, local: bool = False, body: type | None = None) -> Any:
     """A stage actor (cluster/stage.py) pinned to `node`. Ray restarts it if its process dies; the head then
     loads it again (cluster/head.py)."""
     from .stage import Stage
 
+    body = body or Stage  # (or an expert worker: cluster/experts.py)
     if local:
-        return LocalActor(Stage(path))
+        return LocalActor(body(path))
     r = ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor = r.remote(Stage).options(
+    actor = r.remote(body).options(
         num_cpus=0, resources={RESOURCE: 1}, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
     return actor.remote(path)

@@ -139,6 +139,10 @@ class Stage:
     def ping(self) -> str:
         return self.name
 
+    def echo(self, x):
+        """`x` back, untouched: the transport's own round trip (benchmarks/bench_cluster.py)."""
+        return x
+
     def close(self) -> None:
         if self.store is not None:
             native.background_wait()

@@ -59,8 +59,8 @@ class DecodePlan:
                  held: tuple[int, int] | None = None):
         self.model = model
         self.n_layers = len(model.model.layers)
-        # the layers this process runs: all of them, or a cluster stage's range (colibri/cluster)
-        self.held = held or (0, self.n_layers)
+        # the layers this process runs: all of them with the ends, or a cluster stage's range (colibri/cluster)
+        self.held, self.ends = held or (0, self.n_layers), held is None
         self.use_native, self.whole_step = native, whole_step
         # per block, the routed experts whose `route` the torch backend leaves for the plan to read
         self._experts = [[m for m in b.modules() if isinstance(m, SwitchGLU)] for b in model.model.layers]
@@ -81,9 +81,9 @@ class DecodePlan:
         if isinstance(whole, str):
             self.segments = [Segment(lo, L, "torch", whole)]
             return
-        self.tail = native_step.tail(self.model) if self.whole_step and self.held == (0, self.n_layers) else None
+        self.tail = native_step.tail(self.model) if self.whole_step and self.ends else None
         what = ["one call a step"]
-        if self.held == (0, self.n_layers):
+        if self.ends:
             what.append("with the embedding and head" if self.tail is not None else
                         "the embedding and head in torch" + ("" if self.whole_step else " (asked)"))
         if whole.cached:

@@ -212,8 +212,8 @@ class Runner:
             log.exception("colibri: engine step failed")
         for c in chunks:
             self.sched.finish(c.a, "error", e)
-        if isinstance(e, StageLostError):  # a cluster stage died with its K/V: every request in flight ends
-            self.plan.failed(e)
+        if isinstance(e, StageLostError) and hasattr(self.plan, "failed"):  # a cluster stage died with its K/V:
+            self.plan.failed(e)  # every request in flight ends (expert workers hold no K/V: only the step's)
             for a in list(self.sched.active):
                 self.sched.slots.forget(a.slot)
                 self.sched.finish(a, "error", e)

@@ -105,6 +105,8 @@ class SwitchGLU(nn.Module):
         self.route = (idx, weights)
         if self.input_scaled:
             weights = torch.ones_like(weights, dtype=torch.float32)
+        if getattr(self.source, "remote", False):  # experts on other machines (colibri/cluster/experts.py)
+            return self.source.run(self, x, idx, weights)
         if self.native_act is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
                 and T <= native.MOE_MAX_ROWS and native.available():
             ids = routed_ids(idx)

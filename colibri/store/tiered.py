@@ -72,11 +72,12 @@ class TieredStore(WeightStore):
                  gpu_budget: int | None = None, prefetch: bool = True, direct_io: bool = True,
                  gpu_device: str | torch.device | None = None, io_threads: int = IO_THREADS, policy: str = "reuse",
                  prefetch_min_precision: float = PREFETCH_MIN_PRECISION, mmap: bool = False,
-                 keep: Callable[[str], bool] | None = None):
+                 keep: Callable[[str], bool] | None = None, routed: bool = True):
         super().__init__(container, compute_dtype)
         # `keep(name)`: the tensors this process uses (a cluster stage holds a range of layers, the head only the
         # ends: colibri/cluster); the others are never read, mapped or counted. None: all of them.
         self.keep = keep or (lambda name: True)
+        self.routed = routed  # False: the routed experts are served elsewhere (cluster expert workers): none read
         self.sizes = sizes = model_sizes(container, compute_dtype)
         if callable(placement):
             placement = placement(sizes, mem_budget, gpu_budget)
@@ -185,7 +186,8 @@ class TieredStore(WeightStore):
         return q
 
     def experts(self, prefix: str, module) -> Experts:
-        self._prefixes[module.layer] = prefix
+        if self.routed:
+            self._prefixes[module.layer] = prefix
         return self.source
 
     # ------------------------------------------------------------------ after bind
