@@ -98,9 +98,9 @@ def child(a: argparse.Namespace) -> None:
         ray.init(address=a.address, log_to_driver=False)
         while sum(n["Alive"] and n["Resources"].get("colibri", 0) > 0 for n in ray.nodes()) < a.stages:
             time.sleep(0.5)
-    kw = dict(cluster=a.address, cluster_stages=a.stages) if a.address else {}
+    kw = dict(cluster=a.address, cluster_stages=a.stages, cluster_mode=a.mode) if a.address else {}
     llm = colibri.load(a.model, ctx_size=256, threads=a.threads, slots=max(a.streams), cache_prompt=False,
-                       mem_budget=a.mem_budget, **kw)
+                       mem_budget=a.engine_budget, **kw)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     out = []
     for n in a.streams:
@@ -116,7 +116,9 @@ def child(a: argparse.Namespace) -> None:
         row = {"streams": n, "tok_s": gen / wall, "ms_per_step": 1000 * wall / max(m1["steps"] - m0["steps"], 1),
                "tokens": toks, "read_per_token": (m1["store"]["bytes_read"] - m0["store"]["bytes_read"]) / gen,
                "load": os.getloadavg()[0]}
-        if c1:
+        if c1 and a.mode == "experts":
+            row.update(moved_per_token=(c1["bytes_moved"] - c0["bytes_moved"]) / gen)
+        elif c1:
             st = llm.plan.stage_stats()
             steps = c1["steps"] - c0["steps"]
             row.update(moved_per_token=(c1["bytes_moved"] - c0["bytes_moved"]) / gen,
@@ -124,7 +126,7 @@ def child(a: argparse.Namespace) -> None:
                        read_per_token=sum(s["store"].get("bytes_read", 0) for s in st) / gen,
                        stage_rss_mib=[s["peak_rss"] / 2**20 for s in st], layers=c1["layers"])
         out.append(row)
-    remote = [s for s in getattr(llm, "plan", None).stages if s.index > 0] if a.address else []
+    remote = [s for s in llm.plan.stages if s.index > 0] if a.address and a.mode == "pipeline" else []
     if remote:  # the transport's floor: an actor call with a decode row and its routes, and back
         import numpy as np
         import ray
@@ -143,15 +145,17 @@ def child(a: argparse.Namespace) -> None:
 
 
 def run_child(model: Path, threads: int, streams: str, tokens: int, *, address: str | None = None, stages: int = 0,
-              cap: str | None = None, budget: str | None = None, start_head: bool = False, others=None):
+              cap: str | None = None, budget: str | None = None, start_head: bool = False, others=None,
+              mode: str = "pipeline"):
     """The child's rows and its cgroup's peak (MiB); `others(cluster_address)` starts the other nodes once the child
     runs (`start_head`: the child starts the head node, in its own cgroup)."""
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--threads", str(threads), "--streams", streams,
            "--tokens", str(tokens)]
     if address:
-        cmd += ["--address", address, "--stages", str(stages)] + (["--start-head"] if start_head else [])
+        cmd += ["--address", address, "--stages", str(stages), "--mode", mode]
+        cmd += ["--start-head"] if start_head else []
     if budget:
-        cmd += ["--mem-budget", budget]
+        cmd += ["--engine-budget", budget]
     if cap:
         subprocess.run([str(TOOLS / "evict"), str(model)], check=True)
         cmd = [str(TOOLS / "memcap"), cap, *cmd]
@@ -175,13 +179,13 @@ def show(name: str, rows: list[dict], base: dict[int, dict] | None, hops: int, p
     for n, r in by.items():
         line = f"| {name} | {n} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} |"
         if base is None:
-            line += " 1.00x | - | - | - |"
+            line += " 1.00x | - | - | - | - |"
         else:
             b = base[n]
             same = "same" if r["tokens"] == b["tokens"] else "DIFFERENT"
             added = (r["ms_per_step"] - b["ms_per_step"]) / hops
             line += (f" {r['tok_s'] / b['tok_s']:.2f}x | {added:+.2f} | {r.get('moved_per_token', 0) / 1024:.1f} KiB |"
-                     f" {r.get('bubble', 0):.2f} | {same}")
+                     f" {r.get('bubble', 0):.2f} | {same} |")
         line += f" {r['read_per_token'] / 2**20:.1f} MiB |"
         if "stage_rss_mib" in r:
             line += " " + "/".join(f"{x:.0f}" for x in r["stage_rss_mib"]) + " MiB |"
@@ -205,6 +209,8 @@ def main() -> None:
     ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--start-head", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="pipeline", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-budget", default=None, help=argparse.SUPPRESS)  # (the child's --mem-budget)
     a = ap.parse_args()
     if a.child:
         a.streams = [int(x) for x in a.streams.split(",")]
@@ -227,6 +233,10 @@ def main() -> None:
             for n in (1, 2, 3):  # 1: the head's own stage, no process crossed (the head's own cost)
                 rows, _ = run_child(model, a.threads, a.streams, a.tokens, address=cl.address, stages=n)
                 show(f"{n} stage{'s' * (n > 1)}", rows, base, max(n, 1))
+            for n in (2, 3):  # expert workers (one in the head's process): "ms added/hop" is per token, all calls
+                rows, _ = run_child(model, a.threads, a.streams, a.tokens, address=cl.address, stages=n,
+                                    mode="experts")
+                show(f"experts, {n} workers", rows, base, 1)
         finally:
             cl.stop()
         return
@@ -242,6 +252,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     rows, peak = run_child(model, a.threads, a.streams, a.tokens, cap=a.cap, budget=a.mem_budget)
     base = show("1 node, streamed", rows, None, 1, [peak])
+    rows, _ = run_child(model, a.threads, a.streams, a.tokens)  # the bound: one node with room for the whole model
+    show("1 node, in RAM, no cap (the bound)", rows, base, 1)
     # node 0: the engine's process (the head and its stage) and the head node's Ray processes, in one cgroup;
     # node 1: `ray start --block` under memcap
     port, nodes = free_port(), []
