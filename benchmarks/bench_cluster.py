@@ -8,6 +8,7 @@ Every node is a `ray start` process group on this machine (its own raylet and st
 gains per hop (a hop: one process crossing, S of them for S stages: stage 0 -> 1 -> ... -> the head; 1 stage has
 none and measures the head's own cost), bytes crossing processes per token, the pipeline's bubble. The single node runs
 with as many threads as one stage (`--threads`), so the difference is the pipeline's, not the cores'.
+(netem) 2 stages with stage 1 in its own network namespace over a veth pair, 0 and 0.5 ms of `tc netem` delay.
 (b) one node streaming the model under `memcap CAP` (its experts beyond `--mem-budget` read from disk, from a cold
 page cache) vs 2 nodes, each `ray start` under `memcap CAP` with the same --mem-budget, holding half the layers in
 RAM; the head process runs under the same cap. Peak memory per node from memcap's cgroup peak.
@@ -197,7 +198,8 @@ def show(name: str, rows: list[dict], base: dict[int, dict] | None, hops: int, p
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("ram", "capped"), default="ram")
+    ap.add_argument("--part", choices=("ram", "capped", "netem"), default="ram")
+    ap.add_argument("--delays", default="0,0.5", help="(netem): ms of `tc netem` delay on each side of the veth")
     ap.add_argument("--workdir", default="/tmp/colibri-bench")
     ap.add_argument("--model", default=None, help="(a): the 0.44B shape; (b): the 7B shape int8 (bench_capped.py)")
     ap.add_argument("--tokens", type=int, default=64)
@@ -217,6 +219,9 @@ def main() -> None:
         child(a)
         return
     work = Path(a.workdir)
+    if a.part == "netem":
+        netem(a, Path(a.model or work / "olmoe-0.44b.int8.coli"))
+        return
     if a.part == "ram":
         model = Path(a.model or work / "olmoe-0.44b.int8.coli")
         if not model.exists():
@@ -278,6 +283,54 @@ def main() -> None:
         m = re.search(r"memcap: limit \S+, peak (\d+) MiB", Path(log).read_text())
         peaks.append(int(m[1]) if m else -1)
     show("2 stages", rows, base, 2, peaks)
+
+
+NS, HOST_IP, NS_IP = "colibri-n1", "10.201.0.1", "10.201.0.2"
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+
+
+def netem(a: argparse.Namespace, model: Path) -> None:
+    """(a) over a network: stage 1 in its own network namespace, joined to this one by a veth pair, with `tc
+    netem` delay on both ends (a crossing pays the delay once each way)."""
+    print(f"(netem) {model.name} in RAM, 2 stages, stage 1 in network namespace {NS} over a veth pair; {a.tokens} "
+          f"greedy tokens a stream, {a.threads} thread(s) per process; load {os.getloadavg()[0]:.1f}\n")
+    print("| engine | delay each way | streams | tok/s | ms/step | vs single | ms added/hop | moved/token | bubble | "
+          "tokens | read/token | stage peak RSS | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    rows, _ = run_child(model, a.threads, a.streams, a.tokens)
+    base = show("single node | -", rows, None, 1)
+    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    sh("ip", "netns", "add", NS)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    port = free_port()
+    try:
+        sh("ip", "link", "add", "cveth0", "type", "veth", "peer", "name", "cveth1")
+        sh("ip", "link", "set", "cveth1", "netns", NS)
+        sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", "cveth0")
+        sh("ip", "link", "set", "cveth0", "up")
+        for cmd in (["addr", "add", f"{NS_IP}/24", "dev", "cveth1"], ["link", "set", "cveth1", "up"],
+                    ["link", "set", "lo", "up"]):
+            sh("ip", "netns", "exec", NS, "ip", *cmd)
+        stage = ["--num-cpus", str(a.threads), "--resources", '{"colibri": 1}']
+        subprocess.run([RAY, "start", "--head", "--port", str(port), "--node-ip-address", HOST_IP,
+                        "--include-dashboard", "false", *stage], check=True, capture_output=True, env=env, timeout=120)
+        subprocess.run(["ip", "netns", "exec", NS, RAY, "start", "--address", f"{HOST_IP}:{port}",
+                        "--node-ip-address", NS_IP, *stage], check=True, capture_output=True, env=env, timeout=120)
+        for delay in [float(d) for d in a.delays.split(",")]:
+            for dev, ns in (("cveth0", []), ("cveth1", ["ip", "netns", "exec", NS])):
+                subprocess.run([*ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+                if delay:
+                    sh(*ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{delay}ms")
+            rows, _ = run_child(model, a.threads, a.streams, a.tokens, address=f"{HOST_IP}:{port}", stages=2)
+            show(f"2 stages | {delay} ms", rows, base, 2)
+    finally:
+        subprocess.run(["ip", "netns", "exec", NS, RAY, "stop", "--force"], capture_output=True, timeout=120)
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        subprocess.run(["ip", "link", "del", "cveth0"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
 
 
 def _bytes(size: str) -> int:

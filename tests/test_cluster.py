@@ -181,3 +181,95 @@ def test_a_step_past_its_deadline_is_one_line(ckpt, cluster) -> None:
             _generate(llm, PROMPTS[0], temperature=0)
         llm.plan.deadline_s = 60.0
         assert len(_generate(llm, PROMPTS[0], temperature=0)) == N
+
+
+def test_a_lost_expert_worker_fails_its_step_and_is_reloaded(ckpt, cluster) -> None:
+    """Expert workers hold no K/V: the step's request ends with the lost worker named, the next one runs."""
+    path = ckpt.coli("olmoe", "f32")
+    ref = _reference(path)["greedy"]
+    with colibri.load(path, ctx_size=512, threads=1, slots=2, cluster=cluster, cluster_mode="experts",
+                      cluster_stages=2) as llm:
+        source = llm._cluster_part
+        h = llm.submit(PROMPTS[0], 400, temperature=0, ignore_eos=True)
+        while h.stats.generated < 2:
+            time.sleep(0.002)
+        ray.kill(source.workers[1], no_restart=False)
+        with pytest.raises(ColibriError, match=r"expert worker 1 on .* was lost"):
+            h.wait()
+        assert llm.health()["cluster"] == "degraded"
+        assert _generate(llm, PROMPTS[1], temperature=0) == ref[1]
+        assert llm.health()["cluster"] == "ok"
+
+
+def test_the_cli_runs_on_the_cluster_and_plans_the_split(ckpt, cluster, capsys) -> None:
+    from colibri.cli import main
+
+    path = str(ckpt.coli("olmoe", "f32"))
+    assert main(["plan", "--model", path, "--cluster", cluster, "--cluster-stages", "3", "--disk-speed", "1G"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster: 3 stage(s)" in out and out.count("  stage ") == 3 and "expected decode" in out, out
+    assert "layers 0-0" in out and "(this process)" in out
+    for mode in ("pipeline", "experts"):
+        assert main(["run", "--model", path, "--prompt", "Once upon", "-n", "4", "--temperature", "0", "--ctx-size",
+                     "64", "--cluster", cluster, "--cluster-mode", mode, "--log-level", "info"]) == 0
+        err = capsys.readouterr().err
+        assert ("cluster of 3 stages" in err) if mode == "pipeline" else ("asked for torch" in err), err
+    assert main(["run", "--model", path, "--prompt", "x", "--cluster", cluster, "--ram-layers", "2"]) == 1
+    assert "--ram-layers does not apply with --cluster" in capsys.readouterr().err
+
+
+def test_replicas_serve_one_endpoint_through_ray_serve(ckpt, cluster) -> None:
+    """`colibri serve --replicas 2 --cluster ADDR`: two whole engines behind one OpenAI endpoint; answers equal the
+    single engine's; /health and /metrics cover both; SIGTERM takes them down."""
+    import json
+    import signal
+    import tempfile
+    import urllib.request
+
+    path = ckpt.coli("olmoe", "f32")
+    with colibri.load(path, ctx_size=64, threads=1) as llm:
+        texts = [llm.tokenizer.decode(_generate(llm, p, temperature=0)) for p in PROMPTS]
+    port = _free_port()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--model", str(path), "--port", str(port),
+                             "--threads", "1", "--ctx-size", "64", "--slots", "2", "--replicas", "2", "--cluster",
+                             cluster], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ,
+                                                                                   RAY_USAGE_STATS_ENABLED="0"))
+
+    def get(route: str):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{route}", timeout=30) as r:
+            return r.read().decode()
+
+    def post(body: dict) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    try:
+        deadline, health = time.monotonic() + 180, {}
+        while time.monotonic() < deadline and health.get("replicas") != 2:
+            assert proc.poll() is None, log.seek(0) or log.read()
+            try:
+                health = json.loads(get("/health"))
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert health.get("replicas") == 2 and health["status"] == "ok" and health["slots"] == 4, health
+        for p, want in zip(PROMPTS, texts):  # (several: Serve spreads them over both replicas)
+            got = post({"prompt": p, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+            assert got["choices"][0]["text"] == want
+        metrics = get("/metrics")
+        assert metrics.count('colibri_generation_tokens_total{replica="') == 2, metrics
+        while "serving 2 replica(s)" not in (log.seek(0) or log.read()) and time.monotonic() < deadline:
+            time.sleep(0.2)  # (the endpoint answers before `serve.run` returns)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log.seek(0)
+    out = log.read()
+    open("/tmp/cl/replica_log.txt", "w").write(out)
+    assert "serving 2 replica(s)" in out and proc.returncode == 0, out[-3000:]

@@ -43,6 +43,10 @@ def serve_parser() -> argparse.ArgumentParser:
     h.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable POST /slots/{id}?action=save|restore: slot prompt caches are saved to and "
                         "restored from files in DIR (created if missing)")
+    h.add_argument("--replicas", type=bounded("--replicas", 1, 1024), default=None, metavar="N",
+                   help="N whole engines behind this one endpoint, through Ray Serve: one a node offering 'colibri' "
+                        "on the --cluster (without it: N on this machine); /health and /metrics cover them all "
+                        "(docs/CLUSTER.md)")
     add_spec_args(p)  # (the defaults of requests that do not say: the body's `speculative` field)
     add_engine_args(p, slots=4)
     p.set_defaults(log_level="info")  # one line per request
@@ -51,6 +55,12 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = serve_parser().parse_args(argv)
+    if a.replicas is not None:
+        from ..cli.common import setup_logging
+        from ..server.replicas import serve_replicas
+
+        setup_logging(a.log_level)
+        return serve_replicas(a, list(argv or []))
     from ..server.main import serve
 
     return serve(a)

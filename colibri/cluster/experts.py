@@ -211,7 +211,7 @@ def open_experts(engine, address: str, n_workers: int | None, mem_budget: int | 
     c = engine.container
     workers = [nodes.start_stage(n, str(c.path), local=n["NodeID"] == me, body=ExpertWorker) for n in picked]
     try:
-        facts = nodes.wait([w.facts.remote(mem_budget) for w in workers],
+        facts = nodes.starting([w.facts.remote(mem_budget) for w in workers],
                            [f"expert worker on node {n['NodeManagerAddress']}" for n in picked], nodes.PING_S * 4)
         names = [f"expert worker {j} on {f['name']}" for j, f in enumerate(facts)]
         mine = container_id(c)

@@ -221,7 +221,7 @@ def open_cluster(engine, address: str, n_stages: int | None, mem_budget: int | N
             s.threads = 0
     plan = None
     try:
-        facts = nodes.wait([s.actor.facts.remote(mem_budget) for s in stages],
+        facts = nodes.starting([s.actor.facts.remote(mem_budget) for s in stages],
                            [f"stage {s.index} on node {s.name}" for s in stages], nodes.PING_S * 4)
         mine = container_id(c)
         for s, f in zip(stages, facts):

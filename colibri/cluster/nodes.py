@@ -145,6 +145,18 @@ def wait(refs: list, what: list[str], deadline_s: float) -> list:
     return out
 
 
+def starting(refs: list, what: list[str], deadline_s: float) -> list:
+    """`wait` for actors' first calls: an actor that never starts is most often one whose node's `colibri` unit
+    another engine holds (Ray keeps the actor pending): the error says so."""
+    try:
+        return wait(refs, what, deadline_s)
+    except ColibriError as e:
+        if "did not answer" not in str(e):
+            raise
+        raise ColibriError(f"{e}: is another colibri engine using that node's 'colibri' resource (one stage or "
+                           "expert worker a node)? `ray status` shows what is in use") from None
+
+
 def _task_error(name: str, cause: BaseException):
     """An error raised inside a stage's call, as one line naming the stage and its node."""
     if isinstance(cause, ColibriError):
