@@ -113,6 +113,10 @@ class Engine:
       the CPU, for tests).
     Greedy output is the same whatever the tiers, budgets, prefetch, I/O settings and batch.
 
+    - `cluster`: run on a Ray cluster ("HOST:PORT" or "auto"; docs/CLUSTER.md): `cluster_mode` "pipeline" (each
+      node offering the resource `colibri` holds a range of layers) or "experts" (they hold the routed experts);
+      `cluster_stages` of those nodes (default all), each within `mem_budget`; `cluster_timeout`: seconds a step
+      may wait for them (default 300).
     - `kv_type`: the KV cache's storage (llama.cpp's -ctk / -ctv): "bf16" (the compute dtype, the default),
       "q8_0" or "q4_0" for K and V both, or a pair (K, V); docs/QUANT.md "The KV cache" has its numerics.
     """

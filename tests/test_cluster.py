@@ -211,9 +211,11 @@ def test_the_cli_runs_on_the_cluster_and_plans_the_split(ckpt, cluster, capsys) 
     assert "layers 0-0" in out and "(this process)" in out
     for mode in ("pipeline", "experts"):
         assert main(["run", "--model", path, "--prompt", "Once upon", "-n", "4", "--temperature", "0", "--ctx-size",
-                     "64", "--cluster", cluster, "--cluster-mode", mode, "--log-level", "info"]) == 0
+                     "64", "--cluster", cluster, "--cluster-mode", mode, "--log-level", "info", "--stats"]) == 0
         err = capsys.readouterr().err
         assert ("cluster of 3 stages" in err) if mode == "pipeline" else ("asked for torch" in err), err
+        assert "[colibri] cluster: 3 " + ("stages (layers 0-0 on" if mode == "pipeline" else "expert workers") in err
+        assert "KV cache 0.0 MiB" not in err  # (the stages' K/V counted)
     assert main(["run", "--model", path, "--prompt", "x", "--cluster", cluster, "--ram-layers", "2"]) == 1
     assert "--ram-layers does not apply with --cluster" in capsys.readouterr().err
 

@@ -254,6 +254,19 @@ def _generate(a: argparse.Namespace, llm, prompt: str, grammar: str | None) -> N
         print(stats_line(st), file=sys.stderr)
     if a.stats:
         print(tier_stats_line(st), file=sys.stderr)
+        if llm.cluster:
+            print(cluster_stats_line(llm.metrics()["cluster"], max(st.generated, 1)), file=sys.stderr)
+
+
+def cluster_stats_line(c: dict, tokens: int) -> str:
+    """The --stats line of a cluster (whole run): where the layers or experts are, what crossed, the bubble."""
+    if c.get("mode") == "experts":
+        return (f"[colibri] cluster: {c['workers']} expert workers ({', '.join(c['nodes'])}) | {c['calls']} calls, "
+                f"{c['bytes_moved'] / 1024:.1f} KiB crossed ({c['bytes_moved'] / tokens / 1024:.1f} KiB a token)")
+    where = ", ".join(f"layers {lo}-{hi - 1} on {n}" for (lo, hi), n in zip(c["layers"], c["nodes"]))
+    return (f"[colibri] cluster: {c['stages']} stages ({where}) | {c['steps']} steps in {c['micro_batches']} "
+            f"micro-batches, bubble {c['bubble']:.2f} | {c['bytes_moved'] / 1024:.1f} KiB crossed "
+            f"({c['bytes_moved'] / tokens / 1024:.1f} KiB a token)")
 
 
 def stats_line(st) -> str:

@@ -55,6 +55,10 @@ class StagedSlots(SlotPool):
         self.slot_of = {id(c): i for i, c in enumerate(self.caches)}
         self.rewindable = all(s.info["rewindable"] for s in plan.stages)
 
+    @property
+    def nbytes(self) -> int:  # (the K/V live on the stages: what they allocated)
+        return sum(s.info["kv_bytes"] for s in self.plan.stages)
+
     def _copy(self, src: int, dst: int, start: int, end: int) -> None:
         self.plan.call_all("copy", src, dst, start, end)
         super()._copy(src, dst, start, end)
