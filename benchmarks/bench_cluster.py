@@ -51,7 +51,7 @@ class LocalCluster:
     def __init__(self, n: int, cpus: int, cap: str | None = None, budget: str | None = None):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
         if budget:
             self.env["COLIBRI_STAGE_BUDGET"] = budget
         self.blocked: list[subprocess.Popen] = []
@@ -160,7 +160,8 @@ def run_child(model: Path, threads: int, streams: str, tokens: int, *, address: 
     if cap:
         subprocess.run([str(TOOLS / "evict"), str(model)], check=True)
         cmd = [str(TOOLS / "memcap"), cap, *cmd]
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **({"COLIBRI_STAGE_BUDGET": budget} if budget else {}))
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+               **({"COLIBRI_STAGE_BUDGET": budget} if budget else {}))
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     if others is not None:
         others(address)
@@ -270,7 +271,7 @@ def main() -> None:
         nodes.append((log.name, subprocess.Popen(
             [str(TOOLS / "memcap"), a.cap, RAY, "start", "--block", "--address", address, "--node-ip-address",
              "127.0.0.1", "--num-cpus", str(a.threads), "--resources", '{"colibri": 1}'], stdout=log,
-            stderr=subprocess.STDOUT, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
+            stderr=subprocess.STDOUT, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
                                                COLIBRI_STAGE_BUDGET=a.mem_budget))))
     try:
         rows, peak = run_child(model, a.threads, a.streams, a.tokens, address=f"127.0.0.1:{port}", stages=2,
@@ -304,7 +305,7 @@ def netem(a: argparse.Namespace, model: Path) -> None:
     base = show("single node | -", rows, None, 1)
     subprocess.run(["ip", "netns", "del", NS], capture_output=True)
     sh("ip", "netns", "add", NS)
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     port = free_port()
     try:
         sh("ip", "link", "add", "cveth0", "type", "veth", "peer", "name", "cveth1")

@@ -50,6 +50,10 @@ def cluster() -> str:
         pytest.skip("the `ray` command is not installed")
     port = _free_port()
     address = f"127.0.0.1:{port}"
+    # Ray's own default, said aloud: a token file left in ~/.ray by an earlier `ray.init()` otherwise makes the head
+    # ask the other nodes for a token they do not send
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", CUDA_VISIBLE_DEVICES="")
     node = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--resources", '{"colibri": 1}']
     try:
@@ -61,6 +65,10 @@ def cluster() -> str:
         if ray.is_initialized():
             ray.shutdown()
         _ray("stop", "--force", env=env)
+        if saved is None:
+            del os.environ["RAY_AUTH_MODE"]
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
 
 
 def _generate(llm, prompt: list[int], **kw) -> list[int]:
@@ -87,15 +95,16 @@ def _staggered(llm) -> list[list[int]]:
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
 def test_stages_and_expert_workers_give_the_single_node_bits(ckpt, cluster, model_type) -> None:
-    """f32: 2 and 3 stages, and 3 expert workers: prompt logits bit for bit, greedy tokens, a seeded sample,
-    staggered joins and a reused slot, each equal to the single-node engine's."""
+    """f32: 3 stages (and 2, for two families), and 3 expert workers: prompt logits bit for bit, greedy tokens, a
+    seeded sample, staggered joins and a reused slot, each equal to the single-node engine's."""
     path = ckpt.coli(model_type, "f32")
     ref = _reference(path)
-    for mode, n in (("pipeline", 2), ("pipeline", 3), ("experts", 3)):
+    two = [("pipeline", 2)] if model_type in ("mixtral", "qwen3_next") else []  # (3 stages cut every family)
+    for mode, n in (*two, ("pipeline", 3), ("experts", 3)):
         with colibri.load(path, ctx_size=64, threads=1, slots=2, cluster=cluster, cluster_mode=mode,
                           cluster_stages=n) as llm:
             if mode == "pipeline":
-                assert len(llm.plan.stages) == n
+                assert len(llm.plan.stages) == n and llm.kv_bytes() > 0  # (the K/V the stages hold)
                 assert llm.plan.stages[0].lo == 0 and llm.plan.stages[-1].hi == llm.n_layers
             else:  # every expert on exactly one worker
                 shares = llm.metrics()["cluster"]["nodes"]
@@ -215,7 +224,6 @@ def test_the_cli_runs_on_the_cluster_and_plans_the_split(ckpt, cluster, capsys) 
         err = capsys.readouterr().err
         assert ("cluster of 3 stages" in err) if mode == "pipeline" else ("asked for torch" in err), err
         assert "[colibri] cluster: 3 " + ("stages (layers 0-0 on" if mode == "pipeline" else "expert workers") in err
-        assert "KV cache 0.0 MiB" not in err  # (the stages' K/V counted)
     assert main(["run", "--model", path, "--prompt", "x", "--cluster", cluster, "--ram-layers", "2"]) == 1
     assert "--ram-layers does not apply with --cluster" in capsys.readouterr().err
 
