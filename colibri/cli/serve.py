@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..server.replicas import serve_replicas
 
         setup_logging(a.log_level)
-        return serve_replicas(a, list(argv or []))
+        return serve_replicas(a)
     from ..server.main import serve
 
     return serve(a)

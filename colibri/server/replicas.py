@@ -39,8 +39,9 @@ class Board:
         return self.rows
 
 
-def build_app(argv: list[str]):
-    """On a replica: its engine, `colibri serve`'s app over it, and the replicas' /health and /metrics in front."""
+def build_app(a: argparse.Namespace):
+    """On a replica: its engine (from `colibri serve`'s flags `a`), the server's app over it, and the replicas'
+    /health and /metrics in front."""
     import ray
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
@@ -48,10 +49,8 @@ def build_app(argv: list[str]):
 
     from ..cli.common import engine_from_args
     from ..cli.run import apply_spec_args
-    from ..cli.serve import serve_parser
     from .app import ServerState, create_app, default_model_id
 
-    a = serve_parser().parse_args(argv)
     engine = engine_from_args(a)
     apply_spec_args(engine, a)
     state = ServerState(engine, a.model_id or default_model_id(a.model), a.api_key, None,
@@ -114,7 +113,7 @@ def merge_metrics(texts: dict[str, str]) -> bytes:
     return generate_latest(reg)
 
 
-def serve_replicas(a: argparse.Namespace, argv: list[str]) -> int:
+def serve_replicas(a: argparse.Namespace) -> int:
     """Start Ray Serve on the cluster (or a local Ray of N `colibri` units), deploy the replicas, wait for them,
     serve until SIGINT/SIGTERM, then take the replicas down."""
     from ..cluster import nodes
@@ -136,7 +135,8 @@ def serve_replicas(a: argparse.Namespace, argv: list[str]) -> int:
     stop = threading.Event()  # (before Serve starts: a signal while the replicas load still stops cleanly)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    inner = _replica_argv(argv)
+    # each replica: one whole engine on its node, from the same flags
+    inner = argparse.Namespace(**{**vars(a), "replicas": None, "cluster": None})
     board = r.remote(Board).options(name=BOARD, get_if_exists=True, num_cpus=0).remote()
     serve.start(http_options={"host": a.host, "port": a.port}, proxy_location="HeadOnly")
     app = serve.deployment(serve.ingress(lambda: build_app(inner))(), name="colibri", num_replicas=a.replicas,
@@ -157,19 +157,3 @@ def serve_replicas(a: argparse.Namespace, argv: list[str]) -> int:
     r.kill(board)
     print("colibri: server stopped", file=sys.stderr, flush=True)
     return 0
-
-
-def _replica_argv(argv: list[str]) -> list[str]:
-    """The serve flags each replica builds its engine from: without --replicas and --cluster (a replica is one
-    whole engine on its node)."""
-    out, skip = [], False
-    for x in argv:
-        if skip:
-            skip = False
-            continue
-        name = x.split("=", 1)[0]
-        if name in ("--replicas", "--cluster", "--cluster-mode", "--cluster-stages", "--cluster-timeout"):
-            skip = "=" not in x
-            continue
-        out.append(x)
-    return out
