@@ -76,7 +76,3 @@ def hold(model: nn.Module, lo: int, hi: int, ends: bool) -> Callable[[str], bool
         i = layer_of(name)
         return lo <= i < hi if i is not None else ends and name.startswith(ENDS)
     return keep
-
-
-def absent(cache) -> bool:
-    return getattr(cache, "elsewhere", False)

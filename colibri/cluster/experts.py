@@ -11,8 +11,6 @@ single machine's.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -27,7 +25,7 @@ from ..store.reader import IO_THREADS, RecordReader
 from ..store.sizes import model_sizes
 from . import nodes, wire
 from .split import split
-from .stage import Stage, _peak_rss, container_id
+from .stage import Stage, _peak_rss
 
 
 def owners(n_experts: int, budgets: list[int]) -> list[tuple[int, int]]:
@@ -83,21 +81,7 @@ class ExpertWorker(Stage):
                 native.moe(tables, x.contiguous(), idx.contiguous(), w.float().contiguous(), mod.intermediate,
                            first.scheme, first.group_size, ys, combine=False)
                 return sel.numpy(), ys[sel].numpy(), (first.scheme, first.group_size)
-            ys = x.new_zeros(T * k, mod.hidden)  # as SwitchGLU._experts: one expert at a time, its rows in order
-            if T == 1:
-                for j, e in enumerate(idx[0].tolist()):
-                    if e in mine:
-                        ew = self.experts[layer, e]
-                        ys[j:j + 1] = ew.down(mod.act(ew.gate_up(x)))
-            else:
-                flat = idx.reshape(-1)
-                order = flat.argsort(stable=True)
-                counts = torch.bincount(flat, minlength=mod.num_experts).tolist()
-                ends = torch.tensor(counts).cumsum(0).tolist()
-                for e in mine:
-                    s = order[ends[e] - counts[e]:ends[e]]
-                    ew = self.experts[layer, e]
-                    ys[s] = ew.down(mod.act(ew.gate_up(x[s // k])))
+            ys = mod.slot_outputs(x, idx, [(e, self.experts[layer, e]) for e in mine])  # (the layer's own code)
             return sel.numpy(), wire.pack(ys[sel]), None
 
     def close(self) -> None:
@@ -147,21 +131,11 @@ class RemoteExperts:
             nodes.wait([w.close.remote() for w in self.workers], self.names, nodes.PING_S)
         except ColibriError:
             pass
-        for w in self.workers:
-            if not isinstance(w, nodes.LocalActor):
-                nodes.ray().kill(w, no_restart=True)
+        nodes.kill(self.workers)
 
     def restore(self) -> None:
         """After a lost worker: wait for Ray to restart it and give it its experts again."""
-        end = time.monotonic() + nodes.PING_S * 4
-        while True:
-            try:
-                stats = self.worker_stats()
-                break
-            except StageLostError:
-                if time.monotonic() > end:
-                    raise
-                time.sleep(0.2)
+        stats = nodes.until_up(self.worker_stats)
         todo = [j for j, st in enumerate(stats) if tuple(st["layers"]) == (0, 0)]  # (a fresh process)
         refs = [self.workers[j].load_experts.remote(*self.loads[j]) for j in todo]
         nodes.wait(refs, [self.names[j] for j in todo], nodes.LOAD_S)
@@ -196,30 +170,18 @@ class RemoteExperts:
                 tables = self._tables[mod.layer] = native.MoeTables(mod.num_experts, mod.native_act, mod.input_scaled)
             return native.moe(tables, x.contiguous(), idx.contiguous(), weights.float().contiguous(),
                               mod.intermediate, quant[0], quant[1], ys)
-        ys = x.new_zeros(T * k, mod.hidden)
+        ys = x.new_empty(T * k, mod.hidden)  # (every slot is some worker's)
         for s, y, _ in got:
             ys[torch.from_numpy(np.array(s))] = wire.unpack(y, x.dtype)
-        return (ys.view(T, k, -1).float() * weights.float()[..., None]).sum(1).to(x.dtype)  # (moe.py's order)
+        return mod.combine(ys, weights, x.dtype)
 
 
 def open_experts(engine, address: str, n_workers: int | None, mem_budget: int | None, deadline_s: float | None):
     """Join the cluster, start a worker on each node offering `colibri`, give each its share of every MoE layer's
     experts, and bind the head's MoE layers to them; the remote source (for metrics and close)."""
-    nodes.connect(address)
-    picked = nodes.pick_nodes(n_workers)
-    me = nodes.ray().get_runtime_context().get_node_id()
-    c = engine.container
-    workers = [nodes.start_stage(n, str(c.path), local=n["NodeID"] == me, body=ExpertWorker) for n in picked]
+    picked, workers, facts, budgets = nodes.start_all(address, n_workers, engine.container, mem_budget, ExpertWorker)
     try:
-        facts = nodes.starting([w.facts.remote(mem_budget) for w in workers],
-                           [f"expert worker on node {n['NodeManagerAddress']}" for n in picked], nodes.PING_S * 4)
         names = [f"expert worker {j} on {f['name']}" for j, f in enumerate(facts)]
-        mine = container_id(c)
-        for f in facts:
-            if f["id"] != mine:
-                raise ColibriError(f"cluster: node {f['name']}: its container {f['path']} differs from the "
-                                   f"head's {c.path} (header checksum {f['id']} vs {mine})")
-        budgets = [f["budget"] if f["budget"] is not None else f["available"] for f in facts]
         mods = [m for m in engine.model.modules() if isinstance(m, SwitchGLU)]
         shares = {m.layer: owners(m.num_experts, budgets) for m in mods}
         threads = [0 if isinstance(w, nodes.LocalActor) else max(1, int(n.get("Resources", {}).get("CPU", 1)))
@@ -233,7 +195,5 @@ def open_experts(engine, address: str, n_workers: int | None, mem_budget: int | 
             m.source = source
         return source
     except BaseException:
-        for w in workers:
-            if not isinstance(w, nodes.LocalActor):
-                nodes.ray().kill(w, no_restart=True)
+        nodes.kill(workers)
         raise

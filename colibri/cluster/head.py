@@ -12,20 +12,16 @@ Rows are independent outside attention, and attention is per sequence: the cut c
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
-from ..engine.decode_plan import Segment
 from ..engine.kv import SlotPool
 from ..errors import ColibriError, StageLostError
 from ..layers.batch import StepBatch
 from ..store.sizes import model_sizes
 from . import nodes, wire
 from .split import layer_bytes, split
-from .stage import container_id
 
 log = logging.getLogger("colibri")
 
@@ -74,11 +70,9 @@ class StagedPlan:
     def __init__(self, model, stages: list[StageRef], opts: dict, deadline_s: float):
         self.model, self.stages, self.opts, self.deadline_s = model, stages, opts, deadline_s
         self.n_layers = len(model.model.layers)
-        self.held, self.tail, self.micro = (0, self.n_layers), None, True
-        self.segments = [Segment(s.lo, s.hi, "cluster", f"stage {s.index} on {s.name}") for s in stages]
+        self.tail, self.micro = None, True  # (no native whole step here: engine/speculative.py reads `tail`)
         self._routes: dict = {}
         self.lost: str | None = None  # why the pipeline is down (a stage being restarted), None when whole
-        self._lock = threading.Lock()
         self.steps = self.micro_batches = self.bytes_moved = 0
         self.idle = 0.0
 
@@ -134,7 +128,7 @@ class StagedPlan:
         got = nodes.wait(outs, [f"the pipeline ({', '.join(map(str, self.stages))})"] * M, self.deadline_s)
         # what crossed processes: the rows into each remote stage and back, the routes gathered on the way
         remote = sum(not isinstance(s.actor, nodes.LocalActor) for s in self.stages)
-        self.bytes_moved += h.nbytes * (remote + 1 - isinstance(self.stages[-1].actor, nodes.LocalActor)) + sum(
+        self.bytes_moved += h.nbytes * (remote + (remote > 0)) + sum(
             t.nbytes for _, r in got for pair in r.values() for t in pair)
         self._routes = _merge([wire.unpack_routes(r) for _, r in got])
         rows = [wire.unpack(x, h.dtype) for x, _ in got]
@@ -155,24 +149,12 @@ class StagedPlan:
     def restore(self) -> None:
         """After a lost stage: wait for Ray to restart its actor and load its range again. Raises (the pipeline
         stays down) when it does not come back."""
-        with self._lock:
-            if self.lost is None:
-                return
-            end = time.monotonic() + nodes.PING_S * 4
-            while True:  # Ray restarts the actor (a new process): "unavailable" until it is up
-                try:
-                    self.call_all("ping", deadline_s=max(end - time.monotonic(), 0.001))
-                    break
-                except StageLostError:
-                    if time.monotonic() > end:
-                        raise
-                    time.sleep(0.2)
-            stats = self.call_all("stats")
-            todo = [s for s, st in zip(self.stages, stats) if tuple(st["layers"]) != (s.lo, s.hi)]
-            refs = [s.actor.load.remote(s.lo, s.hi, threads=s.threads, **self.opts) for s in todo]
-            nodes.wait(refs, [str(s) for s in todo], nodes.LOAD_S)
-            log.warning("colibri: cluster whole again (%s reloaded)", ", ".join(map(str, todo)) or "no stage")
-            self.lost = None
+        stats = nodes.until_up(lambda: self.call_all("stats", deadline_s=nodes.PING_S))
+        todo = [s for s, st in zip(self.stages, stats) if tuple(st["layers"]) != (s.lo, s.hi)]
+        refs = [s.actor.load.remote(s.lo, s.hi, threads=s.threads, **self.opts) for s in todo]
+        nodes.wait(refs, [str(s) for s in todo], nodes.LOAD_S)
+        log.warning("colibri: cluster whole again (%s reloaded)", ", ".join(map(str, todo)) or "no stage")
+        self.lost = None
 
     def counters(self) -> dict:
         """For Engine.metrics: steps down the pipeline, micro-batches, bytes moved, the mean bubble."""
@@ -193,49 +175,33 @@ class StagedPlan:
                 **({"cluster_error": self.lost} if self.lost else {})}
 
     def close(self) -> None:
-        ray = nodes.ray()
         try:
             nodes.wait([s.actor.close.remote() for s in self.stages], [str(s) for s in self.stages], nodes.PING_S)
         except ColibriError as e:
             log.warning("colibri: %s", e)
-        for s in self.stages:
-            if not isinstance(s.actor, nodes.LocalActor):
-                ray.kill(s.actor, no_restart=True)
+        nodes.kill([s.actor for s in self.stages])
 
-    def failed(self, e: BaseException) -> None:
+    def failed(self, e: BaseException) -> bool:
         """A step raised: a lost stage takes the pipeline down until `restore`, and every slot's contents with it
-        (that stage's K/V are gone: no prompt may reuse them)."""
-        if isinstance(e, StageLostError):
-            self.lost = str(e)
-            self.slots.forget_all()
+        (that stage's K/V are gone: no prompt may reuse them); whether so (engine/decode_plan.py `failed`)."""
+        if not isinstance(e, StageLostError):
+            return False
+        self.lost = str(e)
+        self.slots.forget_all()
+        return True
 
 
 def open_cluster(engine, address: str, n_stages: int | None, mem_budget: int | None, opts: dict,
                  deadline_s: float | None) -> tuple[StagedSlots, StagedPlan]:
     """Join the cluster, start a stage on each node, split the layers by the nodes' budgets, load them; the head's
     slots and plan. `opts`: the stages' load options besides the range (ctx, slots, dtype, kv, prefetch, ...)."""
-    nodes.connect(address)
-    picked = nodes.pick_nodes(n_stages)
-    c = engine.container
-    me = nodes.ray().get_runtime_context().get_node_id()
-    stages = [StageRef(nodes.start_stage(n, str(c.path), local=n["NodeID"] == me), n, n["NodeManagerAddress"], j,
-                       threads=max(1, int(n.get("Resources", {}).get("CPU", 1)))) for j, n in enumerate(picked)]
-    for s in stages:
-        if isinstance(s.actor, nodes.LocalActor):  # runs in the engine thread, on the engine's threads
-            s.threads = 0
-    plan = None
+    picked, actors, facts, budgets = nodes.start_all(address, n_stages, engine.container, mem_budget)
+    ranges = split(layer_bytes(model_sizes(engine.container, engine.dtype)), budgets)
+    # a LocalActor runs in the engine thread, on the engine's threads (0: it sets none)
+    stages = [StageRef(a, n, f["name"], j, lo, hi, 0 if isinstance(a, nodes.LocalActor) else
+                       max(1, int(n.get("Resources", {}).get("CPU", 1))))
+              for j, (a, n, f, (lo, hi)) in enumerate(zip(actors, picked, facts, ranges))]
     try:
-        facts = nodes.starting([s.actor.facts.remote(mem_budget) for s in stages],
-                           [f"stage {s.index} on node {s.name}" for s in stages], nodes.PING_S * 4)
-        mine = container_id(c)
-        for s, f in zip(stages, facts):
-            s.name = f["name"]
-            if f["id"] != mine:
-                raise ColibriError(f"cluster: node {s.name}: its container {f['path']} differs from the head's "
-                                   f"{c.path} (header checksum {f['id']} vs {mine}); give every node the same file")
-        budgets = [f["budget"] if f["budget"] is not None else f["available"] for f in facts]
-        for s, (lo, hi) in zip(stages, split(layer_bytes(model_sizes(c, engine.dtype)), budgets)):
-            s.lo, s.hi = lo, hi
         plan = StagedPlan(engine.model, stages, dict(opts, mem_budget=mem_budget), deadline_s or nodes.CALL_S)
         plan.load()
         slots = StagedSlots(engine.model, opts["slots"], opts["ctx"], engine.dtype, lambda i: torch.device("cpu"),
@@ -245,10 +211,7 @@ def open_cluster(engine, address: str, n_stages: int | None, mem_budget: int | N
             log.info("colibri: %s: %s; %s", s, s.info["placement"], s.info["plan"])
         return slots, plan
     except BaseException:
-        ray = nodes.ray()
-        for s in stages:
-            if not isinstance(s.actor, nodes.LocalActor):
-                ray.kill(s.actor, no_restart=True)
+        nodes.kill(actors)
         raise
 
 

@@ -74,6 +74,50 @@ def pick_nodes(want: int | None) -> list[dict]:
     return nodes[:want] if want is not None else nodes
 
 
+def start_all(address: str, want: int | None, container, mem_budget: int | None, body: type | None = None):
+    """Join the cluster and start `body` (a stage, or an expert worker) on each of `want` nodes offering `colibri`
+    (the head's own node in this process); their facts checked against this process's container. (nodes, actors,
+    facts, the nodes' budgets: given, else their free memory)."""
+    from .stage import container_id
+
+    connect(address)
+    picked = pick_nodes(want)
+    me = ray().get_runtime_context().get_node_id()
+    actors = [start_stage(n, str(container.path), local=n["NodeID"] == me, body=body) for n in picked]
+    try:
+        facts = starting([a.facts.remote(mem_budget) for a in actors],
+                         [f"node {n['NodeManagerAddress']}" for n in picked], PING_S * 4)
+        mine = container_id(container)
+        for f in facts:
+            if f["id"] != mine:
+                raise ColibriError(f"cluster: node {f['name']}: its container {f['path']} differs from the head's "
+                                   f"{container.path} (header checksum {f['id']} vs {mine}); give every node the "
+                                   "same file")
+    except BaseException:
+        kill(actors)
+        raise
+    return picked, actors, facts, [f["budget"] if f["budget"] is not None else f["available"] for f in facts]
+
+
+def kill(actors: list) -> None:
+    """End the actors (a LocalActor has no process of its own)."""
+    for a in actors:
+        if not isinstance(a, LocalActor):
+            ray().kill(a, no_restart=True)
+
+
+def until_up(call, deadline_s: float = PING_S * 4):
+    """`call()` until the actors it asks answer: Ray restarts a lost one in a new process, "unavailable" meanwhile."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return call()
+        except StageLostError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
 class LocalActor:
     """A stage in the head's own process (its node offers `colibri`): the actor's calls, run when made, so a step
     crosses one process boundary less. `wait` takes their results as they are."""
@@ -86,11 +130,8 @@ class LocalActor:
 
 
 class _Call:
-    def __init__(self, fn, n: int = 1):
-        self.fn, self.n = fn, n
-
-    def options(self, num_returns: int = 1, **_) -> _Call:
-        return _Call(self.fn, num_returns)
+    def __init__(self, fn):
+        self.fn = fn
 
     def remote(self, *args, **kw):
         try:

@@ -4,11 +4,9 @@ memory), as `--cluster` does, and stops them; nothing is loaded."""
 
 from __future__ import annotations
 
-from ..errors import ColibriError
 from ..store.sizes import ModelSizes, human
 from . import nodes
 from .split import layer_bytes, split, stage_placement
-from .stage import container_id
 
 # What a token pays per process crossed, measured with benchmarks/bench_cluster.py on a 2-core VM (a bare Ray actor
 # call and back ~1.1 ms; with a stage's own work around it ~2 ms a hop): an estimate, not a promise.
@@ -18,21 +16,9 @@ HOP_S = 0.002
 def cluster_report(container, sizes: ModelSizes, address: str, n_stages: int | None, mem_budget: int | None,
                    single_s: float) -> str:
     """`single_s`: the planner's seconds per token with every weight in RAM on one such node."""
-    nodes.connect(address)
+    picked, actors, facts, budgets = nodes.start_all(address, n_stages, container, mem_budget)
+    nodes.kill(actors)  # (their facts were all this needed)
     me = nodes.ray().get_runtime_context().get_node_id()
-    picked = nodes.pick_nodes(n_stages)
-    actors = [nodes.start_stage(n, str(container.path)) for n in picked]
-    try:
-        facts = nodes.wait([a.facts.remote(mem_budget) for a in actors],
-                           [f"node {n['NodeManagerAddress']}" for n in picked], nodes.PING_S * 4)
-    finally:
-        for a in actors:
-            nodes.ray().kill(a, no_restart=True)
-    mine = container_id(container)
-    for f in facts:
-        if f["id"] != mine:
-            raise ColibriError(f"cluster: node {f['name']}: its container {f['path']} differs from {container.path}")
-    budgets = [f["budget"] if f["budget"] is not None else f["available"] for f in facts]
     ranges = split(layer_bytes(sizes), budgets)
     lines = [f"cluster: {len(picked)} stage(s) on {address}; layers split in proportion to the nodes' budgets"]
     streamed = False

@@ -172,6 +172,11 @@ class DecodePlan:
         return native_step.steps(nat, self.tail, tokens, batch, n_steps, stop, sampling, uniforms, processors,
                                  logprobs)
 
+    def failed(self, e: BaseException) -> bool:
+        """A step raised `e`: whether every request in flight lost its state with it (never here; a cluster's plan
+        says so when a stage died with its K/V: colibri/cluster/head.py)."""
+        return False
+
     def take_routes(self) -> Routes:
         """The routes of the steps run since the last take (a step's: MoE layer -> (ids [R, k], weights [R, k]))."""
         out, self._routes = self._routes, {}

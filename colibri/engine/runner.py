@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..errors import ColibriError, StageLostError
+from ..errors import ColibriError
 from ..kernels import native
 from ..layers.batch import Seq, StepBatch
 from ..layers.moe import SwitchGLU
@@ -212,8 +212,7 @@ class Runner:
             log.exception("colibri: engine step failed")
         for c in chunks:
             self.sched.finish(c.a, "error", e)
-        if isinstance(e, StageLostError) and hasattr(self.plan, "failed"):  # a cluster stage died with its K/V:
-            self.plan.failed(e)  # every request in flight ends (expert workers hold no K/V: only the step's)
+        if self.plan.failed(e):  # a cluster stage died with its K/V: every request in flight ends
             for a in list(self.sched.active):
                 self.sched.slots.forget(a.slot)
                 self.sched.finish(a, "error", e)

@@ -147,6 +147,12 @@ class SwitchGLU(nn.Module):
                  ) -> torch.Tensor:
         """The experts one module call at a time (any activation, scheme or device); `fetched`: the
         layer's fetch when the caller began it (then it also ran the look-ahead)."""
+        return self.combine(self.slot_outputs(x, idx, fetched, resid), weights, x.dtype)
+
+    def slot_outputs(self, x: torch.Tensor, idx: torch.Tensor, fetched: Iterable[tuple[int, ExpertWeights]] | None,
+                     resid: torch.Tensor | None = None) -> torch.Tensor:
+        """ys [T*k, H]: each (row, slot)'s expert output, for the slots whose expert `fetched` hands over (all of
+        them when None: the layer's own fetch); the rest left unset (cluster expert workers compute their share)."""
         T, k = idx.shape
         ys = x.new_empty(T * k, self.hidden)  # one output row per (token, slot)
         if T == 1:
@@ -172,9 +178,14 @@ class SwitchGLU(nn.Module):
             for e, w in fetched:
                 sel = order[ends[e] - counts[e] : ends[e]]  # slots routed to expert e
                 ys[sel] = w.down(self.act(w.gate_up(x[sel // k])))
-        # Weighted sum over the k slots in slot order, in f32: deterministic and precise.
-        out = (ys.view(T, k, -1).float() * weights.float()[..., None]).sum(1)
-        return out.to(x.dtype)
+        return ys
+
+    @staticmethod
+    def combine(ys: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weighted sum over each row's k slots, in slot order and in f32 (deterministic and precise):
+        ys [T*k, H], weights [T, k] -> [T, H]."""
+        T, k = weights.shape
+        return (ys.view(T, k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
 
     def _look_ahead(self, resid: torch.Tensor | None) -> None:
         # After this layer's fetch (its experts are claimed: a prefetch cannot evict them).
