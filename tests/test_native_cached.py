@@ -1,7 +1,7 @@
-"""Cached (disk-tier) layers in the one-call native step (engine/native_step.py `run`, store/cache.py
-`track` / `replay`, kernels/moe.c COLI_MISS): the call runs over the experts in memory, stops at a route
-to one that is not, that layer runs the per-layer way and the call resumes -- the bits of the all-RAM
-engine, whatever the cache holds."""
+"""Cached (disk-tier) layers in the one-call native step (engine/native_step.py, engine/stream_hook.py,
+store/cache.py `track`, kernels/step.c moe_streamed): the call runs over the experts in memory; at a route to
+one that is not, the layer's hook starts its read, the kernel computes the others and waits for it inside the
+call -- the bits of the all-RAM engine, whatever the cache holds."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from test_tiers import N_GREEDY, PROMPT, configs
 
 from colibri.api import Engine
+from colibri.engine import stream_hook
 from colibri.format.container import Container
 from colibri.kernels import native
 from colibri.store import Placement, model_sizes
@@ -21,16 +22,30 @@ FAMILIES = [("olmoe", {}), ("qwen2_moe", {"shared_expert_intermediate_size": 64}
 
 
 def _spy_stops(mp: pytest.MonkeyPatch) -> list[int | None]:
-    """The stop layer each native call returns from now on (None: it ran to the end)."""
+    """The stop layer each native call returns from now on (None: it ran to the end); then, appended as
+    "landed", each time a layer's hook let the kernel go on with an expert whose read landed inside a call."""
     stops: list[int | None] = []
-    real = native.decode_layers
+    real, whole, wait = native.decode_layers, native.decode_step, stream_hook.LayerHook._wait
 
     def spy(*a, **k):
         out = real(*a, **k)
         stops.append(out[2])
         return out
 
+    def spy_whole(*a, **k):
+        out = whole(*a, **k)
+        stops.append(None if out is not None else "missed")
+        return out
+
+    def spy_wait(self):
+        got = wait(self)
+        if got == 1:
+            stops.append("landed")
+        return got
+
     mp.setattr(native, "decode_layers", spy)
+    mp.setattr(native, "decode_step", spy_whole)
+    mp.setattr(stream_hook.LayerHook, "_wait", spy_wait)
     return stops
 
 
@@ -69,11 +84,9 @@ def test_cached_layers_run_in_the_one_call_step_bit_for_bit(ckpt, monkeypatch, m
         assert tokens == ref_tokens, name
         assert torch.equal(logits, ref_logits), name
         assert stats["bytes_read"] > 0, name
-        assert stops, name  # the steps with cached layers took the native call ...
-        if name == "all-fit":
-            assert stops.count(None) > len(stops) // 2, name  # ... mostly to the end once the experts were in
+        assert None in stops and all(s in (None, "landed") for s in stops), name  # the native call, to the end
         if name == "disk-1-per-layer":
-            assert any(s is not None for s in stops), name  # ... and stopped at layers whose experts were not
+            assert "landed" in stops, name  # ... waiting inside it for the experts not in memory
 
 
 def test_replayed_fetches_count_every_lookup(ckpt, monkeypatch):

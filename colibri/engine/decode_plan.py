@@ -123,7 +123,7 @@ class DecodePlan:
         rows (the head is a decode step's biggest matmul: skip rows nobody samples)."""
         self._fresh()
         nat = self._ranges[(0, self.n_layers)]
-        if self.tail is not None and not isinstance(nat, str) and not nat.cached:
+        if self.tail is not None and not isinstance(nat, str):
             got = native_step.step(nat, self.tail, tokens, batch, out_rows)
             if got is not None:
                 self._add(got[1])

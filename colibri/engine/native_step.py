@@ -34,6 +34,7 @@ from ..layers.mla import LatentCache, MLAttention
 from ..layers.moe import SparseMoE, native_routing, routed_ids
 from ..layers.norms import block_norm_bias, out_norm_ptr
 from ..quant import QLinear
+from . import stream_hook
 from .stats import StackedRoutes
 
 
@@ -63,6 +64,8 @@ class NativeLayers:
         self.tables, self.mlps = tables, mlps  # the MoeLayer structs point into them: keep them alive
         self.attn = (native_block.AttnLayer * len(attn))(*attn)
         self.moe = (native.MoeLayer * len(blocks))(*[self._layer(b, t, m) for b, t, m in zip(blocks, tables, mlps)])
+        # where experts stream: the routed layers call back as they run (claims, reads, look-ahead)
+        self.hook = self._hook(tables) if self.cached else None
         self.slots: dict[int, _Slot] = {}  # id(caches) -> its pointers
         self.ptrs: dict[tuple, tuple] = {}  # a step's row layout -> (its _Slots, K and V pointer arrays)
         self.tail: _Tail | None = None  # embedding, final norm and head in the same call, where they allow
@@ -89,6 +92,22 @@ class NativeLayers:
                                None if r.bias is None else r.bias.data_ptr(), r.scale, shared, r.kind,
                                None if t.act_ptr() is None else ctypes.addressof(t.act), *r.groups,
                                out_w=out_w, out_eps=out_eps)
+
+    def _hook(self, tables: list) -> stream_hook.LayerHook:
+        """The layer hook, set in the structs of the cached layers and of those whose look-ahead reads a cached
+        layer's experts."""
+        ahead = getattr(self.source.ahead, "next", {})
+        hook = stream_hook.LayerHook(self.source, {self.blocks[i].mlp.experts.layer: tables[i] for i in self.cached},
+                                     self.k, self.attn[0].hidden)
+        index = {ex.layer: i for i, ex in zip(self.sparse, self.experts)}
+        for i, ex in zip(self.sparse, self.experts):
+            if i in self.cached or ex.layer in ahead:
+                self.moe[i].hook, self.moe[i].layer = hook.fn, ex.layer
+                # the kernel predicts the next routed layer's routes where it has that layer's norm and router
+                n = index.get(ahead[ex.layer][0], -1) if ex.layer in ahead else -1
+                if n > i and self.attn[n].post_w and not self.attn[n].mla:
+                    self.moe[i].ahead = n - i
+        return hook
 
     def routed(self, idx: torch.Tensor) -> torch.Tensor:
         """The routed layers' rows of routes [..., L, T, k] (a dense layer's rows are not written)."""
@@ -349,10 +368,11 @@ def _routes(plan: NativeLayers, idx: torch.Tensor, wts: torch.Tensor, lo: int = 
     return {ex.layer: (idx[i], wts[i]) for ex, i in zip(plan.experts, plan.sparse) if lo <= i < hi}
 
 
-def _account(plan: NativeLayers, idx: torch.Tensor, lo: int, hi: int) -> None:
-    """The caches account the experts the call used in blocks lo..hi-1 as the fetches they stood for."""
+def _account(plan: NativeLayers, idx: torch.Tensor, lo: int, hi: int, fetched: set[int]) -> None:
+    """The caches account the experts the call used in blocks lo..hi-1 as the fetches they stood for (but for
+    the layers the hook `fetched` already)."""
     for i in plan.cached:
-        if lo <= i < hi:
+        if lo <= i < hi and plan.blocks[i].mlp.experts.layer not in fetched:
             ex = plan.blocks[i].mlp.experts
             plan.source.account(ex.layer, routed_ids(idx[i]))  # (what SwitchGLU would fetch)
 
@@ -374,7 +394,15 @@ def step(plan: NativeLayers, tl: _Tail, tokens: torch.Tensor, batch: StepBatch, 
         tokens = tokens.to(torch.int64).contiguous()
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    logits, idx, wts = native.decode_step(tl.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows, kvt=kvt)
+    if plan.hook is None:
+        logits, idx, wts = native.decode_step(tl.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows, kvt=kvt)
+        return logits, _routes(plan, idx, wts)
+    got = plan.hook.run(native.decode_step, tl.struct, tokens, plan.attn, plan.moe, *args, plan.k, rows, kvt=kvt,
+                        partial=True)
+    if got is None:  # (an expert the hook could not put in the table: the layer-by-layer form takes the step)
+        return None
+    logits, idx, wts = got
+    _account(plan, idx, 0, len(plan.blocks), plan.hook.fetched)
     return logits, _routes(plan, idx, wts)
 
 
@@ -418,14 +446,14 @@ def layers(plan: NativeLayers, h: torch.Tensor, batch: StepBatch) -> tuple[torch
     if not plan.cached:
         idx, wts, _ = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, kvt=kvt)
         return h, _routes(plan, idx, wts)
-    L, first, routes = len(plan.blocks), 0, {}
+    L, first, routes, hook = len(plan.blocks), 0, {}, plan.hook
     while first < L:
         plan.source.collect_landed(plan.cached_layers)
-        idx, wts, stop = native.decode_layers(plan.attn, plan.moe, h, *args, plan.k, partial=True, first=first,
-                                              kvt=kvt)
+        idx, wts, stop = hook.run(native.decode_layers, plan.attn, plan.moe, h, *args, plan.k, partial=True,
+                                  first=first, kvt=kvt)
         end = L if stop is None else stop
         routes.update(_routes(plan, idx, wts, first, end))
-        _account(plan, idx, first, end)
+        _account(plan, idx, first, end, hook.fetched)
         if stop is None:
             break
         block = plan.blocks[stop]

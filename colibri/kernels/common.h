@@ -215,6 +215,15 @@ int coli_mla_block_sel(const coli_mla_layer *L, int T, const void *h, const int 
 enum { ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_SOFTMAX_BIAS, ROUTE_TOPK_SOFTMAX, ROUTE_SPARSEMIXER,
        ROUTE_LOGIT_BIAS_SIGMOID };  /* coli_route's rules (route.c) */
 #define COLI_MISS (-7)  /* coli_moe_block: a routed expert is not in the layer's table (a cached layer) */
+#define COLI_HOOK_FAILED (-8)  /* coli_decode_layers: a streamed layer's hook failed (the engine holds the error) */
+/* A streamed layer's hook into the engine (step.c moe_streamed): `event` COLI_HOOK_ROUTED once the layer's rows are
+ * routed (idx [n]: their experts; h [n / k, hidden] bf16: the residual the look-ahead predicts from; pred [np]: the
+ * next routed layer's routes for those rows, predicted from h, np 0 where not predicted here) -> 0, or < 0 on failure;
+ * COLI_HOOK_WAIT while some routed expert is not in the table yet -> 1 once another one landed in it, 0 when none is
+ * left to land, < 0 on failure. */
+enum { COLI_HOOK_ROUTED, COLI_HOOK_WAIT };
+typedef int (*coli_layer_hook)(int layer, int event, const int64_t *idx, int n, const void *h, const int64_t *pred,
+                               int np);
 
 /* The routed experts' activation and biases (NULL: SiLU-GLU without biases). kind ACT_CLAMPED: gpt-oss's
  * (up + 1) * gate * sigmoid(alpha * gate), gate clamped from above at limit, up to [-limit, limit]; ACT_GELU_TANH:
@@ -236,6 +245,10 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
                    int kind, int n_group, int topk_group, const float *bias, float scale, const coli_qw *gate_up, const coli_qw *down, int scheme,
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
                    const coli_expert_act *act, const float *out_w, float out_eps);
+int coli_moe_routed(const void *x, const void *h, int T, int H, int I, int E, int k, const coli_qw *gate_up,
+                    const coli_qw *down, int scheme, int g, const int64_t *idx, const float *w, float *ys,
+                    void *h_out, const coli_mlp *shared, const coli_expert_act *act, const float *out_w,
+                    float out_eps);
 int coli_mlp_rows(const coli_mlp *m, const void *x, int T, int H, void *y);
 /* sample.c: one token from a logits row (temperature > 0), u in [0, 1); -1 a row it cannot sample. */
 long coli_sample(const float *x, long V, float temperature, int top_k, float top_p, float min_p, double u);

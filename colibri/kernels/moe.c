@@ -352,17 +352,32 @@ int coli_moe_block(const void *x, const void *h, int T, int H, int I, const floa
                    int g, int64_t *idx, float *w, float *ys, void *h_out, const coli_mlp *shared,
                    const coli_expert_act *act, const float *out_w, float out_eps) {
     if (E < 1 && !shared) return -3;
+    if (E > 0) {
+        int rc;
+        PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, n_group, topk_group, bias, scale, idx, w));
+        if (rc) return rc;
+        for (int p = 0; p < T * k; p++)  /* a cached layer's table lacks a routed expert: h untouched */
+            if (!gate_up[idx[p]].q) return COLI_MISS;
+    }
+    return coli_moe_routed(x, h, T, H, I, E, k, gate_up, down, scheme, g, idx, w, ys, h_out, shared, act, out_w,
+                           out_eps);
+}
+
+/* coli_moe_block past its routing, over the routes idx / w [T, k]: the slots whose expert has an entry in the
+ * tables are computed into ys (coli_moe; the others keep what an earlier call put there), every slot summed in
+ * slot order, the shared MLP added, h_out = h + that. */
+int coli_moe_routed(const void *x, const void *h, int T, int H, int I, int E, int k, const coli_qw *gate_up,
+                    const coli_qw *down, int scheme, int g, const int64_t *idx, const float *w, float *ys,
+                    void *h_out, const coli_mlp *shared, const coli_expert_act *act, const float *out_w,
+                    float out_eps) {
     uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * 2 * (size_t)T * H);
     if (!y) return -2;
     uint16_t *s = y + (size_t)T * H;
     int rc = 0;
     if (E > 0) {
-        PROF(P_ROUTE, rc = coli_route(x, 1, T, H, W, E, k, norm, kind, n_group, topk_group, bias, scale, idx, w));
-        for (int p = 0; p < T * k && !rc; p++)  /* a cached layer's table lacks a routed expert: h untouched */
-            if (!gate_up[idx[p]].q) rc = COLI_MISS;
-        if (!rc && act && act->input_scaled)
+        if (act && act->input_scaled)
             rc = k == 1 ? moe_scaled_input(x, T, H, I, idx, w, E, gate_up, down, scheme, g, ys, y, act) : -3;
-        else if (!rc)
+        else
             rc = coli_moe(x, 1, T, H, I, k, idx, w, E, gate_up, down, scheme, g, ys, y, act);
     }
     if (!rc && shared) {

@@ -103,6 +103,12 @@ class Tail(ctypes.Structure):
                 ("vocab", ctypes.c_int), ("norm_b", ctypes.c_void_p), ("head_b", ctypes.c_void_p)]
 
 
+# common.h coli_layer_hook: (layer, event, idx int64 [n], n, residual bf16 pointer, pred int64 [np], np) -> int
+LAYER_HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
+                              ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int)
+HOOK_ROUTED, HOOK_WAIT = 0, 1
+
+
 class MoeLayer(ctypes.Structure):
     """coli_moe_layer (step.c): one resident routed-expert layer's constants for coli_decode_layers."""
 
@@ -111,7 +117,8 @@ class MoeLayer(ctypes.Structure):
                 ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("scale", ctypes.c_float), ("shared", ctypes.c_void_p), ("kind", ctypes.c_int),
                 ("act", ctypes.c_void_p), ("n_group", ctypes.c_int), ("topk_group", ctypes.c_int),
-                ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float)]  # (AFMoE: the output's RMSNorm)
+                ("out_w", ctypes.c_void_p), ("out_eps", ctypes.c_float),  # (AFMoE: the output's RMSNorm)
+                ("hook", LAYER_HOOK), ("layer", ctypes.c_int), ("ahead", ctypes.c_int)]  # (engine/stream_hook.py)
 
 
 # coli_route's rules (common.h): softmax top-k; sigmoid scores chosen with a bias (GLM-4.5, MiniMax-M2);
@@ -301,14 +308,21 @@ class MoeTables:
         self.scheme, self.group_size = "", 0  # of a table holding a whole layer (Experts.native_tables)
         self.biased = False  # some entry has a bias (then the kernel gets `act`, as for another activation)
         self.live = False  # entries come and go (a cache's table): `act` always, whatever they hold now
+        self._made: dict[tuple[int, int], tuple] = {}  # (id(gate_up), id(down)) -> (the modules, their entries)
 
     def set(self, e: int, gate_up, down) -> None:
         key = (id(gate_up), id(down))
         if self.owner[e] != key:
-            self.gu[e], self.dn[e] = QW(*qw(gate_up)), QW(*qw(down))
-            bu, bd = getattr(gate_up, "bias", None), getattr(down, "bias", None)
-            self.gub[e], self.dnb[e] = (None if b is None else b.data_ptr() for b in (bu, bd))
-            self.biased = self.biased or bu is not None or bd is not None
+            # (a cache slot keeps its modules and their buffers: their entries are made once per slot)
+            got = self._made.get(key)
+            if got is None or got[0] is not gate_up or got[1] is not down:
+                if len(self._made) > 4 * self.n:  # (modules rebuilt: forget the old ones)
+                    self._made.clear()
+                bu, bd = getattr(gate_up, "bias", None), getattr(down, "bias", None)
+                got = self._made[key] = (gate_up, down, QW(*qw(gate_up)), QW(*qw(down)),
+                                         *(None if b is None else b.data_ptr() for b in (bu, bd)))
+                self.biased = self.biased or bu is not None or bd is not None
+            _, _, self.gu[e], self.dn[e], self.gub[e], self.dnb[e] = got
             self.owner[e] = key
 
     def clear(self, e: int) -> None:
@@ -515,12 +529,19 @@ def _routes(L: int, T: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(L, T, k, dtype=torch.int64), torch.empty(L, T, k, dtype=torch.float32)
 
 
+class HookFailed(RuntimeError):
+    """A layer hook failed inside a native call (its own error is the hook's to raise)."""
+
+
 def _step_failed(name: str, rc: int, failed: ctypes.c_int) -> RuntimeError:
+    if rc == COLI_HOOK_FAILED:
+        return HookFailed(f"{name}: the hook of layer {failed.value} failed")
     return RuntimeError(f"layer {failed.value}: router: non-finite logits" if rc == -5
                         else f"{name} failed ({rc}) in layer {failed.value}")
 
 
 COLI_MISS = -7  # common.h: a route to an expert a cached layer's table lacks
+COLI_HOOK_FAILED = -8  # common.h: a layer's hook returned a failure
 
 
 def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
@@ -551,9 +572,11 @@ def decode_layers(attn, moe, h: torch.Tensor, pos, kc, vc, ks: int, vs: int, rop
 
 
 def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs: int, rope: tuple[int, int, int],
-                k: int, rows: torch.Tensor, kvt: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                k: int, rows: torch.Tensor, kvt: int = 0,
+                partial: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """coli_decode_step: embedding, every block (as decode_layers), final norm and head for `rows` (int64
-    [R], contiguous) of the step's tokens (int64 [T], contiguous) -> (logits f32 [R, V], idx, weights)."""
+    [R], contiguous) of the step's tokens (int64 [T], contiguous) -> (logits f32 [R, V], idx, weights); with
+    `partial`, None where a layer was routed to an expert its table lacks."""
     idx, wts = _routes(len(attn), tokens.shape[0], k)
     logits = torch.empty(rows.shape[0], tail.vocab, dtype=torch.float32)
     failed = ctypes.c_int(-1)
@@ -562,6 +585,8 @@ def decode_step(tail, tokens: torch.Tensor, attn, moe, pos, kc, vc, ks: int, vs:
                                rows.data_ptr(), rows.shape[0], logits.data_ptr())
     if rc == -6:
         raise IndexError(f"token id out of range (vocabulary of {tail.vocab_in})")
+    if rc == COLI_MISS and partial:
+        return None
     if rc != 0:
         raise _step_failed("coli_decode_step", rc, failed)
     return logits, idx, wts

@@ -82,7 +82,77 @@ typedef struct {
     int n_group, topk_group;       /* coli_route's group-limited choice (1, 1: none) */
     const float *out_w;            /* non-NULL: the sublayer output's RMSNorm before the residual add (AFMoE) */
     float out_eps;
+    coli_layer_hook hook;          /* non-NULL: the layer's experts stream in (moe_streamed), or it looks ahead */
+    int layer;                     /* the model's index of the layer, for the hook */
+    int ahead;                     /* > 0: the hook gets the routes of layer (this + ahead) predicted */
 } coli_moe_layer;
+
+/* The look-ahead's prediction (store/lookahead.py, here without a trip through torch): layer n's post-attention
+ * norm and router applied to this layer's residual hm [T, H] -> pidx [T, n's k]. 0, or a code. */
+static int predict(const coli_attn_layer *na, const coli_moe_layer *nm, const void *hm, int T, int H,
+                   int64_t *pidx) {
+    uint16_t *x = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * H);
+    float *w = (float *)malloc(sizeof(float) * (size_t)T * nm->k);
+    int rc = x && w ? coli_block_norm(hm, T, H, na->post_w, na->post_b, na->post_eps, x) : -2;
+    if (!rc)
+        rc = coli_route(x, 1, T, H, nm->router, nm->n_experts, nm->k, nm->norm, nm->kind,
+                        nm->n_group ? nm->n_group : 1, nm->topk_group ? nm->topk_group : 1, nm->bias, nm->scale,
+                        pidx, w);
+    free(x);
+    free(w);
+    return rc;
+}
+
+/* A routed layer with a hook: route x, tell the engine (COLI_HOOK_ROUTED: it claims the routed experts, starts
+ * reading those not in memory and looks ahead to the next layers), then, while some are still being read,
+ * compute those in the table and wait for the next read to land (COLI_HOOK_WAIT), in the order they land; the
+ * last ones, the slot-order sum, the shared MLP and the residual as coli_moe_block. Each slot's output has its
+ * own row of ys, so the bits are coli_moe_block's with every expert in memory (Llama 4's scaled inputs: all
+ * experts waited for, then computed at once). */
+static int moe_streamed(const coli_moe_layer *m, const coli_attn_layer *na, const coli_moe_layer *nm,
+                        const void *x, const void *hm, int T, int H, int64_t *idx, float *w, float *ys, void *h_out) {
+    int E = m->n_experts, P = T * m->k, rc;
+    PROF(P_ROUTE, rc = coli_route(x, 1, T, H, m->router, E, m->k, m->norm, m->kind, m->n_group ? m->n_group : 1,
+                                  m->topk_group ? m->topk_group : 1, m->bias, m->scale, idx, w));
+    if (rc) return rc;
+    int64_t *pidx = nm ? (int64_t *)malloc(sizeof(int64_t) * (size_t)T * nm->k) : NULL;
+    int np = pidx && !predict(na, nm, hm, T, H, pidx) ? T * nm->k : 0;  /* (a failed prediction: none) */
+    rc = m->hook(m->layer, COLI_HOOK_ROUTED, idx, P, hm, pidx, np);
+    free(pidx);
+    if (rc < 0) return COLI_HOOK_FAILED;
+    coli_qw *gu = (coli_qw *)calloc(2 * (size_t)E, sizeof(coli_qw)), *dn = gu + E;
+    char *done = (char *)calloc((size_t)E, 1);  /* experts computed already */
+    if (!gu || !done) rc = -2;
+    int early = !(m->act && m->act->input_scaled);
+    while (!rc) {
+        int fresh = 0, left = 0;
+        memset(gu, 0, sizeof(coli_qw) * 2 * (size_t)E);
+        for (int p = 0; p < P; p++) {
+            int64_t e = idx[p];
+            if (done[e] || gu[e].q) continue;
+            if (m->gate_up[e].q) gu[e] = m->gate_up[e], dn[e] = m->down[e], fresh++;
+            else left++;
+        }
+        if (!left) break;
+        if (fresh && early) {  /* the experts in memory, while the others are read */
+            rc = coli_moe(x, 1, T, H, m->inter, m->k, idx, w, E, gu, dn, m->scheme, m->group, ys, NULL, m->act);
+            for (int e = 0; e < E; e++) done[e] |= gu[e].q != NULL;
+        }
+        int got = rc ? 0 : m->hook(m->layer, COLI_HOOK_WAIT, idx, P, hm, NULL, 0);
+        if (!rc && got <= 0) rc = got < 0 ? COLI_HOOK_FAILED : COLI_MISS;  /* (none left to land, one missing) */
+    }
+    if (!rc) {  /* the rest, then every slot summed */
+        for (int e = 0; e < E; e++) {
+            gu[e] = done[e] ? (coli_qw){0} : m->gate_up[e];
+            dn[e] = done[e] ? (coli_qw){0} : m->down[e];
+        }
+        rc = coli_moe_routed(x, hm, T, H, m->inter, E, m->k, gu, dn, m->scheme, m->group, idx, w, ys, h_out,
+                             m->shared, m->act, m->out_w, m->out_eps);
+    }
+    free(gu);
+    free(done);
+    return rc;
+}
 
 /* Post the read-ahead of the layers' first weights (see pf_job) for the time until the next step. */
 static void pf_post(int n_layers, const coli_attn_layer *attn, const coli_moe_layer *moe) {
@@ -156,7 +226,12 @@ int coli_decode_layers(int n_layers, const coli_attn_layer *attn, const coli_moe
         }
         if (!rc)
             rc = coli_attn_block(a, T, h, pos, kc + (long)l * T, vc + (long)l * T, ks, vs, kvt, lc, ls, hm, x);
-        if (!rc)
+        if (!rc && m->hook && m->n_experts > 0) {
+            int n = m->ahead > 0 && l + m->ahead < n_layers ? l + m->ahead : -1;  /* (the next within this call) */
+            rc = moe_streamed(m, n < 0 ? NULL : attn + n, n < 0 ? NULL : moe + n, x, hm, T, H,
+                              idx + (long)l * T * kmax, w + (long)l * T * kmax, ys, h);
+        }
+        else if (!rc)
             rc = coli_moe_block(x, hm, T, H, m->inter, m->router, m->n_experts, m->k, m->norm, m->kind,
                                 m->n_group ? m->n_group : 1, m->topk_group ? m->topk_group : 1, m->bias,
                                 m->scale, m->gate_up, m->down, m->scheme, m->group, idx + (long)l * T * kmax,

@@ -217,7 +217,13 @@ class ExpertCache:
             # evict an expert another layer needs sooner.
             # Residents by expected next use, furthest first (ties: layer order, then least recently used).
             occ = np.flatnonzero(self._key_layer >= 0)
+            if not len(occ):
+                return None
             far = self._reuse.expected_next_many(self._key_layer[occ], self._key_expert[occ])
+            top = occ[far == far.max()]  # (the order's first, without sorting them all: usually evictable)
+            first = self.slots[top[0] if len(top) == 1 else top[np.lexsort((self._tick[top], self._key_lpos[top]))[0]]]
+            if first.evictable():
+                return first
             for i in occ[np.lexsort((self._tick[occ], self._key_lpos[occ], -far))]:
                 s = self.slots[i]
                 if s.evictable():

@@ -70,12 +70,15 @@ class RecordLoader:
             st = self._staging()
             self.reader.read_into(st, off, nb)
             buf[:nb].copy_(st[:nb])
-        views = self.c.record_views(name, buf)
         # A refilled slot with the same record layout keeps its modules: their weight views
-        # already see the new bytes, so only what a module derived from them is recomputed.
-        # Building modules costs about as much as computing the expert once, under the GIL.
+        # already see the new bytes, so only what a module derived from them is recomputed
+        # (nothing, for int8 kernels' modules). Building modules costs about as much as computing
+        # the expert once, under the GIL.
         key = buf.data_ptr()
         prev = self._built.get(key)
+        if prev is not None and prev[0] == self._layout[layer] and _nothing_derived(prev[1]):
+            return prev[1]
+        views = self.c.record_views(name, buf)
         if prev is not None and prev[0] == self._layout[layer] and _refresh(prev[1], views):
             return prev[1]
         w = expert_weights(views, self._infos[layer], self.dtype, buf.device)
@@ -92,6 +95,12 @@ def adopt(w: ExpertWeights, tail: torch.Tensor) -> None:
     pos = 0
     for q in (w.gate_up, w.down):
         pos = q.move_owned(tail, pos)
+
+
+def _nothing_derived(w: ExpertWeights) -> bool:
+    """Whether the expert's modules compute from their weight views alone (QLinear's `_owned`: nothing cast or
+    repacked), so that new bytes under the views need no refresh."""
+    return all(getattr(m, "_owned", None) == set() for m in (w.gate_up, w.down))
 
 
 def _refresh(w: ExpertWeights, views: dict[str, torch.Tensor]) -> bool:

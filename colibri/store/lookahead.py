@@ -14,6 +14,7 @@ first, read only while the top rank's predictions hold.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,13 +39,19 @@ class LookAhead:
         nxt = self.next.get(layer)
         if nxt is None:
             return
-        target, norm, gate, n = nxt
+        _, norm, gate, _ = nxt
         idx = gate(norm(h.to(gate.weight.device)))[0]  # [T, k]: the next MoE layer's routes, predicted
+        self.read(layer, idx.cpu().numpy())
+
+    def read(self, layer: int, idx: np.ndarray) -> None:
+        """Start reading the experts of the MoE layer after `layer` that its routes idx [T, k] (int64), predicted
+        from layer's residual (here, or by the one-call step's kernel: engine/stream_hook.py), name."""
+        target, _, _, n = self.next[layer]
         if idx.shape[0] == 1:
             ids, track = idx[0].tolist(), True
         else:  # the union, most requested first (the cache caps how many it starts)
-            counts = torch.bincount(idx.reshape(-1))
-            order = torch.argsort(counts, descending=True, stable=True)
+            counts = np.bincount(idx.reshape(-1))
+            order = np.argsort(-counts, kind="stable")
             ids, track = order[: int((counts > 0).sum())].tolist(), False
         self.source.prefetch(target, [e for e in ids if e < n], track)
 

@@ -31,6 +31,8 @@ class ReuseEstimator:
         self.a_skip = np.zeros((0, 0))  # [rows, E] P(used | not used at the layer's last access)
         self.prev = np.zeros((0, 0), dtype=bool)  # [rows, E] used at the layer's last access
         self.seen = np.zeros((0, 0), dtype=bool)  # [rows, E] ever used
+        # [rows, E] expected next use, kept up to date row by row (the store asks at every eviction)
+        self.exp = np.zeros((0, 0))
 
     def _ensure(self, layer: int, n_experts: int) -> int:
         if layer >= len(self._row_of):
@@ -53,10 +55,17 @@ class ReuseEstimator:
 
             self.b, self.a_skip = grow(self.b, self.prior), grow(self.a_skip, self.prior)
             self.prev, self.seen = grow(self.prev, False), grow(self.seen, False)
+            self.exp = np.zeros((rows, E2))
+            for row in range(rows):
+                self._expect(row)
         return r
 
+    def _expect(self, r: int) -> None:
+        a = np.where(self.prev[r], self.a_reuse[r], self.a_skip[r])
+        self.exp[r] = self.last[r] + self.n_layers + (1 - a) * self.n_layers / np.maximum(self.b[r], 1e-6)
+
     def observe(self, layer: int, experts, t: int) -> None:
-        ids = np.fromiter((int(e) for e in experts), dtype=np.int64)
+        ids = np.asarray(experts, dtype=np.int64).reshape(-1)
         r = self._ensure(layer, int(ids.max()) + 1 if ids.size else 0)
         used = np.zeros(self.b.shape[1], dtype=bool)
         used[ids] = True
@@ -75,6 +84,7 @@ class ReuseEstimator:
         a[skip] += 3 * self.rate * (u[skip] - a[skip])
         self.prev[r] = used
         self.last[r] = t
+        self._expect(r)
 
     def expected_next(self, key: tuple[int, int]) -> float:
         return float(self.expected_next_many(np.array([key[0]]), np.array([key[1]]))[0])
@@ -84,6 +94,8 @@ class ReuseEstimator:
         rows = np.full(len(layers), -1, dtype=np.int64)
         inside = (layers >= 0) & (layers < len(self._row_of))
         rows[inside] = self._row_of[layers[inside]]
+        if inside.all() and (rows >= 0).all() and (experts >= 0).all() and (experts < self.exp.shape[1]).all():
+            return self.exp[rows, experts]  # (every key seen: the kept table, the same numbers)
         has = rows >= 0
         last, b, a = np.zeros(len(layers)), np.full(len(layers), self.prior), np.full(len(layers), self.prior)
         last[has] = self.last[rows[has]]
