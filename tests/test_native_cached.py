@@ -128,3 +128,28 @@ def test_batched_steps_over_cached_layers_match_ram(ckpt, monkeypatch, scheme):
     for kw in (_all_fit(path), configs(path)["disk-1-per-layer"]):
         got, stops = tokens(**kw)
         assert got == ref and stops
+
+
+def test_a_read_failing_inside_the_call_fails_its_request_and_releases_the_claims(ckpt, monkeypatch):
+    """A read that fails while the one-call step waits for it: the request fails with the reader's own error
+    (raised out of the kernel's hook), no expert stays claimed, and the next request decodes as before."""
+    from colibri.store import reader as reader_mod
+
+    path = ckpt.coli("olmoe", "int8")
+    llm = Engine(path, ctx_size=128, threads=2, **configs(path)["disk-1-per-layer"])
+    try:
+        ref = list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True))
+        real = reader_mod._pread_full
+
+        def broken(*a):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(reader_mod, "_pread_full", broken)
+        with pytest.raises(Exception, match="Input/output error"):
+            list(llm.generate_ids(PROMPT[3:], 8, temperature=0, ignore_eos=True))
+        monkeypatch.setattr(reader_mod, "_pread_full", real)
+        caches = llm.store.caches.values()
+        assert caches and all(s.users == 0 for c in caches for s in c.slots)
+        assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == ref
+    finally:
+        llm.close()

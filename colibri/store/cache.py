@@ -392,6 +392,12 @@ class ExpertCache:
         misses: deque[int] = deque()
         for e in ids:
             s = table.get((layer, e))
+            if s is not None and s.users == 0 and s.future is not None and s.future.done() \
+                    and s.future.exception() is not None:  # (a read that failed earlier: read it again)
+                self._drop(s)
+                s.future = None
+                self.free.append(s)
+                s = None
             if s is None:
                 misses.append(e)
                 continue
