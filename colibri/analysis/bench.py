@@ -104,6 +104,9 @@ def _store_figures(before: dict, after: dict) -> dict:
             "decode_bytes_read_per_token": s["decode_bytes_per_token"],
             "prefetch_precision": s["prefetch_precision"] if s.get("pred_total") else None,
             "prefetch_recall": s["prefetch_recall"] if s.get("actual_total") else None,
+            # look-ahead reads evicted before any step asked for them, per token
+            "prefetch_wasted_bytes_per_token": s["prefetch_wasted_bytes"] / s["tokens"] if cached and s["tokens"]
+            else None,
             "store_stats": s}
 
 
@@ -113,7 +116,7 @@ def format_text(r: dict) -> str:
     def opt(v, fmt: str) -> str:
         return "n/a" if v is None else fmt.format(v)
 
-    bpt = r["decode_bytes_read_per_token"]
+    bpt, waste = r["decode_bytes_read_per_token"], r["prefetch_wasted_bytes_per_token"]
 
     return "\n".join([
         f"model        {r['model']} ({r['scheme']}), {r['threads']} threads, KV cache {r['kv_cache']} "
@@ -125,7 +128,9 @@ def format_text(r: dict) -> str:
         f"TTFT         {r['ttft_ms']:.0f} ms (mean)",
         f"cache        hit rate {opt(r['cache_hit_rate'], '{:.1%}')}, "
         f"read {opt(None if bpt is None else bpt / 1e6, '{:.2f}')} "
-        f"MB/decode token, prefetch precision {opt(r['prefetch_precision'], '{:.1%}')}",
+        f"MB/decode token, prefetch precision {opt(r['prefetch_precision'], '{:.1%}')}, "
+        f"recall {opt(r['prefetch_recall'], '{:.1%}')}, wasted "
+        f"{opt(None if waste is None else waste / 1e6, '{:.2f}')} MB/token",
         f"limit        {limit_text(r)}",
         f"peak RSS     {r['peak_rss_mib']:.0f} MiB"
         + ("" if r.get("huge_pages_mib") is None else f", {r['huge_pages_mib']:.0f} MiB in huge pages"),

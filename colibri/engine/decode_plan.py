@@ -6,7 +6,7 @@ several decode steps at once. Two backends:
 - native (engine/native_step.py, kernels/step.c): a range of layers in one C call per step; where the range
   is the whole model and its ends allow (bf16 embedding rows, an f32 final norm, a quantized head), the step
   from token ids to logits in one call, and runs of decode steps in one call. Layers whose experts stream
-  from disk run in the same call, which stops at a miss, runs that layer the torch way and resumes.
+  from disk run in the same call, which waits there for their reads (engine/stream_hook.py).
 - torch: the modules' own `forward` (models/base.py CausalLM.forward is the readable reference): any device
   and dtype. Its blocks call the per-layer native kernels where those take their weights
   (layers/layers.py DecoderBlock), so a layer range that is not native is still far from pure torch.
@@ -87,7 +87,7 @@ class DecodePlan:
             what.append("with the embedding and head" if self.tail is not None else
                         "the embedding and head in torch" + ("" if self.whole_step else " (asked)"))
         if whole.cached:
-            what.append(f"layers {_ranges(whole.cached)}'s experts stream: the call resumes after a miss")
+            what.append(f"layers {_ranges(whole.cached)}'s experts stream: the call waits for their reads")
         elif self.tail is not None:
             what.append("runs of decode steps")
         self.segments = [Segment(lo, L, "native", ", ".join(what))]

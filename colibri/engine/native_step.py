@@ -10,11 +10,11 @@ range cannot run so (a GPU layer, another router, ...); a step whose rows do not
 another kind) gets None back.
 
 Layers whose experts an expert cache serves (the disk tier) run in the same call over tables the cache keeps
-equal to the experts in memory (`ExpertSource.native_tables`): a route to an expert not in memory stops the
-call before that layer's feed-forward half writes anything (COLI_MISS); that layer runs the per-layer way
-(its attention again: the same K/V rewritten; then fetch, reads and the next layer's look-ahead as always)
-and the call resumes after it. The cache accounts the experts the calls used as the fetches they stood
-for (`replay`).
+equal to the experts in memory (`ExpertSource.native_tables`), through the layer hook (engine/stream_hook.py):
+once such a layer is routed, the engine claims its experts and starts reading the missing ones, the kernel
+predicts the next routed layer's routes and the engine starts those reads too, then the kernel computes the
+experts in memory while the rest land, each as it lands. Only a layer whose landed expert could not enter the
+table (COLI_MISS) stops the call; it then runs the per-layer way and the call resumes after it.
 """
 
 from __future__ import annotations
@@ -432,9 +432,9 @@ def steps(plan: NativeLayers, tl: _Tail, tokens: list[int], batch: StepBatch, n_
 
 def layers(plan: NativeLayers, h: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, dict] | None:
     """The blocks' output for h [T, hidden] (h itself, overwritten, when contiguous) and their routes, or None
-    where this step's rows do not fit the call. A cached layer routed to an expert not in memory runs the
-    per-layer way (its fetch waits for the read, its look-ahead starts the next layer's; its routes are its
-    experts' `route`), and the call resumes after it."""
+    where this step's rows do not fit the call. Cached layers wait for their reads inside the call (the hook);
+    one whose expert could not enter its table runs the per-layer way (its routes are its experts' `route`),
+    and the call resumes after it."""
     T = h.shape[0]
     if T > native.MOE_MAX_ROWS or h.dtype != torch.bfloat16 or h.device.type != "cpu":
         return None

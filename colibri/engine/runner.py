@@ -105,7 +105,7 @@ class Runner:
             elif c.sample:
                 out_rows.append(r + n - 1)
             r += n
-        bytes0 = self._bytes_read()
+        bytes0, wait0 = self._bytes_read(), self.store.io_wait_s()
         try:
             batch = StepBatch(seqs)
             logits = self.plan.step(_ids(tokens), batch, _ids(out_rows))  # [len(out_rows), V]
@@ -117,7 +117,8 @@ class Runner:
         for c in chunks:
             self.sched.slots.wrote(c.a.slot, c.start, c.tokens)
         if decode_only:
-            self.decode_threads.record(len(chunks), n_threads, now - t0)
+            # (the threads' choice by compute time: waits on reads do not depend on it, and they vary widely)
+            self.decode_threads.record(len(chunks), n_threads, now - t0 - (self.store.io_wait_s() - wait0))
             self._step_s[len(chunks)] = now - t0
         elif any(c.drafts for c in chunks):
             self.spec.costs.observe(r, now - t0)

@@ -130,7 +130,8 @@ class ExpertCache:
         self._rank: list[list[int]] = []
         self.counts = dict.fromkeys(
             ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
-             "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "pin_bytes_read"), 0)
+             "prefetch_wasted", "prefetch_wasted_bytes", "pred_hits", "pred_total", "actual_total",
+             "pin_bytes_read"), 0)
         self.wait_s = 0.0
         # layer -> (native pointer table, which experts it may hold): kept equal to the slots whose
         # weights are in, for a one-call native step over cached layers (engine/native_step.py)
@@ -192,6 +193,7 @@ class ExpertCache:
             s.future = None
         if s.prefetched:
             self.counts["prefetch_wasted"] += 1
+            self.counts["prefetch_wasted_bytes"] += self.loader.nbytes(*s.key)
         self._drop(s)
         self.counts["evictions"] += 1
 

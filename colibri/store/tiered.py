@@ -352,6 +352,10 @@ class TieredStore(WeightStore):
         """Expert bytes the caches have read from disk since load."""
         return sum(c.counts["bytes_read"] for c in self.caches.values())
 
+    def io_wait_s(self) -> float:
+        """Seconds the compute thread has waited for expert reads since load."""
+        return sum(c.wait_s for c in self.caches.values())
+
     def count_step(self, prefill_rows: int, decode_rows: int, bytes_read: int) -> None:
         """One engine step's rows and the expert bytes it read (the runner calls this per step;
         a step with prompt rows counts its bytes as prefill)."""
@@ -378,7 +382,7 @@ class TieredStore(WeightStore):
     def stats(self) -> dict:
         """Cumulative counters since load plus derived rates (keys documented in docs/TIERS.md)."""
         keys = ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
-                "prefetch_wasted", "pred_hits", "pred_total", "actual_total")
+                "prefetch_wasted", "prefetch_wasted_bytes", "pred_hits", "pred_total", "actual_total")
         out: dict = {k: sum(c.counts[k] for c in self.caches.values()) for k in keys}
         out["io_wait_s"] = sum(c.wait_s for c in self.caches.values())
         out.update(self.tok)
@@ -409,9 +413,9 @@ class TieredStore(WeightStore):
 
 
 COUNTERS = ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
-            "prefetch_wasted", "pred_hits", "pred_total", "actual_total", "io_wait_s", "prefill_tokens",
-            "prefill_bytes_read", "decode_tokens", "decode_bytes_read", "decode_io_wait_s", "decode_reader_bytes",
-            "decode_reader_busy_s")
+            "prefetch_wasted", "prefetch_wasted_bytes", "pred_hits", "pred_total", "actual_total", "io_wait_s",
+            "prefill_tokens", "prefill_bytes_read", "decode_tokens", "decode_bytes_read", "decode_io_wait_s",
+            "decode_reader_bytes", "decode_reader_busy_s")
 
 
 def derive(s: dict) -> dict:
