@@ -153,3 +153,35 @@ def test_a_read_failing_inside_the_call_fails_its_request_and_releases_the_claim
         assert list(llm.generate_ids(PROMPT, 8, temperature=0, ignore_eos=True)) == ref
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("model_type,overrides", FAMILIES[:2])
+def test_the_kernels_look_ahead_predicts_what_the_torch_look_ahead_does(ckpt, monkeypatch, model_type, overrides):
+    """The one-call step's kernel applies the next routed layer's norm and router to a layer's residual: the
+    routes it hands the hook are those store/lookahead.py's torch form predicts from the same residual."""
+    import ctypes
+
+    import numpy as np
+
+    path = ckpt.coli(model_type, "int8", **overrides)
+    compared: list[int] = []
+    real = stream_hook.LayerHook._routed
+
+    def check(self, layer, idx, n, h, pred, n_pred):
+        ahead = self.source.ahead
+        if n_pred and h:
+            T = n // self.k
+            resid = torch.frombuffer((ctypes.c_uint16 * (T * self.hidden)).from_address(h), dtype=torch.bfloat16)
+            _, norm, gate, _ = ahead.next[layer]
+            want = gate(norm(resid.view(T, self.hidden).clone()))[0]
+            assert np.ctypeslib.as_array(pred, (n_pred,)).tolist() == want.reshape(-1).tolist(), layer
+            compared.append(layer)
+        return real(self, layer, idx, n, h, pred, n_pred)
+
+    monkeypatch.setattr(stream_hook.LayerHook, "_routed", check)
+    llm = Engine(path, ctx_size=128, threads=2, **configs(path)["disk-1-per-layer"])
+    try:
+        list(llm.generate_ids(PROMPT, 6, temperature=0, ignore_eos=True))
+    finally:
+        llm.close()
+    assert len(compared) >= 6  # (every step, at least one layer)
