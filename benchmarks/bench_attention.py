@@ -5,14 +5,14 @@ time (a build with -DATTN_RB=1), each in its own process, alternated.
     .venv/bin/python benchmarks/bench_attention.py --model M.coli [--after 1500] [--lengths 128 256]
     .venv/bin/python benchmarks/bench_attention.py --kv [--rounds 4]            # quantized KV caches
 
-The kernel: `native.attn_rows` for 64 rows over 300 or 1500 cached positions (16 heads of 64; 16 query
+The kernel: `native_attn.attn_rows` for 64 rows over 300 or 1500 cached positions (16 heads of 64; 16 query
 heads on 4 KV heads of 128), median of 15 calls per process. With --model: the time to first token of a
 prompt whose first --after tokens a slot already holds and --lengths new ones (median of 3 per process),
 what a chat turn deep in a conversation costs. Prints each build's median over the rounds, the ratio
 and the load average. Both builds give the same bits (tests/test_native.py).
 
---kv: one build, the caches' row types (kernels/kvq.c) side by side: `native.attn_decode` (one query row, 16 heads
-of 64 on 16 KV heads) over 8192 and 32768 positions, and `native.attn_rows` for a 64-row prompt chunk over 8192,
+--kv: one build, the caches' row types (kernels/kvq.c) side by side: `native_attn.attn_decode` (one query row, 16 heads
+of 64 on 16 KV heads) over 8192 and 32768 positions, and `native_attn.attn_rows` for a 64-row prompt chunk over 8192,
 with K and V both bf16, q8_0 or q4_0; 2 threads, the types interleaved in each round, the median of all calls
 (25 a round; 3 for the chunk). Prints ms, each type's ratio to bf16 and the load average.
 """
@@ -34,7 +34,7 @@ BUILDS = {"one row at a time": "-DATTN_RB=1", "rows in blocks": ""}
 def kernel() -> dict:
     import torch
 
-    from colibri.kernels import native
+    from colibri.kernels import native, native_attn
 
     native.set_threads(2)
     torch.set_num_threads(1)
@@ -47,7 +47,7 @@ def kernel() -> dict:
         ts = []
         for i in range(18):
             t0 = time.perf_counter()
-            native.attn_rows(q, [k] * 64, [v] * 64, S, 0.125)
+            native_attn.attn_rows(q, [k] * 64, [v] * 64, S, 0.125)
             if i >= 3:  # (warm-up)
                 ts.append(time.perf_counter() - t0)
         out[f"64 rows, 16 heads of {D} on {Hkv} KV heads, {ctx} positions (ms)"] = statistics.median(ts) * 1e3
@@ -57,19 +57,19 @@ def kernel() -> dict:
 def kv_types(rounds: int) -> None:
     import torch
 
-    from colibri.kernels import native
+    from colibri.kernels import native, native_attn
 
     native.set_threads(2)
     torch.set_num_threads(1)
-    types = {"bf16": native.KV_BF16, "q8_0": native.KV_Q8_0, "q4_0": native.KV_Q4_0}
+    types = {"bf16": native_attn.KV_BF16, "q8_0": native_attn.KV_Q8_0, "q4_0": native_attn.KV_Q4_0}
     Hkv, D = 16, 64
     load0 = os.getloadavg()[0]
     for ctx, rows, calls in ((8192, 1, 25), (32768, 1, 25), (8192, 64, 3)):
         g = torch.Generator().manual_seed(ctx)
         k, v = (torch.randn(Hkv * ctx, D, generator=g).bfloat16() for _ in range(2))
         q = torch.randn(rows, 16, D, generator=g).bfloat16()
-        caches = {name: tuple(x.view(Hkv, ctx, D) if t == native.KV_BF16 else
-                              native.kv_quantize(x, t).view(Hkv, ctx, -1) for x in (k, v))
+        caches = {name: tuple(x.view(Hkv, ctx, D) if t == native_attn.KV_BF16 else
+                              native_attn.kv_quantize(x, t).view(Hkv, ctx, -1) for x in (k, v))
                   for name, t in types.items()}
         S = [ctx - rows + r + 1 for r in range(rows)]  # a chunk's causal rows (one row: all positions)
         ts: dict[str, list[float]] = {name: [] for name in types}
@@ -79,9 +79,9 @@ def kv_types(rounds: int) -> None:
                 for i in range(calls + 1):
                     t0 = time.perf_counter()
                     if rows == 1:
-                        native.attn_decode(q[0], kc, vc, 0.125, kvt=t | t << 4, Dv=D)
+                        native_attn.attn_decode(q[0], kc, vc, 0.125, kvt=t | t << 4, Dv=D)
                     else:
-                        native.attn_rows(q, [kc] * rows, [vc] * rows, S, 0.125, kvt=t | t << 4, Dv=D)
+                        native_attn.attn_rows(q, [kc] * rows, [vc] * rows, S, 0.125, kvt=t | t << 4, Dv=D)
                     if i:  # (the first call warms up)
                         ts[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(x) * 1e3 for name, x in ts.items()}

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from colibri.kernels import native, native_mla
+from colibri.kernels import native_attn, native_mla
 from colibri.layers.batch import LayerKV
 from colibri.layers.layers import Linear, RMSNorm
 from colibri.layers.mla import MLAArgs, MLAttention
@@ -85,7 +85,7 @@ def kernel(args: argparse.Namespace) -> None:
         kv = torch.randn(S, W, generator=gen).bfloat16()
         grouped = _best_ms(lambda q=q, kv=kv, S=S: native_mla.mla_attn(q, [kv], [S], R, 0.1), args.iters,
                            args.min_s) * 1e3
-        per_head = _best_ms(lambda q=q, kv=kv, S=S: native.attn_rows(q, [kv[None]], [kv[None]], [S], 0.1),
+        per_head = _best_ms(lambda q=q, kv=kv, S=S: native_attn.attn_rows(q, [kv[None]], [kv[None]], [S], 0.1),
                             args.iters, args.min_s) * 1e3
         print(f"{S:10d} {grouped:10.0f} {per_head:10.0f} {per_head / grouped:7.2f}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")

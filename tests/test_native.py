@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from colibri import quant
-from colibri.kernels import native
+from colibri.kernels import native, native_attn
 from colibri.layers.moe import ExpertWeights, SwitchGLU
 from colibri.quant import QLinear, dequantize, quantize
 
@@ -241,9 +241,9 @@ def test_attention_rows_of_a_chunk_give_each_rows_own_bits(D: int, with_sinks: b
     sinks = torch.randn(H, generator=g) if with_sinks else None
     S = [40 + t for t in range(T - 2)] + [7, 70]  # a causal chunk of one sequence, then two rows of another
     ks, vs = [k] * (T - 2) + [k2, k2], [v] * (T - 2) + [v2, v2]
-    out = native.attn_rows(q, ks, vs, S, 0.125, sinks)
+    out = native_attn.attn_rows(q, ks, vs, S, 0.125, sinks)
     for t in range(T):
-        one = native.attn_decode(q[t], ks[t][:, :S[t]], vs[t][:, :S[t]], 0.125, sinks)
+        one = native_attn.attn_decode(q[t], ks[t][:, :S[t]], vs[t][:, :S[t]], 0.125, sinks)
         assert torch.equal(out[t], one[0]), t
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from colibri.kernels import native
+from colibri.kernels import native, native_attn
 from colibri.kernels.native import KV_BF16, KV_Q4_0, KV_Q8_0
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
@@ -73,8 +73,8 @@ def test_quantizer_gives_the_specs_bytes(dtype: torch.dtype, D: int) -> None:
     x[8] = 1e-5 * (torch.arange(D) % 9 - 4)  # subnormal f16 scales
     x = x.to(dtype)
     for t in (KV_Q8_0, KV_Q4_0):
-        got = native.kv_quantize(x, t)
-        assert got.shape == (400, native.kv_row_bytes(t, D)) and got.dtype == torch.uint8
+        got = native_attn.kv_quantize(x, t)
+        assert got.shape == (400, native_attn.kv_row_bytes(t, D)) and got.dtype == torch.uint8
         assert torch.equal(got, _quantize(x, t)), t
     # the round trip of blocks with normal f16 scales: within half a step (and a little of the scale's rounding); q4_0
     # clamps values of the other sign than the block's largest at 7 steps, up to a step short
@@ -82,7 +82,7 @@ def test_quantizer_gives_the_specs_bytes(dtype: torch.dtype, D: int) -> None:
     amax = xf.abs().amax(-1, keepdim=True)
     xf = xf[((amax > 1e-2) & (amax < 1e4))[:, 0]]
     for t, bound in ((KV_Q8_0, 0.51 / 127), (KV_Q4_0, 1.01 / 8)):
-        back = _dequantize(native.kv_quantize(xf, t), t, 32)
+        back = _dequantize(native_attn.kv_quantize(xf, t), t, 32)
         assert ((back - xf).abs() <= xf.abs().amax(-1, keepdim=True) * bound).all(), t
 
 
@@ -109,19 +109,21 @@ def test_attention_over_quantized_caches(dtype: torch.dtype, D: int, Dv: int) ->
         sinks = torch.randn(H, generator=g) if S != 16 else None
         for kt in TYPES:
             for vt in TYPES:
-                kc = native.kv_quantize(k.reshape(-1, D), kt).view(Hkv, ctx, -1) if kt else k
-                vc = native.kv_quantize(v.reshape(-1, Dv), vt).view(Hkv, ctx, -1) if vt else v
+                kc = native_attn.kv_quantize(k.reshape(-1, D), kt).view(Hkv, ctx, -1) if kt else k
+                vc = native_attn.kv_quantize(v.reshape(-1, Dv), vt).view(Hkv, ctx, -1) if vt else v
                 kd = _dequantize(kc, kt, D) if kt else k.float()
                 vd = _dequantize(vc, vt, Dv) if vt else v.float()
                 kvt = kt | vt << 4
-                out = native.attn_decode(q, kc[:, lo : lo + S], vc[:, lo : lo + S], 0.125, sinks, kvt=kvt, Dv=Dv)
-                rows = native.attn_rows(q[None], [kc[:, lo:]], [vc[:, lo:]], [S], 0.125, sinks, kvt=kvt, D=D, Dv=Dv)
+                out = native_attn.attn_decode(q, kc[:, lo : lo + S], vc[:, lo : lo + S], 0.125, sinks, kvt=kvt, Dv=Dv)
+                rows = native_attn.attn_rows(q[None], [kc[:, lo:]], [vc[:, lo:]], [S], 0.125, sinks, kvt=kvt, D=D,
+                                             Dv=Dv)
                 assert torch.equal(out, rows)
                 if kvt:
                     port.value = 1
                     try:
-                        assert torch.equal(out, native.attn_decode(q, kc[:, lo : lo + S], vc[:, lo : lo + S], 0.125,
-                                                                   sinks, kvt=kvt, Dv=Dv)), (S, kt, vt)
+                        again = native_attn.attn_decode(q, kc[:, lo : lo + S], vc[:, lo : lo + S], 0.125, sinks,
+                                                        kvt=kvt, Dv=Dv)
+                        assert torch.equal(out, again), (S, kt, vt)
                     finally:
                         port.value = 0
                 kf = kd[:, lo : lo + S].double().repeat_interleave(H // Hkv, 0)
@@ -144,16 +146,16 @@ def test_chunk_rows_over_quantized_caches_give_each_rows_own_bits(D: int, Dv: in
     own one-row call's; a row of another sequence in the same call takes the one-row path."""
     g = torch.Generator().manual_seed(D + kt)
     H, Hkv, T, ctx = 8, 2, 11, 80
-    k, k2 = (native.kv_quantize(torch.randn(Hkv * ctx, D, generator=g), kt).view(Hkv, ctx, -1) for _ in range(2))
-    v, v2 = (native.kv_quantize(torch.randn(Hkv * ctx, Dv, generator=g), vt).view(Hkv, ctx, -1) for _ in range(2))
+    k, k2 = (native_attn.kv_quantize(torch.randn(Hkv * ctx, D, generator=g), kt).view(Hkv, ctx, -1) for _ in range(2))
+    v, v2 = (native_attn.kv_quantize(torch.randn(Hkv * ctx, Dv, generator=g), vt).view(Hkv, ctx, -1) for _ in range(2))
     q = torch.randn(T, H, D, generator=g).to(dtype)
     sinks = torch.randn(H, generator=g) if dtype == torch.float32 else None
     S = [40 + t for t in range(T - 1)] + [11]
     ks, vs = [k] * (T - 1) + [k2], [v] * (T - 1) + [v2]
     kvt = kt | vt << 4
-    out = native.attn_rows(q, ks, vs, S, 0.125, sinks, kvt=kvt, Dv=Dv)
+    out = native_attn.attn_rows(q, ks, vs, S, 0.125, sinks, kvt=kvt, Dv=Dv)
     for t in range(T):
-        one = native.attn_decode(q[t], ks[t][:, : S[t]], vs[t][:, : S[t]], 0.125, sinks, kvt=kvt, Dv=Dv)
+        one = native_attn.attn_decode(q[t], ks[t][:, : S[t]], vs[t][:, : S[t]], 0.125, sinks, kvt=kvt, Dv=Dv)
         assert torch.equal(out[t], one[0]), t
 
 
@@ -198,7 +200,7 @@ def test_block_writes_quantized_rows(kvt: int, window: int) -> None:
     layer, keep = _layer(hidden, heads, kv_heads, D, window, g)
     kt, vt = kvt & 15, kvt >> 4
     bf = [torch.zeros(kv_heads, ctx, D, dtype=torch.bfloat16) for _ in range(2)]
-    qc = [torch.zeros(kv_heads, ctx, native.kv_row_bytes(t, D), dtype=torch.uint8) if t else
+    qc = [torch.zeros(kv_heads, ctx, native_attn.kv_row_bytes(t, D), dtype=torch.uint8) if t else
           torch.zeros(kv_heads, ctx, D, dtype=torch.bfloat16) for t in (kt, vt)]
     steps = [list(range(6))] + [[p] for p in range(6, 11)]
     for pos in steps:
@@ -206,7 +208,7 @@ def test_block_writes_quantized_rows(kvt: int, window: int) -> None:
         cos, sin = _rope(pos, D)
         outs = []
         for (kc, vc), lay in ((bf, 0), (qc, kvt)):
-            outs.append(native.attn_block(layer, h, pos, [kc.data_ptr()] * len(pos), [vc.data_ptr()] * len(pos),
+            outs.append(native_attn.attn_block(layer, h, pos, [kc.data_ptr()] * len(pos), [vc.data_ptr()] * len(pos),
                                           kc.stride(0), vc.stride(0), cos, sin, kvt=lay))
         (h0, x0), (h1, x1) = outs
         # of the attention's share of h (measured <= 1.7% with 8-bit rows, <= 15% with 4-bit ones) and of the norm
@@ -215,7 +217,7 @@ def test_block_writes_quantized_rows(kvt: int, window: int) -> None:
         assert ((x1.float() - x0.float()).abs().max() / x0.float().abs().max()).item() < bound / 2
     n = steps[-1][0] + 1
     for t, cache, ref in ((kt, qc[0], bf[0]), (vt, qc[1], bf[1])):
-        want = native.kv_quantize(ref[:, :n].reshape(-1, D), t).view(kv_heads, n, -1) if t else ref[:, :n]
+        want = native_attn.kv_quantize(ref[:, :n].reshape(-1, D), t).view(kv_heads, n, -1) if t else ref[:, :n]
         assert torch.equal(cache[:, :n], want), t
         assert not cache[:, n:].any()  # nothing past the last position
     del keep
@@ -224,11 +226,11 @@ def test_block_writes_quantized_rows(kvt: int, window: int) -> None:
 def test_layouts_the_kernels_refuse() -> None:
     q = torch.randn(4, 48).bfloat16()
     k = torch.randn(2, 5, 48).bfloat16()
-    kq = torch.zeros(2, 5, native.kv_row_bytes(KV_Q8_0, 48), dtype=torch.uint8)
+    kq = torch.zeros(2, 5, native_attn.kv_row_bytes(KV_Q8_0, 48), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="-3"):  # 48 is no whole number of blocks
-        native.attn_decode(q, kq, k, 0.1, kvt=KV_Q8_0)
+        native_attn.attn_decode(q, kq, k, 0.1, kvt=KV_Q8_0)
     with pytest.raises(ValueError):
-        native.kv_quantize(k[0], KV_Q8_0)
+        native_attn.kv_quantize(k[0], KV_Q8_0)
     with pytest.raises(ValueError):  # quantized values without their width
-        native.attn_decode(q[:, :32], k[..., :32], native.kv_quantize(k[0, :, :32], KV_Q8_0)[None], 0.1,
+        native_attn.attn_decode(q[:, :32], k[..., :32], native_attn.kv_quantize(k[0, :, :32], KV_Q8_0)[None], 0.1,
                            kvt=KV_Q8_0 << 4)

@@ -61,7 +61,7 @@ def decode_run(tail, tokens: list[int], attn, moe, pos0: list[int], kc, vc, ks: 
     `processors[t]` (an engine/sampling.py RunProcs, or None) of its logits after those (kernels/procs.c).
     With `logprobs[t]` = n (not None), per step the pick's log-probability and the n most likely tokens'
     (kernels/logprobs.c) -> the fourth item, [step][row] (logprob, [(id, logprob)]) or None. kvt: the caches' row
-    types (native.attn_block's)."""
+    types (native_attn.attn_block's)."""
     T, L = len(tokens), len(attn)
     idx, wts = native._routes(n_steps * L, T, k)
     out = torch.empty(n_steps, T, dtype=torch.int64)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import arena
-from ..kernels import native, native_block
+from ..kernels import native, native_attn, native_block
 from .batch import LayerKV
 from .kvquant import DEFAULT, KVType, KVTypes, check_dim, dequantize, quantize, row_bytes
 from .layers import Linear, RoPE
@@ -155,7 +155,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
         # One query in bf16: a native loop over exactly the valid keys, f32 scores (torch's bf16 bmm on
         # shapes this small costs ~150 us of setup per call). f32 stays on torch: the oracle path.
         lo = valid - window if window is not None and valid > window else 0
-        return native.attn_decode(q[:, 0], k[:, lo:valid], v[:, lo:valid], scale, sinks)
+        return native_attn.attn_decode(q[:, 0], k[:, lo:valid], v[:, lo:valid], scale, sinks)
     if sinks is not None:
         return _attend_with_sinks(q, k, v, start, scale, window, sinks, valid).transpose(0, 1).reshape(T, -1)
     if T == 1:  # decode: two small matmuls beat SDPA's kernel setup; heads grouped per kv head, no copies
@@ -199,7 +199,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, c
     outs = []
     for g0 in range(0, T, group):
         rows = range(g0, min(T, g0 + group))
-        outs.append(native.attn_rows(qt[g0:rows.stop], [cache.k[:, los[t]:] for t in rows],
+        outs.append(native_attn.attn_rows(qt[g0:rows.stop], [cache.k[:, los[t]:] for t in rows],
                                      [cache.v[:, los[t]:] for t in rows], [start + t + 1 - los[t] for t in rows],
                                      scale, sinks, kvt=cache.types.code, D=D, Dv=Dv))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -381,7 +381,7 @@ class Attention(nn.Module):
             kc.extend([cache.k.data_ptr()] * (r1 - r0))
             vc.extend([cache.v.data_ptr()] * (r1 - r0))
         cos, sin = self.rope.tables(kv.pos, T, torch.float32)
-        return native.attn_block(layer, h.contiguous(), pos, kc, vc, c0.k.stride(0), c0.v.stride(0),
+        return native_attn.attn_block(layer, h.contiguous(), pos, kc, vc, c0.k.stride(0), c0.v.stride(0),
                                  cos.contiguous(), sin.contiguous(), kvt=c0.types.code)
 
     def _native_layer(self, in_norm: RMSNorm, post_norm: RMSNorm) -> native_block.AttnLayer | None:

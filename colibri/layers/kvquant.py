@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ColibriError
-from ..kernels import native
+from ..kernels import native_attn
 
 BLOCK = 32
 F16_MAX = 65504.0
@@ -89,7 +89,7 @@ DEFAULT = KVTypes()
 
 def row_bytes(t: KVType, dim: int) -> int:
     """Bytes of one quantized row of `dim` values (the kernels' own count)."""
-    return native.kv_row_bytes(int(t), dim)
+    return native_attn.kv_row_bytes(int(t), dim)
 
 
 def check_dim(t: KVType, dim: int, what: str) -> None:
