@@ -25,11 +25,11 @@ if "--stages" in sys.argv:  # before the kernels are built: the timers are compi
 import torch  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri.kernels import native, native_mla  # noqa: E402
+from colibri.kernels import native, native_attn, native_mla  # noqa: E402
 from colibri.layers.batch import Seq, StepBatch  # noqa: E402
 
-KERNELS = ("decode_step", "decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route", "attn_block",
-           "attn_decode", "rmsnorm", "rope")
+KERNELS = [(native, n) for n in ("decode_step", "decode_layers", "q8_gemm", "q4_gemm", "moe", "moe_block", "route",
+                                  "rmsnorm", "rope")] + [(native_attn, n) for n in ("attn_block", "attn_decode")]
 
 
 def main() -> None:
@@ -55,8 +55,8 @@ def main() -> None:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
         return call
 
-    for name in KERNELS:
-        setattr(native, name, timed(name, getattr(native, name)))
+    for mod, name in KERNELS:
+        setattr(mod, name, timed(name, getattr(mod, name)))
     native_mla.mla_block = timed("mla_block", native_mla.mla_block)  # (DeepSeek's attention: kernels/mla.c)
     llm = colibri.load(a.model, ctx_size=a.steps + 16, threads=a.threads, slots=a.rows)
     if a.per_layer:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from colibri.kernels import native, native_attn
-from colibri.kernels.native import KV_BF16, KV_Q4_0, KV_Q8_0
+from colibri.kernels.native_attn import KV_BF16, KV_Q4_0, KV_Q8_0
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
