@@ -54,7 +54,7 @@ log = logging.getLogger("colibri")
 DEFAULT_CACHE_TOPK_PER_LAYER = 4
 # Look-ahead predictions of a rank are read ahead only while at least this share of them is
 # right (measured per run; see ExpertCache.rank_ok and docs/TIERS.md).
-PREFETCH_MIN_PRECISION = 0.75
+PREFETCH_MIN_PRECISION = 0.9
 LOAD_BAR_BYTES = 1 << 30  # resident experts from this size on get a progress bar (on a terminal)
 PlacementFn = Callable[["ModelSizes", "int | None", "int | None"], "Placement | None"]
 
