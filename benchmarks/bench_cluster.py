@@ -172,6 +172,16 @@ def run_child(model: Path, threads: int, streams: str, tokens: int, *, address: 
     return json.loads(out.strip().splitlines()[-1]), int(peak[1]) if peak else None
 
 
+def head(delay: bool = False, cgroups: bool = False) -> None:
+    """The header of the rows `show` prints (a delay column after the engine's for --part netem, cgroup peaks
+    before the load for --part capped)."""
+    cols = ["engine", *(["delay each way"] if delay else []), "streams", "tok/s", "ms/step", "vs single",
+            "ms added/hop", "moved/token", "bubble", "tokens", "read/token", "stage peak RSS",
+            *(["cgroup peaks (head, nodes)"] if cgroups else []), "load"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("---" if c in ("engine", "tokens") else "---:" for c in cols) + "|")
+
+
 def show(name: str, rows: list[dict], base: dict[int, dict] | None, hops: int, peaks=None) -> dict[int, dict]:
     by = {r["streams"]: r for r in rows if "streams" in r}
     rt = next((r["round_trip_ms"] for r in rows if "round_trip_ms" in r), None)
@@ -229,9 +239,7 @@ def main() -> None:
             sys.exit(f"{model} missing: run benchmarks/bench_vs_llamacpp.py once (it writes the 0.44b shape)")
         print(f"(a) {model.name} in RAM, {a.tokens} greedy tokens a stream, {a.threads} thread(s) per process; "
               f"load {os.getloadavg()[0]:.1f}\n")
-        print("| engine | streams | tok/s | ms/step | vs single | ms added/hop | moved/token | bubble | tokens "
-              "| read/token | stage peak RSS | load |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+        head()
         rows, _ = run_child(model, a.threads, a.streams, a.tokens)
         base = show("single node", rows, None, 1)
         cl = LocalCluster(3, a.threads)
@@ -253,9 +261,7 @@ def main() -> None:
     print(f"(b) {model.name} ({size / 2**30:.2f} GiB) = {size / _bytes(a.cap):.2f}x the cap {a.cap}; --mem-budget "
           f"{a.mem_budget} per node; {a.tokens} greedy tokens a stream, {a.threads} thread(s) per process, cold "
           f"page cache; load {os.getloadavg()[0]:.1f}\n")
-    print("| engine | streams | tok/s | ms/step | vs single | ms added/hop | moved/token | bubble | tokens "
-          "| read/token | stage peak RSS | cgroup peaks (head, nodes) | load |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    head(cgroups=True)
     rows, peak = run_child(model, a.threads, a.streams, a.tokens, cap=a.cap, budget=a.mem_budget)
     base = show("1 node, streamed", rows, None, 1, [peak])
     rows, _ = run_child(model, a.threads, a.streams, a.tokens)  # the bound: one node with room for the whole model
@@ -298,9 +304,7 @@ def netem(a: argparse.Namespace, model: Path) -> None:
     netem` delay on both ends (a crossing pays the delay once each way)."""
     print(f"(netem) {model.name} in RAM, 2 stages, stage 1 in network namespace {NS} over a veth pair; {a.tokens} "
           f"greedy tokens a stream, {a.threads} thread(s) per process; load {os.getloadavg()[0]:.1f}\n")
-    print("| engine | delay each way | streams | tok/s | ms/step | vs single | ms added/hop | moved/token | bubble | "
-          "tokens | read/token | stage peak RSS | load |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    head(delay=True)
     rows, _ = run_child(model, a.threads, a.streams, a.tokens)
     base = show("single node | -", rows, None, 1)
     subprocess.run(["ip", "netns", "del", NS], capture_output=True)

@@ -89,9 +89,9 @@ def test_cached_layers_run_in_the_one_call_step_bit_for_bit(ckpt, monkeypatch, m
             assert "landed" in stops, name  # ... waiting inside it for the experts not in memory
 
 
-def test_replayed_fetches_count_every_lookup(ckpt, monkeypatch):
-    """The experts a native call used are accounted as the fetches they stood for: the cache sees as many
-    lookups as on the per-layer path (one per routed expert id per layer and step), the later ones hits."""
+def test_hooked_fetches_count_every_lookup(ckpt, monkeypatch):
+    """Each cached layer of a native call fetches through its hook: the cache sees as many lookups as on the
+    per-layer path (one per routed expert id per layer and step), the later ones hits."""
     from colibri.engine import native_step
 
     path = ckpt.coli("olmoe", "int8")

@@ -31,7 +31,7 @@ from ..layers.attention import Attention, KVCache
 from ..layers.batch import StepBatch
 from ..layers.layers import MLP, DecoderBlock
 from ..layers.mla import LatentCache, MLAttention
-from ..layers.moe import SparseMoE, native_routing, routed_ids
+from ..layers.moe import SparseMoE, native_routing
 from ..layers.norms import block_norm_bias, out_norm_ptr
 from ..quant import QLinear
 from . import stream_hook
@@ -96,7 +96,7 @@ class NativeLayers:
     def _hook(self, tables: list) -> stream_hook.LayerHook:
         """The layer hook, set in the structs of the cached layers and of those whose look-ahead reads a cached
         layer's experts."""
-        ahead = getattr(self.source.ahead, "next", {})
+        ahead = {} if self.source.ahead is None else self.source.ahead.next
         hook = stream_hook.LayerHook(self.source, {self.blocks[i].mlp.experts.layer: tables[i] for i in self.cached},
                                      self.k, self.attn[0].hidden)
         index = {ex.layer: i for i, ex in zip(self.sparse, self.experts)}
@@ -368,15 +368,6 @@ def _routes(plan: NativeLayers, idx: torch.Tensor, wts: torch.Tensor, lo: int = 
     return {ex.layer: (idx[i], wts[i]) for ex, i in zip(plan.experts, plan.sparse) if lo <= i < hi}
 
 
-def _account(plan: NativeLayers, idx: torch.Tensor, lo: int, hi: int, fetched: set[int]) -> None:
-    """The caches account the experts the call used in blocks lo..hi-1 as the fetches they stood for (but for
-    the layers the hook `fetched` already)."""
-    for i in plan.cached:
-        if lo <= i < hi and plan.blocks[i].mlp.experts.layer not in fetched:
-            ex = plan.blocks[i].mlp.experts
-            plan.source.account(ex.layer, routed_ids(idx[i]))  # (what SwitchGLU would fetch)
-
-
 def step(plan: NativeLayers, tl: _Tail, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None
          ) -> tuple[torch.Tensor, StackedRoutes] | None:
     """The step's logits f32 [len(out_rows), V] (all T rows when out_rows is None) from one native call --
@@ -402,7 +393,6 @@ def step(plan: NativeLayers, tl: _Tail, tokens: torch.Tensor, batch: StepBatch, 
     if got is None:  # (an expert the hook could not put in the table: the layer-by-layer form takes the step)
         return None
     logits, idx, wts = got
-    _account(plan, idx, 0, len(plan.blocks), plan.hook.fetched)
     return logits, _routes(plan, idx, wts)
 
 
@@ -453,7 +443,6 @@ def layers(plan: NativeLayers, h: torch.Tensor, batch: StepBatch) -> tuple[torch
                                   first=first, kvt=kvt)
         end = L if stop is None else stop
         routes.update(_routes(plan, idx, wts, first, end))
-        _account(plan, idx, first, end, hook.fetched)
         if stop is None:
             break
         block = plan.blocks[stop]

@@ -32,12 +32,11 @@ class LayerHook:
         self.fn = native.LAYER_HOOK(self._call)  # (kept alive here: the structs hold only its address)
         self.fetching: tuple[Iterator, set[int]] | None = None  # a layer's fetch, the experts it had at the start
         self.error: BaseException | None = None
-        self.fetched: set[int] = set()  # the layers the current call fetched through the hook
 
     def run(self, call, *args, **kw):
         """call(*args, **kw): a native call through the hooked layers; what a callback raised is raised here
         (the kernel only returns a code), and the last layer's claims are released."""
-        self.error, self.fetched = None, set()
+        self.error = None
         try:
             return call(*args, **kw)
         except native.HookFailed as e:
@@ -64,7 +63,6 @@ class LayerHook:
             self.source.collect_landed([layer])  # (prefetches that landed: into the table first)
             fetched = self.source.fetch(layer, ids)
             self.fetching = (fetched, {e for e in ids if tables.gu[e].q})
-            self.fetched.add(layer)
         ahead = self.source.ahead
         if ahead is None or layer not in ahead.next:
             return 0

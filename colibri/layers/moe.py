@@ -52,12 +52,8 @@ class ExpertSource(Protocol):
 
     def native_tables(self, experts: SwitchGLU) -> native.MoeTables | None:
         """The native kernels' expert tables of a layer: every expert of a resident layer (filled once), or the
-        experts in memory of a cached one (kept so by its cache, for a native call that stops at a miss); None
+        experts in memory of a cached one (kept so by its cache, for the native call's streamed layers); None
         where its experts are not int8/int4 native weights of one scheme."""
-        ...
-
-    def account(self, layer: int, ids: list[int]) -> None:
-        """A native call used experts `ids` of `layer` from its tables: count it as the fetch it stood for."""
         ...
 
     def collect_landed(self, layers: list[int]) -> None:

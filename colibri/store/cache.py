@@ -362,11 +362,6 @@ class ExpertCache:
                 self._collect(s)
         self._inflight = {s for s in self._inflight if s.future is not None}  # (what is left to land, or failed)
 
-    def replay(self, layer: int, ids: list[int]) -> None:
-        """Account a native step's use of cached experts of `layer` as the fetch it stood for (hits,
-        recency, the reuse clock, prefetch scoring): every id was in the table, so nothing is read."""
-        self.fetch(layer, ids).close()
-
     def _loading(self) -> int:
         """Reads started and not yet landed."""
         self._inflight = {s for s in self._inflight if s.future is not None and not s.future.done()}

@@ -76,11 +76,6 @@ class Experts:
         """Build the native tables again on next use (a caller changed how the layers' experts run)."""
         self._tables.clear()
 
-    def account(self, layer: int, ids: list[int]) -> None:
-        cache = self.cached.get(layer)
-        if cache is not None:
-            cache.replay(layer, ids)
-
     def collect_landed(self, layers: list[int]) -> None:
         for cache in {id(c): c for c in (self.cached[i] for i in layers if i in self.cached)}.values():
             cache.collect_landed()

@@ -94,15 +94,14 @@ class ReuseEstimator:
         rows = np.full(len(layers), -1, dtype=np.int64)
         inside = (layers >= 0) & (layers < len(self._row_of))
         rows[inside] = self._row_of[layers[inside]]
-        if inside.all() and (rows >= 0).all() and (experts >= 0).all() and (experts < self.exp.shape[1]).all():
-            return self.exp[rows, experts]  # (every key seen: the kept table, the same numbers)
         has = rows >= 0
-        last, b, a = np.zeros(len(layers)), np.full(len(layers), self.prior), np.full(len(layers), self.prior)
-        last[has] = self.last[rows[has]]
-        known = has & (experts >= 0) & (experts < self.b.shape[1])
-        if known.any():
-            r, e = rows[known], experts[known]
-            b[known] = self.b[r, e]
-            a[known] = np.where(self.prev[r, e], self.a_reuse[r], self.a_skip[r, e])
+        known = has & (experts >= 0) & (experts < self.exp.shape[1])
+        if known.all():
+            return self.exp[rows, experts]
+        # a layer or expert not seen yet: the prior's rates (a = b = prior) from its layer's last access, or 0
         L = self.n_layers
-        return last + L + (1 - a) * L / np.maximum(b, 1e-6)
+        out = np.zeros(len(layers))
+        out[has] = self.last[rows[has]]
+        out = out + L + (1 - self.prior) * L / max(self.prior, 1e-6)
+        out[known] = self.exp[rows[known], experts[known]]
+        return out

@@ -372,7 +372,7 @@ class TieredStore(WeightStore):
             self.tok["decode_reader_busy_s"] += self._mark[2] - busy
 
     def _mark_step(self) -> None:
-        self._mark = (sum(c.wait_s for c in self.caches.values()), self.reader.bytes_read, self.reader.busy_s())
+        self._mark = (self.io_wait_s(), self.reader.bytes_read, self.reader.busy_s())
 
     def resident_bytes(self) -> int:
         """RAM held by weights: dense + RAM-layer experts + the RAM expert cache (at capacity)."""
@@ -384,7 +384,7 @@ class TieredStore(WeightStore):
         keys = ("hits", "misses", "evictions", "bytes_read", "reads", "prefetch_issued", "prefetch_used",
                 "prefetch_wasted", "prefetch_wasted_bytes", "pred_hits", "pred_total", "actual_total")
         out: dict = {k: sum(c.counts[k] for c in self.caches.values()) for k in keys}
-        out["io_wait_s"] = sum(c.wait_s for c in self.caches.values())
+        out["io_wait_s"] = self.io_wait_s()
         out.update(self.tok)
         ram, gpu = self.caches.get("ram"), self.caches.get("gpu")
         out.update(
