@@ -5,15 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
 from . import arena
+from .analysis.probe import peak_rss_mib, physical_cores  # noqa: F401 - (colibri.api's own)
 from .engine.decode_plan import DecodePlan
 from .engine.grammar import GrammarCompiler
 from .engine.kv import SlotPool
@@ -34,31 +33,6 @@ from .store.tiered import PlacementFn, stats_delta
 from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
-
-
-def physical_cores() -> int:
-    """Physical cores (hyper-threads share the FPU, so more threads than this rarely helps)."""
-    try:
-        pairs = set()
-        phys = core = None
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("physical id"):
-                phys = line.split(":")[1].strip()
-            elif line.startswith("core id"):
-                core = line.split(":")[1].strip()
-                pairs.add((phys, core))
-        return max(len(pairs), 1) if pairs else (os.cpu_count() or 1)
-    except OSError:
-        return os.cpu_count() or 1
-
-
-def peak_rss_mib() -> float:
-    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the parent."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def compute_dtype_for(scheme: str) -> torch.dtype:
@@ -119,6 +93,8 @@ class Engine:
       may wait for them (default 300).
     - `kv_type`: the KV cache's storage (llama.cpp's -ctk / -ctv): "bf16" (the compute dtype, the default),
       "q8_0" or "q4_0" for K and V both, or a pair (K, V); docs/QUANT.md "The KV cache" has its numerics.
+    - `draft_model`: a smaller .coli of the same tokenizer proposing drafts for `speculative="draft"` (and "auto"
+      where prompt lookup has no match): engine/draft.py.
     """
 
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
@@ -129,7 +105,7 @@ class Engine:
                  gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None,
                  mmap: bool = False, kv_type: str | tuple[str, str] | KVTypes | None = None,
                  cluster: str | None = None, cluster_mode: str = "pipeline", cluster_stages: int | None = None,
-                 cluster_timeout: float | None = None):
+                 cluster_timeout: float | None = None, draft_model: str | os.PathLike | None = None):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -196,13 +172,16 @@ class Engine:
         self._runner = Runner(self.model, self.plan, self._sched, self.store, self.threads,
                               lambda: self.tokenizer.eos_ids)
         self._runner.run_s = None if decode_run_ms is None else decode_run_ms / 1000
+        self._draft = None
+        if draft_model is not None:
+            self._draft = self._load_draft(draft_model)
         if cluster is not None:  # (the experts live on the other nodes)
             self._runner.n_experts = self._cluster_part.n_experts()
         self._grammars = GrammarCompiler(self.tokenizer.tk, self.vocab_rows)
         self._local = _PerThread()
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.store, self.container,
-                                           self._cluster_part)
+                                           self._cluster_part, self._draft)
         self._trace = self._route_logger = None
         if route_trace is not None:
             from .analysis.trace import RouteTraceWriter
@@ -211,6 +190,21 @@ class Engine:
             self.add_step_listener(self._trace)
 
     # ------------------------------------------------------------------ facts
+
+    def _load_draft(self, path):
+        """The draft model beside the target's slots (engine/draft.py); the runner's speculator proposes from it."""
+        from .engine.draft import DraftModel
+
+        try:
+            if self.cluster is not None:
+                raise ColibriError("a draft model runs on one machine: --draft-model does not combine with --cluster")
+            draft = DraftModel(path, self.n_slots, self.ctx_size, self.tokenizer.tk.get_vocab(), compute_dtype_for)
+        except BaseException:
+            self._runner.close()
+            self.store.close()
+            raise
+        self._runner.spec.drafter = draft
+        return draft
 
     @property
     def n_layers(self) -> int:
@@ -258,7 +252,7 @@ class Engine:
         self._check_open()
         speculative = self.speculative if speculative is None else speculative
         draft_max = self.draft_max if draft_max is None else draft_max
-        check_speculative(speculative, draft_max)
+        check_speculative(speculative, draft_max, self._draft is not None)
         if sampling is None:
             try:
                 sampling = SamplingParams(**sampling_kw)
@@ -556,8 +550,10 @@ class Engine:
         self.close()
 
 
-def _shutdown(runner: Runner, store: TieredStore, container: Container, cluster_part=None) -> None:
+def _shutdown(runner: Runner, store: TieredStore, container: Container, cluster_part=None, draft=None) -> None:
     runner.close()
+    if draft is not None:
+        draft.close()
     if cluster_part is not None:  # a cluster's stages or expert workers
         cluster_part.close()
     native.background_wait()  # (its read-ahead of the weights, before the file goes)

@@ -265,6 +265,10 @@ def plan(sizes: PlanSizes, m: Machine, mem_budget: int | None = None, gpu_budget
             elif n_slots < sizes.top_k * len(moe):
                 notes.append(f"fewer cache slots ({n_slots}) than top_k x disk layers "
                              f"({sizes.top_k * len(moe)}): most routed experts are re-read every token")
+        elif not sizes.moe_layers:  # (no expert to leave on disk: every weight stays in memory)
+            notes.append(f"the budget ({_gib(budget)}) does not hold the weights ({_gib(dense)}) of a model "
+                         "without experts, which all stay in memory" + (": colibri run will refuse it"
+                                                                        if mem_budget is not None else ""))
     disk_tok = ram_tok = 0.0
     for i in rest:
         ram_tok += sizes.active_bytes(i)
@@ -386,11 +390,12 @@ def report(sizes: PlanSizes, m: Machine, mem_budget: int | None, gpu_budget: int
     moe = sizes.moe_layers
     eb = max(sizes.record_bytes) if moe else 0
     kv = ours.kv_bytes
+    what = (f"{max(sizes.n_experts)} experts per layer in {len(moe)} layers, {sizes.top_k} used per token; in RAM "
+            f"{_gib(sizes.total_bytes)} = dense {_gib(sizes.dense_bytes)} + experts "
+            f"{_gib(sizes.total_bytes - sizes.dense_bytes)} ({eb / MiB:.2f} MiB each on disk)" if moe
+            else f"dense (no expert); in RAM {_gib(sizes.total_bytes)}")
     lines = [
-        f"model: {sizes.model_type} {sizes.scheme}, {sizes.n_layers} layers, {max(sizes.n_experts)} experts per "
-        f"layer in {len(moe)} layers, {sizes.top_k} used per token; in RAM {_gib(sizes.total_bytes)} = dense "
-        f"{_gib(sizes.dense_bytes)} + experts {_gib(sizes.total_bytes - sizes.dense_bytes)} "
-        f"({eb / MiB:.2f} MiB each on disk)",
+        f"model: {sizes.model_type} {sizes.scheme}, {sizes.n_layers} layers, {what}",
         f"machine: {_gib(m.mem_available)} of memory available{' (its memory cgroup limit)' if m.cgroup else ''}, GPU "
         + (f"{_gib(m.vram_free)} free" if m.vram_free is not None else "none")
         + f"; disk reads {m.disk_bps / 1e9:.2f} GB/s ({m.disk_note}); weights stream through matmuls at "

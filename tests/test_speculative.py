@@ -130,11 +130,32 @@ def test_stops_and_limits_inside_an_accepted_run(ckpt, monkeypatch) -> None:
     assert got == ref[:8] and h.finish_reason == "ctx" and h.stats.accepted > 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v32"])
-def test_models_without_rollback_do_not_speculate(ckpt, model_type) -> None:
-    """A recurrent state (qwen3_next's linear attention) would need rolling back; a sparse attention's indexer
-    (deepseek_v32) can select other positions in a verify step: neither drafts, asked or not."""
+HYBRIDS = ["qwen3_next", "jamba", "nemotron_h", "granitemoehybrid", "kimi_linear", "lfm2_moe", "minimax",
+           "bailing_hybrid"]
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_hybrids_roll_their_states_back(ckpt, monkeypatch, model_type) -> None:
+    """Recurrent states (gated delta rule, Mamba 1 and 2, KDA, short convolutions, lightning attention): a verify's
+    rows take the recurrence one position at a time, the state kept after each, and a rejection restores the state
+    after the last row kept. Lookup's own drafts, then drafts right up to a depth that cycles through every
+    rollback length (accepted and rejected): plain decoding's tokens."""
+    prompt = [1, 88, 5, 61, 230, 12, 9]
     with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=128, threads=2) as llm:
+        ref, _ = _run(llm, speculative="off")
+        got, h = _run(llm, speculative="lookup")
+        plain, _ = _run(llm, prompt, speculative="off")
+        with monkeypatch.context() as mp:
+            _source(mp, plain, len(prompt), "cycle")
+            cyc, hc = _run(llm, prompt, speculative="lookup")
+    assert got == ref and cyc == plain
+    assert h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
+
+
+def test_sparse_attention_does_not_speculate(ckpt) -> None:
+    """A sparse attention's indexer (deepseek_v32) can select other positions in a verify step: it does not draft,
+    asked or not."""
+    with colibri.load(ckpt.coli("deepseek_v32", "f32"), ctx_size=128, threads=2) as llm:
         ref, _ = _run(llm, speculative="off")
         got, h = _run(llm, speculative="lookup")
     assert got == ref and h.stats.drafted == 0 and h.stats.tokens_per_forward == 1
@@ -157,13 +178,14 @@ def test_streamed_experts_draft_only_when_asked(ckpt) -> None:
 
 
 def test_requests_that_do_not_speculate(ckpt) -> None:
-    """Sampled requests, processors, log-probs and a bad mode: no drafts, or a one-line refusal."""
+    """Processors, log-probs and a bad mode: no drafts, or a one-line refusal (sampled requests do speculate:
+    tests/test_spec_sampling.py)."""
     with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=128, threads=2) as llm:
-        for kw in ({"temperature": 0.7, "seed": 1}, {"repeat_penalty": 1.2}, {"logprobs": 1}):
+        for kw in ({"temperature": 0.7, "seed": 1, "repeat_penalty": 1.2}, {"repeat_penalty": 1.2}, {"logprobs": 1}):
             h = llm.submit(REPEAT, 16, ignore_eos=True, speculative="lookup", **{"temperature": 0, **kw})
             h.wait()
             assert h.stats.drafted == 0, kw
-        for mode, msg in (("mtp", "not built yet"), ("draft", "not built yet"), ("fast", "must be one of")):
+        for mode, msg in (("mtp", "not built yet"), ("draft", "needs a draft model"), ("fast", "must be one of")):
             with pytest.raises(ColibriError, match=msg):
                 llm.submit(REPEAT, 4, speculative=mode)
         with pytest.raises(ColibriError, match="draft_max"):
@@ -249,10 +271,16 @@ def test_step_costs_estimate() -> None:
 def test_cli_flags(capsys) -> None:
     from colibri.cli.run import run_parser
     from colibri.cli.serve import serve_parser
+    from colibri.cli.specflags import spec_mode
 
     a = run_parser().parse_args(["--spec", "lookup", "--draft-max", "4", "-p", "x"])
     assert (a.spec, a.draft_max) == ("lookup", 4)
-    assert serve_parser().parse_args([]).spec == "off"
+    assert spec_mode(serve_parser().parse_args([])) is None  # (the engine's default: off)
+    a = serve_parser().parse_args(["--draft-model", "d.coli", "--draft-p-min", "0.3"])
+    assert spec_mode(a) == "draft" and a.draft_p_min == 0.3
+    with pytest.raises(SystemExit):
+        run_parser().parse_args(["--draft-p-min", "2"])
+    assert "probability" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run_parser().parse_args(["--spec", "mtp"])
     assert "not built yet" in capsys.readouterr().err

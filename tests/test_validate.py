@@ -119,7 +119,7 @@ CASES = [
     ("rope_scaling list", cfg_case("rope_scaling", {"rope_type": ["yarn"], "factor": 2.0}), ["rope_type"]),
     ("rope factor nan", cfg_case("rope_scaling", {"rope_type": "linear", "factor": -2}), ["factor"]),
     ("config list", _set(("meta", "config"), [1, 2]), ["config"]),
-    ("model_type unknown", _set(("meta", "model_type"), "llama"), ["llama"]),
+    ("model_type unknown", _set(("meta", "model_type"), "gpt2"), ["gpt2"]),
     ("model_type number", _set(("meta", "model_type"), 5), ["model_type"]),
     ("quant meta list", _set(("meta", "quant"), []), ["meta.quant"]),
     ("quant scheme unknown", _set(("meta", "quant", "scheme"), "int9"), ["int9"]),

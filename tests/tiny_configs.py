@@ -62,6 +62,10 @@ FAMILIES: tuple[str, ...] = (
     "aria_text",
 )
 
+# The dense families (no MoE layer: the small draft models of speculative decoding), kept out of FAMILIES, whose
+# tests (tests/test_hf_tiny.py) look for experts; tests/test_dense_families.py covers them.
+DENSE: tuple[str, ...] = ("llama", "qwen3", "qwen2")
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # (tests/hf_tiny.py's special tokens come first, so their ids are fixed)
 # 256 byte symbols + 6 specials + 122 merges. The model vocab equals the
 # tokenizer vocab exactly, so every id the model can emit decodes.
@@ -220,6 +224,18 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         "aria_text": {"moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 2, "intermediate_size": 32,
                       "head_dim": 16, "attention_bias": True,
                       "rope_parameters": {"rope_type": "default", "rope_theta": 5e6}},
+        # The dense families (DENSE; their tied heads: tests/test_dense_families.py): Llama with its q/k/v/o biases and
+        # llama3 RoPE scaling
+        "llama": {"head_dim": 16, "attention_bias": True,
+                  "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}},
+        # Qwen3's per-head q/k norm, heads wider than hidden / heads (as Qwen3-0.6B's)
+        "qwen3": {"head_dim": 32,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        # Qwen2's q/k/v biases; layer 2 slides over 8 positions (use_sliding_window, max_window_layers 2)
+        "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         # Qwen3-Omni's thinker text model (built and saved as the thinker): Qwen3-MoE's layers, the router
         # unrenormalised here (it follows norm_topk_prob), a dense layer, the interleaved M-RoPE
         "qwen3_omni_moe_text": {
@@ -508,5 +524,7 @@ def tiny_config_kwargs(model_type: str) -> dict[str, Any]:
         },
     }
     if model_type not in family:
-        raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(FAMILIES + DENSE)}")
+    if model_type in DENSE:  # (no router field in a dense config)
+        del common["num_experts_per_tok"]
     return {**common, **family[model_type]}

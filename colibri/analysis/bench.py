@@ -48,7 +48,8 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
         st = llm.last_stats
         runs.append({"prompt_tokens": st.prompt_tokens, "cached": st.cached_tokens, "generated": st.generated,
                      "prefill_s": st.prefill_s,
-                     "decode_s": st.decode_s, "ttft_s": st.ttft_s, "tokens": toks})
+                     "decode_s": st.decode_s, "ttft_s": st.ttft_s, "tokens": toks,
+                     "spec": (st.drafted, st.accepted, st.forwards)})
     wall = time.perf_counter() - t_all
     prompt_toks = sum(r["prompt_tokens"] for r in runs)
     decoded = sum(max(r["generated"] - 1, 0) for r in runs)  # the first token comes from prefill
@@ -68,6 +69,9 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
         "huge_pages_mib": arena.huge_pages_mib(),
         "outputs": [r["tokens"] for r in runs],
     }
+    drafted, accepted, forwards = (sum(r["spec"][i] for r in runs) for i in range(3))
+    out.update(speculative=llm.speculative, spec_drafted=drafted, spec_accepted=accepted,
+               tokens_per_forward=(forwards + accepted) / forwards if forwards else 1.0)
     out.update(_store_figures(before, llm.store_stats()))
     # (the store's delta, decode_s and decoded cover the same runs: the measured ones, warm-up excluded)
     out.update(decode_limit(out["store_stats"], decode_s, decoded))
@@ -132,6 +136,8 @@ def format_text(r: dict) -> str:
         f"recall {opt(r['prefetch_recall'], '{:.1%}')}, wasted "
         f"{opt(None if waste is None else waste / 1e6, '{:.2f}')} MB/token",
         f"limit        {limit_text(r)}",
+        *([f"speculative  {r['speculative']}: {r['spec_accepted']}/{r['spec_drafted']} drafts accepted, "
+           f"{r['tokens_per_forward']:.2f} tokens a forward"] if r.get("spec_drafted") else []),
         f"peak RSS     {r['peak_rss_mib']:.0f} MiB"
         + ("" if r.get("huge_pages_mib") is None else f", {r['huge_pages_mib']:.0f} MiB in huge pages"),
         f"load avg     {r['loadavg']:.1f} (other work on this machine while measuring)",
@@ -140,6 +146,7 @@ def format_text(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from ..cli.common import add_engine_args, engine_from_args, setup_logging
+    from ..cli.specflags import add_spec_args, apply_spec_args
 
     p = argparse.ArgumentParser(prog="colibri bench", description="Benchmark a model on fixed prompts "
                                 "(greedy, EOS ignored): decode/prefill tok/s, TTFT, cache figures, peak RSS.")
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true", help="measure from a cold start")
     p.add_argument("--json", action="store_true", help="print one JSON object (machines) instead of text")
     add_engine_args(p, model_required=True, ctx_size=1024)
+    add_spec_args(p)
     a = p.parse_args(argv)
     setup_logging(a.log_level)
     if a.n_predict < 2 or not 1 <= a.prompts <= len(PROMPTS):
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
               "gpu_budget": parse_size(a.gpu_budget) if a.gpu_budget else None}
     t0 = time.perf_counter()
     llm = engine_from_args(a)
+    apply_spec_args(llm, a)
     load_s = time.perf_counter() - t0
     try:
         plan_tok_s, disk_bps, disk_note = plan_estimate(llm, budget)

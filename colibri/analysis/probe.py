@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 GiB, MiB = 1 << 30, 1 << 20
 RAM_BPS = 18e9  # weights/s a decode step sustains when not measured (STREAM-like, this machine class)
@@ -31,6 +33,31 @@ class Machine:
     op_s: float = 0.0  # one small torch op (0: not measured, overhead left out of the speed estimate)
     ram_note: str = "assumed"
     cgroup: bool = False  # mem_available is a memory cgroup's limit (a container's), tighter than the host's
+
+
+def physical_cores() -> int:
+    """Physical cores (hyper-threads share the FPU, so more threads than this rarely helps)."""
+    try:
+        pairs = set()
+        phys = core = None
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("physical id"):
+                phys = line.split(":")[1].strip()
+            elif line.startswith("core id"):
+                core = line.split(":")[1].strip()
+                pairs.add((phys, core))
+        return max(len(pairs), 1) if pairs else (os.cpu_count() or 1)
+    except OSError:
+        return os.cpu_count() or 1
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the parent."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def meminfo() -> dict[str, int]:

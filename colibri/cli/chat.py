@@ -21,8 +21,6 @@ from ..errors import ColibriError
 from .common import HelpFormatter, add_engine_args, engine_from_args, positive, setup_logging
 from .run import (
     add_sampling_args,
-    add_spec_args,
-    apply_spec_args,
     check_prompt_cache,
     grammar_from_args,
     load_prompt_cache,
@@ -30,6 +28,7 @@ from .run import (
     stats_line,
     validate_sampling,
 )
+from .specflags import add_spec_args, apply_spec_args
 
 log = logging.getLogger("colibri")
 HELP = "commands: /reset  /system TEXT  /exit   (Ctrl-C stops an answer, Ctrl-D exits)"

@@ -255,6 +255,8 @@ def engine_from_args(a: argparse.Namespace):
 
     model = resolve_model(a)
     check_engine_args(a)
+    if getattr(a, "spec", None) == "draft" and not getattr(a, "draft_model", None):  # (before the wait of loading)
+        raise ColibriError("--spec draft needs a draft model: add --draft-model PATH")
     check_cluster_args(a, ColibriError)
     kv_types = (a.cache_type_k, a.cache_type_v)
     if a.cluster is None:  # (on a cluster the K/V live on the stages)
@@ -278,7 +280,7 @@ def engine_from_args(a: argparse.Namespace):
                      route_trace=a.route_trace, cache_policy=a.cache_policy,
                      cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap, kv_type=kv_types,
                      cluster=a.cluster, cluster_mode=a.cluster_mode, cluster_stages=a.cluster_stages,
-                     cluster_timeout=a.cluster_timeout)
+                     cluster_timeout=a.cluster_timeout, draft_model=getattr(a, "draft_model", None))
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
         if isinstance(e, RuntimeError) and "alloc" not in str(e) and "memory" not in str(e):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import ColibriError
 from .common import HelpFormatter, add_engine_args, bounded, engine_from_args, nonneg, number, positive, setup_logging
+from .specflags import add_spec_args, apply_spec_args
 
 log = logging.getLogger("colibri")
 
@@ -75,34 +76,6 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
     g.add_argument("--grammar", metavar="GRAMMAR", default=None,
                    help="the text must follow this GBNF (root rule 'root') or Lark grammar")
     g.add_argument("--grammar-file", metavar="FILE", default=None, help="--grammar read from FILE")
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    """--spec and --draft-max: the engine's defaults for requests that do not say (engine/speculative.py)."""
-    from ..engine.speculative import CAP, DRAFT_MAX
-
-    g = p.add_argument_group("speculative decoding (greedy requests: the same tokens, fewer forwards)")
-    g.add_argument("--spec", type=_spec_mode, default="off", metavar="auto|off|lookup",
-                   help="auto: prompt-lookup drafts where the measured gate says they pay; lookup: every match "
-                        "verified; off: one token per forward")
-    g.add_argument("--draft-max", type=bounded("--draft-max", 0, CAP - 1), default=DRAFT_MAX, metavar="N",
-                   help="most drafted tokens verified per forward")
-
-
-def _spec_mode(text: str) -> str:
-    from ..engine.speculative import DRAFT_MAX, check
-
-    try:
-        check(text, DRAFT_MAX)
-    except ColibriError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def apply_spec_args(llm, a: argparse.Namespace) -> None:
-    """The engine's defaults from --spec / --draft-max (a namespace built without them keeps the engine's)."""
-    llm.speculative = getattr(a, "spec", llm.speculative)
-    llm.draft_max = getattr(a, "draft_max", llm.draft_max)
 
 
 def grammar_from_args(a: argparse.Namespace) -> str | None:

@@ -10,7 +10,7 @@ import argparse
 
 from ..server.tool_formats import NAMES as TOOL_FORMATS
 from .common import HelpFormatter, add_engine_args, bounded
-from .run import add_spec_args
+from .specflags import add_spec_args
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -309,8 +309,8 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
         raise ColibriError(f"--arch dense, but {src} is a Mixture-of-Experts checkpoint "
                            f"({model_type}, {n_exp} experts): use --arch moe")
     if arch == "moe" and not n_exp:
-        raise ColibriError(f"--arch moe, but {src} is a dense checkpoint ({model_type}, no experts); "
-                           "colibri runs MoE models only")
+        raise ColibriError(f"--arch moe, but {src} is a dense checkpoint ({model_type}, no experts): "
+                           "use --arch dense")
     tokenizer = read_tokenizer(src, cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None)
     tok_file = "tokenizer.json" if (src / "tokenizer.json").exists() else tiktoken_bpe.FILE
     check_tokenizer(tokenizer, cfg.get("vocab_size"), cfg, str(src / tok_file))

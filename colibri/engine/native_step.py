@@ -54,13 +54,14 @@ class NativeLayers:
         self.sparse = [i for i, t in enumerate(tables) if t is not None]  # the routed layers' indices
         self.experts = [blocks[i].mlp.experts for i in self.sparse]
         self.layers = [ex.layer for ex in self.experts]
-        self.source = self.experts[0].source  # (one ExpertSource serves every layer)
+        self.source = self.experts[0].source if self.experts else None  # (one ExpertSource serves every layer)
         # the routed layers an expert cache serves (indices into blocks), and their model layers
         self.cached = [i for i, ex in zip(self.sparse, self.experts) if not ex.source.holds_all(ex.layer)]
         self.cached_layers = [blocks[i].mlp.experts.layer for i in self.cached]
         self.all_sparse = len(self.sparse) == len(blocks)
         self.rope = blocks[0].self_attn.rope
-        self.k = blocks[self.sparse[0]].mlp.gate.top_k
+        # (a model with no routed layer writes no routes: k 1 only keeps the kernels' route buffers non-empty)
+        self.k = blocks[self.sparse[0]].mlp.gate.top_k if self.sparse else 1
         self.tables, self.mlps = tables, mlps  # the MoeLayer structs point into them: keep them alive
         self.attn = (native_block.AttnLayer * len(attn))(*attn)
         self.moe = (native.MoeLayer * len(blocks))(*[self._layer(b, t, m) for b, t, m in zip(blocks, tables, mlps)])
@@ -139,7 +140,7 @@ class NativeLayers:
 def one_call_shape(blocks) -> bool:
     """Whether the model's layers have the shape the one-call step runs (whatever their weights): attention,
     then routed experts with a router the kernels run and one top_k (plus, optionally, a shared expert as a
-    dense SwiGLU MLP behind at most a sigmoid gate), or a dense SwiGLU MLP; at least one routed layer. The
+    dense SwiGLU MLP behind at most a sigmoid gate), or a dense SwiGLU MLP (every layer one: a dense model). The
     planner asks this of a model skeleton; `build` also needs the weights resident, quantized and on the CPU."""
     return shape_problem(blocks) is None
 
@@ -167,9 +168,7 @@ def shape_problem(blocks, lo: int = 0) -> str | None:
         if shared is not None and not _dense_mlp(shared):
             return f"layer {i}: the shared expert {type(shared).__name__} has no kernel"
         ks.add(moe.gate.top_k)
-    if not ks:
-        return "no routed layer"
-    return None if len(ks) == 1 else f"layers route to different top-k ({sorted(ks)})"
+    return None if len(ks) <= 1 else f"layers route to different top-k ({sorted(ks)})"
 
 
 def _weights(attn: nn.Module) -> str:

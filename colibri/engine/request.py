@@ -119,6 +119,9 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     forwards: int = 0
+    # by draft position i (0 first): verifies whose drafts reached position i, and those whose draft i was kept
+    draft_reached: list[int] = field(default_factory=list)
+    draft_kept: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -52,7 +52,7 @@ class Runner:
         self._threads_now = (threads, threads)  # (torch, native pool)
         self._step_s: dict[int, float] = {}  # decode rows -> the last such step's seconds (sizes `_run`)
         self.run_s: float | None = None  # seconds per native run (Engine's decode_run_ms); None: RUN_S
-        self.spec = Speculator.of(model, plan, sched.slots.caches[0], sched.slots.ctx)  # drafts, gate, verify
+        self.spec = Speculator.of(model, plan, sched.slots.caches, sched.slots.ctx)  # drafts, gate, verify
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="colibri-engine", daemon=True)
         self.thread.start()
@@ -354,6 +354,8 @@ class Runner:
         k.decode_rows += n * T
         k.busy_s += seconds
         self.store.count_step(0, n * T, read)
+        if L == 0:  # a dense model: no experts to count
+            return
         # Distinct experts per (step, layer): over all rows (the union fetched) and per row (batching_counts).
         union = idx.reshape(n * L, -1).sort(-1).values
         unique = n * L + int((union[:, 1:] != union[:, :-1]).sum())

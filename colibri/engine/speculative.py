@@ -42,12 +42,14 @@ import torch
 from ..errors import ColibriError
 from ..kernels import native
 from ..layers.attention import KVCache
+from ..layers.linear_attn import StateCache
 from ..layers.mla import LatentCache
 from ..layers.moe import SwitchGLU
 from .sampling import greedy
+from .verify import greedy_run, sampled_run
 
-MODES = ("auto", "off", "lookup")
-NOT_BUILT = {"mtp": "multi-token-prediction heads", "draft": "a draft model"}
+MODES = ("auto", "off", "lookup", "draft")
+NOT_BUILT = {"mtp": "multi-token-prediction heads"}
 # The longest n-gram matched first: a longer match is more specific, its continuation more often right.
 # Single tokens still match (an identifier, an indentation predicts what follows), but acceptance is counted per
 # match length, so the gate gives 1-gram matches the depth they earn, often none. 4+ grams add little: the
@@ -59,12 +61,16 @@ OWN_SEEN = 16  # a request's own acceptance counts for a position are used once 
 EWMA = 0.25  # weight of a verify step's new timing
 
 
-def check(mode: object, draft_max: object) -> None:
-    """Refuse an unknown mode or depth in one line (Engine.submit)."""
+def check(mode: object, draft_max: object, has_draft: bool = True) -> None:
+    """Refuse an unknown mode or depth in one line (Engine.submit; `has_draft`: a draft model is loaded)."""
     if mode in NOT_BUILT:
-        raise ColibriError(f"speculative={mode!r} ({NOT_BUILT[mode]}) is not built yet; use 'auto', 'lookup' or 'off'")
+        raise ColibriError(f"speculative={mode!r} ({NOT_BUILT[mode]}) is not built yet; use 'auto', 'lookup', "
+                           "'draft' or 'off'")
     if mode not in MODES:
         raise ColibriError(f"speculative must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if mode == "draft" and not has_draft:
+        raise ColibriError("speculative='draft' needs a draft model: load the engine with draft_model=PATH "
+                           "(--draft-model)")
     if isinstance(draft_max, bool) or not isinstance(draft_max, int) or not 0 <= draft_max < CAP:
         raise ColibriError(f"draft_max must be an integer in [0, {CAP - 1}], got {draft_max!r}")
 
@@ -225,56 +231,72 @@ class Speculator:
     """The engine's side: which requests speculate, their drafts each step (`plan`), the verify (`accept`), the
     measured figures and the counters (metrics)."""
 
-    def __init__(self, able: bool, streamed: bool, ctx: int):
+    def __init__(self, able: bool, streamed: bool, ctx: int, slot_caches: list[list] | None = None):
         self.able, self.streamed, self.ctx = able, streamed, ctx  # (module doc)
+        # per slot, its recurrent states (rolled back after a verify: layers/linear_attn.py `verify_rows`)
+        self.states = [[c for c in caches if isinstance(c, StateCache)] for caches in slot_caches or []]
         self.acceptance = Acceptance()
         self.costs = StepCosts()
         self.drafted = self.accepted = self.forwards = 0  # engine-wide: verified drafts, decode forwards
+        self.drafter = None  # engine/draft.py DraftModel, where the engine loaded one
 
     def state(self, a) -> RequestSpec | None:
         """The request's RequestSpec (engine/scheduler.py Active.spec), made at its first decode step; None where
-        it cannot speculate: not greedy, a processor, a grammar, log-probs or prompt scoring; a model that cannot
-        (`able`); "auto" where experts stream."""
+        it cannot speculate: a processor, a grammar, log-probs or prompt scoring; a model that cannot (`able`);
+        "auto" where experts stream. Sampled requests speculate with the accept/resample rule (engine/verify.py)."""
         if a.spec is None:
             h, p = a.h, a.picker
             mode = "off" if self.streamed and h.speculative == "auto" else h.speculative
             able = (self.able and mode != "off" and h.draft_max > 0 and p.run_spec is not None
-                    and p.run_spec[0] == 0.0 and p.run_procs() is None and p.sp.logprobs is None
+                    and p.run_procs() is None and p.sp.logprobs is None
                     and h.prompt_logprobs is None and not h.want_logits)
             a.spec = RequestSpec(h.speculative, h.draft_max, h.prompt_ids) if able else False
         return a.spec or None
 
     @classmethod
-    def of(cls, model: torch.nn.Module, plan, caches: list, ctx: int) -> Speculator:
-        """For a loaded model: its decode plan (engine/decode_plan.py) and a slot's layer caches (module doc)."""
+    def of(cls, model: torch.nn.Module, plan, slot_caches: list[list], ctx: int) -> Speculator:
+        """For a loaded model: its decode plan (engine/decode_plan.py) and its slots' layer caches (module doc)."""
         nat = plan.native_layers()
         alone = plan.tail is not None and nat is not None and not nat.cached  # the native whole step
         f32 = model.model.embed_tokens.out_dtype == torch.float32
-        plain = all(type(c) in (KVCache, LatentCache) for c in caches)
+        plain = all(type(c) in (KVCache, LatentCache, StateCache) for c in slot_caches[0])
         streamed = any(not m.source.holds_all(m.layer) for m in model.modules() if isinstance(m, SwitchGLU))
-        return cls(plain and (alone or f32), streamed, ctx)
+        return cls(plain and (alone or f32), streamed, ctx, slot_caches)
 
     def plan(self, chunks: list, plain_s: float | None) -> bool:
         """Append drafts to the decode chunks (engine/scheduler.py Chunk) of requests that speculate, every row's
         logits kept; whether the step must stay a single step (drafts to verify, or a "lookup" request: it looks
         up every step). A step with prompt rows drafts nothing: its row budget is the prompt's."""
+        for c in chunks:  # (no snapshots but a verify's: `verify_rows` runs the rows of those alone)
+            for st in self.states[c.a.slot] if self.states else ():
+                st.snapshots = None
         if any(c.start < c.a.prompt_len for c in chunks):
             return False
-        hold, cands = False, []  # cands: (chunk, its RequestSpec, n, drafts)
+        hold, cands, asks = False, [], []  # cands: (chunk, its RequestSpec, n, drafts); asks: (chunk, k)
         for c in chunks:
             st = self.state(c.a) if c.sample else None
             if st is None:
                 continue
             h = c.a.h
             st.sync(h.tokens, self.acceptance)
-            hold |= st.mode == "lookup"
+            hold |= st.mode in ("lookup", "draft")
             # k + 1 tokens at most come out: no more than are left to generate, at positions inside the context
             k = min(st.draft_max, h.max_tokens - h.stats.generated - 1, self.ctx - 1 - c.start)
-            n, drafts = st.lookup.propose(k) if k > 0 else (0, [])
-            if drafts:
+            if k <= 0:
+                continue
+            n, drafts = (0, []) if st.mode == "draft" else st.lookup.propose(k)
+            # a draft model proposes where asked, and under "auto" where the lookup has no full-length match
+            if self.drafter is not None and (st.mode == "draft" or (st.mode == "auto" and n < NGRAM_MAX)):
+                hold = True
+                asks.append((c, k))
+            elif drafts:
                 cands.append((c, st, n, drafts))
         rows = T = len(chunks)
         tokens = float(T)
+        if asks:  # (every request's drafts from one forward a depth)
+            got = self.drafter.propose([(c.a.slot, c.a.spec.lookup.tokens, k) for c, k in asks])
+            for (c, _), drafts in zip(asks, got):
+                rows += _extend(c, drafts[: max(CAP - rows, 0)])
         for c, st, n, drafts in cands:  # "lookup": every match verified, while the step's rows allow
             if st.mode == "lookup" and (d := _extend(c, drafts[: max(CAP - rows, 0)])):
                 rows += d
@@ -284,20 +306,32 @@ class Speculator:
             gains = [st.gains(self.acceptance, n, len(d)) for _, st, n, d in gated]
             for (c, _, _, drafts), k in zip(gated, choose(gains, rows, tokens, self.costs.estimate(T, plain_s), CAP)):
                 rows += _extend(c, drafts[:k])
+        for c in chunks:  # a verify's recurrent states keep a snapshot a row (`accept` restores one)
+            if c.drafts:
+                for st in self.states[c.a.slot] if self.states else ():
+                    st.snapshots = []
         return hold or rows > T
 
     def accept(self, c, logits) -> list[int]:
-        """The tokens a verified chunk gives (logits [k + 1, V] of its rows): the target's picks while they equal
-        the drafts, then its first pick that differs, or its pick after the last draft."""
-        drafts = c.tokens[1:]
-        picks = []
-        for i in range(len(c.tokens)):
-            picks.append(greedy(logits[i]))  # (plain decoding's pick, row by row: the same function)
-            if i == len(drafts) or picks[i] != drafts[i]:
-                break
+        """The tokens a verified chunk gives (logits [k + 1, V] of its rows; engine/verify.py): greedy, the
+        target's picks while they equal the drafts, then its first pick that differs, or its pick after the last
+        draft; sampled, speculative sampling's accept/resample rule."""
+        drafts, p = c.tokens[1:], c.a.picker
+        if p.sample is greedy:
+            picks = greedy_run(logits, drafts)
+        else:
+            picks = sampled_run(logits, drafts, p.sp, p.seed, p.taken)
+        for st in self.states[c.a.slot] if self.states else ():  # the states after the rows kept
+            st.rollback(len(picks))
         st = c.a.h.stats
         st.drafted += len(drafts)
         st.accepted += len(picks) - 1
+        if len(st.draft_reached) < len(drafts):
+            st.draft_reached += [0] * (len(drafts) - len(st.draft_reached))
+            st.draft_kept += [0] * (len(drafts) - len(st.draft_kept))
+        for i in range(len(drafts)):
+            st.draft_reached[i] += 1
+            st.draft_kept[i] += i < len(picks) - 1
         self.drafted += len(drafts)
         self.accepted += len(picks) - 1
         return picks

@@ -28,7 +28,7 @@ from ..kernels import native, native_kda
 from .batch import LayerKV
 from .kvquant import DEFAULT, KVTypes
 from .layers import Linear
-from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states
+from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states, verify_rows
 
 
 @dataclass
@@ -100,6 +100,8 @@ class KimiDeltaAttention(nn.Module):
         return StateCache(3 * a.heads * a.head_dim, a.conv_kernel, a.heads, a.head_dim, a.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if (y := verify_rows(self.forward, x, kv)) is not None:  # (a speculative verify: linear_attn.py)
+            return y
         a, T = self.a, x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H D] each
         if self._native_rows(x, kv):  # bf16 rows: conv, gates, delta rule and gated norm in kernels/kda.c

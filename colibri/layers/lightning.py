@@ -26,7 +26,7 @@ from ..kernels import native, native_lightning
 from .batch import LayerKV
 from .kvquant import DEFAULT, KVTypes
 from .layers import Linear, RMSNorm
-from .linear_attn import StateCache, block_weights, forget_block_weights, step_states
+from .linear_attn import StateCache, block_weights, forget_block_weights, step_states, verify_rows
 
 NORM_EPS = 1e-6  # (transformers' MiniMaxRMSNorm default: the heads' norm is built without rms_norm_eps)
 
@@ -85,6 +85,8 @@ class LightningAttention(nn.Module):
         self.register_buffer("slope", slope_rate(a.heads, a.layer, a.n_layers), persistent=False)  # [H, 1, 1]
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if (y := verify_rows(self.forward, x, kv)) is not None:  # (a speculative verify: linear_attn.py)
+            return y
         a, T = self.a, x.shape[0]
         qkv = F.silu(self.qkv_proj(x)).view(T, a.heads, 3 * a.head_dim).transpose(0, 1).float()  # [H, T, 3D]
         q, k, v = qkv.split(a.head_dim, -1)  # [H, T, D] each

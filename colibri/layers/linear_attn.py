@@ -10,7 +10,9 @@ update), decode steps the recurrence itself; both in f32, as transformers' torch
 
 A state cannot be rewound: it is the whole past. So a step must continue a sequence exactly where its state
 stands (a prompt restarts it at position 0), and prefix reuse between requests does not apply (the engine
-turns prompt caching off for such models; saved slots are refused).
+turns prompt caching off for such models; saved slots are refused). A speculative verify (engine/speculative.py)
+is the one step that goes back: its rows run one position at a time (`verify_rows`), the state kept after each,
+and the rejected rows are undone by restoring the state after the last accepted one (`StateCache.rollback`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class StateCache:
         self.conv = torch.zeros(conv_dim, kernel - 1, dtype=dtype, device=device)  # [C, K-1]
         self.ssm = torch.zeros(heads, k_dim, v_dim, dtype=torch.float32, device=device)  # [Hv, Dk, Dv]
         self.pos = 0
+        # during a verify step: the (conv, ssm) after each of its rows but the last; None: not verifying
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def parts(self) -> dict[str, torch.Tensor]:
         return {}  # (nothing indexed by position: engine/kv.py copies and saves none of it)
@@ -67,6 +71,15 @@ class StateCache:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
+    def rollback(self, kept: int) -> None:
+        """After a verify of n rows from position pos - n: keep the state after its first `kept` (1..n) rows."""
+        snaps, self.snapshots = self.snapshots, None
+        if snaps and kept <= len(snaps):
+            conv, ssm = snaps[kept - 1]
+            self.conv.copy_(conv)
+            self.ssm.copy_(ssm)
+            self.pos -= len(snaps) + 1 - kept
+
     def resume(self, start: int) -> None:
         """Ready the state for positions from `start`: 0 starts afresh, else it must be where the state is."""
         if start == 0:
@@ -76,6 +89,29 @@ class StateCache:
         elif start != self.pos:
             raise ColibriError(f"a linear-attention state holds {self.pos} positions; a step cannot continue "
                                f"from position {start} (its state cannot be rewound)")
+
+
+def verify_rows(forward, x: torch.Tensor, kv: LayerKV) -> torch.Tensor | None:
+    """A state layer's output for a verify step's rows x [T, hidden]: one position of every sequence at a time
+    through `forward` (the layer's own), so each row gets the recurrence plain decoding gives it (not the chunked
+    form of a prompt), every sequence whose cache asks for them keeping its state after each of its rows but the
+    last (`StateCache.snapshots`). None where this is no verify (no sequence of several rows asks)."""
+    segs = kv.segs
+    if not any(c.snapshots is not None and r1 - r0 > 1 for r0, r1, _, c in segs):
+        return None
+    out = None
+    for i in range(max(r1 - r0 for r0, r1, _, _ in segs)):
+        live = [(r0 + i, start + i, c, r0 + i + 1 < r1) for r0, r1, start, c in segs if r0 + i < r1]
+        rows = [r for r, *_ in live]
+        pos = live[0][1] if len(live) == 1 else torch.tensor([p for _, p, _, _ in live])
+        y = forward(x[rows], LayerKV([(j, j + 1, p, c) for j, (_, p, c, _) in enumerate(live)], pos))
+        if out is None:
+            out = y.new_empty(x.shape[0], *y.shape[1:])
+        out[rows] = y
+        for _, _, c, more in live:
+            if more and c.snapshots is not None:
+                c.snapshots.append((c.conv.clone(), c.ssm.clone()))
+    return out
 
 
 def step_states(kv: LayerKV) -> tuple[list[int], list[int]]:
@@ -229,6 +265,8 @@ class GatedDeltaNet(nn.Module):
         return StateCache(self.conv_dim, a.conv_kernel, a.v_heads, a.k_dim, a.v_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if (y := verify_rows(self.forward, x, kv)) is not None:
+            return y
         a, T = self.a, x.shape[0]
         parts = self.project(x)
         if self._native_rows(x, kv):  # bf16 decode rows: conv, delta rule and gated norm in one call

@@ -26,7 +26,7 @@ from ..kernels import native, native_mamba
 from .batch import LayerKV
 from .kvquant import DEFAULT, KVTypes
 from .layers import Linear, RMSNorm
-from .linear_attn import Conv1d, StateCache, step_states
+from .linear_attn import Conv1d, StateCache, step_states, verify_rows
 
 
 def _native_linear(p) -> bool:
@@ -74,6 +74,8 @@ class Mamba1Mixer(nn.Module):
         return StateCache(a.inner, a.conv_kernel, a.inner, a.state, 1, dtype, device)  # (ssm [I, N, 1])
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if (y := verify_rows(self.forward, x, kv)) is not None:  # (a speculative verify: linear_attn.py)
+            return y
         a = self.a
         if self._native_rows(x, kv):
             return self._native(x, kv)

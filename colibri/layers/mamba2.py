@@ -27,7 +27,7 @@ from ..kernels import native, native_mamba
 from .batch import LayerKV
 from .kvquant import DEFAULT, KVTypes
 from .layers import Linear
-from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states
+from .linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, step_states, verify_rows
 
 
 @dataclass
@@ -130,6 +130,8 @@ class Mamba2Mixer(nn.Module):
         return StateCache(a.conv_dim, a.conv_kernel, a.heads, a.head_dim, a.state, dtype, device)
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if (y := verify_rows(self.forward, x, kv)) is not None:  # (a speculative verify: linear_attn.py)
+            return y
         a = self.a
         if self._native_rows(x, kv):  # bf16 decode rows: convolution, state and gated norm in one call
             return self.out_proj(native_mamba.mamba_rows(self, self.in_proj(x).contiguous(), *step_states(kv)))

@@ -29,7 +29,7 @@ from ..layers.attention import Attention, AttentionArgs, Positions, QKNorm
 from ..layers.batch import LayerKV
 from ..layers.kvquant import DEFAULT, KVTypes
 from ..layers.layers import MLP, DecoderBlock, Linear, rope_scaling, rope_theta
-from ..layers.linear_attn import Conv1d, StateCache, block_weights, forget_block_weights
+from ..layers.linear_attn import Conv1d, StateCache, block_weights, forget_block_weights, verify_rows
 from ..layers.moe import SparseMoE, SwitchGLU
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
 from .family import Family
@@ -80,6 +80,8 @@ class ShortConv(nn.Module):
         return StateCache(self.hidden, self.kernel, 0, 0, 0, dtype, device)  # (no delta-rule state: [0, 0, 0])
 
     def forward(self, x: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if (y := verify_rows(self.forward, x, kv)) is not None:  # (a speculative verify: linear_attn.py)
+            return y
         if self._native_rows(x, kv):  # bf16 decode rows: the gating and the convolution in one call
             y = native_conv.conv_rows(self.in_proj(x).contiguous(), self._states(kv), self.conv.weight,
                                       getattr(self.conv, "bias", None))

@@ -47,7 +47,7 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(a: argparse.Namespace) -> int:
     from ..cli.common import engine_from_args, setup_logging
-    from ..cli.run import apply_spec_args
+    from ..cli.specflags import apply_spec_args
 
     setup_logging(a.log_level)
     t0 = time.perf_counter()

@@ -176,7 +176,8 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
     json_schema: dict[str, Any] | None = None  # extension (llama-server): the schema itself
     grammar: str | None = None  # extension (llama-server): a GBNF (or Lark) grammar
-    # extension: "auto" | "lookup" | "off" (engine/speculative.py; unset: the server's --spec); refused by the engine
+    # extension: "auto" | "lookup" | "draft" | "off" (engine/speculative.py; unset: the server's --spec); refused by
+    # the engine
     speculative: str | None = None
     user: str | None = None
     _grammar: tuple[str | None] | None = PrivateAttr(default=None)  # (constraint(),) once made

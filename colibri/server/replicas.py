@@ -48,7 +48,7 @@ def build_app(a: argparse.Namespace):
     from prometheus_client import CONTENT_TYPE_LATEST
 
     from ..cli.common import engine_from_args
-    from ..cli.run import apply_spec_args
+    from ..cli.specflags import apply_spec_args
     from .app import ServerState, create_app, default_model_id
 
     engine = engine_from_args(a)

@@ -247,9 +247,10 @@ class TieredStore(WeightStore):
             self._make_cache("ram", disk, n_slots, torch.device("cpu"))
 
         if self.mem_budget is not None and self.resident_bytes() > self.mem_budget:
+            fix = "put more layers on the disk tier" if s.moe_layers else "a model without experts keeps them all"
             raise ColibriError(f"--mem-budget {human(self.mem_budget)} is too small for this placement "
                                f"({p.describe()}): the resident weights alone take "
-                               f"{human(self.resident_bytes())}; put more layers on the disk tier")
+                               f"{human(self.resident_bytes())}; {fix}")
 
         release_free_heap()
         blocks = model.model.layers

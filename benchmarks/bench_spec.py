@@ -1,0 +1,113 @@
+"""Speculative decoding on the demo model: every draft source against plain decoding, in the same run.
+
+    .venv/bin/python benchmarks/bench_spec.py [--tokens 200] [--repeats 3] [--threads 2] [--mem-budget 4M]
+                                              [--skip-streamed] [--synth PATH.coli]
+
+The target is the shipped demo model (colibri/data/demo, a trained 4-layer Mixtral-style MoE), its draft the
+shipped demo draft (colibri/data/demo-draft, a 0.13 M-parameter dense Qwen3 trained on the same stories by
+tools/make_draft_model.py). Three prompts (fixed): an edit that repeats its input (a story passage, then the
+instruction to write it again with one name changed, then its start), a summary that quotes (a passage, then a
+sentence of it to go on from), and free story text. Two settings: in RAM (int8), and with the experts streamed
+from the container under --mem-budget (each token's misses read from the file, through the page cache). For
+each (setting, prompt, source: off, lookup, auto, draft): decode tok/s (the median of --repeats runs), the
+ratio to off, tokens per forward, acceptance by draft position, and whether the text equals off's (greedy: it
+must). `--synth M.coli` adds a random-init model (e.g. the 0.44B
+OLMoE shape of benchmarks/synth_ckpt.py, converted int8): what "auto" decides there and why (its verify-step
+cost table and lookup acceptance).
+
+The load average is printed with every table: these machines have 2 cores, and a figure taken beside other work is
+noise. No peer runs here: the question is what each source gains over the same engine's plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import colibri  # noqa: E402
+from colibri.demo import demo_model  # noqa: E402
+
+PASSAGE = ("Once upon a time, there was a little girl. Her name was Lily, and she lived in a small house by the "
+           "sea. One day, Lily went to the park to play with her ball. The ball rolled into the pond. Lily was sad, "
+           "because she could not get her ball. Then a big dog came and jumped into the water.")
+PROMPTS = {
+    "edit": f"{PASSAGE}\n\nWrite the story again, with Mia instead of Lily.\n\n"
+            "Once upon a time, there was a little girl. Her name was Mia, and",
+    "quote": f"{PASSAGE}\n\nThe story says: One day, Lily went to",
+    "story": "Once upon a time",
+}
+SOURCES = ("off", "lookup", "auto", "draft")
+
+
+def run(llm, ids: list[int], mode: str, tokens: int, repeats: int) -> dict:
+    """Median decode tok/s of `repeats` runs and the last run's figures."""
+    speeds, st, out = [], None, None
+    for _ in range(repeats):
+        h = llm.submit(ids, tokens, temperature=0, ignore_eos=True, speculative=mode)
+        out = h.wait()
+        st = h.stats
+        speeds.append(st.decode_tps)
+    by_pos = [k / r for k, r in zip(st.draft_kept, st.draft_reached)][:8]
+    return {"tok_s": statistics.median(speeds), "tpf": st.tokens_per_forward, "drafted": st.drafted,
+            "accepted": st.accepted, "by_pos": by_pos, "tokens": out}
+
+
+def table(title: str, llm, tokens: int, repeats: int, sources=SOURCES) -> None:
+    print(f"\n## {title}  (load {os.getloadavg()[0]:.2f})")
+    print("| prompt | source | tok/s | vs off | tokens/forward | accepted | by position (first 8) | same text |")
+    print("|---|---|---:|---:|---:|---:|---|---|")
+    for name, text in PROMPTS.items():
+        ids = llm.tokenizer.encode(text)
+        run(llm, ids, "off", 16, 1)  # (warm-up: the decode threads' choice, first page faults)
+        base = None
+        for mode in sources:
+            r = run(llm, ids, mode, tokens, repeats)
+            base = base or r
+            pos = " ".join(f"{p:.2f}" for p in r["by_pos"]) or "-"
+            acc = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
+            print(f"| {name} | {mode} | {r['tok_s']:.0f} | {r['tok_s'] / base['tok_s']:.2f}x | {r['tpf']:.2f} | "
+                  f"{acc} | {pos} | {'yes' if r['tokens'] == base['tokens'] else 'NO'} |", flush=True)
+    print(f"(load after: {os.getloadavg()[0]:.2f})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mem-budget", default="4M", help="the streamed setting's budget (the demo is 6.7 MiB)")
+    ap.add_argument("--skip-streamed", action="store_true")
+    ap.add_argument("--synth", type=Path, help="a random-init container: what auto decides there")
+    a = ap.parse_args()
+    draft = demo_model("int8", draft=True)
+    with colibri.load(demo_model("int8"), ctx_size=1024, threads=a.threads, draft_model=draft) as llm:
+        table("demo int8, in RAM", llm, a.tokens, a.repeats)
+    if not a.skip_streamed:
+        with colibri.load(demo_model("int8"), ctx_size=1024, threads=a.threads, draft_model=draft,
+                          mem_budget=a.mem_budget) as llm:
+            table(f"demo int8, --mem-budget {a.mem_budget} ({llm.plan.describe()})", llm, a.tokens, a.repeats)
+    if a.synth:
+        with colibri.load(a.synth, ctx_size=1024, threads=a.threads) as llm:
+            ids = llm.tokenizer.encode(PROMPTS["edit"])[:40] * 3
+            off = run(llm, ids, "off", a.tokens, a.repeats)
+            auto = run(llm, ids, "auto", a.tokens, a.repeats)
+            look = run(llm, ids, "lookup", a.tokens, a.repeats)
+            sp = llm._runner.spec
+            print(f"\n## {a.synth.name}: a prompt said 3 times  (load {os.getloadavg()[0]:.2f})")
+            for name, r in (("off", off), ("auto", auto), ("lookup", look)):
+                print(f"{name:7s} {r['tok_s']:.1f} tok/s, {r['tpf']:.2f} tokens/forward, drafts "
+                      f"{r['accepted']}/{r['drafted']}, same text: {r['tokens'] == off['tokens']}")
+            print("verify-step seconds by rows (EWMA):",
+                  ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(sp.costs.s.items())))
+            plain = sorted(llm._runner._step_s.items())
+            print("plain step:", ", ".join(f"{k} seq: {v * 1e3:.1f} ms" for k, v in plain))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

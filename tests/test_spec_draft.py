@@ -1,0 +1,130 @@
+"""A draft model as the draft source (engine/draft.py): the target's greedy tokens whatever the draft proposes,
+on every family that can roll back, in batches with staggered joins and reused slots, sampled requests
+reproducible; refusals in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+import colibri
+from colibri.errors import ColibriError
+from colibri.kernels import native
+
+REPEAT = [1, 17, 42, 99, 7, 150, 23, 64, 5, 200]
+N = 40
+
+
+def _run(llm, prompt=REPEAT, n=N, **kw):
+    h = llm.submit(prompt, n, temperature=kw.pop("temperature", 0), ignore_eos=True, **kw)
+    return h.wait(), h
+
+
+def _load(target, draft, **kw):
+    llm = colibri.load(target, ctx_size=kw.pop("ctx_size", 128), threads=2, draft_model=draft, **kw)
+    llm._draft.p_min = 0.0  # (random tiny models are never sure of a token: draft every depth)
+    return llm
+
+
+@pytest.mark.parametrize("model_type,scheme,draft_scheme", [
+    ("mixtral", "f32", "int8"), ("olmoe", "f32", "int8"), ("qwen3_moe", "f32", "int8"),
+    ("deepseek_v3", "f32", "int8"), ("gpt_oss", "f32", "int8"), ("olmoe", "int8", "f32"),
+    ("qwen3_next", "f32", "int8")])
+def test_draft_model_gives_plain_tokens(ckpt, model_type, scheme, draft_scheme) -> None:
+    """The draft is the same model at another precision: it proposes mostly, not always, the target's tokens;
+    "draft" and "auto" (which asks the draft where prompt lookup has no full match) give plain decoding's (a hybrid's
+    recurrent states rolled back)."""
+    if "int8" in (scheme, draft_scheme) and not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    draft = ckpt.coli("qwen3_moe" if model_type == "qwen3_next" else model_type, draft_scheme)  # (a draft keeps K/V)
+    with _load(ckpt.coli(model_type, scheme), draft) as llm:
+        ref, _ = _run(llm, speculative="off")
+        got, h = _run(llm, speculative="draft")
+        auto, _ = _run(llm, speculative="auto")
+        forwards = llm._draft.forwards
+    st = h.stats
+    assert got == ref and auto == ref and len(ref) == N
+    assert st.drafted > 0 and st.forwards + st.accepted == N - 1 and forwards > 0
+    # acceptance by draft position: what was proposed and kept there, kept ones a prefix of each verify's drafts
+    assert sum(st.draft_reached) == st.drafted and sum(st.draft_kept) == st.accepted
+    assert all(a >= b for a, b in zip(st.draft_kept, st.draft_kept[1:]))
+    if model_type != "qwen3_next":
+        assert 0 < st.accepted < st.drafted
+
+
+@pytest.mark.parametrize("draft_type", ["qwen3", "llama"])
+def test_a_dense_draft_model(ckpt, draft_type) -> None:
+    """A dense model as the draft (the usual pairing: a small dense sibling), its drafts from native runs at int8."""
+    if not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    with _load(ckpt.coli("qwen3_moe", "int8"), ckpt.coli(draft_type, "int8")) as llm:
+        ref, _ = _run(llm, speculative="off")
+        got, h = _run(llm, speculative="draft")
+    assert got == ref and h.stats.drafted > 0
+
+
+def test_a_wrong_draft_and_staggered_joins(ckpt) -> None:
+    """Another model as the draft (mostly wrong), three requests joining at different steps, one of them plain,
+    then a reused slot: every request gets its solo tokens."""
+    prompts = [REPEAT * 2, [1, 230, 12, 9, 77, 41, 130, 2, 66], [1, 88, 5, 61]]
+    with _load(ckpt.coli("qwen3_moe", "f32"), ckpt.coli("mixtral", "f32"), slots=3) as llm:
+        solo = [_run(llm, p, speculative="off")[0] for p in prompts]
+        hs = []
+        for p, mode in zip(prompts, ("draft", "draft", "off")):
+            hs.append(llm.submit(p, N, temperature=0, ignore_eos=True, speculative=mode))
+            it = iter(hs[-1])
+            for _ in range(3):
+                next(it)
+        assert [h.wait() for h in hs] == solo
+        again, h2 = _run(llm, prompts[1][:5] + [3, 4], speculative="draft")  # a slot another request used
+        ref2, _ = _run(llm, prompts[1][:5] + [3, 4], speculative="off")
+    assert all(h.stats.drafted > 0 for h in hs[:2]) and hs[2].stats.drafted == 0
+    assert again == ref2 and h2.stats.drafted > 0
+
+
+def test_sampled_requests_with_a_draft_model(ckpt) -> None:
+    """A seeded sampled request verifies the draft's proposals with the accept/resample rule: the same text on
+    every run (engine/verify.py; its distribution: tests/test_spec_sampling.py)."""
+    with _load(ckpt.coli("olmoe", "f32"), ckpt.coli("olmoe", "f32")) as llm:
+        a, h = _run(llm, temperature=0.9, seed=4, speculative="draft")
+        b, _ = _run(llm, temperature=0.9, seed=4, speculative="draft")
+    assert a == b and len(a) == N and h.stats.accepted > 0
+
+
+def test_the_drafts_confidence_stops_it(ckpt) -> None:
+    """With p_min 1.0 no pick is sure enough: nothing is drafted, the tokens are plain."""
+    with _load(ckpt.coli("olmoe", "f32"), ckpt.coli("olmoe", "f32")) as llm:
+        ref, _ = _run(llm, speculative="off")
+        llm._draft.p_min = 1.01
+        got, h = _run(llm, speculative="draft")
+    assert got == ref and h.stats.drafted == 0
+
+
+def test_refusals(ckpt) -> None:
+    """"draft" without a draft model; a draft whose tokenizer differs (the demo's); a draft with a recurrent state
+    (qwen3_next): one line each."""
+    from colibri.demo import demo_model
+
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=2) as llm:
+        with pytest.raises(ColibriError, match="needs a draft model"):
+            llm.submit(REPEAT, 4, speculative="draft")
+    with pytest.raises(ColibriError, match="tokenizer differs"):
+        colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=2, draft_model=demo_model())
+    with pytest.raises(ColibriError, match="plain K/V"):
+        colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=2, draft_model=ckpt.coli("qwen3_next", "f32"))
+
+
+def test_cli_run_with_a_draft_model(ckpt, capsys) -> None:
+    """`colibri run --draft-model` drafts by default (--spec draft) and prints the same text as without; --spec
+    draft without a draft model is one line before loading."""
+    from colibri.cli.run import main
+
+    target, draft = str(ckpt.coli("olmoe", "f32")), str(ckpt.coli("olmoe", "int8"))
+    args = ["-m", target, "-p", "one two three one two three one two", "-n", "24", "--temp", "0", "-t", "2",
+            "--ignore-eos", "--stats"]
+    main(args)
+    plain = capsys.readouterr()
+    main(args + ["--draft-model", draft, "--draft-p-min", "0"])
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and "drafts " in spec.err and "drafts " not in plain.err
+    with pytest.raises(ColibriError, match="needs a draft model"):
+        main(args + ["--spec", "draft"])
