@@ -177,6 +177,25 @@ def test_streamed_experts_draft_only_when_asked(ckpt) -> None:
     assert auto == got == ref and ha.stats.drafted == 0 and 0 < h.stats.accepted < h.stats.drafted
 
 
+@pytest.mark.parametrize("model_type,scheme", [("olmoe", "int8"), ("mixtral", "int4"), ("gpt_oss", "int8")])
+def test_streamed_native_verify_gives_plain_tokens(ckpt, monkeypatch, model_type, scheme) -> None:
+    """Experts streamed through a small cache at int8/int4 (the native whole step waiting for its reads): lookup's
+    own drafts and drafts right up to a cycling depth give plain tokens, verify rows fetching their experts."""
+    if not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    prompt = [1, 88, 5, 61, 230, 12, 9]
+    budget = "600K" if model_type == "gpt_oss" else "300K"
+    with colibri.load(ckpt.coli(model_type, scheme), ctx_size=128, threads=2, mem_budget=budget) as llm:
+        assert llm.plan.native_layers().cached  # (the setting under test: layers whose experts stream)
+        ref, _ = _run(llm, speculative="off")
+        got, h = _run(llm, speculative="lookup")
+        plain, _ = _run(llm, prompt, speculative="off")
+        with monkeypatch.context() as mp:
+            _source(mp, plain, len(prompt), "cycle")
+            cyc, hc = _run(llm, prompt, speculative="lookup")
+    assert got == ref and cyc == plain and h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
+
+
 def test_requests_that_do_not_speculate(ckpt) -> None:
     """Processors, log-probs and a bad mode: no drafts, or a one-line refusal (sampled requests do speculate:
     tests/test_spec_sampling.py)."""

@@ -1,35 +1,38 @@
-"""Speculative decoding, first slice: prompt-lookup drafts for greedy requests, verified in one step.
+"""Speculative decoding: drafts proposed (prompt lookup, or a draft model: engine/draft.py), verified in one step.
 
-A greedy request's decode row [next] becomes [next, d1..dk]: k tokens guessed by finding the longest n-gram
-(n = 3, 2, 1) that ends its context (prompt + generated) earlier in that context, and copying what followed its
-most recent occurrence (prompt lookup decoding; transformers' `prompt_lookup_num_tokens`). One forward computes
-the k + 1 rows; row i's argmax is the token plain decoding picks after d1..di, so draft i + 1 is accepted while
-it equals that pick, and the first pick that differs (or, all k accepted, row k's pick: a bonus) ends the run:
-1 to k + 1 tokens per forward, exactly plain decoding's tokens.
+A request's decode row [next] becomes [next, d1..dk]. Prompt lookup guesses the k tokens by finding the longest
+n-gram (n = 3, 2, 1) that ends its context (prompt + generated) earlier in that context and copying what followed
+its most recent occurrence (prompt lookup decoding; transformers' `prompt_lookup_num_tokens`); a draft model
+(`drafter`) decodes them itself. One forward computes the k + 1 rows; the target's own logits decide
+(engine/verify.py: greedy, the drafts while they equal its picks; sampled, speculative sampling's rule): 1 to
+k + 1 tokens per forward, plain decoding's tokens (greedy) or its distribution (sampled).
 
-Rollback is bookkeeping: the request's length (`Active.fed`) and its slot's record (`SlotPool.wrote`) advance by
-the fed token and the accepted drafts only. The rejected rows' K/V stay in the cache past that length, where
-attention never reads (a row reads the positions up to its own) and the next step overwrites them.
+Rollback: the request's length (`Active.fed`) and its slot's record (`SlotPool.wrote`) advance by the fed token
+and the accepted drafts only. The rejected rows' K/V stay in the cache past that length, where attention never
+reads (a row reads the positions up to its own) and the next step overwrites them. A recurrent state (linear
+attention, Mamba, short convolutions) keeps a snapshot after each verify row and is restored to the last one
+kept (layers/linear_attn.py `verify_rows`, `StateCache.rollback`).
 
 Exactness needs a verify's rows to get what they get one at a time, so a model speculates (`Speculator.able`)
 where
-- every layer keeps plain K/V or MLA latents: a recurrent state (linear attention, Mamba, short convolutions) would
-  need rolling back to the last accepted row, which is not built; a sparse attention's indexer (DeepSeek-V3.2's,
-  MiniMax-M3's) picks each row's positions by a top-k, which the rounding of a step of more rows, or a tie broken
-  by the step's shape, changes (seen on the tiny models: other tokens);
-- and each row is computed alone: the native whole step (its kernels keep a row's accumulators to itself), or
-  torch at f32 (whose GEMMs round a row within f32 differently with the step's rows, as they do a batch's). torch
-  at bf16 rounds visibly: on the demo model one of six random draft patterns changed the 196th of 200 tokens.
+- no layer is a sparse attention: its indexer (DeepSeek-V3.2's, MiniMax-M3's) picks each row's positions by a
+  top-k, which the rounding of a step of more rows, or a tie broken by the step's shape, changes (seen on the tiny
+  models: other tokens);
+- and each row is computed alone: the native whole step (its kernels keep a row's accumulators to itself; a layer
+  whose experts stream sums its slots in the fixed order too), or torch at f32 (whose GEMMs round a row within
+  f32 differently with the step's rows, as they do a batch's). torch at bf16 rounds visibly: on the demo model one
+  of six random draft patterns changed the 196th of 200 tokens.
 
-The gate (`choose`) sets the depth of each verify from measured figures: per draft position the chance it is
-accepted (counted per n-gram length by replaying the lookup against every token a request generates, drafted
+The gate (`choose`) sets the depth of each lookup verify from measured figures: per draft position the chance it
+is accepted (counted per n-gram length by replaying the lookup against every token a request generates, drafted
 or not: the request's own counts once it has enough, else the engine's), and the seconds of a step by its rows
 (the runner's plain decode step or native run per token for none drafted; an EWMA per row count of the verify
 steps, unmeasured counts estimated from their measured neighbours, so that its first picks explore). It picks
 the depths maximizing expected tokens per second, 0 (plain decoding, which may then take the native multi-step
 runs) included. Where experts stream from disk "auto" does not draft: a draft row routes to experts of its own,
-read on a miss, and the look-ahead prefetch predicts one row a sequence; the gate's row costs do not model that
-yet ("lookup" still drafts there).
+read on a miss (and evicting others), and the look-ahead prefetch predicts one row a sequence; the gate's row
+costs do not model that yet ("lookup" and "draft" still draft there). A draft model's depth is its own
+confidence's (engine/draft.py `P_MIN`).
 """
 
 from __future__ import annotations
@@ -257,7 +260,9 @@ class Speculator:
     def of(cls, model: torch.nn.Module, plan, slot_caches: list[list], ctx: int) -> Speculator:
         """For a loaded model: its decode plan (engine/decode_plan.py) and its slots' layer caches (module doc)."""
         nat = plan.native_layers()
-        alone = plan.tail is not None and nat is not None and not nat.cached  # the native whole step
+        # the native whole step, experts streamed or not (a layer that waits for its reads sums its slots in the
+        # fixed order: engine/stream_hook.py)
+        alone = plan.tail is not None and nat is not None
         f32 = model.model.embed_tokens.out_dtype == torch.float32
         plain = all(type(c) in (KVCache, LatentCache, StateCache) for c in slot_caches[0])
         streamed = any(not m.source.holds_all(m.layer) for m in model.modules() if isinstance(m, SwitchGLU))
