@@ -1,22 +1,22 @@
 """Speculative decoding on the demo model: every draft source against plain decoding, in the same run.
 
-    .venv/bin/python benchmarks/bench_spec.py [--tokens 200] [--repeats 3] [--threads 2] [--mem-budget 4M]
+    .venv/bin/python benchmarks/bench_spec.py [--tokens 200] [--repeats 3] [--threads 2] [--mem-budget 2M]
                                               [--skip-streamed] [--synth PATH.coli]
 
 The target is the shipped demo model (colibri/data/demo, a trained 4-layer Mixtral-style MoE), its draft the
 shipped demo draft (colibri/data/demo-draft, a 0.13 M-parameter dense Qwen3 trained on the same stories by
-tools/make_draft_model.py). Three prompts (fixed): an edit that repeats its input (a story passage, then the
-instruction to write it again with one name changed, then its start), a summary that quotes (a passage, then a
-sentence of it to go on from), and free story text. Two settings: in RAM (int8), and with the experts streamed
-from the container under --mem-budget (each token's misses read from the file, through the page cache). For
-each (setting, prompt, source: off, lookup, auto, draft): decode tok/s (the median of --repeats runs), the
-ratio to off, tokens per forward, acceptance by draft position, and whether the text equals off's (greedy: it
-must). `--synth M.coli` adds a random-init model (e.g. the 0.44B
-OLMoE shape of benchmarks/synth_ckpt.py, converted int8): what "auto" decides there and why (its verify-step
-cost table and lookup acceptance).
+tools/make_draft_model.py). Three prompts (fixed, from the stories the demo learnt: tools/make_demo_model.py):
+a rewrite that repeats its input (a story, then the instruction to tell it again and its first words), a
+summary that quotes (a story, then a sentence of it to go on from), and free story text. Two settings: in RAM
+(int8), and with the experts streamed from the container under --mem-budget (each token's misses read from the
+file, through the page cache). For each (setting, prompt, source: off, lookup, auto, draft): decode tok/s (the
+median of --repeats runs), the ratio to off, tokens per forward, acceptance by draft position, and whether the
+text equals off's (greedy: it must). `--synth M.coli` adds a random-init model (e.g. the 0.44B OLMoE shape of
+benchmarks/synth_ckpt.py, converted int8): what "auto" decides there and why (its verify-step cost table and
+lookup acceptance).
 
-The load average is printed with every table: these machines have 2 cores, and a figure taken beside other work is
-noise. No peer runs here: the question is what each source gains over the same engine's plain decoding.
+The load average is printed with every table: these machines have 2 cores, and a figure taken beside other work
+is noise. No peer runs here: the question is what each source gains over the same engine's plain decoding.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import colibri  # noqa: E402
 from colibri.demo import demo_model  # noqa: E402
 
-PASSAGE = ("Once upon a time, there was a little girl. Her name was Lily, and she lived in a small house by the "
-           "sea. One day, Lily went to the park to play with her ball. The ball rolled into the pond. Lily was sad, "
-           "because she could not get her ball. Then a big dog came and jumped into the water.")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from make_demo_model import make_corpus  # noqa: E402 - the stories the demo model learnt (seeded, fixed)
+
+_DOCS = make_corpus().split("\n\n")
 PROMPTS = {
-    "edit": f"{PASSAGE}\n\nWrite the story again, with Mia instead of Lily.\n\n"
-            "Once upon a time, there was a little girl. Her name was Mia, and",
-    "quote": f"{PASSAGE}\n\nThe story says: One day, Lily went to",
-    "story": "Once upon a time",
+    # a rewrite that repeats its input: a story, then the instruction to tell it again and its first words
+    "edit": f"{_DOCS[1]}\n\nNow tell the same story again.\n\n{' '.join(_DOCS[1].split()[:10])}",
+    # a summary that quotes: a story, then a sentence of it to go on from
+    "quote": f"{_DOCS[2]}\n\nThe story says: On the way home,",
+    "story": "Once upon a time",  # free story text
 }
 SOURCES = ("off", "lookup", "auto", "draft")
 
@@ -80,7 +82,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--mem-budget", default="4M", help="the streamed setting's budget (the demo is 6.7 MiB)")
+    ap.add_argument("--mem-budget", default="2M", help="the streamed setting's budget (the demo is 6.7 MiB)")
     ap.add_argument("--skip-streamed", action="store_true")
     ap.add_argument("--synth", type=Path, help="a random-init container: what auto decides there")
     a = ap.parse_args()

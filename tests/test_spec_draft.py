@@ -128,3 +128,19 @@ def test_cli_run_with_a_draft_model(ckpt, capsys) -> None:
     assert spec.out == plain.out and "drafts " in spec.err and "drafts " not in plain.err
     with pytest.raises(ColibriError, match="needs a draft model"):
         main(args + ["--spec", "draft"])
+
+
+def test_the_draft_gate() -> None:
+    """"auto" asks the draft model while its measured rate beats plain decoding's; unmeasured it is tried; where it
+    did not pay it is tried again after RETRY plain steps, then twice as many."""
+    from colibri.engine.draft import RETRY, DraftGate
+
+    g = DraftGate()
+    assert g.pays(1000.0)  # unmeasured: try it
+    g.observe(9, 0.004)  # 2250 tokens/s
+    assert g.pays(1000.0) and not g.pays(3000.0)
+    assert [g.pays(3000.0) for _ in range(RETRY - 1)] == [False] * (RETRY - 2) + [True]
+    assert [g.pays(3000.0) for _ in range(2 * RETRY)] == [False] * (2 * RETRY - 1) + [True]  # (the wait doubles)
+    for _ in range(40):
+        g.observe(2, 0.004)  # it stopped paying: the EWMA follows
+    assert not g.pays(1000.0)

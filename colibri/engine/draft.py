@@ -37,6 +37,35 @@ from .kv import SlotPool, common_prefix
 # for large drafts; the tiny ones here are less sure of right tokens: measured on the demo, benchmarks/bench_spec.py)
 P_MIN = 0.5
 _NO_STOP = torch.zeros(0, dtype=torch.int64)  # (a draft run stops at no token)
+GATE_EWMA = 0.2  # weight of a drafted step's new rate
+RETRY = 64  # plain steps after which "auto" tries the draft model again where it did not pay (doubling to 4096)
+RETRY_MAX = 4096
+
+
+class DraftGate:
+    """Whether "auto" drafts with the draft model: its measured rate (the tokens its verify steps gave per second
+    of the draft's and the verify's time together, an EWMA) against plain decoding's (sequences per second of a
+    plain step or native run). Unmeasured, it is tried; where it did not pay it is tried again after RETRY plain
+    steps (a prompt that turns predictable, a cache that warmed), the wait doubling at each try that still does
+    not pay (each try costs a draft catch-up and a verify where drafts lose)."""
+
+    def __init__(self):
+        self.rate: float | None = None  # tokens per second of the drafted steps
+        self.waited, self.wait = 0, RETRY
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        r = tokens / seconds
+        self.rate = r if self.rate is None else self.rate + GATE_EWMA * (r - self.rate)
+
+    def pays(self, plain_rate: float) -> bool:
+        if self.rate is None or self.rate > plain_rate:
+            self.wait = RETRY
+            return True
+        self.waited += 1
+        if self.waited >= self.wait:
+            self.waited, self.wait = 0, min(2 * self.wait, RETRY_MAX)
+            return True
+        return False
 
 
 class DraftModel:

@@ -130,6 +130,7 @@ class Runner:
         # A verify's tokens, then counters and listeners: the store counts the tokens a step gives, and a
         # request's stats and routing are complete when it ends.
         picks = [self.spec.accept(c, out) if c.drafts else None for c, out in zip(chunks, outs)]
+        self.spec.verified(picks, now - t0)
         self._account(chunks, seqs, routes, bytes0, now - t0, sum(len(p) - 1 for p in picks if p))
         for c, out, got in zip(chunks, outs, picks):
             try:

@@ -37,6 +37,7 @@ confidence's (engine/draft.py `P_MIN`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -48,6 +49,7 @@ from ..layers.attention import KVCache
 from ..layers.linear_attn import StateCache
 from ..layers.mla import LatentCache
 from ..layers.moe import SwitchGLU
+from .draft import DraftGate
 from .sampling import greedy
 from .verify import greedy_run, sampled_run
 
@@ -242,14 +244,17 @@ class Speculator:
         self.costs = StepCosts()
         self.drafted = self.accepted = self.forwards = 0  # engine-wide: verified drafts, decode forwards
         self.drafter = None  # engine/draft.py DraftModel, where the engine loaded one
+        self.draft_gate = DraftGate()  # (whether "auto" asks the draft model)
+        self.draft_s = 0.0  # the draft model's seconds in the step being planned (0: it did not draft)
 
     def state(self, a) -> RequestSpec | None:
         """The request's RequestSpec (engine/scheduler.py Active.spec), made at its first decode step; None where
         it cannot speculate: a processor, a grammar, log-probs or prompt scoring; a model that cannot (`able`);
-        "auto" where experts stream. Sampled requests speculate with the accept/resample rule (engine/verify.py)."""
+        "auto" where experts stream and no draft model is loaded. Sampled requests speculate with the
+        accept/resample rule (engine/verify.py)."""
         if a.spec is None:
             h, p = a.h, a.picker
-            mode = "off" if self.streamed and h.speculative == "auto" else h.speculative
+            mode = "off" if self.streamed and h.speculative == "auto" and self.drafter is None else h.speculative
             able = (self.able and mode != "off" and h.draft_max > 0 and p.run_spec is not None
                     and p.run_procs() is None and p.sp.logprobs is None
                     and h.prompt_logprobs is None and not h.want_logits)
@@ -278,6 +283,9 @@ class Speculator:
         if any(c.start < c.a.prompt_len for c in chunks):
             return False
         hold, cands, asks = False, [], []  # cands: (chunk, its RequestSpec, n, drafts); asks: (chunk, k)
+        self.draft_s = 0.0
+        # "auto" asks the draft model while its measured rate beats plain decoding's (measured first)
+        draft_pays = self.drafter is not None and plain_s is not None and self.draft_gate.pays(len(chunks) / plain_s)
         for c in chunks:
             st = self.state(c.a) if c.sample else None
             if st is None:
@@ -289,9 +297,12 @@ class Speculator:
             k = min(st.draft_max, h.max_tokens - h.stats.generated - 1, self.ctx - 1 - c.start)
             if k <= 0:
                 continue
-            n, drafts = (0, []) if st.mode == "draft" else st.lookup.propose(k)
+            # (lookup under "auto" only where its gate's costs hold: not with experts streamed)
+            look = st.mode == "lookup" or (st.mode == "auto" and not self.streamed)
+            n, drafts = st.lookup.propose(k) if look else (0, [])
             # a draft model proposes where asked, and under "auto" where the lookup has no full-length match
-            if self.drafter is not None and (st.mode == "draft" or (st.mode == "auto" and n < NGRAM_MAX)):
+            if self.drafter is not None and (st.mode == "draft" or (st.mode == "auto" and n < NGRAM_MAX
+                                                                    and draft_pays)):
                 hold = True
                 asks.append((c, k))
             elif drafts:
@@ -299,7 +310,9 @@ class Speculator:
         rows = T = len(chunks)
         tokens = float(T)
         if asks:  # (every request's drafts from one forward a depth)
+            t0 = time.perf_counter()
             got = self.drafter.propose([(c.a.slot, c.a.spec.lookup.tokens, k) for c, k in asks])
+            self.draft_s = time.perf_counter() - t0
             for (c, _), drafts in zip(asks, got):
                 rows += _extend(c, drafts[: max(CAP - rows, 0)])
         for c, st, n, drafts in cands:  # "lookup": every match verified, while the step's rows allow
@@ -340,6 +353,12 @@ class Speculator:
         self.drafted += len(drafts)
         self.accepted += len(picks) - 1
         return picks
+
+    def verified(self, picks: list, seconds: float) -> None:
+        """A step with drafts ran in `seconds` and gave the verified requests `picks` (None for the others): the
+        draft model's rate, where it drafted in it (DraftGate)."""
+        if self.draft_s > 0.0:
+            self.draft_gate.observe(sum(len(p) if p else 1 for p in picks), self.draft_s + seconds)
 
     def forward(self, a, n: int = 1) -> None:
         """Count n decode forwards of a request (tokens per forward: 1 + accepted drafts / forwards)."""
