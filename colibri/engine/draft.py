@@ -25,13 +25,11 @@ import torch
 
 from ..errors import ColibriError
 from ..format.container import Container
-from ..layers.attention import KVCache
 from ..layers.batch import Seq, StepBatch
-from ..layers.mla import LatentCache
 from ..models.base import bind, build
 from ..store import TieredStore
 from .decode_plan import DecodePlan
-from .kv import SlotPool, common_prefix
+from .kv import SlotPool, common_prefix, rewinds
 
 # A draft token is proposed while the draft gives it at least this probability (llama.cpp's default 0.75 is tuned
 # for large drafts; the tiny ones here are less sure of right tokens: measured on the demo, benchmarks/bench_spec.py)
@@ -95,9 +93,9 @@ class DraftModel:
             self.model.model.embed_tokens.out_dtype = self.dtype
             self.model.eval()
             self.slots = SlotPool(self.model, n_slots, ctx, self.dtype, self.store.layer_device)
-            if not all(type(x) in (KVCache, LatentCache) for x in self.slots.caches[0]):
-                raise ColibriError(f"draft model {self.path}: a draft must keep plain K/V (a recurrent state cannot "
-                                   "be rolled back past a rejected draft)")
+            if not all(rewinds(x) for x in self.slots.caches[0]):
+                raise ColibriError(f"draft model {self.path}: a draft must keep plain K/V (not a recurrent state or a "
+                                   "sparse attention's indexer: engine/kv.py `rewinds`)")
             self.plan = DecodePlan(self.model)
         except BaseException:
             self.close()

@@ -28,6 +28,13 @@ def positions(cache, start: int, end: int) -> dict[str, torch.Tensor]:
     return {k: t.narrow(cache.POS_DIM, start, end - start) for k, t in cache.parts().items()}
 
 
+def rewinds(cache) -> bool:
+    """Whether rows written past a sequence's length can be dropped by bookkeeping alone (a speculative verify's
+    rejected drafts: engine/speculative.py): a cache indexed by position (`parts()`), unless it says a verify's
+    rows cannot be trusted there (`speculates = False`: a sparse attention's indexer, in its family file)."""
+    return bool(cache.parts()) and getattr(cache, "speculates", True)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix. Blocks of 256 compare as slices (in C), so a 32k-token
     conversation costs ~130 Python steps per slot, not 32k (admission holds the scheduler's lock)."""

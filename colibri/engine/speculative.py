@@ -45,11 +45,10 @@ import torch
 
 from ..errors import ColibriError
 from ..kernels import native
-from ..layers.attention import KVCache
 from ..layers.linear_attn import StateCache
-from ..layers.mla import LatentCache
 from ..layers.moe import SwitchGLU
 from .draft import DraftGate
+from .kv import rewinds
 from .sampling import greedy
 from .verify import greedy_run, sampled_run
 
@@ -269,7 +268,7 @@ class Speculator:
         # fixed order: engine/stream_hook.py)
         alone = plan.tail is not None and nat is not None
         f32 = model.model.embed_tokens.out_dtype == torch.float32
-        plain = all(type(c) in (KVCache, LatentCache, StateCache) for c in slot_caches[0])
+        plain = all(isinstance(c, StateCache) or rewinds(c) for c in slot_caches[0])
         streamed = any(not m.source.holds_all(m.layer) for m in model.modules() if isinstance(m, SwitchGLU))
         return cls(plain and (alone or f32), streamed, ctx, slot_caches)
 

@@ -66,6 +66,10 @@ def layer_types(given: list | None, first_dense: int, n: int) -> list[str]:
 class IndexedLatentCache(LatentCache):
     """The MLA latent cache plus the indexer's key per position ([ctx, Di])."""
 
+    # a verify step's rows can select other positions (the indexer's top-k rounds or breaks a tie otherwise in a
+    # step of more rows: other tokens on the tiny models), so no speculation (engine/kv.py `rewinds`)
+    speculates = False
+
     def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int, max_len: int, dtype: torch.dtype,
                  device: str = "cpu"):
         super().__init__(kv_lora_rank, rope_dim, max_len, dtype, device)

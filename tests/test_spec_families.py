@@ -1,0 +1,63 @@
+"""Speculative decoding on every family (the identity gate): at f32, drafts right up to a depth that cycles through
+every rollback length, and then a draft model (the family itself at int8), give plain greedy decoding's tokens;
+the sparse-attention families, which do not speculate, give them without drafting."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_configs import FAMILIES
+
+import colibri
+from colibri.engine.speculative import Lookup
+from colibri.kernels import native
+
+PROMPT = [1, 88, 5, 61, 230, 12, 9]
+N = 24
+SPARSE = {"deepseek_v32", "glm_moe_dsa", "minimax_m3_vl_text", "axk2"}  # (indexers: engine/kv.py `rewinds`)
+
+
+def _cycle(monkeypatch, ref: list[int]) -> None:
+    """Lookup proposes plain decoding's own continuation, wrong from a position that cycles through 0..k."""
+    calls = [0]
+
+    def propose(self, k):
+        g = len(self.tokens) - len(PROMPT)
+        true = ref[g : g + k]
+        if not true:
+            return 0, []
+        true += [true[-1]] * (k - len(true))
+        calls[0] += 1
+        cut = calls[0] % (k + 1)
+        return 3, [(t + 1) % 300 if i == cut else t for i, t in enumerate(true)]
+
+    monkeypatch.setattr(Lookup, "propose", propose)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_family_verifies_to_plain_tokens(ckpt, monkeypatch, model_type) -> None:
+    with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=64, threads=2) as llm:
+        ref = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="off").wait()
+        with monkeypatch.context() as mp:
+            _cycle(mp, ref)
+            h = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="lookup", draft_max=4)
+            got = h.wait()
+    assert got == ref
+    if model_type in SPARSE:
+        assert h.stats.drafted == 0
+    else:
+        assert 0 < h.stats.accepted < h.stats.drafted
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "glm4_moe", "llama4_text", "ernie4_5_moe", "phimoe",
+                                        "granitemoe", "dbrx", "gemma4_text", "longcat_flash", "minimax_m2"])
+def test_a_draft_model_on_more_families(ckpt, model_type) -> None:
+    """The family at int8 as its own f32 model's draft (mostly right, not always)."""
+    if not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=64, threads=2,
+                      draft_model=ckpt.coli(model_type, "int8")) as llm:
+        llm._draft.p_min = 0.0
+        ref = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="off").wait()
+        h = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="draft", draft_max=4)
+        got = h.wait()
+    assert got == ref and h.stats.drafted > 0
