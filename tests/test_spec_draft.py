@@ -144,3 +144,25 @@ def test_the_draft_gate() -> None:
     for _ in range(40):
         g.observe(2, 0.004)  # it stopped paying: the EWMA follows
     assert not g.pays(1000.0)
+
+
+def test_serve_and_generate_wiring(ckpt) -> None:
+    """`colibri serve --draft-model` loads the draft and defaults requests to it; `generate(..., speculative=)`
+    passes the mode through."""
+    from colibri.cli.common import engine_from_args
+    from colibri.cli.serve import serve_parser
+    from colibri.cli.specflags import apply_spec_args
+
+    a = serve_parser().parse_args(["-m", str(ckpt.coli("olmoe", "f32")), "--draft-model",
+                                   str(ckpt.coli("olmoe", "int8")), "--draft-p-min", "0", "--ctx-size", "64",
+                                   "-t", "2"])
+    llm = engine_from_args(a)
+    try:
+        apply_spec_args(llm, a)
+        assert llm.speculative == "draft" and llm._draft.p_min == 0.0
+        text = "".join(llm.generate("one two three", 12, temperature=0, ignore_eos=True))
+        st = llm.last_stats
+        plain = "".join(llm.generate("one two three", 12, temperature=0, ignore_eos=True, speculative="off"))
+        assert text == plain and st.drafted > 0 and llm.last_stats.drafted == 0
+    finally:
+        llm.close()
