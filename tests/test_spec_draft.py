@@ -166,3 +166,14 @@ def test_serve_and_generate_wiring(ckpt) -> None:
         assert text == plain and st.drafted > 0 and llm.last_stats.drafted == 0
     finally:
         llm.close()
+
+
+def test_a_model_that_cannot_speculate_says_so(ckpt, capsys) -> None:
+    """bf16 on torch (no native whole step) verifies otherwise than one row at a time: the run decodes plainly and
+    says why in one line."""
+    from colibri.cli.run import main
+
+    main(["-m", str(ckpt.coli("olmoe", "bf16")), "--draft-model", str(ckpt.coli("olmoe", "int8")), "-p",
+          "one two", "-n", "6", "--temp", "0", "-t", "2", "--ignore-eos"])
+    err = capsys.readouterr().err
+    assert "--spec draft: this model decodes without drafts: its layers do not run in the native whole step" in err

@@ -257,6 +257,12 @@ def engine_from_args(a: argparse.Namespace):
     check_engine_args(a)
     if getattr(a, "spec", None) == "draft" and not getattr(a, "draft_model", None):  # (before the wait of loading)
         raise ColibriError("--spec draft needs a draft model: add --draft-model PATH")
+    if getattr(a, "draft_model", None) == "demo":  # the built-in demo's own draft (colibri/data/demo-draft)
+        from ..demo import demo_model
+
+        a.draft_model = str(demo_model("int8", draft=True))
+    elif getattr(a, "draft_model", None) and not Path(a.draft_model).is_file():
+        raise ColibriError(f"draft model file {a.draft_model} not found")
     check_cluster_args(a, ColibriError)
     kv_types = (a.cache_type_k, a.cache_type_v)
     if a.cluster is None:  # (on a cluster the K/V live on the stages)

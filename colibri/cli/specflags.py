@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from ..errors import ColibriError
 from .common import bounded
+
+log = logging.getLogger("colibri")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -23,7 +26,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-max", type=bounded("--draft-max", 0, CAP - 1), default=DRAFT_MAX, metavar="N",
                    help="most drafted tokens verified per forward")
     g.add_argument("--draft-model", "-md", metavar="PATH", default=None,
-                   help="a smaller .coli of the same tokenizer proposing the drafts (run in this process)")
+                   help="a smaller .coli of the same tokenizer proposing the drafts (run in this process); "
+                        "'demo': the built-in demo model's draft")
     g.add_argument("--draft-p-min", type=_probability, default=P_MIN, metavar="P",
                    help=f"the draft model proposes a token while it gives it at least this probability ({P_MIN})")
 
@@ -57,6 +61,8 @@ def apply_spec_args(llm, a: argparse.Namespace) -> None:
     """The engine's defaults from --spec / --draft-max / --draft-p-min (a namespace built without them keeps the
     engine's)."""
     llm.speculative = spec_mode(a) or ("off" if hasattr(a, "spec") else llm.speculative)
+    if llm.speculative != "off" and (why := llm._runner.spec.why_not):
+        log.warning("colibri: --spec %s: this model decodes without drafts: %s", llm.speculative, why)
     llm.draft_max = getattr(a, "draft_max", llm.draft_max)
     if llm._draft is not None:
         llm._draft.p_min = getattr(a, "draft_p_min", llm._draft.p_min)

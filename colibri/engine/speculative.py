@@ -245,6 +245,7 @@ class Speculator:
         self.drafter = None  # engine/draft.py DraftModel, where the engine loaded one
         self.draft_gate = DraftGate()  # (whether "auto" asks the draft model)
         self.draft_s = 0.0  # the draft model's seconds in the step being planned (0: it did not draft)
+        self.why_not: str | None = None  # why this model does not speculate (`able` False), for the CLI's warning
 
     def state(self, a) -> RequestSpec | None:
         """The request's RequestSpec (engine/scheduler.py Active.spec), made at its first decode step; None where
@@ -270,7 +271,14 @@ class Speculator:
         f32 = model.model.embed_tokens.out_dtype == torch.float32
         plain = all(isinstance(c, StateCache) or rewinds(c) for c in slot_caches[0])
         streamed = any(not m.source.holds_all(m.layer) for m in model.modules() if isinstance(m, SwitchGLU))
-        return cls(plain and (alone or f32), streamed, ctx, slot_caches)
+        sp = cls(plain and (alone or f32), streamed, ctx, slot_caches)
+        if not plain:
+            sp.why_not = "a layer's cache cannot drop a verify's rejected rows (a sparse attention's indexer, or a " \
+                         "cluster stage's)"
+        elif not sp.able:
+            sp.why_not = ("its layers do not run in the native whole step (not int8/int4 native weights), and torch "
+                          "at bf16 rounds a verify's rows otherwise than one at a time")
+        return sp
 
     def plan(self, chunks: list, plain_s: float | None) -> bool:
         """Append drafts to the decode chunks (engine/scheduler.py Chunk) of requests that speculate, every row's
