@@ -75,6 +75,15 @@ def table(title: str, llm, tokens: int, repeats: int, sources=SOURCES) -> None:
             print(f"| {name} | {mode} | {r['tok_s']:.0f} | {r['tok_s'] / base['tok_s']:.2f}x | {r['tpf']:.2f} | "
                   f"{acc} | {pos} | {'yes' if r['tokens'] == base['tokens'] else 'NO'} |", flush=True)
     print(f"(load after: {os.getloadavg()[0]:.2f})")
+    costs(llm)
+
+
+def costs(llm) -> None:
+    """What a forward costs by its rows (the verify steps' EWMA, engine/speculative.py StepCosts) next to a plain
+    step of one sequence (a single step, or a native run's per step): the bound on what drafts can gain."""
+    sp, runner = llm._runner.spec, llm._runner
+    print("verify step by rows:", ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in sorted(sp.costs.s.items())),
+          f"| plain step (1 seq): {runner._step_s.get(1, float('nan')) * 1e3:.3f} ms")
 
 
 def main() -> int:
@@ -101,15 +110,11 @@ def main() -> int:
             off = run(llm, ids, "off", a.tokens, a.repeats)
             auto = run(llm, ids, "auto", a.tokens, a.repeats)
             look = run(llm, ids, "lookup", a.tokens, a.repeats)
-            sp = llm._runner.spec
             print(f"\n## {a.synth.name}: a prompt said 3 times  (load {os.getloadavg()[0]:.2f})")
             for name, r in (("off", off), ("auto", auto), ("lookup", look)):
                 print(f"{name:7s} {r['tok_s']:.1f} tok/s, {r['tpf']:.2f} tokens/forward, drafts "
                       f"{r['accepted']}/{r['drafted']}, same text: {r['tokens'] == off['tokens']}")
-            print("verify-step seconds by rows (EWMA):",
-                  ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(sp.costs.s.items())))
-            plain = sorted(llm._runner._step_s.items())
-            print("plain step:", ", ".join(f"{k} seq: {v * 1e3:.1f} ms" for k, v in plain))
+            costs(llm)
     return 0
 
 
