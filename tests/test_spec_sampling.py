@@ -14,7 +14,7 @@ from colibri.engine.sampling import kept
 from colibri.engine.verify import sampled_run
 
 V = 6  # a vocabulary small enough to count every pair of tokens
-TRIALS = 12000
+TRIALS = 5000
 # chi-square critical value for 35 degrees of freedom (36 pairs) at p = 0.001: a right rule fails 1 in 1000
 # seeds; the runs are seeded, so this one either holds or not
 CHI2_35 = 66.6
