@@ -94,7 +94,7 @@ class Engine:
     - `kv_type`: the KV cache's storage (llama.cpp's -ctk / -ctv): "bf16" (the compute dtype, the default),
       "q8_0" or "q4_0" for K and V both, or a pair (K, V); docs/QUANT.md "The KV cache" has its numerics.
     - `draft_model`: a smaller .coli of the same tokenizer proposing drafts for `speculative="draft"` (and "auto"
-      where prompt lookup has no match): engine/draft.py.
+      where prompt lookup has no match): engine/draft.py. Its weights stay in RAM, out of `mem_budget`.
     """
 
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
@@ -114,6 +114,10 @@ class Engine:
                                           or not 0 <= decode_run_ms <= 10_000):
             raise ColibriError(f"decode_run_ms must be a number of milliseconds in 0..10000, got {decode_run_ms!r}")
         mem_budget, gpu_budget = _budget("mem_budget", mem_budget), _budget("gpu_budget", gpu_budget)
+        if draft_model is not None and mem_budget is not None:  # (the draft's weights come out of the same budget)
+            from .engine.draft import budget_left
+
+            mem_budget = budget_left(draft_model, mem_budget)
         self.kv_types = KVTypes.of(kv_type)
         self._closed = True  # until fully built: close() and __del__ then have nothing to undo
         self.threads = threads or physical_cores()

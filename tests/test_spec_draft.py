@@ -177,3 +177,20 @@ def test_a_model_that_cannot_speculate_says_so(ckpt, capsys) -> None:
           "one two", "-n", "6", "--temp", "0", "-t", "2", "--ignore-eos"])
     err = capsys.readouterr().err
     assert "--spec draft: this model decodes without drafts: its layers do not run in the native whole step" in err
+
+
+def test_the_draft_counts_in_the_memory_budget(ckpt) -> None:
+    """--mem-budget bounds the weights of both: the target plans with what the draft's weights leave; a draft that
+    takes it all is one line."""
+    from colibri.format.container import Container
+    from colibri.store.sizes import model_sizes
+
+    target, draft = ckpt.coli("olmoe", "int8"), ckpt.coli("olmoe", "int4")
+    with Container(draft) as c:
+        need = model_sizes(c).total_bytes
+    budget = need + 700_000
+    with colibri.load(target, ctx_size=64, threads=2, mem_budget=budget, draft_model=draft) as llm:
+        assert llm.store.mem_budget == budget - need
+        assert _run(llm, n=8, speculative="draft")[0] == _run(llm, n=8, speculative="off")[0]
+    with pytest.raises(ColibriError, match="take all of --mem-budget"):
+        colibri.load(target, ctx_size=64, threads=2, mem_budget=need, draft_model=draft)

@@ -1,12 +1,13 @@
 """A draft model: a smaller `.coli` of the same tokenizer, in the same process, proposing each speculating
 request's drafts (llama.cpp's `-md`; `Engine(draft_model=...)`, `--draft-model`).
 
-It has its own weights (placed in RAM by the planner), its own decode plan and its own KV slots, one beside each
-of the target's, and runs on the engine thread between the target's steps. Each step it proposes up to k tokens a
-request: it feeds what of the request's context its slot does not hold yet (the whole prompt at first, then the
-last verify's tokens), takes its greedy pick, and feeds each pick back for the next, all requests of the step
-batched in one forward a depth. It stops a request's drafts where its own probability of its pick falls below
-`P_MIN` (llama.cpp's `--draft-p-min`): a pick the draft itself doubts is rarely the target's.
+It has its own weights (in RAM, out of the target's `--mem-budget`: `budget_left`), its own decode plan and its
+own KV slots, one beside each of the target's, and runs on the engine thread between the target's steps. Each step
+it proposes up to k tokens a request: it feeds what of the request's context its slot does not hold yet (the whole
+prompt at first, then the last verify's tokens), takes its greedy pick, and then the next picks in one native
+multi-step run (or a forward a pick where the plan has none), all requests of the step batched. It stops a
+request's drafts where its own probability of its pick falls below `P_MIN` (llama.cpp's `--draft-p-min`): a pick
+the draft itself doubts is rarely the target's.
 
 Rollback is the slot's record: `held[slot]` lists the tokens whose K/V the draft's slot holds; the next proposal
 keeps the longest prefix of it that the request's context shares and overwrites the rest (a rejected draft, or
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,6 +66,21 @@ class DraftGate:
             self.waited, self.wait = 0, min(2 * self.wait, RETRY_MAX)
             return True
         return False
+
+
+def budget_left(path: str | os.PathLike, mem_budget: int) -> int:
+    """The target's share of `mem_budget` (bytes for weights) once the draft's weights, all kept in RAM, are out of
+    it; a one-line refusal where they take it all."""
+    from ..store.sizes import human, model_sizes
+
+    if not Path(path).is_file():
+        raise ColibriError(f"draft model file {path} not found")
+    with Container(path) as c:
+        need = model_sizes(c).total_bytes
+    if need >= mem_budget:
+        raise ColibriError(f"the draft model's weights ({human(need)}) take all of --mem-budget {human(mem_budget)}; "
+                           "raise the budget or use a smaller draft")
+    return mem_budget - need
 
 
 class DraftModel:
