@@ -292,7 +292,7 @@ class Speculator:
         hold, cands, asks = False, [], []  # cands: (chunk, its RequestSpec, n, drafts); asks: (chunk, k)
         self.draft_s = 0.0
         # "auto" asks the draft model while its measured rate beats plain decoding's (measured first)
-        draft_pays = self.drafter is not None and plain_s is not None and self.draft_gate.pays(len(chunks) / plain_s)
+        draft_pays = None  # (asked once a step, of the first "auto" request that would ask the draft model)
         for c in chunks:
             st = self.state(c.a) if c.sample else None
             if st is None:
@@ -308,6 +308,8 @@ class Speculator:
             look = st.mode == "lookup" or (st.mode == "auto" and not self.streamed)
             n, drafts = st.lookup.propose(k) if look else (0, [])
             # a draft model proposes where asked, and under "auto" where the lookup has no full-length match
+            if self.drafter is not None and st.mode == "auto" and n < NGRAM_MAX and draft_pays is None:
+                draft_pays = plain_s is not None and self.draft_gate.pays(len(chunks) / plain_s)
             if self.drafter is not None and (st.mode == "draft" or (st.mode == "auto" and n < NGRAM_MAX
                                                                     and draft_pays)):
                 hold = True
