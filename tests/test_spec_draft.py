@@ -194,3 +194,15 @@ def test_the_draft_counts_in_the_memory_budget(ckpt) -> None:
         assert _run(llm, n=8, speculative="draft")[0] == _run(llm, n=8, speculative="off")[0]
     with pytest.raises(ColibriError, match="take all of --mem-budget"):
         colibri.load(target, ctx_size=64, threads=2, mem_budget=need, draft_model=draft)
+
+
+def test_a_draft_at_the_context_end(ckpt) -> None:
+    """Drafts stop at the context's last position (the draft's slot and the target's): the request ends "ctx" with
+    plain decoding's tokens; and at max_tokens inside an accepted run, "length"."""
+    prompt = [1, 88, 5, 61, 230, 12, 9]
+    with _load(ckpt.coli("olmoe", "f32"), ckpt.coli("olmoe", "int8"), ctx_size=len(prompt) + 7) as llm:
+        ref, hr = _run(llm, prompt, speculative="off")
+        got, h = _run(llm, prompt, speculative="draft")
+        short, hs = _run(llm, prompt, 3, speculative="draft")
+    assert got == ref and len(ref) == 8 and h.finish_reason == hr.finish_reason == "ctx" and h.stats.drafted > 0
+    assert short == ref[:3] and hs.finish_reason == "length"
