@@ -5,10 +5,10 @@ the sparse-attention families, which do not speculate, give them without draftin
 from __future__ import annotations
 
 import pytest
+from test_speculative import _source
 from tiny_configs import FAMILIES
 
 import colibri
-from colibri.engine.speculative import Lookup
 from colibri.kernels import native
 
 PROMPT = [1, 88, 5, 61, 230, 12, 9]
@@ -16,29 +16,12 @@ N = 24
 SPARSE = {"deepseek_v32", "glm_moe_dsa", "minimax_m3_vl_text", "axk2"}  # (indexers: engine/kv.py `rewinds`)
 
 
-def _cycle(monkeypatch, ref: list[int]) -> None:
-    """Lookup proposes plain decoding's own continuation, wrong from a position that cycles through 0..k."""
-    calls = [0]
-
-    def propose(self, k):
-        g = len(self.tokens) - len(PROMPT)
-        true = ref[g : g + k]
-        if not true:
-            return 0, []
-        true += [true[-1]] * (k - len(true))
-        calls[0] += 1
-        cut = calls[0] % (k + 1)
-        return 3, [(t + 1) % 300 if i == cut else t for i, t in enumerate(true)]
-
-    monkeypatch.setattr(Lookup, "propose", propose)
-
-
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_every_family_verifies_to_plain_tokens(ckpt, monkeypatch, model_type) -> None:
     with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=64, threads=2) as llm:
         ref = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="off").wait()
         with monkeypatch.context() as mp:
-            _cycle(mp, ref)
+            _source(mp, ref, len(PROMPT), "cycle")
             h = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="lookup", draft_max=4)
             got = h.wait()
     assert got == ref

@@ -62,6 +62,19 @@ def _source(monkeypatch, ref: list[int], prompt_len: int, kind: str) -> None:
     monkeypatch.setattr(Lookup, "propose", propose)
 
 
+def _own_and_cycled(llm, monkeypatch) -> tuple:
+    """Lookup's own drafts on REPEAT, then drafts right up to a depth that cycles through every rollback length on
+    another prompt: (their handles, whether both gave plain decoding's tokens)."""
+    prompt = [1, 88, 5, 61, 230, 12, 9]
+    ref, _ = _run(llm, speculative="off")
+    got, h = _run(llm, speculative="lookup")
+    plain, _ = _run(llm, prompt, speculative="off")
+    with monkeypatch.context() as mp:
+        _source(mp, plain, len(prompt), "cycle")
+        cyc, hc = _run(llm, prompt, speculative="lookup")
+    return h, hc, got == ref and cyc == plain
+
+
 @pytest.mark.parametrize("kind,scheme", [("accept", "f32"), ("reject", "f32"), ("cycle", "f32"), ("cycle", "int8")])
 def test_forced_drafts_roll_back_to_plain_tokens(ckpt, monkeypatch, kind, scheme) -> None:
     """Whatever the drafts, the tokens are plain decoding's (int8: on the native kernels); the slot's record holds
@@ -140,16 +153,9 @@ def test_hybrids_roll_their_states_back(ckpt, monkeypatch, model_type) -> None:
     rows take the recurrence one position at a time, the state kept after each, and a rejection restores the state
     after the last row kept. Lookup's own drafts, then drafts right up to a depth that cycles through every
     rollback length (accepted and rejected): plain decoding's tokens."""
-    prompt = [1, 88, 5, 61, 230, 12, 9]
     with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=128, threads=2) as llm:
-        ref, _ = _run(llm, speculative="off")
-        got, h = _run(llm, speculative="lookup")
-        plain, _ = _run(llm, prompt, speculative="off")
-        with monkeypatch.context() as mp:
-            _source(mp, plain, len(prompt), "cycle")
-            cyc, hc = _run(llm, prompt, speculative="lookup")
-    assert got == ref and cyc == plain
-    assert h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
+        h, hc, same = _own_and_cycled(llm, monkeypatch)
+    assert same and h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
 
 
 def test_sparse_attention_does_not_speculate(ckpt) -> None:
@@ -183,17 +189,11 @@ def test_streamed_native_verify_gives_plain_tokens(ckpt, monkeypatch, model_type
     own drafts and drafts right up to a cycling depth give plain tokens, verify rows fetching their experts."""
     if not native.available():
         pytest.skip(f"native kernels: {native.why_unavailable()}")
-    prompt = [1, 88, 5, 61, 230, 12, 9]
     budget = "600K" if model_type == "gpt_oss" else "300K"
     with colibri.load(ckpt.coli(model_type, scheme), ctx_size=128, threads=2, mem_budget=budget) as llm:
         assert llm.plan.native_layers().cached  # (the setting under test: layers whose experts stream)
-        ref, _ = _run(llm, speculative="off")
-        got, h = _run(llm, speculative="lookup")
-        plain, _ = _run(llm, prompt, speculative="off")
-        with monkeypatch.context() as mp:
-            _source(mp, plain, len(prompt), "cycle")
-            cyc, hc = _run(llm, prompt, speculative="lookup")
-    assert got == ref and cyc == plain and h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
+        h, hc, same = _own_and_cycled(llm, monkeypatch)
+    assert same and h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
 
 
 def test_requests_that_do_not_speculate(ckpt) -> None:

@@ -454,15 +454,21 @@ def main() -> None:
     for prompt in ["Once upon a time", "One day, Tom went to", "The sun and the wind"]:
         print(f"greedy> {greedy(model, tok, prompt, 60)!r}")
 
-    a.out.mkdir(parents=True, exist_ok=True)
-    for old in a.out.iterdir():  # a stale shard from an older run would be loaded too
-        old.unlink()
     model.config.output_router_logits = False  # a training-only switch
+    save(model, tok, a.out)
+
+
+def save(model, tok: Tokenizer, out: Path) -> None:
+    """The model in bf16 (the hub layout) and the tokenizer files into `out`, emptied first (a stale shard from an
+    older run would be loaded too); tools/make_draft_model.py saves its draft the same way."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.iterdir():
+        old.unlink()
     model.to(torch.bfloat16)
-    model.save_pretrained(a.out)
-    write_tokenizer(tok, a.out)
-    total = sum(f.stat().st_size for f in a.out.iterdir())
-    print(f"wrote {a.out} ({total / 2**20:.2f} MiB): {', '.join(sorted(f.name for f in a.out.iterdir()))}")
+    model.save_pretrained(out)
+    write_tokenizer(tok, out)
+    total = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({total / 2**20:.2f} MiB): {', '.join(sorted(f.name for f in out.iterdir()))}")
 
 
 if __name__ == "__main__":

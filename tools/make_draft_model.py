@@ -37,8 +37,8 @@ from make_demo_model import (  # noqa: E402 - (tools/ is not a package)
     SEQ_LEN,
     VOCAB_SIZE,
     make_corpus,
+    save,
     token_stream,
-    write_tokenizer,
 )
 
 DEMO = ROOT / "colibri" / "data" / "demo"
@@ -105,14 +105,7 @@ def main() -> None:
     ids = torch.tensor([tok.encode("Once upon a time").ids])
     out = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     print(f"greedy> {tok.decode(out[0].tolist(), skip_special_tokens=True)!r}")
-    a.out.mkdir(parents=True, exist_ok=True)
-    for old in a.out.iterdir():
-        old.unlink()
-    model.to(torch.bfloat16)
-    model.save_pretrained(a.out)
-    write_tokenizer(tok, a.out)
-    total = sum(f.stat().st_size for f in a.out.iterdir())
-    print(f"wrote {a.out} ({total / 2**20:.2f} MiB): {', '.join(sorted(f.name for f in a.out.iterdir()))}")
+    save(model, tok, a.out)
 
 
 if __name__ == "__main__":

@@ -239,6 +239,8 @@ class Speculator:
         self.able, self.streamed, self.ctx = able, streamed, ctx  # (module doc)
         # per slot, its recurrent states (rolled back after a verify: layers/linear_attn.py `verify_rows`)
         self.states = [[c for c in caches if isinstance(c, StateCache)] for caches in slot_caches or []]
+        if not any(self.states):  # (no recurrent layer: nothing to mark or restore)
+            self.states = []
         self.acceptance = Acceptance()
         self.costs = StepCosts()
         self.drafted = self.accepted = self.forwards = 0  # engine-wide: verified drafts, decode forwards
@@ -284,10 +286,8 @@ class Speculator:
         """Append drafts to the decode chunks (engine/scheduler.py Chunk) of requests that speculate, every row's
         logits kept; whether the step must stay a single step (drafts to verify, or a "lookup" request: it looks
         up every step). A step with prompt rows drafts nothing: its row budget is the prompt's."""
-        for c in chunks:  # (no snapshots but a verify's: `verify_rows` runs the rows of those alone)
-            for st in self.states[c.a.slot] if self.states else ():
-                st.snapshots = None
         if any(c.start < c.a.prompt_len for c in chunks):
+            self._mark(chunks)
             return False
         hold, cands, asks = False, [], []  # cands: (chunk, its RequestSpec, n, drafts); asks: (chunk, k)
         self.draft_s = 0.0
@@ -333,11 +333,15 @@ class Speculator:
             gains = [st.gains(self.acceptance, n, len(d)) for _, st, n, d in gated]
             for (c, _, _, drafts), k in zip(gated, choose(gains, rows, tokens, self.costs.estimate(T, plain_s), CAP)):
                 rows += _extend(c, drafts[:k])
-        for c in chunks:  # a verify's recurrent states keep a snapshot a row (`accept` restores one)
-            if c.drafts:
-                for st in self.states[c.a.slot] if self.states else ():
-                    st.snapshots = []
+        self._mark(chunks)
         return hold or rows > T
+
+    def _mark(self, chunks: list) -> None:
+        """A verify's recurrent states keep a snapshot a row (`accept` restores one); every other sequence's keep
+        none (`verify_rows` runs only a verify's rows one position at a time)."""
+        for c in chunks if self.states else ():
+            for st in self.states[c.a.slot]:
+                st.snapshots = [] if c.drafts else None
 
     def accept(self, c, logits) -> list[int]:
         """The tokens a verified chunk gives (logits [k + 1, V] of its rows; engine/verify.py): greedy, the
