@@ -16,6 +16,8 @@ from .analysis.probe import peak_rss_mib, physical_cores  # noqa: F401 - (colibr
 from .engine.decode_plan import DecodePlan
 from .engine.grammar import GrammarCompiler
 from .engine.kv import SlotPool
+from .engine.mtp import MTPHead
+from .engine.mtp import budget_left as mtp_budget_left
 from .engine.request import EngineClosedError, QueueFullError, RequestHandle, RequestStats, SamplingParams, TokenEvent
 from .engine.runner import Runner
 from .engine.scheduler import Scheduler
@@ -95,6 +97,8 @@ class Engine:
       "q8_0" or "q4_0" for K and V both, or a pair (K, V); docs/QUANT.md "The KV cache" has its numerics.
     - `draft_model`: a smaller .coli of the same tokenizer proposing drafts for `speculative="draft"` (and "auto"
       where prompt lookup has no match): engine/draft.py. Its weights stay in RAM, out of `mem_budget`.
+    - `mtp`: load the model's multi-token-prediction layer (layers/mtp.py) to draft for `speculative="mtp"`:
+      engine/mtp.py. Its weights stay in RAM, out of `mem_budget`.
     """
 
     def __init__(self, path: str | os.PathLike, ctx_size: int = 4096, threads: int | None = None,
@@ -105,7 +109,8 @@ class Engine:
                  gpu_device: str | None = None, cache_policy: str = "reuse", decode_run_ms: float | None = None,
                  mmap: bool = False, kv_type: str | tuple[str, str] | KVTypes | None = None,
                  cluster: str | None = None, cluster_mode: str = "pipeline", cluster_stages: int | None = None,
-                 cluster_timeout: float | None = None, draft_model: str | os.PathLike | None = None):
+                 cluster_timeout: float | None = None, draft_model: str | os.PathLike | None = None,
+                 mtp: bool = False):
         for name, v, lo in (("ctx_size", ctx_size, 1), ("slots", slots, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -128,6 +133,8 @@ class Engine:
         torch.set_num_threads(1)
         self.container = Container(path, verify=verify)
         c = self.container
+        if mtp and mem_budget is not None:  # (the MTP layer's weights come out of the budget too)
+            mem_budget = mtp_budget_left(c, mem_budget)
         self.config = c.config
         self.tokenizer = Tokenizer(c.meta.get("tokenizer"), self.config)
         self.scheme = c.quant.get("scheme", "bf16")
@@ -176,16 +183,16 @@ class Engine:
         self._runner = Runner(self.model, self.plan, self._sched, self.store, self.threads,
                               lambda: self.tokenizer.eos_ids)
         self._runner.run_s = None if decode_run_ms is None else decode_run_ms / 1000
-        self._draft = None
-        if draft_model is not None:
-            self._draft = self._load_draft(draft_model)
+        self._draft = self._mtp = None
+        if draft_model is not None or mtp:
+            self._load_sources(draft_model, mtp)
         if cluster is not None:  # (the experts live on the other nodes)
             self._runner.n_experts = self._cluster_part.n_experts()
         self._grammars = GrammarCompiler(self.tokenizer.tk, self.vocab_rows)
         self._local = _PerThread()
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self.store, self.container,
-                                           self._cluster_part, self._draft)
+                                           self._cluster_part, (self._draft, self._mtp))
         self._trace = self._route_logger = None
         if route_trace is not None:
             from .analysis.trace import RouteTraceWriter
@@ -195,20 +202,25 @@ class Engine:
 
     # ------------------------------------------------------------------ facts
 
-    def _load_draft(self, path):
-        """The draft model beside the target's slots (engine/draft.py); the runner's speculator proposes from it."""
+    def _load_sources(self, path, mtp: bool) -> None:
+        """The draft model (engine/draft.py) and the MTP layer (engine/mtp.py) beside the target's slots; the
+        runner's speculator proposes from them."""
         from .engine.draft import DraftModel
 
+        spec = self._runner.spec
         try:
             if self.cluster is not None:
-                raise ColibriError("a draft model runs on one machine: --draft-model does not combine with --cluster")
-            draft = DraftModel(path, self.n_slots, self.ctx_size, self.tokenizer.tk.get_vocab(), compute_dtype_for)
+                raise ColibriError("a draft model or MTP layer runs on one machine: --draft-model and --spec mtp do "
+                                   "not combine with --cluster")
+            if path is not None:
+                self._draft = spec.drafter = DraftModel(path, self.n_slots, self.ctx_size,
+                                                        self.tokenizer.tk.get_vocab(), compute_dtype_for)
+            if mtp:
+                self._mtp = spec.mtp = MTPHead(self.container, self.model, self.n_slots, self.ctx_size, self.dtype)
+                self._sched.prefix_cap = self._mtp.cached
         except BaseException:
-            self._runner.close()
-            self.store.close()
+            _shutdown(self._runner, self.store, self.container, None, (self._draft,))
             raise
-        self._runner.spec.drafter = draft
-        return draft
 
     @property
     def n_layers(self) -> int:
@@ -256,7 +268,7 @@ class Engine:
         self._check_open()
         speculative = self.speculative if speculative is None else speculative
         draft_max = self.draft_max if draft_max is None else draft_max
-        check_speculative(speculative, draft_max, self._draft is not None)
+        check_speculative(speculative, draft_max, self._draft is not None, self._mtp is not None)
         if sampling is None:
             try:
                 sampling = SamplingParams(**sampling_kw)
@@ -554,10 +566,11 @@ class Engine:
         self.close()
 
 
-def _shutdown(runner: Runner, store: TieredStore, container: Container, cluster_part=None, draft=None) -> None:
+def _shutdown(runner: Runner, store: TieredStore, container: Container, cluster_part=None, sources=()) -> None:
     runner.close()
-    if draft is not None:
-        draft.close()
+    for src in sources:  # (a draft model, the MTP layer)
+        if src is not None:
+            src.close()
     if cluster_part is not None:  # a cluster's stages or expert workers
         cluster_part.close()
     native.background_wait()  # (its read-ahead of the weights, before the file goes)

@@ -356,7 +356,7 @@ def edited_copy(src: Path, dst: Path, drop: tuple[str, ...] = (), **changes: Any
     return dst
 
 
-def converts_dropping(src: Path, extra, ref: Path, out: Path, ids: list[int]) -> Path:
+def converts_dropping(src: Path, extra, ref: Path, out: Path, ids: list[int], **kw) -> Path:
     """`extra(weights)`: tensors a released checkpoint carries beside its text model (an MTP module, a vision
     tower), made from the folder `src`'s own weights and saved next to them. The conversion of `src` to `out`
     (f32) drops exactly those, lists them in its header, and gives the logits of the container `ref`."""
@@ -368,7 +368,7 @@ def converts_dropping(src: Path, extra, ref: Path, out: Path, ids: list[int]) ->
 
     more = extra(load_file(src / "model.safetensors"))
     save_file(more, str(src / "model-extra.safetensors"))
-    convert(src, out, "f32", progress=False)
+    convert(src, out, "f32", progress=False, **kw)
     with Container(out) as c:
         assert sorted(c.meta["converter"]["dropped"]) == sorted(more)
     with colibri.load(out, ctx_size=64, threads=2) as a, colibri.load(ref, ctx_size=64, threads=2) as b:

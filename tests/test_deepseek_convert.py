@@ -1,4 +1,4 @@
-"""Converting DeepSeek checkpoints: config refusals, dropped MTP layers, FP8 block dequantization."""
+"""Converting DeepSeek checkpoints: config refusals, MTP layers dropped on request, FP8 block dequantization."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def test_convert_runs_check_config(ckpt, tmp_path):
 # ----------------------------------------------------------------------------- MTP layers
 
 
-def test_mtp_layer_is_dropped_and_recorded(ckpt, tmp_path):
+def test_mtp_layer_is_dropped_and_recorded_with_no_mtp(ckpt, tmp_path):
+    """--no-mtp (kept by default: tests/test_spec_mtp.py)."""
     src = edited_copy(ckpt.hf("deepseek_v3"), tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())
     n = cfg["num_hidden_layers"]
@@ -70,7 +71,7 @@ def test_mtp_layer_is_dropped_and_recorded(ckpt, tmp_path):
         } | {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in base.items()
              if k.startswith(f"model.layers.{n - 1}.")}
 
-    out = converts_dropping(src, mtp, ckpt.coli("deepseek_v3", "f32"), tmp_path / "m.coli", IDS)
+    out = converts_dropping(src, mtp, ckpt.coli("deepseek_v3", "f32"), tmp_path / "m.coli", IDS, keep_mtp=False)
     with Container(out) as c:
         assert not any(name.startswith(f"model.layers.{n}.") for name in c.names())
 

@@ -204,7 +204,7 @@ def test_requests_that_do_not_speculate(ckpt) -> None:
             h = llm.submit(REPEAT, 16, ignore_eos=True, speculative="lookup", **{"temperature": 0, **kw})
             h.wait()
             assert h.stats.drafted == 0, kw
-        for mode, msg in (("mtp", "not built yet"), ("draft", "needs a draft model"), ("fast", "must be one of")):
+        for mode, msg in (("mtp", "needs the model's multi-token-prediction layer"), ("draft", "needs a draft model"), ("fast", "must be one of")):
             with pytest.raises(ColibriError, match=msg):
                 llm.submit(REPEAT, 4, speculative=mode)
         with pytest.raises(ColibriError, match="draft_max"):
@@ -300,13 +300,14 @@ def test_cli_flags(capsys) -> None:
     with pytest.raises(SystemExit):
         run_parser().parse_args(["--draft-p-min", "2"])
     assert "probability" in capsys.readouterr().err
+    assert run_parser().parse_args(["--spec", "mtp"]).spec == "mtp"  # (loads the MTP layer: test_spec_mtp.py)
     with pytest.raises(SystemExit):
-        run_parser().parse_args(["--spec", "mtp"])
-    assert "not built yet" in capsys.readouterr().err
+        run_parser().parse_args(["--spec", "fast"])
+    assert "must be one of" in capsys.readouterr().err
 
 
 def test_server_field_timings_and_metrics(server) -> None:
-    """A completion's `speculative` field, llama-server's draft timings, the refusal of what is not built, and
+    """A completion's `speculative` field, llama-server's draft timings, the refusal of a source not loaded, and
     /metrics' acceptance and tokens per forward."""
     from chat_server import AUTH
 
@@ -316,7 +317,7 @@ def test_server_field_timings_and_metrics(server) -> None:
     assert status == status2 == 200 and on["choices"][0]["text"] == off["choices"][0]["text"]
     assert "draft_n" not in off["timings"] and 0 < on["timings"]["draft_n_accepted"] < on["timings"]["draft_n"]
     status, err = server.request("POST", "/v1/completions", {**body, "speculative": "mtp"}, AUTH)
-    assert status == 400 and "not built yet" in err["error"]["message"]
+    assert status == 400 and "multi-token-prediction layer loaded" in err["error"]["message"]
     metrics = server.request("GET", "/metrics")[1]
     drafted = next(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("colibri_spec_draft_tokens"))
     tpf = next(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("colibri_tokens_per_forward"))

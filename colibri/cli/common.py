@@ -286,7 +286,8 @@ def engine_from_args(a: argparse.Namespace):
                      route_trace=a.route_trace, cache_policy=a.cache_policy,
                      cache_prompt=a.cache_prompt, decode_run_ms=a.decode_run_ms, mmap=a.mmap, kv_type=kv_types,
                      cluster=a.cluster, cluster_mode=a.cluster_mode, cluster_stages=a.cluster_stages,
-                     cluster_timeout=a.cluster_timeout, draft_model=getattr(a, "draft_model", None))
+                     cluster_timeout=a.cluster_timeout, draft_model=getattr(a, "draft_model", None),
+                     mtp=getattr(a, "spec", None) == "mtp")
     except (MemoryError, RuntimeError) as e:
         # The KV cache (slots x ctx x per-position bytes) is allocated up front: a huge --ctx-size fails here.
         if isinstance(e, RuntimeError) and "alloc" not in str(e) and "memory" not in str(e):

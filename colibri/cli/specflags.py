@@ -19,17 +19,19 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("speculative decoding (the same greedy tokens, the same sampling distribution, "
                              "fewer forwards)")
-    g.add_argument("--spec", type=_spec_mode, default=None, metavar="auto|off|lookup|draft",
+    g.add_argument("--spec", type=_spec_mode, default=None, metavar="auto|off|lookup|draft|mtp",
                    help="auto: prompt-lookup drafts where the measured gate says they pay (and the draft model's "
                         "where lookup finds no match); lookup: every match verified; draft: the draft model's; "
-                        "off: one token per forward (default: draft with --draft-model, else off)")
+                        "mtp: the model's own multi-token-prediction layer's (DeepSeek-V3, GLM-4.5: loaded for "
+                        "it); off: one token per forward (default: draft with --draft-model, else off)")
     g.add_argument("--draft-max", type=bounded("--draft-max", 0, CAP - 1), default=DRAFT_MAX, metavar="N",
                    help="most drafted tokens verified per forward")
     g.add_argument("--draft-model", "-md", metavar="PATH", default=None,
                    help="a smaller .coli of the same tokenizer proposing the drafts (run in this process); "
                         "'demo': the built-in demo model's draft")
     g.add_argument("--draft-p-min", type=_probability, default=P_MIN, metavar="P",
-                   help=f"the draft model proposes a token while it gives it at least this probability ({P_MIN})")
+                   help=f"the draft model (or MTP layer) proposes a token while it gives it at least this "
+                        f"probability ({P_MIN})")
 
 
 def _probability(text: str) -> float:
@@ -64,5 +66,6 @@ def apply_spec_args(llm, a: argparse.Namespace) -> None:
     if llm.speculative != "off" and (why := llm._runner.spec.why_not):
         log.warning("colibri: --spec %s: this model decodes without drafts: %s", llm.speculative, why)
     llm.draft_max = getattr(a, "draft_max", llm.draft_max)
-    if llm._draft is not None:
-        llm._draft.p_min = getattr(a, "draft_p_min", llm._draft.p_min)
+    for src in (llm._draft, llm._mtp):  # (the draft model's and the MTP layer's confidence cut)
+        if src is not None:
+            src.p_min = getattr(a, "draft_p_min", src.p_min)

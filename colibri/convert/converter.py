@@ -23,6 +23,7 @@ from .. import __version__
 from ..errors import ColibriError
 from ..format.container import Container, Writer
 from ..format.validate import build_checked, check_config, check_sizes, check_tokenizer, layers_in, loads
+from ..layers import mtp
 from ..models.base import MULTIMODAL, expected_tensors, layer_of, multimodal_text, text_model_config
 from ..models.family import Family, family
 from ..progress import Progress
@@ -107,23 +108,30 @@ def read_tokenizer(folder: Path, vocab_rows: int | None = None) -> dict:
 class Plan:
     """Where each canonical tensor comes from and how it is stored."""
 
-    def __init__(self, st: SafetensorsFolder, fam: Family, model_type: str, cfg: dict, scheme: str, group_size: int):
+    def __init__(self, st: SafetensorsFolder, fam: Family, model_type: str, cfg: dict, scheme: str, group_size: int,
+                 keep_mtp: bool = True):
         self.st, self.fam, self.scheme, self.group_size = st, fam, scheme, group_size
         model, _ = build_checked(model_type, cfg, "config.json")
         self.expected = expected_tensors(model)
+        n_layers = cfg.get("num_hidden_layers", 0)
+        # the MTP layers the container keeps (layers/mtp.py): where the family runs them and the checkpoint has
+        # them (a config counts them where a repack stripped them), unless asked not to
+        held = {layer_of(n) for hf in st.names() if (n := fam.sanitize(hf)) is not None}
+        self.mtp = mtp.kept(model_type, cfg) if keep_mtp and n_layers in held else 0
+        self.expected.update(mtp.expected(model_type, cfg) if self.mtp else {})
         self.sources: dict[str, str] = {}  # canonical name -> HF name
         self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
         sanitize = fam.sanitize
         dropped = list(getattr(st, "hidden", ()))  # (what a family's source_view hides: ERNIE-4.5-VL's vision experts)
         # Multi-token-prediction heads (GLM-4.5, DeepSeek-V3, Hy3) ship as extra layers past the decoder stack.
-        n_layers = cfg.get("num_hidden_layers", 0)
         n_mtp = cfg.get("num_nextn_predict_layers") or fam.mtp_layers
         ignored = fam.ignored  # (names the family drops where its model has no such tensor)
         for hf in st.names():
             name = sanitize(hf)
             layer = None if name is None else layer_of(name)
             if layer is not None and n_layers <= layer < n_layers + n_mtp:
-                name = None
+                rest = name.split(".", 3)[3]  # (after model.layers.{i}.)
+                name = mtp.canonical(rest, layer - n_layers) if layer < n_layers + self.mtp else None
             if name is not None and ignored is not None and ignored.fullmatch(name) and name not in self.expected:
                 name = None
             if name is None:
@@ -281,11 +289,14 @@ def stats_for_convert(calibration, src: Path, group_size: int) -> ActivationStat
 
 
 def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: int = 64,
-            arch: str | None = None, progress: bool | None = None, calibration=None) -> Path:
+            arch: str | None = None, progress: bool | None = None, calibration=None, keep_mtp: bool = True) -> Path:
     """Convert an HF folder into a verified container at `dst`; returns the path.
 
+
     `calibration`: a text file, a saved statistics file or a `calibrate.ActivationStats`; the
-    int4/int3/int2 weights are then quantized with activation statistics (colibri/convert/calibrate.py)."""
+    int4/int3/int2 weights are then quantized with activation statistics (colibri/convert/calibrate.py).
+    `keep_mtp`: keep the checkpoint's multi-token-prediction layers where the family runs them (layers/mtp.py;
+    the drafts of `--spec mtp`); False drops them (`--no-mtp`), as the families that do not run them do."""
     src, dst = Path(src), Path(dst)
     if src.is_file():
         raise ColibriError(f"-i takes the model's folder (config.json, *.safetensors, tokenizer.json), not a file: "
@@ -320,7 +331,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "bf16", group_size: 
     embed = next((n for n, m in names.items() if m == "model.embed_tokens.weight"), None)
     check_sizes(cfg, st.shape(embed) if embed else None, layers_in(names.values()), str(src / "config.json"))
     st = dequantizing(st, cfg)  # a pre-quantized checkpoint (FP8 blocks, packed ints) reads back in float
-    plan = Plan(st, fam, model_type, cfg, scheme, group_size)
+    plan = Plan(st, fam, model_type, cfg, scheme, group_size, keep_mtp)
     meta = {"model_type": model_type, "config": cfg, "tokenizer": tokenizer,
             "quant": {"scheme": scheme, "group_size": group_size},
             "converter": {"colibri": __version__, "source": str(src), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -430,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration", metavar="FILE", help="int4/int3/int2: quantize with activation statistics "
                    "gathered by running the bf16 model over this text file (or a saved .safetensors statistics "
                    "file); see docs/QUANT.md")
+    p.add_argument("--no-mtp", action="store_true", help="drop the checkpoint's multi-token-prediction layers "
+                   "(kept by default where colibri runs them: DeepSeek-V3, GLM-4.5; `--spec mtp` drafts with them)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     a = p.parse_args(argv)
     if a.group_size <= 0 or a.group_size % 2:
@@ -438,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: --quant {a.quant} is experimental: expect a visible quality loss", file=sys.stderr)
     t0 = time.perf_counter()
     out = convert(a.input, a.output, a.quant, a.group_size, a.arch, progress=False if a.no_progress else None,
-                  calibration=a.calibration)
+                  calibration=a.calibration, keep_mtp=not a.no_mtp)
     size = out.stat().st_size
     print(f"wrote {out} ({size / 2**20:.1f} MiB, {a.quant}) in {time.perf_counter() - t0:.1f}s; "
           "checksums and shapes verified", file=sys.stderr)

@@ -131,6 +131,13 @@ class DecodePlan:
         h = self.layers(self.model.embed(tokens), batch, 0, self.n_layers)
         return self.head(h, out_rows)
 
+    def step_hidden(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step`'s logits and the last layer's output h [T, H] of every row (an MTP layer's input: engine/mtp.py):
+        the embedding and head in torch around the layers' call (the same bits as the whole step)."""
+        h = self.layers(self.model.embed(tokens), batch, 0, self.n_layers)
+        return self.head(h, out_rows), h
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's hidden states [T, H] for token ids [T]."""
         return self.model.embed(tokens)

@@ -106,9 +106,13 @@ class Runner:
                 out_rows.append(r + n - 1)
             r += n
         bytes0, wait0 = self._bytes_read(), self.store.io_wait_s()
+        hidden = None  # [T, H]: the last layer's output, where the MTP layer drafts from it (engine/mtp.py)
         try:
             batch = StepBatch(seqs)
-            logits = self.plan.step(_ids(tokens), batch, _ids(out_rows))  # [len(out_rows), V]
+            if self.spec.wants_hidden(chunks):
+                logits, hidden = self.plan.step_hidden(_ids(tokens), batch, _ids(out_rows))
+            else:
+                logits = self.plan.step(_ids(tokens), batch, _ids(out_rows))  # [len(out_rows), V]
         except BaseException as e:  # noqa: BLE001 - handed to the requests of the step, the engine goes on
             self._failed(chunks, e)
             return
@@ -140,6 +144,11 @@ class Runner:
                     self._verified(c, got, now)
             except Exception as e:  # noqa: BLE001 - one request's picking failed: it ends, the others go on
                 self._request_failed(c, e)
+        if hidden is not None:
+            try:
+                self.spec.after_step(chunks, picks, hidden, lambda a: a in self.sched.active and not a.final)
+            except Exception as e:  # noqa: BLE001 - as a failed step: its requests end, the engine goes on
+                self._failed([c for c in chunks if c.a in self.sched.active], e)
 
     def _run(self, chunks: list[Chunk], n_threads: int) -> bool:
         """Decode requests that need nothing of a step but its token (greedy or sampled, with a logit bias,

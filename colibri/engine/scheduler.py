@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,8 @@ class Scheduler:
         are left in all, or once at most `short_prompt` (3 x mixed_rows) are left; otherwise up to
         `prefill_chunk` rows a step until one is left. None: no limit."""
         self.slots, self.max_queue, self.prefill_chunk = slots, max_queue, prefill_chunk
+        # (request, slot) -> prompt positions it may take from the slot's cache (engine/mtp.py `cached`); None: all
+        self.prefix_cap: Callable[[RequestHandle, int], int] | None = None
         self.mixed_rows = mixed_rows
         self.cache_prompt = cache_prompt
         # Measured (2 threads, AVX-512): a 128-token prompt in 64-row native steps took 0.55-0.75 of the
@@ -141,6 +144,8 @@ class Scheduler:
                     continue
                 self.queue.remove(h)
                 slot, held = self.slots.acquire(h.prompt_ids if reuse else None)
+                if self.prefix_cap is not None:  # (what else the request needs of the slot's positions)
+                    held = min(held, self.prefix_cap(h, slot))
                 h.stats.queued_s = time.perf_counter() - h.submitted_at
                 # At least the last prompt row is computed: it gives the first token's logits.
                 h.stats.cached_tokens = min(held, max(len(h.prompt_ids) - 1, 0))

@@ -49,11 +49,11 @@ from ..layers.linear_attn import StateCache
 from ..layers.moe import SwitchGLU
 from .draft import DraftGate
 from .kv import rewinds
+from .mtp import Rows as mtp_rows
 from .sampling import greedy
 from .verify import greedy_run, sampled_run
 
-MODES = ("auto", "off", "lookup", "draft")
-NOT_BUILT = {"mtp": "multi-token-prediction heads"}
+MODES = ("auto", "off", "lookup", "draft", "mtp")
 # The longest n-gram matched first: a longer match is more specific, its continuation more often right.
 # Single tokens still match (an identifier, an indentation predicts what follows), but acceptance is counted per
 # match length, so the gate gives 1-gram matches the depth they earn, often none. 4+ grams add little: the
@@ -65,16 +65,17 @@ OWN_SEEN = 16  # a request's own acceptance counts for a position are used once 
 EWMA = 0.25  # weight of a verify step's new timing
 
 
-def check(mode: object, draft_max: object, has_draft: bool = True) -> None:
-    """Refuse an unknown mode or depth in one line (Engine.submit; `has_draft`: a draft model is loaded)."""
-    if mode in NOT_BUILT:
-        raise ColibriError(f"speculative={mode!r} ({NOT_BUILT[mode]}) is not built yet; use 'auto', 'lookup', "
-                           "'draft' or 'off'")
+def check(mode: object, draft_max: object, has_draft: bool = True, has_mtp: bool = True) -> None:
+    """Refuse an unknown mode or depth in one line (Engine.submit; `has_draft`: a draft model is loaded; `has_mtp`:
+    the model's MTP layer is)."""
     if mode not in MODES:
         raise ColibriError(f"speculative must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
     if mode == "draft" and not has_draft:
         raise ColibriError("speculative='draft' needs a draft model: load the engine with draft_model=PATH "
                            "(--draft-model)")
+    if mode == "mtp" and not has_mtp:
+        raise ColibriError("speculative='mtp' needs the model's multi-token-prediction layer loaded: "
+                           "Engine(mtp=True) (--spec mtp)")
     if isinstance(draft_max, bool) or not isinstance(draft_max, int) or not 0 <= draft_max < CAP:
         raise ColibriError(f"draft_max must be an integer in [0, {CAP - 1}], got {draft_max!r}")
 
@@ -245,6 +246,8 @@ class Speculator:
         self.costs = StepCosts()
         self.drafted = self.accepted = self.forwards = 0  # engine-wide: verified drafts, decode forwards
         self.drafter = None  # engine/draft.py DraftModel, where the engine loaded one
+        self.mtp = None  # engine/mtp.py MTPHead, where the engine loaded the model's MTP layer
+        self.mtp_next: dict[int, tuple[int, list[int]]] = {}  # slot -> (position of the token fed next, its drafts)
         self.draft_gate = DraftGate()  # (whether "auto" asks the draft model)
         self.draft_s = 0.0  # the draft model's seconds in the step being planned (0: it did not draft)
         self.why_not: str | None = None  # why this model does not speculate (`able` False), for the CLI's warning
@@ -290,6 +293,7 @@ class Speculator:
             self._mark(chunks)
             return False
         hold, cands, asks = False, [], []  # cands: (chunk, its RequestSpec, n, drafts); asks: (chunk, k)
+        rows = T = len(chunks)
         self.draft_s = 0.0
         # "auto" asks the draft model while its measured rate beats plain decoding's (measured first)
         draft_pays = None  # (asked once a step, of the first "auto" request that would ask the draft model)
@@ -299,10 +303,14 @@ class Speculator:
                 continue
             h = c.a.h
             st.sync(h.tokens, self.acceptance)
-            hold |= st.mode in ("lookup", "draft")
+            hold |= st.mode in ("lookup", "draft", "mtp")  # (an MTP request needs every step's hidden states)
             # k + 1 tokens at most come out: no more than are left to generate, at positions inside the context
             k = min(st.draft_max, h.max_tokens - h.stats.generated - 1, self.ctx - 1 - c.start)
+            pending = self.mtp_next.pop(c.a.slot, None) if st.mode == "mtp" else None
             if k <= 0:
+                continue
+            if pending is not None and pending[0] == c.start:  # (the MTP layer's drafts after the last step)
+                rows += _extend(c, pending[1][: min(k, max(CAP - rows, 0))])
                 continue
             # (lookup under "auto" only where its gate's costs hold: not with experts streamed)
             look = st.mode == "lookup" or (st.mode == "auto" and not self.streamed)
@@ -316,7 +324,6 @@ class Speculator:
                 asks.append((c, k))
             elif drafts:
                 cands.append((c, st, n, drafts))
-        rows = T = len(chunks)
         tokens = float(T)
         if asks:  # (every request's drafts from one forward a depth)
             t0 = time.perf_counter()
@@ -335,6 +342,37 @@ class Speculator:
                 rows += _extend(c, drafts[:k])
         self._mark(chunks)
         return hold or rows > T
+
+    def wants_hidden(self, chunks: list) -> bool:
+        """Whether the step's last-layer hidden states are needed (a request drafting with the MTP layer)."""
+        return self.mtp is not None and any((st := self.state(c.a)) is not None and st.mode == "mtp"
+                                            for c in chunks)
+
+    def after_step(self, chunks: list, picks: list, hidden: torch.Tensor, alive: Callable) -> None:
+        """The MTP layer over the step's kept rows of its requests (engine/mtp.py) and their next drafts; `picks`:
+        the verified tokens per chunk (None: not a verify), `alive(a)`: the request goes on."""
+        asks, r0 = [], 0
+        for c, got in zip(chunks, picks):
+            a, n, r = c.a, len(c.tokens), r0
+            r0 += n
+            if not alive(a) or not isinstance(st := a.spec, RequestSpec) or st.mode != "mtp":
+                continue
+            P = a.prompt_len
+            if got is not None:  # a verify: its kept rows, each followed by its pick
+                nexts = list(got)
+            else:
+                after = a.h.prompt_ids[c.start + n] if c.start + n < P else a.next_token
+                if after is None:
+                    continue
+                nexts = [*c.tokens[1:], after]
+            context = [*a.h.prompt_ids, *a.h.tokens][: c.start + len(nexts) + 1]
+            k = 0 if c.start + n < P else st.draft_max
+            asks.append((a.slot, mtp_rows(a.slot, c.start, list(range(r, r + len(nexts))), nexts, context, k)))
+        if asks:
+            for (slot, ask), drafts in zip(asks, self.mtp.step(hidden, [x for _, x in asks])):
+                self.mtp_next.pop(slot, None)
+                if drafts:
+                    self.mtp_next[slot] = (ask.start + len(ask.nexts), drafts)
 
     def _mark(self, chunks: list) -> None:
         """A verify's recurrent states keep a snapshot a row (`accept` restores one); every other sequence's keep

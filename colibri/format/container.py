@@ -534,6 +534,11 @@ class Container:
         lines.append(f"data:        {_human(sum(by_dtype.values()))}")
         for dt, nb in sorted(by_dtype.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {dt + ':':<25}{_human(nb)}")
+        mtp = [e["nbytes"] for n, e in self._tensors.items() if n.startswith("mtp.")]  # (layers/mtp.py)
+        if mtp:
+            layers = {n.split(".")[1] for n in self._tensors if n.startswith("mtp.")}
+            lines.append(f"mtp:         {len(layers)} multi-token-prediction layer(s), {_human(sum(mtp))} "
+                         "(drafts for --spec mtp; RAM beside the model's weights)")
         conv = self.meta.get("converter")
         if isinstance(conv, dict):
             # Lists (e.g. dropped source tensors) can run to thousands of names: show counts.

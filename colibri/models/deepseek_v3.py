@@ -10,8 +10,8 @@ MLA + shared-expert layout with the auxiliary-loss-free sigmoid router.
   expect; false rotates halves. YaRN multiplies the softmax scale by mscale(factor, mscale_all_dim)^2.
 - Converter: the multi-token-prediction module that V3 checkpoints append as layer
   `num_hidden_layers` (embed/enorm/hnorm/eh_proj/shared_head + one decoder layer, counted by
-  `num_nextn_predict_layers`) is dropped and listed in meta["converter"]["dropped"]:
-  colibri decodes one token at a time. FP8 weights (F8_E4M3 with
+  `num_nextn_predict_layers`) is kept (layers/mtp.py; `--spec mtp` drafts with it), an MoE layer
+  (`mtp_config`). FP8 weights (F8_E4M3 with
   per-128x128-block `weight_scale_inv`, quantization_config.quant_method "fp8") are
   dequantized by the converter before re-quantization.
 """
@@ -111,4 +111,9 @@ def check_config(cfg: dict) -> None:
                            f"(supported: {SCORING})")
 
 
-FAMILY = Family("deepseek_v3", ModelArgs, Model, check_config=check_config, sanitize=sanitize)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (past the first_k_dense_replace dense layers: routed) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "first_k_dense_replace": 0, "moe_layer_freq": 1}
+
+
+FAMILY = Family("deepseek_v3", ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_config=mtp_config)

@@ -78,6 +78,9 @@ class Family:
     ignored: re.Pattern | None = None
     # Multi-token-prediction layers past the decoder stack, dropped, where the config does not count them.
     mtp_layers: int = 0
+    # The config that builds the family's MTP decoder layer as layer 0 of a one-layer model (layers/mtp.py); None:
+    # the converter drops the MTP layers.
+    mtp_config: Callable[[dict], dict] | None = None
 
     def __post_init__(self):
         if _REGISTRY.setdefault(self.name, self) is not self:

@@ -1,5 +1,7 @@
 """GLM-4.5 / 4.6 MoE: partial RoPE, q/k/v bias, optional per-head q/k norm, dense first layers,
-shared experts, and a sigmoid router with a selection-only correction bias and group-limited top-k."""
+shared experts, and a sigmoid router with a selection-only correction bias and group-limited top-k. The
+multi-token-prediction layer (`num_nextn_predict_layers`, appended as layer `num_hidden_layers`, DeepSeek-V3's
+layout) is kept: layers/mtp.py, `mtp_config`."""
 
 from __future__ import annotations
 
@@ -156,4 +158,9 @@ class Model(CausalLM):
         self.args = a
 
 
-FAMILY = Family("glm4_moe", ModelArgs, Model, check_config=check_config)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (past the dense first layers: routed) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+
+
+FAMILY = Family("glm4_moe", ModelArgs, Model, check_config=check_config, mtp_config=mtp_config)

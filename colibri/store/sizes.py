@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..format.container import Container
+from ..layers.mtp import PREFIX as MTP
 from ..models.base import layer_of
 from ..quant import OWNED_ALIGN, bias_bytes, owned_bytes
 from .reader import round_up
@@ -63,7 +64,8 @@ def model_sizes(c: Container, compute_dtype: torch.dtype | None = None) -> Model
     """Memory costs of a container's parts, for planning (no weight is read)."""
     if compute_dtype is None:
         compute_dtype = torch.float32 if c.quant.get("scheme") == "f32" else torch.bfloat16
-    tensors = c.header["tensors"]
+    # (a container's MTP layers are planned as their own model: engine/mtp.py)
+    tensors = {n: e for n, e in c.header["tensors"].items() if not n.startswith(MTP)}
     layers = [layer_of(n) for n in tensors] + [layer_of(n) for n in c.header["records"]]
     n_layers = 1 + max((i for i in layers if i is not None), default=-1)
     glob, per_layer = 0, [0] * n_layers

@@ -34,6 +34,7 @@ from ..format.container import Container
 from ..format.integrity import Checks
 from ..format.layout import DTYPES
 from ..layers.moe import ExpertWeights
+from ..layers.mtp import PREFIX as MTP
 from ..models.base import layer_of
 from ..progress import Progress
 from .cache import ExpertCache
@@ -76,7 +77,9 @@ class TieredStore(WeightStore):
         super().__init__(container, compute_dtype)
         # `keep(name)`: the tensors this process uses (a cluster stage holds a range of layers, the head only the
         # ends: colibri/cluster); the others are never read, mapped or counted. None: all of them.
-        self.keep = keep or (lambda name: True)
+        # A container's MTP layers are never the main model's: engine/mtp.py loads them as a model of their own.
+        own = keep or (lambda name: True)
+        self.keep = lambda name: not name.startswith(MTP) and own(name)
         self.routed = routed  # False: the routed experts are served elsewhere (cluster expert workers): none read
         self.sizes = sizes = model_sizes(container, compute_dtype)
         if callable(placement):

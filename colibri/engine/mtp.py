@@ -1,0 +1,157 @@
+"""The model's own multi-token-prediction layer as a draft source (`Engine(mtp=True)`, `--spec mtp`).
+
+After each step of a request that drafts with it, the MTP layer (layers/mtp.py) takes the step's kept rows: row i
+at position p gives the main model's last-layer output h_p (after its final norm) and the token after it, t_{p+1}
+(the next prompt token, an accepted draft, or the token just picked). Its K/V at those positions are written (one
+batched forward of every such request's rows, prompt chunks included: a later position attends over all of
+them), and its prediction at the last row is the first draft. Further drafts chain the layer on itself: its output
+before its norm stands in for h, the draft for the token, one position on (DeepSeek-V3's sequential MTP with the
+one shipped layer). A request's drafts stop where the layer's probability of its pick falls below `p_min`.
+
+Rollback is positional: the next write starts at the verify's first rejected position and overwrites what chained
+drafts wrote there. `held[slot]` records the tokens t_0..t_n whose entries 0..n-1 the slot's cache holds; a chunk
+whose earlier positions it does not hold (a slot reused with a cached prompt prefix whose MTP entries came from
+another continuation) does not draft with the layer. The drafts never change a token: the main model's verify
+decides (engine/verify.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ColibriError
+from ..layers import mtp
+from ..layers.batch import Seq, StepBatch
+from ..layers.moe import SwitchGLU
+from ..models.base import bind
+from ..store import TieredStore
+from .draft import P_MIN
+from .kv import common_prefix
+
+
+@dataclass
+class Rows:
+    """One request's rows of a step for the MTP layer: positions start..start + len(nexts) - 1, the rows' indices
+    in the step's hidden states, the token after each, its context t_0..t_{start + len(nexts)}, and k drafts
+    wanted after them (0: a prompt chunk that is not the last)."""
+
+    slot: int
+    start: int
+    rows: list[int]
+    nexts: list[int]
+    context: list[int]
+    k: int
+
+
+def budget_left(container, mem_budget: int) -> int:
+    """The main model's share of `mem_budget` once the MTP layer's weights (kept in RAM) are out of it; a one-line
+    refusal where they take it all."""
+    from ..store.sizes import human, model_sizes
+
+    need = model_sizes(mtp.View(container)).total_bytes  # type: ignore[arg-type]
+    if need >= mem_budget:
+        raise ColibriError(f"the MTP layer's weights ({human(need)}) take all of --mem-budget {human(mem_budget)}")
+    return mem_budget - need
+
+
+class MTPHead:
+    def __init__(self, container, target: torch.nn.Module, n_slots: int, ctx: int, dtype: torch.dtype):
+        """The container's MTP layer 0 beside `target` (the main model: its embedding, final norm and head)."""
+        if mtp.kept(container.model_type, container.config) == 0 or not any(
+                n.startswith(mtp.PREFIX) for n in container.header["tensors"]):
+            raise ColibriError(f"{container.path} has no multi-token-prediction layer (the checkpoint ships none, "
+                               "colibri does not run this family's, or it was converted with --no-mtp)")
+        self.view = mtp.View(container)
+        self.model = mtp.build(container.model_type, container.config)
+        self.store = TieredStore(self.view, dtype, None, prefetch=False)  # type: ignore[arg-type]
+        try:
+            bind(self.model, self.store)
+            self.store.attach(self.model)
+            self.model.eval()
+        except BaseException:
+            self.store.close()
+            raise
+        self.block = self.model.model.layers[0]
+        self._experts = [m for m in self.block.modules() if isinstance(m, SwitchGLU)]
+        self.target = target
+        self.caches = [self.model.make_cache(ctx, dtype) for _ in range(n_slots)]  # [slot][1]
+        self.held: list[list[int]] = [[] for _ in range(n_slots)]  # (module doc)
+        self.ctx = ctx
+        self.p_min = P_MIN
+        self.forwards = 0
+
+    def cached(self, h, slot: int) -> int:
+        """Prompt positions request h may take from the slot's cache (engine/scheduler.py `prefix_cap`): all where
+        it does not draft with the layer, else those whose MTP entries the slot holds too (the others' hidden
+        states are gone: they are computed again)."""
+        if h.speculative != "mtp":
+            return len(h.prompt_ids)
+        return max(common_prefix(self.held[slot], h.prompt_ids) - 1, 0)
+
+    def step(self, hidden: torch.Tensor, asks: list[Rows]) -> list[list[int] | None]:
+        """Write the asks' rows of a step's last-layer output hidden [T, H]; per ask its drafts (None: the slot
+        does not hold its earlier positions: nothing written)."""
+        out: list[list[int] | None] = [None] * len(asks)
+        live = [j for j, a in enumerate(asks) if a.start == 0 or common_prefix(self.held[a.slot], a.context)
+                > a.start]
+        if not live:
+            return out
+        idx = torch.from_numpy(np.array([r for j in live for r in asks[j].rows], dtype=np.int64))
+        h = self.target.model.norm(hidden[idx])  # [R, H]: the main model's final hidden states
+        toks = [t for j in live for t in asks[j].nexts]
+        y = self._forward(toks, h, [(asks[j].slot, asks[j].start, len(asks[j].nexts)) for j in live])  # [R, H]
+        last, r = [], 0
+        for j in live:
+            a = asks[j]
+            r += len(a.nexts)
+            last.append(r - 1)
+            self.held[a.slot] = a.context[: a.start + len(a.nexts) + 1]
+            out[j] = []
+        # drafts: the prediction at each ask's last row, then the layer chained on its own output
+        want = {j: min(asks[j].k, self.ctx - 1 - asks[j].start - len(asks[j].nexts)) for j in live}
+        go = [(j, row) for j, row in zip(live, last) if want[j] > 0]
+        y = y[torch.tensor([row for _, row in go], dtype=torch.int64)] if go else y[:0]  # [n, H]
+        while go:
+            p, pick = torch.softmax(self._logits(y), -1).max(-1)  # [n]
+            nxt, keep = [], []
+            for i, ((j, _), tok, pj) in enumerate(zip(go, pick.tolist(), p.tolist())):
+                if pj < self.p_min:
+                    continue
+                drafts = out[j]
+                assert drafts is not None
+                drafts.append(tok)
+                if len(drafts) < want[j]:
+                    nxt.append((j, i))
+                    keep.append(tok)
+            if not nxt:
+                break
+            rows = torch.tensor([i for _, i in nxt], dtype=torch.int64)
+            spans = [(asks[j].slot, asks[j].start + len(asks[j].nexts) + len(out[j]) - 1, 1)  # type: ignore[arg-type]
+                     for j, _ in nxt]
+            y = self._forward(keep, y[rows], spans)
+            go = [(j, i) for i, (j, _) in enumerate(nxt)]
+        return out
+
+    def _forward(self, toks: list[int], h: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The layer over rows (its input from the tokens and h [R, H]: the main model's normed output, or the
+        layer's own when chained), spans (slot, start, rows) in row order -> its output [R, H] before its norm."""
+        e = self.target.embed(torch.from_numpy(np.array(toks, dtype=np.int64)))  # [R, H]
+        seqs, r = [], 0
+        for slot, start, n in spans:
+            seqs.append(Seq(r, r + n, start, self.caches[slot]))
+            r += n
+        y = self.block(self.model.inputs(e, h), StepBatch(seqs).layer(0))
+        for ex in self._experts:  # (nobody counts the MTP layer's routes)
+            ex.route = None
+        self.forwards += 1
+        return y
+
+    def _logits(self, y: torch.Tensor) -> torch.Tensor:
+        """[n, V] f32: the main model's head after the layer's own norm."""
+        return self.target.finish(self.target.lm_head(self.model.model.norm(y)).float())
+
+    def close(self) -> None:
+        self.store.close()

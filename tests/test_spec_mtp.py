@@ -1,0 +1,184 @@
+"""The model's own MTP layer as a draft source (layers/mtp.py, engine/mtp.py): tiny DeepSeek-V3 and GLM-4.5
+checkpoints with one MTP layer appended as they ship it (layer `num_hidden_layers`: enorm, hnorm, eh_proj,
+shared_head, one decoder layer, copies of the embedding and head). The converter keeps it (and drops it with --no-mtp); its
+logits match the layer composed from transformers' own decoder layer; its drafts after every verify equal what it
+predicts from the true context (its K/V rolled back right); greedy output with it equals plain decoding's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from hf_tiny import load_hf, make_tiny_checkpoint
+from safetensors.torch import save_file
+
+import colibri
+from colibri.convert.converter import convert
+from colibri.engine import mtp as engine_mtp
+from colibri.errors import ColibriError
+from colibri.format.container import Container
+from colibri.kernels import native
+
+PROMPT = [1, 88, 5, 61, 230, 12, 9, 88, 5]
+N = 20
+L = 3  # main layers; the MTP layer is the tiny model's layer 3
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def mtp_ckpt(tmp_path_factory, request):
+    """(HF folder with an MTP layer, the 4-layer transformers model whose layer 3 it is, its f32 container)."""
+    root = tmp_path_factory.mktemp("mtp")
+    big = make_tiny_checkpoint(request.param, root / "big", num_hidden_layers=L + 1)
+    ref = load_hf(big)
+    hf = root / "hf"
+    shutil.copytree(big, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    H = cfg["hidden_size"]
+    g = torch.Generator().manual_seed(7)
+    p = f"model.layers.{L}."
+    extra = {p + "enorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+             p + "hnorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+             p + "eh_proj.weight": 0.05 * torch.randn(H, 2 * H, generator=g),
+             p + "shared_head.norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+             p + "shared_head.head.weight": ref.lm_head.weight.detach().clone(),
+             p + "embed_tokens.weight": ref.model.embed_tokens.weight.detach().clone()}
+    save_file(extra, str(hf / "mtp.safetensors"), metadata={"format": "pt"})
+    return hf, ref, extra, convert(hf, root / "m.coli", "f32", 32, progress=False)
+
+
+def _reference(ref, extra: dict, tokens: list[int]) -> torch.Tensor:
+    """The MTP layer's logits at positions 0..len-2 (row i: from h_i and token i + 1), composed from transformers'
+    own modules: the main model's final hidden states, then layer 3 of the 4-layer model over
+    eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then the head after shared_head.norm."""
+    main = load_hf_prefix(ref)
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        h = main(ids[:, :-1])  # [1, T, H]: after the final norm
+        e = ref.model.embed_tokens(ids[:, 1:])
+
+        def rms(x, w):
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ref.config.rms_norm_eps))
+
+        p = f"model.layers.{L}."
+        x = torch.cat([rms(e, extra[p + "enorm.weight"]), rms(h, extra[p + "hnorm.weight"])], -1) @ \
+            extra[p + "eh_proj.weight"].T
+        T = x.shape[1]
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        y = ref.model.layers[L](x, attention_mask=mask, position_ids=pos,
+                                position_embeddings=ref.model.rotary_emb(x, pos))
+        y = y[0] if isinstance(y, tuple) else y
+        return (rms(y, extra[p + "shared_head.norm.weight"]) @ ref.lm_head.weight.T)[0]  # [T, V]
+
+
+def load_hf_prefix(ref):
+    """The 4-layer model's first L layers and final norm as a function: ids [1, T] -> hidden [1, T, H]."""
+    def run(ids):
+        out = ref.model(ids, output_hidden_states=True)
+        # hidden_states[L] is layer L-1's output before the final norm (transformers: [embeddings, layer 0, ...])
+        return ref.model.norm(out.hidden_states[L])
+    return run
+
+
+def test_the_converter_keeps_the_mtp_layer_and_drops_it_when_asked(mtp_ckpt, tmp_path) -> None:
+    hf, _, _, coli = mtp_ckpt
+    with Container(coli) as c:
+        names = [n for n in c.names() if n.startswith("mtp.")]
+        assert "mtp.0.eh_proj.weight" in names and "mtp.0.norm.weight" in names
+        assert any(n.startswith("mtp.0.block.self_attn.") for n in names)
+        assert any(r.startswith("mtp.0.block.mlp.experts.") for r in c.record_names())
+        assert not any("shared_head.head" in n or "embed_tokens" in n for n in names)  # (the main model's serve)
+    dropped = convert(hf, tmp_path / "no-mtp.coli", "f32", 32, progress=False, keep_mtp=False)
+    with Container(dropped) as c:
+        assert not any(n.startswith("mtp.") for n in c.names())
+        assert any(f"model.layers.{L}.eh_proj" in n for n in c.meta["converter"]["dropped"])
+    with colibri.load(dropped, ctx_size=64, threads=2) as llm, pytest.raises(ColibriError, match="needs the model"):
+        llm.submit(PROMPT, 4, speculative="mtp")
+    with pytest.raises(ColibriError, match="no multi-token-prediction layer"):
+        colibri.load(dropped, ctx_size=64, threads=2, mtp=True)
+
+
+def test_the_mtp_layer_matches_transformers_modules(mtp_ckpt) -> None:
+    _, ref, extra, coli = mtp_ckpt
+    tokens = PROMPT + [17, 40]
+    want = _reference(ref, extra, tokens)  # [T, V]
+    with colibri.load(coli, ctx_size=64, threads=2, mtp=True) as llm:
+        h = load_hf_prefix(ref)(torch.tensor([tokens[:-1]]))[0]
+        head = llm._mtp
+        got = head._logits(head._forward(tokens[1:], h, [(0, 0, len(tokens) - 1)]))
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt, monkeypatch) -> None:
+    """Every first draft the layer proposes equals its prediction from the true context (transformers' modules,
+    above), while the drafts verified are right up to a depth that cycles through 0..3 (the layer's own are
+    rarely right on a random model): after kept and rejected rows alike its K/V hold the right entries; the
+    tokens equal plain decoding's."""
+    _, ref, extra, coli = mtp_ckpt
+    seen: list[tuple[int, int]] = []  # (position of the token fed next, the layer's first draft)
+    step, turn, full = engine_mtp.MTPHead.step, itertools.count(), []
+
+    def spy(self, hidden, asks):
+        out = step(self, hidden, asks)
+        for a, d in zip(asks, out):
+            if d:
+                pos = a.start + len(a.nexts)
+                seen.append((pos, d[0]))
+                j = next(turn) % 4  # right before draft j
+                d[:] = [t if i < j else (t + 1) % ref.config.vocab_size for i, t in enumerate(full[pos + 1 : pos + 4])]
+        return out
+
+    monkeypatch.setattr(engine_mtp.MTPHead, "step", spy)
+    with colibri.load(coli, ctx_size=64, threads=2, mtp=True) as llm:
+        llm._mtp.p_min = 0.0
+        plain = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="off").wait()
+        full.extend(PROMPT + plain)
+        h = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="mtp", draft_max=3)
+        got = h.wait()
+    assert got == plain
+    assert 0 < h.stats.accepted < h.stats.drafted and len(seen) >= 5
+    want = _reference(ref, extra, full).argmax(-1)  # row i: the token after i + 1
+    for pos, first in seen:
+        assert first == int(want[pos - 1]), (pos, first)
+
+
+@pytest.mark.parametrize("scheme,budget", [("f32", None), ("int8", None), ("int8", "600K")])
+def test_mtp_in_batches_with_staggered_joins_gives_plain_tokens(mtp_ckpt, tmp_path, scheme, budget) -> None:
+    """Batched requests joining while others decode, at f32, on the native whole step at int8, and with the
+    experts streamed through a small cache (`budget`)."""
+    hf, _, _, coli = mtp_ckpt
+    if scheme != "f32":
+        if not native.available():
+            pytest.skip(f"native kernels: {native.why_unavailable()}")
+        coli = convert(hf, tmp_path / f"m.{scheme}.coli", scheme, 32, progress=False)
+    prompts = [PROMPT, PROMPT[:4] + [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    with colibri.load(coli, ctx_size=64, threads=2, slots=3, mtp=True, mem_budget=budget) as llm:
+        assert budget is None or llm.plan.native_layers().cached  # (experts streamed)
+        llm._mtp.p_min = 0.0
+        plain = [llm.submit(p, N, temperature=0, ignore_eos=True).wait() for p in prompts]
+        hs = []
+        for i, p in enumerate(prompts):  # joins while the others decode
+            hs.append(llm.submit(p, N - 3 * i, temperature=0, ignore_eos=True, speculative="mtp", draft_max=2))
+            if i == 0:
+                next(iter(hs[0]))
+        got = [h.wait() for h in hs]
+    assert got == [pl[: N - 3 * i] for i, pl in enumerate(plain)]
+    assert sum(h.stats.drafted for h in hs) > 0
+
+
+def test_cli_inspect_shows_the_mtp_layer_and_run_drafts_with_it(mtp_ckpt, capsys) -> None:
+    from colibri.cli import main
+
+    coli = mtp_ckpt[3]
+    assert main(["inspect", str(coli), "--no-verify"]) == 0
+    assert "mtp:         1 multi-token-prediction layer(s)" in capsys.readouterr().out
+    assert main(["run", "-m", str(coli), "-p", "hello", "-n", "8", "--temp", "0", "--ctx-size", "64",
+                 "--spec", "mtp", "--draft-max", "2", "--stats"]) == 0
+    got = re.search(r"drafts (\d+)/(\d+) accepted", capsys.readouterr().err)
+    assert got and int(got.group(2)) > 0
