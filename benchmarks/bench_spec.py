@@ -3,17 +3,18 @@
     .venv/bin/python benchmarks/bench_spec.py [--tokens 200] [--tokens-ram 800] [--repeats 3] [--threads 2]
                                               [--mem-budget 2M] [--skip-streamed] [--synth PATH.coli]
 
-The target is the shipped demo model (colibri/data/demo, a trained 4-layer Mixtral-style MoE), its draft the
-shipped demo draft (colibri/data/demo-draft, a 0.13 M-parameter dense Qwen3 trained on the same stories by
-tools/make_draft_model.py). Three prompts (fixed, from the stories the demo learnt: tools/make_demo_model.py):
-a rewrite that repeats its input (a story, then the instruction to tell it again and its first words), a
-summary that quotes (a story, then a sentence of it to go on from), and free story text. Two settings: in RAM
-(int8), and with the experts streamed from the container under --mem-budget (each token's misses read from the
-file, through the page cache). For each (setting, prompt, source: off, lookup, auto, draft): decode tok/s (the
-median of --repeats runs), the ratio to off, tokens per forward, acceptance by draft position, and whether the
-text equals off's (greedy: it must). `--synth M.coli` adds a random-init model (e.g. the 0.44B OLMoE shape of
-benchmarks/synth_ckpt.py, converted int8): what "auto" decides there and why (its verify-step cost table and
-lookup acceptance).
+The target is the shipped demo model (colibri/data/demo, a trained 4-layer Mixtral-style MoE) with its multi-token-
+prediction layer (colibri/data/demo-mtp, one more Mixtral layer trained on the same stories to predict the token
+after next by tools/make_demo_mtp.py), its draft the shipped demo draft (colibri/data/demo-draft, a 0.13 M-parameter
+dense Qwen3 trained on the same stories by tools/make_draft_model.py). Three prompts (fixed, from the stories the
+demo learnt: tools/make_demo_model.py): a rewrite that repeats its input (a story, then the instruction to tell it
+again and its first words), a summary that quotes (a story, then a sentence of it to go on from), and free story
+text. Two settings: in RAM (int8), and with the experts streamed from the container under --mem-budget (each token's
+misses read from the file, through the page cache; the MTP layer's and the draft's weights come out of the budget).
+For each (setting, prompt, source: off, lookup, auto, draft, mtp): decode tok/s (the median of --repeats runs), the
+ratio to off, tokens per forward, acceptance by draft position, and whether the text equals off's (greedy: it must).
+`--synth M.coli` adds a random-init model (e.g. the 0.44B OLMoE shape of benchmarks/synth_ckpt.py, converted int8):
+what "auto" decides there and why (its verify-step cost table and lookup acceptance).
 
 The load average is printed with every table: these machines have 2 cores, and a figure taken beside other work
 is noise. No peer runs here: the question is what each source gains over the same engine's plain decoding.
@@ -43,7 +44,7 @@ PROMPTS = {
     "quote": f"{_DOCS[2]}\n\nThe story says: On the way home,",
     "story": "Once upon a time",  # free story text
 }
-SOURCES = ("off", "lookup", "auto", "draft")
+SOURCES = ("off", "lookup", "auto", "draft", "mtp")
 
 
 def run(llm, ids: list[int], mode: str, tokens: int, repeats: int) -> dict:
@@ -97,11 +98,11 @@ def main() -> int:
     ap.add_argument("--skip-streamed", action="store_true")
     ap.add_argument("--synth", type=Path, help="a random-init container: what auto decides there")
     a = ap.parse_args()
-    draft = demo_model("int8", draft=True)
-    with colibri.load(demo_model("int8"), ctx_size=1024, threads=a.threads, draft_model=draft) as llm:
+    draft, target = demo_model("int8", draft=True), demo_model("int8", mtp=True)
+    with colibri.load(target, ctx_size=1024, threads=a.threads, draft_model=draft, mtp=True) as llm:
         table("demo int8, in RAM", llm, a.tokens_ram, a.repeats)
     if not a.skip_streamed:
-        with colibri.load(demo_model("int8"), ctx_size=1024, threads=a.threads, draft_model=draft,
+        with colibri.load(target, ctx_size=1024, threads=a.threads, draft_model=draft, mtp=True,
                           mem_budget=a.mem_budget) as llm:
             table(f"demo int8, --mem-budget {a.mem_budget} ({llm.plan.describe()})", llm, a.tokens, a.repeats)
     if a.synth:

@@ -204,7 +204,8 @@ def test_requests_that_do_not_speculate(ckpt) -> None:
             h = llm.submit(REPEAT, 16, ignore_eos=True, speculative="lookup", **{"temperature": 0, **kw})
             h.wait()
             assert h.stats.drafted == 0, kw
-        for mode, msg in (("mtp", "needs the model's multi-token-prediction layer"), ("draft", "needs a draft model"), ("fast", "must be one of")):
+        for mode, msg in (("mtp", "needs the model's multi-token-prediction layer"), ("draft", "needs a draft model"),
+                          ("fast", "must be one of")):
             with pytest.raises(ColibriError, match=msg):
                 llm.submit(REPEAT, 4, speculative=mode)
         with pytest.raises(ColibriError, match="draft_max"):

@@ -176,7 +176,8 @@ def resolve_model(a: argparse.Namespace) -> str:
     if a.model is None:
         from ..demo import demo_model
 
-        a.model = str(demo_model())
+        # (--spec mtp: with its MTP layer, at int8: a verify is exact on the native step, not on torch at bf16)
+        a.model = str(demo_model("int8", mtp=True) if getattr(a, "spec", None) == "mtp" else demo_model())
         log.warning("no --model given: using the built-in demo model %s", a.model)
     path = Path(a.model)
     if path.is_dir():

@@ -28,6 +28,7 @@ from ..layers.batch import Seq, StepBatch
 from ..layers.moe import SwitchGLU
 from ..models.base import bind
 from ..store import TieredStore
+from . import native_step
 from .draft import P_MIN
 from .kv import common_prefix
 
@@ -75,6 +76,8 @@ class MTPHead:
             self.store.close()
             raise
         self.block = self.model.model.layers[0]
+        # the layer in one native call where the kernels take it (int8/int4 weights, bf16), else its torch forward
+        self._nat = native_step.build([self.block], 0, whole=False) if dtype == torch.bfloat16 else "f32"
         self._experts = [m for m in self.block.modules() if isinstance(m, SwitchGLU)]
         self.target = target
         self.caches = [self.model.make_cache(ctx, dtype) for _ in range(n_slots)]  # [slot][1]
@@ -143,7 +146,9 @@ class MTPHead:
         for slot, start, n in spans:
             seqs.append(Seq(r, r + n, start, self.caches[slot]))
             r += n
-        y = self.block(self.model.inputs(e, h), StepBatch(seqs).layer(0))
+        x, batch = self.model.inputs(e, h), StepBatch(seqs)
+        got = None if isinstance(self._nat, str) else native_step.layers(self._nat, x, batch)
+        y = got[0] if got is not None else self.block(x, batch.layer(0))
         for ex in self._experts:  # (nobody counts the MTP layer's routes)
             ex.route = None
         self.forwards += 1

@@ -1,4 +1,5 @@
-"""Speculative decoding: drafts proposed (prompt lookup, or a draft model: engine/draft.py), verified in one step.
+"""Speculative decoding: drafts proposed (prompt lookup, a draft model: engine/draft.py, or the model's own MTP
+layer: engine/mtp.py), verified in one step.
 
 A request's decode row [next] becomes [next, d1..dk]. Prompt lookup guesses the k tokens by finding the longest
 n-gram (n = 3, 2, 1) that ends its context (prompt + generated) earlier in that context and copying what followed
@@ -248,6 +249,8 @@ class Speculator:
         self.drafter = None  # engine/draft.py DraftModel, where the engine loaded one
         self.mtp = None  # engine/mtp.py MTPHead, where the engine loaded the model's MTP layer
         self.mtp_next: dict[int, tuple[int, list[int]]] = {}  # slot -> (position of the token fed next, its drafts)
+        self.mtp_acceptance = Acceptance()  # the MTP layer's verified drafts by position (row 0), for the gate
+        self.mtp_depth = DRAFT_MAX  # drafts the layer makes a request (the gate's last depth + 1)
         self.draft_gate = DraftGate()  # (whether "auto" asks the draft model)
         self.draft_s = 0.0  # the draft model's seconds in the step being planned (0: it did not draft)
         self.why_not: str | None = None  # why this model does not speculate (`able` False), for the CLI's warning
@@ -309,8 +312,8 @@ class Speculator:
             pending = self.mtp_next.pop(c.a.slot, None) if st.mode == "mtp" else None
             if k <= 0:
                 continue
-            if pending is not None and pending[0] == c.start:  # (the MTP layer's drafts after the last step)
-                rows += _extend(c, pending[1][: min(k, max(CAP - rows, 0))])
+            if pending is not None and pending[0] == c.start:  # (the MTP layer's drafts after the last step: gated)
+                cands.append((c, st, None, pending[1][:k]))
                 continue
             # (lookup under "auto" only where its gate's costs hold: not with experts streamed)
             look = st.mode == "lookup" or (st.mode == "auto" and not self.streamed)
@@ -335,13 +338,23 @@ class Speculator:
             if st.mode == "lookup" and (d := _extend(c, drafts[: max(CAP - rows, 0)])):
                 rows += d
                 tokens += float(st.gains(self.acceptance, n, d).sum())
-        gated = [x for x in cands if x[1].mode == "auto"]
+        gated = [x for x in cands if x[1].mode in ("auto", "mtp")]
         if gated and plain_s is not None:  # (plain decoding's cost is measured first)
-            gains = [st.gains(self.acceptance, n, len(d)) for _, st, n, d in gated]
-            for (c, _, _, drafts), k in zip(gated, choose(gains, rows, tokens, self.costs.estimate(T, plain_s), CAP)):
+            gains = [st.gains(self.acceptance, n, len(d)) if n is not None else self.mtp_gains(len(d))
+                     for _, st, n, d in gated]
+            depths = choose(gains, rows, tokens, self.costs.estimate(T, plain_s), CAP)
+            for (c, _, n, drafts), k in zip(gated, depths):
                 rows += _extend(c, drafts[:k])
+                if n is None:  # (the layer drafts one deeper than the gate last took: its chain costs too)
+                    self.mtp_depth = k + 1
         self._mark(chunks)
         return hold or rows > T
+
+    def mtp_gains(self, k: int) -> np.ndarray:
+        """[k]: the expected extra tokens of MTP drafts 1..k (as `RequestSpec.gains`, from the engine's counts of the
+        MTP layer's verified drafts by position)."""
+        a = self.mtp_acceptance
+        return np.cumprod((a.ok[0, :k] + 1) / (a.seen[0, :k] + 2))
 
     def wants_hidden(self, chunks: list) -> bool:
         """Whether the step's last-layer hidden states are needed (a request drafting with the MTP layer)."""
@@ -366,7 +379,7 @@ class Speculator:
                     continue
                 nexts = [*c.tokens[1:], after]
             context = [*a.h.prompt_ids, *a.h.tokens][: c.start + len(nexts) + 1]
-            k = 0 if c.start + n < P else st.draft_max
+            k = 0 if c.start + n < P else min(st.draft_max, self.mtp_depth)
             asks.append((a.slot, mtp_rows(a.slot, c.start, list(range(r, r + len(nexts))), nexts, context, k)))
         if asks:
             for (slot, ask), drafts in zip(asks, self.mtp.step(hidden, [x for _, x in asks])):
@@ -392,6 +405,8 @@ class Speculator:
             picks = sampled_run(logits, drafts, p.sp, p.seed, p.taken)
         for st in self.states[c.a.slot] if self.states else ():  # the states after the rows kept
             st.rollback(len(picks))
+        if c.a.spec and c.a.spec.mode == "mtp":
+            self.mtp_acceptance.add(0, len(drafts), len(picks) - 1)
         st = c.a.h.stats
         st.drafted += len(drafts)
         st.accepted += len(picks) - 1

@@ -1,4 +1,6 @@
-"""Mixtral: GQA attention + softmax top-k router (renormalised) over SwiGLU experts."""
+"""Mixtral: GQA attention + softmax top-k router (renormalised) over SwiGLU experts. Released Mixtrals ship no
+multi-token-prediction layer; the built-in demo's (tools/make_demo_mtp.py) is one more Mixtral layer in
+DeepSeek-V3's MTP layout (`mtp_config`, layers/mtp.py)."""
 
 from __future__ import annotations
 
@@ -67,4 +69,9 @@ def sanitize(name: str) -> str | None:
     return name.replace(".block_sparse_moe.", ".mlp.")
 
 
-FAMILY = Family("mixtral", ModelArgs, Model, sanitize=sanitize)
+def mtp_config(cfg: dict) -> dict:
+    """An MTP layer (the demo's) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1}
+
+
+FAMILY = Family("mixtral", ModelArgs, Model, sanitize=sanitize, mtp_config=mtp_config)
