@@ -32,7 +32,7 @@ from .analysis.probe import GiB, Machine, MiB, current_machine, probe_machine
 from .analysis.usage import Usage
 from .errors import ColibriError
 from .store.placement import Placement, parse_size
-from .store.sizes import ModelSizes, model_sizes
+from .store.sizes import ModelSizes, model_sizes, mtp_bytes
 
 RUNTIME_BYTES = 512 * MiB  # python + torch + tokenizer RSS before any weight (measured ~400 MiB)
 OUR_RAM_HEADROOM = 1 * GiB  # left to the OS and other programs when planning from MemAvailable
@@ -447,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", metavar="ADDRESS", help="print the layer split over the Ray cluster's nodes that "
                    "offer 'colibri' (HOST:PORT, or auto) and the speed to expect (docs/CLUSTER.md)")
     p.add_argument("--cluster-stages", type=int, default=None, metavar="N", help="use N of those nodes")
+    p.add_argument("--mtp", action="store_true", help="plan with the model's multi-token-prediction layer loaded "
+                   "(--spec mtp): its weights, kept in RAM, come out of --mem-budget")
     p.add_argument("--disk-speed", help="skip the read probe and assume this many bytes/s (e.g. 2G)")
     p.add_argument("--probe-seconds", type=float, default=0.5, help="length of the disk read probe")
     a = p.parse_args(argv)
@@ -466,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ColibriError(f"--disk-speed must be above 0, got {a.disk_speed}")
     with Container(a.model) as c:
         sizes = PlanSizes.from_container(c, kv_types=(a.cache_type_k, a.cache_type_v))
+        mtp = mtp_bytes(c)
+    if a.mtp and not mtp:
+        raise ColibriError(f"--mtp: {a.model} has no multi-token-prediction layer")
+    if a.mtp and mem is not None:
+        if mem <= mtp:
+            raise ColibriError(f"--mtp: the MTP layer's weights ({_gib(mtp)}) take all of --mem-budget")
+        mem -= mtp
     usage = None
     if a.usage_file:
         usage = Usage.load(a.usage_file, sizes.n_experts)
@@ -482,4 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             print(cluster_report(c, model_sizes(c), a.cluster, a.cluster_stages, mem, in_ram))
         return 0
     print(report(sizes, m, mem, gpu, a.ctx_size, usage, slots=a.slots))
+    if mtp:
+        print(f"MTP layer: {_gib(mtp)} in RAM " + ("beside the weights above (taken out of --mem-budget)" if a.mtp
+                                                  else "more with --spec mtp (--mtp plans with it)"))
     return 0
+

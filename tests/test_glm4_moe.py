@@ -48,7 +48,7 @@ def test_partial_rotary_factor_v4_and_v5_spellings():
     assert ModelArgs.from_dict(base).rotary_dim == 8  # GLM's default: half the head
 
 
-def test_mtp_layers_past_the_stack_are_dropped(ckpt, tmp_path):
+def test_mtp_layers_past_the_stack_are_dropped_with_no_mtp(ckpt, tmp_path):
     src = tmp_path / "glm_mtp"
     shutil.copytree(ckpt.hf("glm4_moe"), src)
     cfg = json.loads((src / "config.json").read_text())
@@ -62,7 +62,9 @@ def test_mtp_layers_past_the_stack_are_dropped(ckpt, tmp_path):
         "mlp.gate.e_score_correction_bias": (8,)}.items()}
     save_file(mtp, str(src / "mtp.safetensors"))
 
-    dst = convert(src, tmp_path / "glm_mtp.coli", "f32", progress=False)
+    with pytest.raises(ColibriError, match="lacks .* --no-mtp"):  # (kept by default: this one is partial)
+        convert(src, tmp_path / "glm_mtp.coli", "f32", progress=False)
+    dst = convert(src, tmp_path / "glm_mtp.coli", "f32", progress=False, keep_mtp=False)
     with Container(dst) as c:
         assert sorted(c.meta["converter"]["dropped"]) == sorted(mtp)
     ids = [1, 17, 42, 99, 7, 150]

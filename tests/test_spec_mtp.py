@@ -179,6 +179,9 @@ def test_cli_inspect_shows_the_mtp_layer_and_run_drafts_with_it(mtp_ckpt, capsys
     coli = mtp_ckpt[3]
     assert main(["inspect", str(coli), "--no-verify"]) == 0
     assert "mtp:         1 multi-token-prediction layer(s)" in capsys.readouterr().out
+    assert main(["plan", "-m", str(coli), "--mtp", "--mem-budget", "64M", "--disk-speed", "1G",
+                 "--probe-seconds", "0"]) == 0
+    assert "MTP layer: " in capsys.readouterr().out
     assert main(["run", "-m", str(coli), "-p", "hello", "-n", "8", "--temp", "0", "--ctx-size", "64",
                  "--spec", "mtp", "--draft-max", "2", "--stats"]) == 0
     got = re.search(r"drafts (\d+)/(\d+) accepted", capsys.readouterr().err)

@@ -154,6 +154,9 @@ class Plan:
         want = {n for n, (kind, _) in self.expected.items() if kind != "experts"}
         missing = sorted(want - set(self.sources))
         extra = sorted(set(self.sources) - want)
+        if missing and all(n.startswith(mtp.PREFIX) for n in missing):
+            raise ColibriError(f"the checkpoint's multi-token-prediction layer lacks {len(missing)} tensors, e.g. "
+                               f"{missing[:3]}: convert with --no-mtp to drop it")
         if missing:
             raise ColibriError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
         if extra:

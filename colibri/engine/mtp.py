@@ -50,9 +50,9 @@ class Rows:
 def budget_left(container, mem_budget: int) -> int:
     """The main model's share of `mem_budget` once the MTP layer's weights (kept in RAM) are out of it; a one-line
     refusal where they take it all."""
-    from ..store.sizes import human, model_sizes
+    from ..store.sizes import human, mtp_bytes
 
-    need = model_sizes(mtp.View(container)).total_bytes  # type: ignore[arg-type]
+    need = mtp_bytes(container)
     if need >= mem_budget:
         raise ColibriError(f"the MTP layer's weights ({human(need)}) take all of --mem-budget {human(mem_budget)}")
     return mem_budget - need

@@ -13,6 +13,7 @@ import torch
 
 from ..format.container import Container
 from ..layers.mtp import PREFIX as MTP
+from ..layers.mtp import View
 from ..models.base import layer_of
 from ..quant import OWNED_ALIGN, bias_bytes, owned_bytes
 from .reader import round_up
@@ -99,6 +100,14 @@ def model_sizes(c: Container, compute_dtype: torch.dtype | None = None) -> Model
         exp_gpu[i] = slot_bytes(r["nbytes"], [owned_bytes(m, compute_dtype, "cuda") for m in members] + biases)
     top_k = int(c.config.get("num_experts_per_tok") or 1)
     return ModelSizes(n_layers, top_k, glob, per_layer, n_exp, exp_ram, rec, exp_gpu)
+
+
+def mtp_bytes(c: Container) -> int:
+    """Bytes of the container's first multi-token-prediction layer (engine/mtp.py keeps it in RAM, beside the
+    model's weights), 0 where it has none."""
+    if not any(n.startswith(MTP) for n in c.header["tensors"]):
+        return 0
+    return model_sizes(View(c)).total_bytes  # type: ignore[arg-type]
 
 
 def slot_bytes(record_nbytes: int, extras: list[int]) -> int:
