@@ -10,7 +10,8 @@ dense Qwen3 trained on the same stories by tools/make_draft_model.py). Three pro
 demo learnt: tools/make_demo_model.py): a rewrite that repeats its input (a story, then the instruction to tell it
 again and its first words), a summary that quotes (a story, then a sentence of it to go on from), and free story
 text. Two settings: in RAM (int8), and with the experts streamed from the container under --mem-budget (each token's
-misses read from the file, through the page cache; the MTP layer's and the draft's weights come out of the budget).
+misses read from the file, through the page cache; --mem-budget is the target's own: the draft's and the MTP layer's
+weights are added to what the engine is given, since it takes them out).
 For each (setting, prompt, source: off, lookup, auto, draft, mtp): decode tok/s (the median of --repeats runs), the
 ratio to off, tokens per forward, acceptance by draft position, and whether the text equals off's (greedy: it must).
 `--synth M.coli` adds a random-init model (e.g. the 0.44B OLMoE shape of benchmarks/synth_ckpt.py, converted int8):
@@ -32,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import colibri  # noqa: E402
 from colibri.demo import demo_model  # noqa: E402
+from colibri.format.container import Container  # noqa: E402
+from colibri.store.placement import parse_size  # noqa: E402
+from colibri.store.sizes import model_sizes, mtp_bytes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from make_demo_model import make_corpus  # noqa: E402 - the stories the demo model learnt (seeded, fixed)
@@ -102,8 +106,10 @@ def main() -> int:
     with colibri.load(target, ctx_size=1024, threads=a.threads, draft_model=draft, mtp=True) as llm:
         table("demo int8, in RAM", llm, a.tokens_ram, a.repeats)
     if not a.skip_streamed:
+        with Container(target) as c, Container(draft) as d:  # (the target keeps --mem-budget for itself)
+            budget = parse_size(a.mem_budget) + mtp_bytes(c) + model_sizes(d).total_bytes
         with colibri.load(target, ctx_size=1024, threads=a.threads, draft_model=draft, mtp=True,
-                          mem_budget=a.mem_budget) as llm:
+                          mem_budget=budget) as llm:
             table(f"demo int8, --mem-budget {a.mem_budget} ({llm.plan.describe()})", llm, a.tokens, a.repeats)
     if a.synth:
         with colibri.load(a.synth, ctx_size=1024, threads=a.threads) as llm:
