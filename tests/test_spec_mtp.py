@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 import colibri
 from colibri.convert.converter import convert
 from colibri.engine import mtp as engine_mtp
+from colibri.engine import speculative
 from colibri.errors import ColibriError
 from colibri.format.container import Container
 from colibri.kernels import native
@@ -27,6 +28,14 @@ from colibri.kernels import native
 PROMPT = [1, 88, 5, 61, 230, 12, 9, 88, 5]
 N = 20
 L = 3  # main layers; the MTP layer is the tiny model's layer 3
+
+
+@pytest.fixture(autouse=True)
+def _every_draft_verified(monkeypatch):
+    """The gate's depth comes from measured step times (it declines drafts where they cost more than they give, as
+    on these tiny models in RAM): here every draft the layer makes is verified, so what runs does not depend on
+    timing."""
+    monkeypatch.setattr(speculative, "choose", lambda gains, *_: [len(g) for g in gains])
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
@@ -190,7 +199,7 @@ def test_cli_inspect_shows_the_mtp_layer_and_run_drafts_with_it(mtp_ckpt, capsys
 
 def test_the_demos_trained_mtp_layer_drafts_what_the_demo_says() -> None:
     """The shipped MTP layer (tools/make_demo_mtp.py) on the demo at int8: plain tokens, and its first drafts
-    mostly right (measured 0.94-1.00 on the bench prompts; a floor well under that)."""
+    mostly right (measured 0.86-0.99 on the bench prompts; a floor under that)."""
     if not native.available():
         pytest.skip(f"native kernels: {native.why_unavailable()}")
     from colibri.demo import demo_model
