@@ -86,10 +86,13 @@ def test_a_state_is_not_rewound() -> None:
 
 def test_names_and_zero_centred_norms() -> None:
     assert sanitize("model.layers.0.linear_attn.in_proj_qkvz.weight") == "model.layers.0.self_attn.in_proj_qkvz.weight"
-    assert sanitize("mtp.layers.0.mlp.gate.weight") is None
+    assert sanitize("mtp.layers.0.mlp.gate.weight") == "mtp.0.block.mlp.gate.weight"  # (the MTP layer: layers/mtp.py)
+    assert sanitize("mtp.fc.weight") == "mtp.0.eh_proj.weight"
+    assert sanitize("mtp.pre_fc_norm_hidden.weight") == "mtp.0.hnorm.weight"
     w = torch.tensor([0.5, -0.25], dtype=torch.bfloat16)
     for name in ("model.norm.weight", "model.layers.3.input_layernorm.weight",
-                 "model.layers.3.self_attn.q_norm.weight"):
+                 "model.layers.3.self_attn.q_norm.weight", "mtp.0.enorm.weight", "mtp.0.norm.weight",
+                 "mtp.0.block.post_attention_layernorm.weight"):
         assert torch.equal(prepare(name, w, {}), torch.tensor([1.5, 0.75]))
     assert prepare("model.layers.0.self_attn.norm.weight", w, {}) is w  # (the gated norm is not zero-centred)
 

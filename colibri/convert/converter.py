@@ -116,8 +116,9 @@ class Plan:
         n_layers = cfg.get("num_hidden_layers", 0)
         # the MTP layers the container keeps (layers/mtp.py): where the family runs them and the checkpoint has
         # them (a config counts them where a repack stripped them), unless asked not to
-        held = {layer_of(n) for hf in st.names() if (n := fam.sanitize(hf)) is not None}
-        self.mtp = mtp.kept(model_type, cfg) if keep_mtp and n_layers in held else 0
+        names = [n for hf in st.names() if (n := fam.sanitize(hf)) is not None]
+        held = n_layers in {layer_of(n) for n in names} or any(n.startswith(mtp.PREFIX) for n in names)
+        self.mtp = mtp.kept(model_type, cfg) if keep_mtp and held else 0
         self.expected.update(mtp.expected(model_type, cfg) if self.mtp else {})
         self.sources: dict[str, str] = {}  # canonical name -> HF name
         self.experts: dict[str, dict[tuple[int | None, str], str]] = {}  # prefix -> {(e|None, part): HF name}
@@ -132,6 +133,8 @@ class Plan:
             if layer is not None and n_layers <= layer < n_layers + n_mtp:
                 rest = name.split(".", 3)[3]  # (after model.layers.{i}.)
                 name = mtp.canonical(rest, layer - n_layers) if layer < n_layers + self.mtp else None
+            if name is not None and name.startswith(mtp.PREFIX) and not self.mtp:  # (Qwen's layout, dropped)
+                name = None
             if name is not None and ignored is not None and ignored.fullmatch(name) and name not in self.expected:
                 name = None
             if name is None:
@@ -445,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                    "gathered by running the bf16 model over this text file (or a saved .safetensors statistics "
                    "file); see docs/QUANT.md")
     p.add_argument("--no-mtp", action="store_true", help="drop the checkpoint's multi-token-prediction layers "
-                   "(kept by default where colibri runs them: DeepSeek-V3, GLM-4.5; `--spec mtp` drafts with them)")
+                   "(kept by default where colibri runs them: DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5; `--spec mtp` "
+                   "drafts with them)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     a = p.parse_args(argv)
     if a.group_size <= 0 or a.group_size % 2:

@@ -1,4 +1,4 @@
-"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3 and GLM-4.5 ship past their stack.
+"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 ship.
 
 Such a layer predicts the token after next: from the main model's final hidden state at position i (after its final
 norm) and the embedding of token i + 1, e = enorm(embed(t_{i+1})), h = hnorm(h_i), it runs one decoder layer of the
@@ -7,10 +7,13 @@ own norm (`shared_head.norm`). Chained on its own output (the layer's output bef
 drafts further tokens (engine/mtp.py).
 
 Stored in the container under `mtp.{j}.` (the converter keeps it where the family knows its one-layer config,
-`Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. The checkpoint's copies of
-the embedding and head (`embed_tokens`, `shared_head.head`) are the main model's and are not kept: the main model's
-serve. `view` presents one MTP layer as a one-layer model's container (`model.layers.0.*`, `model.norm`), so the
-tiered store, the placement and the K/V slots treat it as any model; the main model's store never reads `mtp.*`.
+`Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in
+two layouts: DeepSeek-V3's and GLM-4.5's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj,
+shared_head.norm, the layer's own names), whose copies of the embedding and head (`embed_tokens`, `shared_head.head`)
+are the main model's and are not kept; Qwen3-Next's and Qwen3.5's under `mtp.` (`qwen_canonical`: fc,
+pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm; their families' `sanitize` maps them). `View`
+presents one MTP layer as a one-layer model's container (`model.layers.0.*`, `model.norm`), so the tiered store,
+the placement and the K/V slots treat it as any model; the main model's store never reads `mtp.*`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ _SHARED = ("embed_tokens.", "shared_head.head.")  # the main model's embedding a
 def kept(model_type: str, cfg: dict) -> int:
     """MTP layers a container of this family and config carries (0 where the family has no MTP config)."""
     fam = family(model_type)
-    return int(cfg.get("num_nextn_predict_layers") or 0) if fam.mtp_config is not None else 0
+    n = cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0  # (DeepSeek's, Qwen's)
+    return int(n) if fam.mtp_config is not None else 0
 
 
 def canonical(rest: str, j: int) -> str | None:
@@ -46,6 +50,21 @@ def canonical(rest: str, j: int) -> str | None:
     if rest.startswith("shared_head.norm."):
         return f"{PREFIX}{j}.norm.{rest.removeprefix('shared_head.norm.')}"
     return f"{PREFIX}{j}.block.{rest}"
+
+
+_QWEN = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.", "norm.": "norm."}
+
+
+def qwen_canonical(rest: str) -> str | None:
+    """The container name of a Qwen3-Next / Qwen3.5 MTP tensor (`rest`: its name after `mtp.`); None for what the
+    layout does not hold."""
+    if rest.startswith("layers."):
+        j, _, sub = rest.removeprefix("layers.").partition(".")
+        return f"{PREFIX}{j}.block.{sub}" if j.isdigit() else None
+    for src, dst in _QWEN.items():
+        if rest.startswith(src):
+            return f"{PREFIX}0.{dst}{rest.removeprefix(src)}"  # (one MTP layer: its input projection and norm)
+    return None
 
 
 def _to_view(name: str, j: int) -> str | None:

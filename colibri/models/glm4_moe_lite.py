@@ -9,7 +9,7 @@ bias-corrected group-limited router, a shared expert); only the config differs:
   `partial_rotary_factor` other than 1 (GLM-4.5's half-head rule) is refused: in transformers it would
   shorten the latent RoPE part, which no released checkpoint does.
 - The multi-token-prediction layer (`num_nextn_predict_layers`, appended as layer `num_hidden_layers`) is
-  dropped by the converter, as for DeepSeek-V3 and GLM-4.5.
+  dropped by the converter (DeepSeek-V3's and GLM-4.5's are kept: layers/mtp.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ layers (qwen3_next.py: Gated DeltaNet and gated full attention, zero-centred nor
 - RoPE is Qwen3-VL's interleaved multimodal one (`mrope_section`); a text-only sequence has the same position on
   its three axes, which is plain RoPE over the rotated channels.
 - The multimodal checkpoint keeps the text model under `model.language_model.`; its vision tower
-  (`model.visual.`) and the multi-token-prediction weights (`mtp.`) are dropped.
+  (`model.visual.`) is dropped; its multi-token-prediction layer (`mtp.`) is kept as Qwen3-Next's.
 """
 
 from __future__ import annotations
@@ -52,17 +52,18 @@ def check_config(cfg: dict) -> None:
 
 
 def sanitize(name: str) -> str | None:
-    """HF name -> canonical name: the multimodal checkpoint's text model moves up, its vision tower and the MTP
-    weights go; the linear layers' mixer sits under `self_attn` as in qwen3_next."""
-    name = None if name.startswith("mtp.") else text_model_name(name)
+    """HF name -> canonical name: the multimodal checkpoint's text model moves up, its vision tower goes; the MTP
+    layer and the linear layers' mixer as in qwen3_next."""
+    name = name if name.startswith("mtp.") else text_model_name(name)
     return None if name is None else qwen3_next.sanitize(name)
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     """The zero-centred norms' weights as applied (1 + w, in f32), as qwen3_next's."""
-    if name == "model.norm.weight" or name.endswith(qwen3_next.ZERO_CENTRED):
+    if name == "model.norm.weight" or name.endswith(qwen3_next.ZERO_CENTRED) or qwen3_next.MTP_NORM.fullmatch(name):
         return 1.0 + t.float()
     return t
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare,
+                mtp_config=qwen3_next.mtp_config)

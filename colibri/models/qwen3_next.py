@@ -11,17 +11,21 @@ expert behind a sigmoid gate).
 - The linear-attention layers' state replaces their KV cache; the engine runs no prompt caching for such
   models (linear_attn.py). Decode takes the per-layer path (the fused native blocks do not cover these
   layers); the projections and experts run the quantized kernels as in every family.
-- The multi-token-prediction weights (`mtp.*`) are dropped.
+- The multi-token-prediction layer (`mtp.*`: fc, pre_fc_norm_embedding / _hidden, one gated full-attention MoE
+  layer, norm; `mtp_num_hidden_layers`) is kept (layers/mtp.py `qwen_canonical`, `mtp_config`; its norms
+  zero-centred as the others).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..kernels import native, native_block
+from ..layers import mtp
 from ..layers.attention import Attention, AttentionArgs, OutGate, Positions, QKNorm, attend
 from ..layers.batch import LayerKV
 from ..layers.layers import DecoderBlock, Linear, rope_scaling, rope_theta
@@ -158,14 +162,23 @@ ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "se
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the linear layers' mixer sits under `self_attn` as every layer's does."""
     if name.startswith("mtp."):
-        return None
-    return name.replace(".linear_attn.", ".self_attn.")
+        name = mtp.qwen_canonical(name.removeprefix("mtp."))
+    return None if name is None else name.replace(".linear_attn.", ".self_attn.")
+
+
+MTP_NORM = re.compile(r"mtp\.\d+\.(enorm|hnorm|norm)\.weight")  # (the MTP layer's own norms: zero-centred too)
+
+
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (gated full attention, routed experts) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "layer_types": ["full_attention"], "mlp_only_layers": [],
+            "decoder_sparse_step": 1}
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     """The zero-centred norms' weights as applied (1 + w, in f32); the linear layers' input projections in
     GatedDeltaNet's row order (linear_attn.grouped_rows)."""
-    if name == "model.norm.weight" or name.endswith(ZERO_CENTRED):
+    if name == "model.norm.weight" or name.endswith(ZERO_CENTRED) or MTP_NORM.fullmatch(name):
         return 1.0 + t.float()
     if name.endswith(("self_attn.in_proj_qkvz.weight", "self_attn.in_proj_ba.weight")):
         a = ModelArgs.from_dict(cfg)
@@ -175,4 +188,5 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     return t
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare,
+                mtp_config=mtp_config)
