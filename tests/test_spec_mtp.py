@@ -233,3 +233,18 @@ def test_the_demos_trained_mtp_layer_drafts_what_the_demo_says() -> None:
         got = h.wait()
     assert got == plain
     assert h.stats.draft_reached[0] >= 20 and h.stats.draft_kept[0] / h.stats.draft_reached[0] >= 0.8
+
+
+def test_sampled_requests_draft_with_the_mtp_layer_and_keep_their_seed(mtp_ckpt) -> None:
+    """A seeded sampled request drafting with the layer (speculative sampling's rule, engine/verify.py): the same
+    text on every run, alone or beside another request."""
+    coli = mtp_ckpt[3]
+    kw = dict(temperature=0.8, top_p=0.95, seed=11, ignore_eos=True, speculative="mtp", draft_max=2)
+    with colibri.load(coli, ctx_size=64, threads=2, slots=2, mtp=True) as llm:
+        llm._mtp.p_min = 0.0
+        a = llm.submit(PROMPT, N, **kw)
+        one = a.wait()
+        b, other = llm.submit(PROMPT, N, **kw), llm.submit(PROMPT[:5], N, **kw)
+        two = b.wait()
+        other.wait()
+    assert one == two and a.stats.drafted > 0 and b.stats.drafted > 0
