@@ -147,8 +147,8 @@ def test_the_mtp_layer_matches_transformers_modules(mtp_ckpt) -> None:
 def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt, monkeypatch) -> None:
     """Every first draft the layer proposes equals its prediction from the true context (transformers' modules,
     above), while the drafts verified are right up to a depth that cycles through 0..3 (the layer's own are
-    rarely right on a random model): after kept and rejected rows alike its K/V hold the right entries; the
-    tokens equal plain decoding's."""
+    rarely right on a random model): after prompt chunks, kept and rejected rows alike its K/V hold the right
+    entries; the tokens equal plain decoding's."""
     _, ref, extra, coli = mtp_ckpt
     seen: list[tuple[int, int]] = []  # (position of the token fed next, the layer's first draft)
     step, turn, full = engine_mtp.MTPHead.step, itertools.count(), []
@@ -164,7 +164,8 @@ def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt,
         return out
 
     monkeypatch.setattr(engine_mtp.MTPHead, "step", spy)
-    with colibri.load(coli, ctx_size=64, threads=2, mtp=True) as llm:
+    # (prompt chunks of 4 rows: the layer's entries across chunk boundaries)
+    with colibri.load(coli, ctx_size=64, threads=2, mtp=True, prefill_chunk=4) as llm:
         llm._mtp.p_min = 0.0
         plain = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="off").wait()
         full.extend(PROMPT + plain)
