@@ -203,8 +203,7 @@ class Engine:
     # ------------------------------------------------------------------ facts
 
     def _load_sources(self, path, mtp: bool) -> None:
-        """The draft model (engine/draft.py) and the MTP layer (engine/mtp.py) beside the target's slots; the
-        runner's speculator proposes from them."""
+        """The draft model (engine/draft.py) and MTP layer (engine/mtp.py) the runner's speculator proposes from."""
         from .engine.draft import DraftModel
 
         spec = self._runner.spec
@@ -215,6 +214,8 @@ class Engine:
             if path is not None:
                 self._draft = spec.drafter = DraftModel(path, self.n_slots, self.ctx_size,
                                                         self.tokenizer.tk.get_vocab(), compute_dtype_for)
+            if mtp and self.store.placement.layers("gpu"):
+                raise ColibriError("the MTP layer runs on the CPU: --spec mtp does not combine with GPU layers yet")
             if mtp:
                 self._mtp = spec.mtp = MTPHead(self.container, self.model, self.n_slots, self.ctx_size, self.dtype)
                 self._sched.prefix_cap = self._mtp.cached

@@ -131,6 +131,11 @@ def test_the_converter_keeps_the_mtp_layer_and_drops_it_when_asked(mtp_ckpt, tmp
         llm.submit(PROMPT, 4, speculative="mtp")
     with pytest.raises(ColibriError, match="no multi-token-prediction layer"):
         colibri.load(dropped, ctx_size=64, threads=2, mtp=True)
+    from colibri.store import Placement
+
+    with pytest.raises(ColibriError, match="does not combine with GPU layers"):  # (the GPU tier's path on the CPU)
+        colibri.load(coli, ctx_size=64, threads=2, mtp=True, placement=Placement(["gpu"] + ["ram"] * (L - 1)),
+                     gpu_device="cpu")
 
 
 def test_the_mtp_layer_matches_transformers_modules(mtp_ckpt) -> None:

@@ -90,7 +90,7 @@ def _from_view(name: str, j: int) -> str:
 
 class MTPModel(nn.Module):
     """One MTP layer as a one-layer model: `model.layers[0]` (the family's decoder layer), `model.norm`, and the
-    input projection. The embedding and head are the main model's (`forward` takes them)."""
+    input projection. The embedding and head are the main model's (engine/mtp.py runs it with them)."""
 
     def __init__(self, inner: nn.Module, hidden: int, eps: float):
         super().__init__()
