@@ -37,7 +37,8 @@ def test_without_mlp_layer_types_layer_0_is_dense_as_in_transformers(ckpt, tmp_p
     torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
 
 
-def test_mtp_layer_is_dropped_and_recorded(ckpt, tmp_path) -> None:
+def test_mtp_layer_is_dropped_and_recorded_with_no_mtp(ckpt, tmp_path) -> None:
+    """--no-mtp (kept by default: tests/test_spec_mtp.py)."""
     src = edited_copy(ckpt.hf("glm4_moe_lite"), tmp_path / "src", num_nextn_predict_layers=1)
     n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
 
@@ -46,7 +47,7 @@ def test_mtp_layer_is_dropped_and_recorded(ckpt, tmp_path) -> None:
                 torch.ones(4)} | {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in base.items()
                                   if k.startswith(f"model.layers.{n - 1}.")}
 
-    converts_dropping(src, mtp, ckpt.coli("glm4_moe_lite", "f32"), tmp_path / "m.coli", IDS)
+    converts_dropping(src, mtp, ckpt.coli("glm4_moe_lite", "f32"), tmp_path / "m.coli", IDS, keep_mtp=False)
 
 
 @pytest.mark.parametrize("over,field", [

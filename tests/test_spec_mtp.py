@@ -40,7 +40,8 @@ def _every_draft_verified(monkeypatch):
 
 # where a family's checkpoints ship the MTP layer: as layer `num_hidden_layers` (DeepSeek-V3's layout) or under
 # `mtp.` (Qwen3-Next's)
-LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "qwen3_next": "qwen", "qwen3_5_moe_text": "qwen"}
+LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
+          "qwen3_5_moe_text": "qwen"}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUT))
@@ -49,15 +50,18 @@ def mtp_ckpt(tmp_path_factory, request):
     weights by role as the checkpoint holds them, its f32 container)."""
     model_type, root = request.param, tmp_path_factory.mktemp("mtp")
     qwen = LAYOUT[model_type] == "qwen"
-    types = tiny_config_kwargs(model_type).get("layer_types")
-    more = {"layer_types": [*types, "full_attention"]} if qwen else {}  # (the MTP layer: full attention)
+    tiny = tiny_config_kwargs(model_type)
+    types, mlps = tiny.get("layer_types"), tiny.get("mlp_layer_types")
+    more = {"layer_types": [*types, "full_attention"]} if qwen else {}  # (the MTP layer: full attention, MoE)
+    more |= {"mlp_layer_types": [*mlps, "sparse"]} if mlps else {}
     big = make_tiny_checkpoint(model_type, root / "big", num_hidden_layers=L + 1, **more)
     ref = load_hf(big)
     hf = root / "hf"
     shutil.copytree(big, hf)
     cfg = json.loads((hf / "config.json").read_text())
     cfg.update(num_hidden_layers=L, **({"layer_types": types, "mtp_num_hidden_layers": 1} if qwen
-                                      else {"num_nextn_predict_layers": 1}))
+                                      else {"num_nextn_predict_layers": 1}), **({"mlp_layer_types": mlps} if mlps
+                                                                                else {}))
     (hf / "config.json").write_text(json.dumps(cfg))
     H = cfg["hidden_size"]
     g = torch.Generator().manual_seed(7)

@@ -8,8 +8,8 @@ bias-corrected group-limited router, a shared expert); only the config differs:
 - RoPE rotates the `qk_rope_head_dim` channels, interleaved unless `rope_interleave` is false; a
   `partial_rotary_factor` other than 1 (GLM-4.5's half-head rule) is refused: in transformers it would
   shorten the latent RoPE part, which no released checkpoint does.
-- The multi-token-prediction layer (`num_nextn_predict_layers`, appended as layer `num_hidden_layers`) is
-  dropped by the converter (DeepSeek-V3's and GLM-4.5's are kept: layers/mtp.py).
+- The multi-token-prediction layer (`num_nextn_predict_layers`, appended as layer `num_hidden_layers`,
+  GLM-4.5's names) is kept (layers/mtp.py, `mtp_config`: an MoE layer).
 """
 
 from __future__ import annotations
@@ -60,4 +60,9 @@ def check_config(cfg: dict) -> None:
         refuse(NAME, "partial_rotary_factor", factor, "only 1.0: RoPE on all qk_rope_head_dim channels")
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (routed experts) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"], "first_k_dense_replace": None}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, mtp_config=mtp_config)
