@@ -156,8 +156,8 @@ def test_the_mtp_layer_matches_transformers_modules(mtp_ckpt) -> None:
 def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt, monkeypatch) -> None:
     """Every first draft the layer proposes equals its prediction from the true context (transformers' modules,
     above), while the drafts verified are right up to a depth that cycles through 0..3 (the layer's own are
-    rarely right on a random model): after prompt chunks, kept and rejected rows alike its K/V hold the right
-    entries; the tokens equal plain decoding's."""
+    rarely right on a random model): after prompt chunks, kept and rejected rows alike, and in a next turn that takes
+    the cached prompt, its K/V hold the right entries; the tokens equal plain decoding's."""
     _, ref, extra, coli = mtp_ckpt
     seen: list[tuple[int, int]] = []  # (position of the token fed next, the layer's first draft)
     step, turn, full = engine_mtp.MTPHead.step, itertools.count(), []
@@ -180,8 +180,13 @@ def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt,
         full.extend(PROMPT + plain)
         h = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="mtp", draft_max=3)
         got = h.wait()
-    assert got == plain
-    assert 0 < h.stats.accepted < h.stats.drafted and len(seen) >= 5
+        # a conversation's next turn: its prompt a prefix of that context, cached with the layer's entries
+        cut = len(PROMPT) + 6
+        h2 = llm.submit(full[:cut], len(full) - cut, temperature=0, ignore_eos=True, speculative="mtp", draft_max=3)
+        got2 = h2.wait()
+        cached = llm._cache_prompt  # (not for the hybrids: a recurrent state does not rewind)
+    assert got == plain and got2 == full[cut:] and (h2.stats.cached_tokens > len(PROMPT) or not cached)
+    assert 0 < h.stats.accepted < h.stats.drafted and h2.stats.drafted > 0 and len(seen) >= 5
     want = _reference(ref, extra, full).argmax(-1)  # row i: the token after i + 1
     for pos, first in seen:
         assert first == int(want[pos - 1]), (pos, first)

@@ -9,7 +9,8 @@ before its norm stands in for h, the draft for the token, one position on (DeepS
 one shipped layer). A request's drafts stop where the layer's probability of its pick falls below `p_min`.
 
 Rollback is positional: the next write starts at the verify's first rejected position and overwrites what chained
-drafts wrote there. `held[slot]` records the tokens t_0..t_n whose entries 0..n-1 the slot's cache holds; a chunk
+drafts wrote there. `held[slot]` records the tokens t_0..t_n whose entries 0..n-1 the slot's cache holds (checked
+against a request's context once, when it first writes to the slot; then extended by its rows); a chunk
 whose earlier positions it does not hold (a slot reused with a cached prompt prefix whose MTP entries came from
 another continuation) does not draft with the layer. The drafts never change a token: the main model's verify
 decides (engine/verify.py).
@@ -17,6 +18,7 @@ decides (engine/verify.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,15 +38,17 @@ from .kv import common_prefix
 @dataclass
 class Rows:
     """One request's rows of a step for the MTP layer: positions start..start + len(nexts) - 1, the rows' indices
-    in the step's hidden states, the token after each, its context t_0..t_{start + len(nexts)}, and k drafts
-    wanted after them (0: a prompt chunk that is not the last)."""
+    in the step's hidden states, the token after each, k drafts wanted after them (0: a prompt chunk that is not the
+    last), the request (`rid`) and its context t_0..t_{start + len(nexts)} (`context()`, built only where the slot
+    held another request's entries)."""
 
     slot: int
     start: int
     rows: list[int]
     nexts: list[int]
-    context: list[int]
     k: int
+    rid: object
+    context: Callable[[], list[int]]
 
 
 def budget_left(container, mem_budget: int) -> int:
@@ -82,6 +86,7 @@ class MTPHead:
         self.target = target
         self.caches = [self.model.make_cache(ctx, dtype) for _ in range(n_slots)]  # [slot][1]
         self.held: list[list[int]] = [[] for _ in range(n_slots)]  # (module doc)
+        self.owner: list[object] = [None] * n_slots  # the request whose rows the slot's entries last took
         self.ctx = ctx
         self.p_min = P_MIN
         self.forwards = 0
@@ -98,8 +103,7 @@ class MTPHead:
         """Write the asks' rows of a step's last-layer output hidden [T, H]; per ask its drafts (None: the slot
         does not hold its earlier positions: nothing written)."""
         out: list[list[int] | None] = [None] * len(asks)
-        live = [j for j, a in enumerate(asks) if a.start == 0 or common_prefix(self.held[a.slot], a.context)
-                > a.start]
+        live = [j for j, a in enumerate(asks) if self._holds(a)]
         if not live:
             return out
         idx = torch.from_numpy(np.array([r for j in live for r in asks[j].rows], dtype=np.int64))
@@ -111,7 +115,10 @@ class MTPHead:
             a = asks[j]
             r += len(a.nexts)
             last.append(r - 1)
-            self.held[a.slot] = a.context[: a.start + len(a.nexts) + 1]
+            held = self.held[a.slot]
+            del held[a.start + 1 :]
+            held.extend(a.nexts)  # (t_{start + 1}.. : the token after each row)
+            self.owner[a.slot] = a.rid
             out[j] = []
         # drafts: the prediction at each ask's last row, then the layer chained on its own output
         want = {j: min(asks[j].k, self.ctx - 1 - asks[j].start - len(asks[j].nexts)) for j in live}
@@ -137,6 +144,21 @@ class MTPHead:
             y = self._forward(keep, y[rows], spans)
             go = [(j, i) for i, (j, _) in enumerate(nxt)]
         return out
+
+    def _holds(self, a: Rows) -> bool:
+        """Whether the slot holds a's entries before its rows (positions < start): its own earlier rows, or a
+        prefix of its context another request wrote."""
+        held = self.held[a.slot]
+        if a.start == 0:
+            held[:] = a.context()[:1]
+            return True
+        if self.owner[a.slot] is a.rid:
+            return len(held) > a.start
+        ctx = a.context()
+        if common_prefix(held, ctx) <= a.start:
+            return False
+        del held[a.start + 1 :]
+        return True
 
     def _forward(self, toks: list[int], h: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """The layer over rows (its input from the tokens and h [R, H]: the main model's normed output, or the

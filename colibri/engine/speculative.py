@@ -378,9 +378,9 @@ class Speculator:
                 if after is None:
                     continue
                 nexts = [*c.tokens[1:], after]
-            context = [*a.h.prompt_ids, *a.h.tokens][: c.start + len(nexts) + 1]
             k = 0 if c.start + n < P else min(st.draft_max, self.mtp_depth)
-            asks.append((a.slot, mtp_rows(a.slot, c.start, list(range(r, r + len(nexts))), nexts, context, k)))
+            asks.append((a.slot, mtp_rows(a.slot, c.start, list(range(r, r + len(nexts))), nexts, k, a.h,
+                                          lambda h=a.h: [*h.prompt_ids, *h.tokens])))
         if asks:
             for (slot, ask), drafts in zip(asks, self.mtp.step(hidden, [x for _, x in asks])):
                 self.mtp_next.pop(slot, None)
