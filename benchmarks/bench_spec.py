@@ -12,8 +12,9 @@ again and its first words), a summary that quotes (a story, then a sentence of i
 text. Two settings: in RAM (int8), and with the experts streamed from the container under --mem-budget (each token's
 misses read from the file, through the page cache; --mem-budget is the target's own: the draft's and the MTP layer's
 weights are added to what the engine is given, since it takes them out).
-For each (setting, prompt, source: off, lookup, auto, draft, mtp): decode tok/s (the median of --repeats runs), the
-ratio to off, tokens per forward, acceptance by draft position, and whether the text equals off's (greedy: it must).
+For each (setting, prompt, source: off, lookup, auto, draft, mtp): decode tok/s (the median of --repeats runs, the
+sources alternated run by run), the ratio to off, tokens per forward, acceptance by draft position, and whether the
+text equals off's (greedy: it must).
 `--synth M.coli` adds a random-init model (e.g. the 0.44B OLMoE shape of benchmarks/synth_ckpt.py, converted int8):
 what "auto" decides there and why (its verify-step cost table and lookup acceptance).
 
@@ -51,17 +52,29 @@ PROMPTS = {
 SOURCES = ("off", "lookup", "auto", "draft", "mtp")
 
 
-def run(llm, ids: list[int], mode: str, tokens: int, repeats: int) -> dict:
-    """Median decode tok/s of `repeats` runs and the last run's figures."""
-    speeds, st, out = [], None, None
-    for _ in range(repeats):
-        h = llm.submit(ids, tokens, temperature=0, ignore_eos=True, speculative=mode)
-        out = h.wait()
-        st = h.stats
-        speeds.append(st.decode_tps)
+def run(llm, ids: list[int], mode: str, tokens: int) -> dict:
+    """One run's decode tok/s and figures."""
+    h = llm.submit(ids, tokens, temperature=0, ignore_eos=True, speculative=mode)
+    out = h.wait()
+    st = h.stats
     by_pos = [k / r for k, r in zip(st.draft_kept, st.draft_reached)][:8]
-    return {"tok_s": statistics.median(speeds), "tpf": st.tokens_per_forward, "drafted": st.drafted,
-            "accepted": st.accepted, "by_pos": by_pos, "tokens": out}
+    return {"tok_s": st.decode_tps, "tpf": st.tokens_per_forward, "drafted": st.drafted, "accepted": st.accepted,
+            "by_pos": by_pos, "tokens": out}
+
+
+def runs(llm, ids: list[int], modes, tokens: int, repeats: int) -> dict[str, dict]:
+    """Per mode: the median decode tok/s of `repeats` runs, the modes alternated run by run (a drift of the
+    machine's speed then touches each alike; a short run in RAM varies by up to +-30% here), and the last run's
+    figures. Each measured run follows an unmeasured one of its own mode: the runner's timings (the plain step's,
+    the decode threads' choice, the native runs' length) then are that mode's, not the previous mode's."""
+    speeds: dict[str, list[float]] = {m: [] for m in modes}
+    last: dict[str, dict] = {}
+    for _ in range(repeats):
+        for mode in modes:
+            run(llm, ids, mode, tokens)
+            last[mode] = run(llm, ids, mode, tokens)
+            speeds[mode].append(last[mode]["tok_s"])
+    return {m: {**last[m], "tok_s": statistics.median(speeds[m])} for m in modes}
 
 
 def table(title: str, llm, tokens: int, repeats: int, sources=SOURCES) -> None:
@@ -70,11 +83,10 @@ def table(title: str, llm, tokens: int, repeats: int, sources=SOURCES) -> None:
     print("|---|---|---:|---:|---:|---:|---|---|")
     for name, text in PROMPTS.items():
         ids = llm.tokenizer.encode(text)
-        run(llm, ids, "off", 16, 1)  # (warm-up: the decode threads' choice, first page faults)
-        base = None
+        got = runs(llm, ids, sources, tokens, repeats)
+        base = got["off"]
         for mode in sources:
-            r = run(llm, ids, mode, tokens, repeats)
-            base = base or r
+            r = got[mode]
             pos = " ".join(f"{p:.2f}" for p in r["by_pos"]) or "-"
             acc = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
             print(f"| {name} | {mode} | {r['tok_s']:.0f} | {r['tok_s'] / base['tok_s']:.2f}x | {r['tpf']:.2f} | "
@@ -114,9 +126,8 @@ def main() -> int:
     if a.synth:
         with colibri.load(a.synth, ctx_size=1024, threads=a.threads) as llm:
             ids = llm.tokenizer.encode(PROMPTS["edit"])[:40] * 3
-            off = run(llm, ids, "off", a.tokens, a.repeats)
-            auto = run(llm, ids, "auto", a.tokens, a.repeats)
-            look = run(llm, ids, "lookup", a.tokens, a.repeats)
+            got = runs(llm, ids, ("off", "auto", "lookup"), a.tokens, a.repeats)
+            off, auto, look = got["off"], got["auto"], got["lookup"]
             print(f"\n## {a.synth.name}: a prompt said 3 times  (load {os.getloadavg()[0]:.2f})")
             for name, r in (("off", off), ("auto", auto), ("lookup", look)):
                 print(f"{name:7s} {r['tok_s']:.1f} tok/s, {r['tpf']:.2f} tokens/forward, drafts "

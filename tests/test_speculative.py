@@ -278,6 +278,20 @@ def test_the_gate() -> None:
     assert own.gains(engine, 3, 8).max() < 0.1 < high.min()
 
 
+def test_auto_skips_the_lookup_where_no_depth_could_pay() -> None:
+    """`Speculator.hopeless`: every verify of up to k more rows slower per token than the plain step even with all
+    drafts kept (a small model in RAM); not while a row count is unmeasured (the gate explores it first), nor where
+    a measured depth could pay."""
+    sp = speculative.Speculator(True, False, 64)
+    assert not sp.hopeless(1, None, 8) and not sp.hopeless(1, 0.01, 8)  # (nothing measured)
+    for r in range(2, 10):
+        sp.costs.observe(r, 0.01 * r * 1.1)  # each row dearer than a plain step
+    assert sp.hopeless(1, 0.01, 8)
+    assert not sp.hopeless(1, 0.01, 12)  # (10+ rows unmeasured: estimated as 9's, optimistic)
+    sp.costs.observe(9, 0.05)  # 9 tokens in 5 plain steps' time
+    assert not sp.hopeless(1, 0.01, 8)
+
+
 def test_step_costs_estimate() -> None:
     c = StepCosts()
     est = c.estimate(1, 1.0)

@@ -159,9 +159,14 @@ class RequestSpec:
         self.synced = 0  # generated tokens indexed
         self.shadow: tuple[int, list[int], int] | None = None  # (n, drafts, matched so far) proposed at a token
 
-    def sync(self, generated: list[int], engine: Acceptance) -> None:
+    def sync(self, generated: list[int], engine: Acceptance, replay: bool = True) -> None:
         """Index the tokens generated since the last call, replaying the lookup on each: the drafts it would
-        propose there are matched against the tokens that came, as a verify would match them, and counted."""
+        propose there are matched against the tokens that came, as a verify would match them, and counted
+        (`replay` False: indexed only, where no draft could pay: `Speculator.hopeless`)."""
+        if not replay:
+            self.lookup.extend(generated[self.synced :])
+            self.shadow, self.synced = None, len(generated)
+            return
         for tok in generated[self.synced:]:
             if self.shadow is not None:
                 n, drafts, i = self.shadow
@@ -300,12 +305,15 @@ class Speculator:
         self.draft_s = 0.0
         # "auto" asks the draft model while its measured rate beats plain decoding's (measured first)
         draft_pays = None  # (asked once a step, of the first "auto" request that would ask the draft model)
+        hopeless = None  # (whether no lookup depth could pay: asked once a step, at the first "auto" request)
         for c in chunks:
             st = self.state(c.a) if c.sample else None
             if st is None:
                 continue
             h = c.a.h
-            st.sync(h.tokens, self.acceptance)
+            if st.mode == "auto" and hopeless is None:
+                hopeless = self.hopeless(T, plain_s, st.draft_max)
+            st.sync(h.tokens, self.acceptance, not (st.mode == "auto" and hopeless))
             hold |= st.mode in ("lookup", "draft", "mtp")  # (an MTP request needs every step's hidden states)
             # k + 1 tokens at most come out: no more than are left to generate, at positions inside the context
             k = min(st.draft_max, h.max_tokens - h.stats.generated - 1, self.ctx - 1 - c.start)
@@ -316,7 +324,7 @@ class Speculator:
                 cands.append((c, st, None, pending[1][:k]))
                 continue
             # (lookup under "auto" only where its gate's costs hold: not with experts streamed)
-            look = st.mode == "lookup" or (st.mode == "auto" and not self.streamed)
+            look = st.mode == "lookup" or (st.mode == "auto" and not self.streamed and not hopeless)
             n, drafts = st.lookup.propose(k) if look else (0, [])
             # a draft model proposes where asked, and under "auto" where the lookup has no full-length match
             if self.drafter is not None and st.mode == "auto" and n < NGRAM_MAX and draft_pays is None:
@@ -349,6 +357,16 @@ class Speculator:
                     self.mtp_depth = k + 1
         self._mark(chunks)
         return hold or rows > T
+
+    def hopeless(self, T: int, plain_s: float | None, k: int) -> bool:
+        """Whether no verify of up to k more rows could beat a plain step of T sequences even with every draft
+        kept, by the measured costs (unmeasured row counts are estimated optimistically: not hopeless): where a
+        forward costs its compute, as a small model's in RAM, "auto" then skips the lookup's replay and proposals
+        (measured on the demo in RAM, they cost "auto" ~5% of plain decoding with no draft verified)."""
+        if plain_s is None:
+            return False
+        seconds = self.costs.estimate(T, plain_s)
+        return all((T + m) / seconds(T + m) <= T / plain_s for m in range(1, min(k, CAP - T) + 1))
 
     def mtp_gains(self, k: int) -> np.ndarray:
         """[k]: the expected extra tokens of MTP drafts 1..k (as `RequestSpec.gains`, from the engine's counts of the
