@@ -5,6 +5,7 @@ reproducible; refusals in one line."""
 from __future__ import annotations
 
 import pytest
+from test_speculative import _staggered
 
 import colibri
 from colibri.errors import ColibriError
@@ -67,13 +68,7 @@ def test_a_wrong_draft_and_staggered_joins(ckpt) -> None:
     then a reused slot: every request gets its solo tokens."""
     prompts = [REPEAT * 2, [1, 230, 12, 9, 77, 41, 130, 2, 66], [1, 88, 5, 61]]
     with _load(ckpt.coli("qwen3_moe", "f32"), ckpt.coli("mixtral", "f32"), slots=3) as llm:
-        solo = [_run(llm, p, speculative="off")[0] for p in prompts]
-        hs = []
-        for p, mode in zip(prompts, ("draft", "draft", "off")):
-            hs.append(llm.submit(p, N, temperature=0, ignore_eos=True, speculative=mode))
-            it = iter(hs[-1])
-            for _ in range(3):
-                next(it)
+        hs, solo = _staggered(llm, prompts, ("draft", "draft", "off"))
         assert [h.wait() for h in hs] == solo
         again, h2 = _run(llm, prompts[1][:5] + [3, 4], speculative="draft")  # a slot another request used
         ref2, _ = _run(llm, prompts[1][:5] + [3, 4], speculative="off")

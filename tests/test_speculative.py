@@ -106,15 +106,22 @@ def test_staggered_batch_with_drafts_matches_solo(ckpt) -> None:
     gets its solo tokens; a plain request beside them too."""
     prompts = [REPEAT, [1, 230, 12, 9, 77, 41, 130, 2, 66] * 2, [1, 88, 5, 61]]
     with colibri.load(ckpt.coli("qwen3_moe", "f32"), ctx_size=128, threads=2, slots=3) as llm:
-        solo = [_run(llm, p, speculative="off")[0] for p in prompts]
-        hs = []
-        for p, mode in zip(prompts, ("lookup", "lookup", "off")):
-            hs.append(llm.submit(p, N, temperature=0, ignore_eos=True, speculative=mode))
-            it = iter(hs[-1])
-            for _ in range(3):
-                next(it)
+        hs, solo = _staggered(llm, prompts, ("lookup", "lookup", "off"))
         assert [h.wait() for h in hs] == solo
     assert all(h.stats.drafted > 0 for h in hs[:2]) and hs[2].stats.drafted == 0
+
+
+def _staggered(llm, prompts: list[list[int]], modes) -> tuple[list, list[list[int]]]:
+    """Each prompt's plain tokens alone, then the prompts submitted with their modes, the next one once this one
+    gave 3 tokens (it joins requests that decode): (their handles, the plain tokens)."""
+    solo = [_run(llm, p, speculative="off")[0] for p in prompts]
+    hs = []
+    for p, mode in zip(prompts, modes):
+        hs.append(llm.submit(p, N, temperature=0, ignore_eos=True, speculative=mode))
+        it = iter(hs[-1])
+        for _ in range(3):
+            next(it)
+    return hs, solo
 
 
 def test_stops_and_limits_inside_an_accepted_run(ckpt, monkeypatch) -> None:

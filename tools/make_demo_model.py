@@ -364,11 +364,55 @@ def token_stream(tok: Tokenizer, corpus: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def lr_at(step: int, steps: int) -> float:
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    t = (step - WARMUP) / max(1, steps - WARMUP)
-    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+def lr_at(step: int, steps: int, lr: float = LR, warmup: int = WARMUP) -> float:
+    """Linear warm-up, then a cosine down to a tenth (the demo's schedule; its draft and MTP layer take it too)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def held_out(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) token streams: the last 5% held out, to see a model is not just memorising."""
+    n_val = len(data) // 20
+    return data[:-n_val], data[-n_val:]
+
+
+def fit(params: list, loss_of, train_ids: torch.Tensor, steps: int, lr: float, warmup: int) -> float:
+    """AdamW over `params` on seeded random batches of the stream, `loss_of(x [BATCH, SEQ_LEN])` a batch's loss
+    (tools/make_draft_model.py, tools/make_demo_mtp.py); the train loss's EMA at the end."""
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
+    gen = torch.Generator().manual_seed(SEED)
+    t0, ema = time.time(), float("nan")
+    for step in range(steps):
+        starts = torch.randint(0, len(train_ids) - SEQ_LEN - 1, (BATCH,), generator=gen)
+        x = torch.stack([train_ids[s : s + SEQ_LEN] for s in starts.tolist()])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        loss = loss_of(x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d}  loss {loss.item():.3f}  (ema {ema:.3f})  {time.time() - t0:.0f}s", flush=True)
+    return ema
+
+
+def tool_args(doc: str, out: Path, steps: int, extra=None) -> argparse.Namespace:
+    """--out, --steps, --threads (and `extra(parser)`'s) of the tools that train the demo's pieces; torch set to
+    the threads. One thread by default: results depend on the thread count, and on a busy machine OpenMP
+    spin-waiting made 2 threads cost 20x the CPU time per step (5.5 s vs 0.28 s measured here)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--threads", type=int, default=1)
+    if extra is not None:
+        extra(ap)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    return a
 
 
 @torch.no_grad()
@@ -382,8 +426,7 @@ def greedy(model: MixtralForCausalLM, tok: Tokenizer, prompt: str, n: int) -> st
 
 def train(tok: Tokenizer, corpus: str, steps: int) -> tuple[MixtralForCausalLM, float]:
     data = token_stream(tok, corpus)
-    n_val = len(data) // 20  # last 5% held out, to see we are not just memorising
-    train_ids, val_ids = data[:-n_val], data[-n_val:]
+    train_ids, val_ids = held_out(data)
     print(f"corpus {len(corpus) / 1024:.0f} KB, {len(data)} tokens ({len(corpus) / len(data):.2f} chars/token)")
 
     torch.manual_seed(SEED)
@@ -433,17 +476,8 @@ def evaluate(model: MixtralForCausalLM, ids: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--steps", type=int, default=STEPS)
-    # One thread by default: results depend on the thread count, and on a busy
-    # machine OpenMP spin-waiting made 2 threads cost 20x the CPU time per step
-    # (5.5 s vs 0.28 s measured here).
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dump-corpus", type=Path, help="write the generated corpus here and exit")
-    a = ap.parse_args()
-
-    torch.set_num_threads(a.threads)
+    a = tool_args(__doc__, DEFAULT_OUT, STEPS, lambda ap: ap.add_argument(
+        "--dump-corpus", type=Path, help="write the generated corpus here and exit"))
     corpus = make_corpus()
     if a.dump_corpus:
         a.dump_corpus.write_text(corpus, encoding="utf-8")

@@ -19,8 +19,6 @@ Options: --out DIR, --steps N, --threads N.
 
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -33,7 +31,16 @@ from transformers import MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRMSNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_demo_model import BATCH, ROOT, SEED, SEQ_LEN, make_corpus, token_stream  # noqa: E402 - (not a package)
+from make_demo_model import (  # noqa: E402 - (tools/ is not a package)
+    ROOT,
+    SEED,
+    SEQ_LEN,
+    fit,
+    held_out,
+    make_corpus,
+    token_stream,
+    tool_args,
+)
 
 DEMO = ROOT / "colibri" / "data" / "demo"
 DEFAULT_OUT = ROOT / "colibri" / "data" / "demo-mtp"
@@ -77,12 +84,6 @@ class MTP(nn.Module):
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in out.items()}
 
 
-def lr_at(step: int, steps: int) -> float:
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, steps - WARMUP))))
-
-
 def loss_of(mtp: MTP, demo: MixtralForCausalLM, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy, top-1 accuracy) of predicting token i + 2."""
     logits = mtp(demo, x)[:, :-1]
@@ -92,35 +93,15 @@ def loss_of(mtp: MTP, demo: MixtralForCausalLM, x: torch.Tensor) -> tuple[torch.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--threads", type=int, default=1)  # (the demo's reason: results depend on the thread count)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = tool_args(__doc__, DEFAULT_OUT, STEPS)
     demo = MixtralForCausalLM.from_pretrained(DEMO, dtype=torch.float32, attn_implementation="eager").eval()
     demo.requires_grad_(False)
     data = token_stream(Tokenizer.from_file(str(DEMO / "tokenizer.json")), make_corpus())
-    n_val = len(data) // 20
-    train_ids, val_ids = data[:-n_val], data[-n_val:]
+    train_ids, val_ids = held_out(data)
     torch.manual_seed(SEED)
     mtp = MTP(demo)
-    opt = torch.optim.AdamW(mtp.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.05)
-    gen = torch.Generator().manual_seed(SEED)
-    t0, ema = time.time(), float("nan")
-    for step in range(a.steps):
-        starts = torch.randint(0, len(train_ids) - SEQ_LEN - 1, (BATCH,), generator=gen)
-        x = torch.stack([train_ids[s : s + SEQ_LEN] for s in starts.tolist()])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, a.steps)
-        loss, _ = loss_of(mtp, demo, x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
-        if step % 100 == 0 or step == a.steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.3f}  (ema {ema:.3f})  {time.time() - t0:.0f}s", flush=True)
+    t0 = time.time()
+    ema = fit(list(mtp.parameters()), lambda x: loss_of(mtp, demo, x)[0], train_ids, a.steps, LR, WARMUP)
     with torch.no_grad():
         n = (len(val_ids) - 1) // SEQ_LEN
         held, acc = loss_of(mtp, demo, val_ids[: n * SEQ_LEN].reshape(n, SEQ_LEN))

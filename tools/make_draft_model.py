@@ -16,8 +16,6 @@ Options: --out DIR, --steps N, --threads N.
 
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -28,7 +26,6 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_demo_model import (  # noqa: E402 - (tools/ is not a package)
-    BATCH,
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -36,9 +33,12 @@ from make_demo_model import (  # noqa: E402 - (tools/ is not a package)
     SEED,
     SEQ_LEN,
     VOCAB_SIZE,
+    fit,
+    held_out,
     make_corpus,
     save,
     token_stream,
+    tool_args,
 )
 
 DEMO = ROOT / "colibri" / "data" / "demo"
@@ -52,37 +52,15 @@ LR = 5e-3
 WARMUP = 60
 
 
-def lr_at(step: int, steps: int) -> float:
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    t = (step - WARMUP) / max(1, steps - WARMUP)
-    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def train(tok: Tokenizer, steps: int) -> Qwen3ForCausalLM:
     data = token_stream(tok, make_corpus())
-    n_val = len(data) // 20
-    train_ids, val_ids = data[:-n_val], data[-n_val:]
+    train_ids, val_ids = held_out(data)
     torch.manual_seed(SEED)
     model = Qwen3ForCausalLM(Qwen3Config(**MODEL))
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.3f} M parameters, {len(data)} tokens")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.05)
-    gen = torch.Generator().manual_seed(SEED)
     model.train()
-    t0, ema = time.time(), float("nan")
-    for step in range(steps):
-        starts = torch.randint(0, len(train_ids) - SEQ_LEN - 1, (BATCH,), generator=gen)
-        x = torch.stack([train_ids[s : s + SEQ_LEN] for s in starts.tolist()])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.3f}  (ema {ema:.3f})  {time.time() - t0:.0f}s", flush=True)
+    t0 = time.time()
+    ema = fit(list(model.parameters()), lambda x: model(input_ids=x, labels=x).loss, train_ids, steps, LR, WARMUP)
     model.eval()
     with torch.no_grad():
         n = (len(val_ids) - 1) // SEQ_LEN
@@ -94,12 +72,7 @@ def train(tok: Tokenizer, steps: int) -> Qwen3ForCausalLM:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--threads", type=int, default=1)  # (the demo's reason: results depend on the thread count)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = tool_args(__doc__, DEFAULT_OUT, STEPS)
     tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
     model = train(tok, a.steps)
     ids = torch.tensor([tok.encode("Once upon a time").ids])

@@ -128,8 +128,7 @@ class DecodePlan:
             if got is not None:
                 self._add(got[1])
                 return self.model.finish(got[0])
-        h = self.layers(self.model.embed(tokens), batch, 0, self.n_layers)
-        return self.head(h, out_rows)
+        return self.step_hidden(tokens, batch, out_rows)[0]
 
     def step_hidden(self, tokens: torch.Tensor, batch: StepBatch, out_rows: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,11 +64,8 @@ def budget_left(container, mem_budget: int) -> int:
 
 class MTPHead:
     def __init__(self, container, target: torch.nn.Module, n_slots: int, ctx: int, dtype: torch.dtype):
-        """The container's MTP layer 0 beside `target` (the main model: its embedding, final norm and head)."""
-        if mtp.kept(container.model_type, container.config) == 0 or not any(
-                n.startswith(mtp.PREFIX) for n in container.header["tensors"]):
-            raise ColibriError(f"{container.path} has no multi-token-prediction layer (the checkpoint ships none, "
-                               "colibri does not run this family's, or it was converted with --no-mtp)")
+        """The container's MTP layer 0 beside `target` (the main model: its embedding, final norm and head); a
+        one-line refusal where the container has none (`View`)."""
         self.view = mtp.View(container)
         self.model = mtp.build(container.model_type, container.config)
         self.store = TieredStore(self.view, dtype, None, prefetch=False)  # type: ignore[arg-type]
@@ -110,39 +107,33 @@ class MTPHead:
         h = self.target.model.norm(hidden[idx])  # [R, H]: the main model's final hidden states
         toks = [t for j in live for t in asks[j].nexts]
         y = self._forward(toks, h, [(asks[j].slot, asks[j].start, len(asks[j].nexts)) for j in live])  # [R, H]
-        last, r = [], 0
+        last, r = {}, 0  # ask -> its last row in y
         for j in live:
             a = asks[j]
             r += len(a.nexts)
-            last.append(r - 1)
+            last[j] = r - 1
             held = self.held[a.slot]
             del held[a.start + 1 :]
             held.extend(a.nexts)  # (t_{start + 1}.. : the token after each row)
             self.owner[a.slot] = a.rid
-            out[j] = []
         # drafts: the prediction at each ask's last row, then the layer chained on its own output
+        drafts: dict[int, list[int]] = {j: [] for j in live}
         want = {j: min(asks[j].k, self.ctx - 1 - asks[j].start - len(asks[j].nexts)) for j in live}
-        go = [(j, row) for j, row in zip(live, last) if want[j] > 0]
-        y = y[torch.tensor([row for _, row in go], dtype=torch.int64)] if go else y[:0]  # [n, H]
+        go = [j for j in live if want[j] > 0]  # the asks still drafting, in y's row order
+        y = y[torch.tensor([last[j] for j in go], dtype=torch.int64)]  # [n, H]
         while go:
             p, pick = torch.softmax(self._logits(y), -1).max(-1)  # [n]
-            nxt, keep = [], []
-            for i, ((j, _), tok, pj) in enumerate(zip(go, pick.tolist(), p.tolist())):
-                if pj < self.p_min:
-                    continue
-                drafts = out[j]
-                assert drafts is not None
-                drafts.append(tok)
-                if len(drafts) < want[j]:
-                    nxt.append((j, i))
-                    keep.append(tok)
-            if not nxt:
-                break
-            rows = torch.tensor([i for _, i in nxt], dtype=torch.int64)
-            spans = [(asks[j].slot, asks[j].start + len(asks[j].nexts) + len(out[j]) - 1, 1)  # type: ignore[arg-type]
-                     for j, _ in nxt]
-            y = self._forward(keep, y[rows], spans)
-            go = [(j, i) for i, (j, _) in enumerate(nxt)]
+            picks, sure = pick.tolist(), (p >= self.p_min).tolist()
+            for j, tok, ok in zip(go, picks, sure):
+                if ok:
+                    drafts[j].append(tok)
+            more = [i for i, (j, ok) in enumerate(zip(go, sure)) if ok and len(drafts[j]) < want[j]]
+            go = [go[i] for i in more]
+            if go:
+                spans = [(asks[j].slot, asks[j].start + len(asks[j].nexts) + len(drafts[j]) - 1, 1) for j in go]
+                y = self._forward([drafts[j][-1] for j in go], y[torch.tensor(more, dtype=torch.int64)], spans)
+        for j, d in drafts.items():
+            out[j] = d
         return out
 
     def _holds(self, a: Rows) -> bool:

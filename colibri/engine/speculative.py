@@ -148,6 +148,16 @@ class Acceptance:
         self.seen[n, : min(accepted + 1, drafted)] += 1
         self.ok[n, :accepted] += 1
 
+    def gains(self, n: int, k: int) -> np.ndarray:
+        """[k]: the expected extra tokens of drafts 1..k under match length n (`expected`)."""
+        return expected(self.seen[n, :k], self.ok[n, :k])
+
+
+def expected(seen: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """[k]: the expected extra tokens of drafts 1..k: products of the acceptance rates of the positions up to each,
+    (ok + 1) / (seen + 2) a position (a count of none: 1/2)."""
+    return np.cumprod((ok + 1) / (seen + 2))
+
 
 class RequestSpec:
     """A speculating request's state: its lookup, and the replay that counts its acceptance (`sync`)."""
@@ -187,9 +197,8 @@ class RequestSpec:
         """[k]: the expected extra tokens of drafts 1..k of an n-gram match: products of the acceptance rates of
         the positions up to each (own counts where there are enough, else the engine's; a count of none: 1/2)."""
         own = self.counts.seen[n, :k] >= OWN_SEEN
-        seen = np.where(own, self.counts.seen[n, :k], engine.seen[n, :k])
-        ok = np.where(own, self.counts.ok[n, :k], engine.ok[n, :k])
-        return np.cumprod((ok + 1) / (seen + 2))
+        return expected(np.where(own, self.counts.seen[n, :k], engine.seen[n, :k]),
+                        np.where(own, self.counts.ok[n, :k], engine.ok[n, :k]))
 
 
 class StepCosts:
@@ -348,7 +357,7 @@ class Speculator:
                 tokens += float(st.gains(self.acceptance, n, d).sum())
         gated = [x for x in cands if x[1].mode in ("auto", "mtp")]
         if gated and plain_s is not None:  # (plain decoding's cost is measured first)
-            gains = [st.gains(self.acceptance, n, len(d)) if n is not None else self.mtp_gains(len(d))
+            gains = [st.gains(self.acceptance, n, len(d)) if n is not None else self.mtp_acceptance.gains(0, len(d))
                      for _, st, n, d in gated]
             depths = choose(gains, rows, tokens, self.costs.estimate(T, plain_s), CAP)
             for (c, _, n, drafts), k in zip(gated, depths):
@@ -367,12 +376,6 @@ class Speculator:
             return False
         seconds = self.costs.estimate(T, plain_s)
         return all((T + m) / seconds(T + m) <= T / plain_s for m in range(1, min(k, CAP - T) + 1))
-
-    def mtp_gains(self, k: int) -> np.ndarray:
-        """[k]: the expected extra tokens of MTP drafts 1..k (as `RequestSpec.gains`, from the engine's counts of the
-        MTP layer's verified drafts by position)."""
-        a = self.mtp_acceptance
-        return np.cumprod((a.ok[0, :k] + 1) / (a.seen[0, :k] + 2))
 
     def wants_hidden(self, chunks: list) -> bool:
         """Whether the step's last-layer hidden states are needed (a request drafting with the MTP layer)."""

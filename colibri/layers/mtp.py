@@ -33,6 +33,11 @@ _INPUT = ("enorm.", "hnorm.", "eh_proj.")  # the layer's own input projection, s
 _SHARED = ("embed_tokens.", "shared_head.head.")  # the main model's embedding and head, copied into the checkpoint
 
 
+def present(header: dict) -> bool:
+    """Whether a container's header holds an MTP layer."""
+    return any(n.startswith(PREFIX) for n in header["tensors"])
+
+
 def kept(model_type: str, cfg: dict) -> int:
     """MTP layers a container of this family and config carries (0 where the family has no MTP config)."""
     fam = family(model_type)
@@ -142,8 +147,8 @@ class View:
     def __init__(self, c, j: int = 0):
         self.base_of = {v: n for n in c.header["tensors"] if (v := _to_view(n, j)) is not None}  # view -> file name
         if not self.base_of:
-            raise ColibriError(f"{c.path} has no multi-token-prediction layer (convert the checkpoint again: "
-                               "`colibri convert` keeps them unless --no-mtp)")
+            raise ColibriError(f"{c.path} has no multi-token-prediction layer (the checkpoint ships none, colibri "
+                               "does not run this family's, or it was converted with --no-mtp)")
         self.record_of = {v: n for n in c.header["records"] if (v := _to_view(n, j)) is not None}
         self.j = j
         tensors = {v: c.header["tensors"][n] for v, n in self.base_of.items()}

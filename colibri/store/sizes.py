@@ -13,7 +13,7 @@ import torch
 
 from ..format.container import Container
 from ..layers.mtp import PREFIX as MTP
-from ..layers.mtp import View
+from ..layers.mtp import View, present
 from ..models.base import layer_of
 from ..quant import OWNED_ALIGN, bias_bytes, owned_bytes
 from .reader import round_up
@@ -105,7 +105,7 @@ def model_sizes(c: Container, compute_dtype: torch.dtype | None = None) -> Model
 def mtp_bytes(c: Container) -> int:
     """Bytes of the container's first multi-token-prediction layer (engine/mtp.py keeps it in RAM, beside the
     model's weights), 0 where it has none."""
-    if not any(n.startswith(MTP) for n in c.header["tensors"]):
+    if not present(c.header):
         return 0
     return model_sizes(View(c)).total_bytes  # type: ignore[arg-type]
 
