@@ -131,15 +131,26 @@ def child(a: argparse.Namespace) -> None:
     if remote:  # the transport's floor: an actor call with a decode row and its routes, and back
         import numpy as np
         import ray
+        import torch
 
-        x = (np.zeros((1, llm.model.model.embed_tokens.dim), np.int16),
-             {i: (np.zeros((1, 8), np.int64), np.zeros((1, 8), np.float32)) for i in range(llm.n_layers)})
+        from colibri.cluster import wire
+
+        x = (np.zeros((1, llm.model.model.embed_tokens.dim), np.int16), wire.pack_routes(
+            {i: (torch.zeros(1, 8, dtype=torch.int64), torch.zeros(1, 8)) for i in range(llm.n_layers)}))
         for _ in range(50):
             ray.get(remote[0].actor.echo.remote(x))
         t0 = time.perf_counter()
         for _ in range(500):
             ray.get(remote[0].actor.echo.remote(x))
-        out.append({"round_trip_ms": (time.perf_counter() - t0) * 2})
+        hot = (time.perf_counter() - t0) * 2
+        # and as a pipeline calls it: after a step's worth of idle time (Ray's threads on both sides asleep)
+        gap, took = max(out[0]["ms_per_step"] - hot, 0.0) / 1000, 0.0
+        for _ in range(200):
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            ray.get(remote[0].actor.echo.remote(x))
+            took += time.perf_counter() - t0
+        out.append({"round_trip_ms": hot, "round_trip_gap_ms": took * 5, "gap_ms": gap * 1000})
     out.append({"head_rss_mib": peak_rss_mib()})
     llm.close()
     print(json.dumps(out))
@@ -184,10 +195,11 @@ def head(delay: bool = False, cgroups: bool = False) -> None:
 
 def show(name: str, rows: list[dict], base: dict[int, dict] | None, hops: int, peaks=None) -> dict[int, dict]:
     by = {r["streams"]: r for r in rows if "streams" in r}
-    rt = next((r["round_trip_ms"] for r in rows if "round_trip_ms" in r), None)
+    rt = next((r for r in rows if "round_trip_ms" in r), None)
     if rt is not None:
-        print(f"| ({name}: a bare Ray actor call with a decode row and its routes, and back: {rt:.2f} ms, "
-              f"{rt / 2:.2f} ms a hop) |")
+        print(f"| ({name}: a bare Ray actor call with a decode row and its routes, and back: {rt['round_trip_ms']:.2f} "
+              f"ms back to back, {rt['round_trip_gap_ms']:.2f} ms after {rt['gap_ms']:.1f} ms idle as in a step: "
+              f"{rt['round_trip_ms'] / 2:.2f} / {rt['round_trip_gap_ms'] / 2:.2f} ms a hop) |")
     for n, r in by.items():
         line = f"| {name} | {n} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} |"
         if base is None:

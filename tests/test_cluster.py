@@ -117,18 +117,59 @@ def test_stages_and_expert_workers_give_the_single_node_bits(ckpt, cluster, mode
             assert llm.health()["cluster"] == "ok" and m["steps"] > 0
 
 
+def _routed(llm, want: list[list[int]]) -> dict:
+    """The three prompts at once (their tokens checked against `want`) -> the routes the step listeners saw, by
+    (prompt index, position): {layer: (ids [k], weights [k])}."""
+    seen: dict = {}
+    llm.add_step_listener(lambda info: seen.update(
+        {(rid, pos): {layer: (i[r], w[r]) for layer, (i, w) in info.routes.items()}
+         for r, (rid, pos, _) in enumerate(info.rows)}))
+    hs = [llm.submit(p, N, temperature=0, ignore_eos=True) for p in PROMPTS]
+    assert [h.wait() for h in hs] == want
+    index = {h.id: i for i, h in enumerate(hs)}
+    return {(index[rid], pos): r for (rid, pos), r in seen.items()}
+
+
+def _same_routes(a: dict, b: dict) -> bool:
+    """Same experts, weights equal to f32 rounding (a batch's row count may change a matmul's last bit)."""
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k][0], b[k][0]) and torch.allclose(a[k][1], b[k][1], rtol=1e-5, atol=1e-6) for k in a)
+
+
 def test_micro_batches_pipeline_a_step_without_changing_it(ckpt, cluster) -> None:
     """Three sequences in a step over 3 stages run as 3 micro-batches (the stages overlap them); the tokens are
-    those of each request alone, with micro-batching on and off."""
+    those of each request alone, with micro-batching on and off, and every step's routes (gathered from the stages
+    as one byte array) are the single node's."""
     path = ckpt.coli("olmoe", "f32")
     ref = _reference(path)["greedy"]
+    with colibri.load(path, ctx_size=64, threads=1, slots=3) as llm:
+        single = _routed(llm, ref)
     with colibri.load(path, ctx_size=64, threads=1, slots=3, cluster=cluster, cluster_stages=3) as llm:
-        hs = [llm.submit(p, N, temperature=0, ignore_eos=True) for p in PROMPTS]
-        assert [h.wait() for h in hs] == ref
+        staged = _routed(llm, ref)
+        assert single.keys() == staged.keys() and len(single[0, 0]) == llm.n_layers
+        assert all(_same_routes(single[k], staged[k]) for k in single)
         assert llm.plan.micro_batches > llm.plan.steps  # some steps were cut
         llm.plan.micro = False
         hs = [llm.submit(p, N, temperature=0, ignore_eos=True) for p in PROMPTS]
         assert [h.wait() for h in hs] == ref
+
+
+def test_routes_cross_stacked_with_their_values() -> None:
+    """What a stage passes on: the routes of the stages before it and its own, as two stacked arrays (ids int64,
+    weights f32: bf16 weights widen exactly), read back as the plan's routes are."""
+    from colibri.cluster import wire
+    from colibri.engine.stats import StackedRoutes
+
+    first = {0: (torch.tensor([[3, 1]]), torch.tensor([[0.75, 0.25]])),
+             2: (torch.tensor([[5, 6]], dtype=torch.int32), torch.randn(1, 2).bfloat16())}
+    second = StackedRoutes([7], torch.tensor([[[1, 2]]]), torch.rand(1, 1, 2))
+    packed = wire.pack_routes(second, wire.pack_routes(first))
+    assert packed[0] == (0, 2, 7) and packed[1].shape == packed[2].shape == (3, 1, 2)
+    got = wire.unpack_routes(packed)
+    assert list(got) == [0, 2, 7]
+    for layer, (ids, w) in {**first, 7: second[7]}.items():
+        assert torch.equal(got[layer][0], ids.long()) and torch.equal(got[layer][1], w.float())
+    assert wire.pack_routes({}) is None and wire.unpack_routes(wire.pack_routes({}, None)) == {}
 
 
 def test_int8_stages_and_workers_run_the_native_kernels(ckpt, cluster) -> None:

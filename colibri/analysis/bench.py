@@ -56,7 +56,7 @@ def run_bench(llm, n_tokens: int, prompts: tuple[str, ...] = PROMPTS, warmup: bo
     prefill_s = sum(r["prefill_s"] for r in runs)
     decode_s = sum(r["decode_s"] for r in runs)
     out = {
-        "model": llm.container.path, "scheme": llm.scheme, "threads": _threads(), "kv_cache": str(llm.kv_types),
+        "model": llm.container.path, "scheme": llm.scheme, "threads": llm.threads, "kv_cache": str(llm.kv_types),
         "kv_bytes": llm.kv_bytes(),
         "prompts": len(runs), "n_tokens": n_tokens, "prompt_tokens": prompt_toks,
         "generated": decoded + len(runs),
@@ -89,12 +89,6 @@ def plan_estimate(llm, budget: dict) -> tuple[float, float, str]:
     sizes = PlanSizes.from_container(llm.container)
     m = probe_machine(llm.container.path, 0.3, max(max(sizes.record_bytes, default=0), 4096), sizes.scheme)
     return plan(sizes, m, budget["mem_budget"], budget["gpu_budget"], llm.ctx_size).tok_s, m.disk_bps, m.disk_note
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _store_figures(before: dict, after: dict) -> dict:

@@ -12,11 +12,13 @@ Rows are independent outside attention, and attention is per sequence: the cut c
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ..engine.kv import SlotPool
+from ..engine.stats import StackedRoutes
 from ..errors import ColibriError, StageLostError
 from ..layers.batch import StepBatch
 from ..store.sizes import model_sizes
@@ -116,7 +118,7 @@ class StagedPlan:
         outs = []
         for g in groups:
             r0, r1 = g[0][0], g[-1][1]
-            x = (wire.pack(h[r0:r1]), {})
+            x = (wire.pack(h[r0:r1]), None)
             local = [(a - r0, b - r0, start, slot) for a, b, start, slot in g]
             for s in self.stages:  # (an actor call takes the ref of the one before: Ray hands the result over)
                 x = s.actor.run.remote(x, local)
@@ -128,8 +130,7 @@ class StagedPlan:
         got = nodes.wait(outs, [f"the pipeline ({', '.join(map(str, self.stages))})"] * M, self.deadline_s)
         # what crossed processes: the rows into each remote stage and back, the routes gathered on the way
         remote = sum(not isinstance(s.actor, nodes.LocalActor) for s in self.stages)
-        self.bytes_moved += h.nbytes * (remote + (remote > 0)) + sum(
-            t.nbytes for _, r in got for pair in r.values() for t in pair)
+        self.bytes_moved += h.nbytes * (remote + (remote > 0)) + sum(r[1].nbytes + r[2].nbytes for _, r in got if r)
         self._routes = _merge([wire.unpack_routes(r) for _, r in got])
         rows = [wire.unpack(x, h.dtype) for x, _ in got]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
@@ -232,8 +233,13 @@ def _micro_batches(segs: list, n: int) -> list[list]:
     return groups
 
 
-def _merge(parts: list[dict]) -> dict:
-    """Routes of every (micro-batch, stage) call -> one step's routes: per layer, rows in the step's order."""
+def _merge(parts: list[Mapping]) -> Mapping:
+    """Routes of every micro-batch's pass -> one step's routes: per layer, rows in the step's order."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, StackedRoutes) and p.layers == parts[0].layers for p in parts):
+        cat = [torch.cat([getattr(p, a) for p in parts], 1) for a in ("idx", "wts")]  # rows: dim 1 of [L, R, k]
+        return StackedRoutes(parts[0].layers, *cat)
     by_layer: dict[int, list] = {}
     for routes in parts:  # micro-batch-major: a layer's parts come in row order
         for layer, r in routes.items():

@@ -101,9 +101,9 @@ class Stage:
                 "resident": self.store.resident_bytes(), "peak_rss": _peak_rss(),
                 "n_experts": {m.layer: m.num_experts for m in self.model.modules() if isinstance(m, SwitchGLU)}}
 
-    def run(self, x: tuple[np.ndarray, dict], segs: Segs) -> tuple[np.ndarray, dict]:
+    def run(self, x: tuple[np.ndarray, wire.Packed | None], segs: Segs) -> tuple[np.ndarray, wire.Packed]:
         """The stage's layers over a step's hidden states: x = (rows [T, H] `wire.pack`ed, the routes of the stages
-        before) -> (the rows out, those routes and this stage's: layer -> (ids [T, k] int64, weights [T, k] f32)).
+        before, `wire.pack_routes`d) -> (the rows out, those routes and this stage's).
         One object in, one out: the next stage's call takes this one's result as it is."""
         t0 = time.perf_counter()
         h = wire.unpack(x[0], self.dtype)
@@ -112,7 +112,7 @@ class Stage:
         batch = StepBatch([Seq(r0, r1, start, caches[slot]) for r0, r1, start, slot in segs])
         with torch.inference_mode():
             out = wire.pack(self.plan.layers(h, batch, *self.range))
-            routes = {**x[1], **wire.pack_routes(self.plan.take_routes())}
+            routes = wire.pack_routes(self.plan.take_routes(), x[1])
         self.busy_s += time.perf_counter() - t0
         self.calls += 1
         return out, routes
