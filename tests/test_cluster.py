@@ -139,7 +139,7 @@ def _same_routes(a: dict, b: dict) -> bool:
 def test_micro_batches_pipeline_a_step_without_changing_it(ckpt, cluster) -> None:
     """Three sequences in a step over 3 stages run as 3 micro-batches (the stages overlap them); the tokens are
     those of each request alone, with micro-batching on and off, and every step's routes (gathered from the stages
-    as one byte array) are the single node's."""
+    as two stacked arrays) are the single node's."""
     path = ckpt.coli("olmoe", "f32")
     ref = _reference(path)["greedy"]
     with colibri.load(path, ctx_size=64, threads=1, slots=3) as llm:

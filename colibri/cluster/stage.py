@@ -101,7 +101,7 @@ class Stage:
                 "resident": self.store.resident_bytes(), "peak_rss": _peak_rss(),
                 "n_experts": {m.layer: m.num_experts for m in self.model.modules() if isinstance(m, SwitchGLU)}}
 
-    def run(self, x: tuple[np.ndarray, wire.Packed | None], segs: Segs) -> tuple[np.ndarray, wire.Packed]:
+    def run(self, x: tuple[np.ndarray, wire.Packed | None], segs: Segs) -> tuple[np.ndarray, wire.Packed | None]:
         """The stage's layers over a step's hidden states: x = (rows [T, H] `wire.pack`ed, the routes of the stages
         before, `wire.pack_routes`d) -> (the rows out, those routes and this stage's).
         One object in, one out: the next stage's call takes this one's result as it is."""

@@ -34,16 +34,17 @@ def unpack(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def pack_routes(routes: Mapping, before: Packed | None = None) -> Packed | None:
     """A step's routes (MoE layer -> (ids [T, k], weights [T, k])) stacked after those `before` them (the stages
-    earlier in the pipeline); None where there are none. Weights cross as f32 (bf16 widens exactly); every MoE
-    layer of a model routes its rows to the same number of experts, so the layers stack."""
+    earlier in the pipeline); None where there are none. Weights cross as f32 (bf16 widens exactly). The layers
+    stack as the native step's routes do: every MoE layer of a model routes a row to the same number of experts."""
     if isinstance(routes, StackedRoutes):
         layers, ids, w = tuple(routes.layers), routes.idx.numpy(), routes.wts.float().numpy()
     elif routes:
         layers = tuple(routes)
-        ids = np.stack([i.numpy() for i, _ in routes.values()]).astype(np.int64, copy=False)
+        ids = np.stack([i.numpy() for i, _ in routes.values()])
         w = np.stack([x.float().numpy() for _, x in routes.values()])
     else:
         return before
+    ids = ids.astype(np.int64, copy=False)
     if before is None:
         return layers, ids, w
     return before[0] + layers, np.concatenate([before[1], ids]), np.concatenate([before[2], w])
