@@ -9,6 +9,7 @@ port outside Ray's worker range) and stop it."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -258,6 +259,8 @@ def test_the_cli_runs_on_the_cluster_and_plans_the_split(ckpt, cluster, capsys) 
     assert main(["plan", "--model", path, "--cluster", cluster, "--cluster-stages", "3", "--disk-speed", "1G"]) == 0
     out = capsys.readouterr().out
     assert "cluster: 3 stage(s)" in out and out.count("  stage ") == 3 and "expected decode" in out, out
+    hop = re.search(r"\+ 3 process crossing\(s\) x ([0-9.]+) ms \(half a Ray round trip", out)
+    assert hop and 0 < float(hop[1]) < 1000, out  # (timed on this cluster: 2 remote stages, 3 crossings)
     assert "layers 0-0" in out and "(this process)" in out
     for mode in ("pipeline", "experts"):
         assert main(["run", "--model", path, "--prompt", "Once upon", "-n", "4", "--temperature", "0", "--ctx-size",
