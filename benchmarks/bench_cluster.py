@@ -144,13 +144,13 @@ def child(a: argparse.Namespace) -> None:
             ray.get(remote[0].actor.echo.remote(x))
         hot = (time.perf_counter() - t0) * 2
         # and as a pipeline calls it: after a step's worth of idle time (Ray's threads on both sides asleep)
-        gap, took = max(out[0]["ms_per_step"] - hot, 0.0) / 1000, 0.0
-        for _ in range(200):
+        gap, took, calls = max(out[0]["ms_per_step"] - hot, 0.0) / 1000, 0.0, 200
+        for _ in range(calls):
             time.sleep(gap)
             t0 = time.perf_counter()
             ray.get(remote[0].actor.echo.remote(x))
             took += time.perf_counter() - t0
-        out.append({"round_trip_ms": hot, "round_trip_gap_ms": took * 5, "gap_ms": gap * 1000})
+        out.append({"round_trip_ms": hot, "round_trip_gap_ms": took / calls * 1000, "gap_ms": gap * 1000})
     out.append({"head_rss_mib": peak_rss_mib()})
     llm.close()
     print(json.dumps(out))
