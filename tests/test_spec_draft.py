@@ -104,7 +104,7 @@ def test_refusals(ckpt) -> None:
             llm.submit(REPEAT, 4, speculative="draft")
     with pytest.raises(ColibriError, match="tokenizer differs"):
         colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=2, draft_model=demo_model())
-    with pytest.raises(ColibriError, match="plain K/V"):
+    with pytest.raises(ColibriError, match="not a recurrent state"):
         colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=64, threads=2, draft_model=ckpt.coli("qwen3_next", "f32"))
 
 

@@ -1,6 +1,6 @@
 """Speculative decoding on every family (the identity gate): at f32, drafts right up to a depth that cycles through
-every rollback length, and then a draft model (the family itself at int8), give plain greedy decoding's tokens;
-the sparse-attention families, which do not speculate, give them without drafting."""
+every rollback length, and then a draft model (the family itself at int8), give plain greedy decoding's tokens
+(the sparse-attention families past their dense span: ctx 64 against 8 or 12 positions kept)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from colibri.kernels import native
 
 PROMPT = [1, 88, 5, 61, 230, 12, 9]
 N = 24
-SPARSE = {"deepseek_v32", "glm_moe_dsa", "minimax_m3_vl_text", "axk2"}  # (indexers: engine/kv.py `rewinds`)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -24,11 +23,7 @@ def test_every_family_verifies_to_plain_tokens(ckpt, monkeypatch, model_type) ->
             _source(mp, ref, len(PROMPT), "cycle")
             h = llm.submit(PROMPT, N, temperature=0, ignore_eos=True, speculative="lookup", draft_max=4)
             got = h.wait()
-    assert got == ref
-    if model_type in SPARSE:
-        assert h.stats.drafted == 0
-    else:
-        assert 0 < h.stats.accepted < h.stats.drafted
+    assert got == ref and 0 < h.stats.accepted < h.stats.drafted
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "glm4_moe", "llama4_text", "ernie4_5_moe", "phimoe",

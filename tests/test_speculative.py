@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import colibri
 from colibri.engine import speculative
@@ -165,13 +166,50 @@ def test_hybrids_roll_their_states_back(ckpt, monkeypatch, model_type) -> None:
     assert same and h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
 
 
-def test_sparse_attention_does_not_speculate(ckpt) -> None:
-    """A sparse attention's indexer (deepseek_v32) can select other positions in a verify step: it does not draft,
-    asked or not."""
-    with colibri.load(ckpt.coli("deepseek_v32", "f32"), ctx_size=128, threads=2) as llm:
-        ref, _ = _run(llm, speculative="off")
-        got, h = _run(llm, speculative="lookup")
-    assert got == ref and h.stats.drafted == 0 and h.stats.tokens_per_forward == 1
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_verifies_to_plain_tokens(ckpt, monkeypatch, model_type) -> None:
+    """A sparse attention past its 8 kept positions (GLM-5's shared layers reusing a selection included): a
+    verify's rows select what one decode row selects, tied scores included (several rows of the run tie and are
+    redone alone), so lookup's own drafts and drafts cut at every depth give plain decoding's tokens."""
+    from colibri.models.deepseek_v32 import DSAttention
+
+    redone, top = [0], DSAttention._top
+
+    def counted(self, index, start):
+        got = top(self, index, start)
+        if start and index.shape[0] > 1:  # a verify: count its rows whose own topk differs from the batched one
+            redone[0] += int((got.sort().values != index.topk(self.topk, -1).indices.sort().values).any(-1).sum())
+        return got
+
+    monkeypatch.setattr(DSAttention, "_top", counted)
+    with colibri.load(ckpt.coli(model_type, "f32"), ctx_size=128, threads=2) as llm:
+        h, hc, same = _own_and_cycled(llm, monkeypatch)
+    assert same and h.stats.drafted > 0 and 0 < hc.stats.accepted < hc.stats.drafted
+    assert redone[0] > 0
+
+
+def test_sparse_selection_breaks_ties_as_one_row() -> None:
+    """`DSAttention._top` over a verify's rows [n, S] (-inf after each row's own position) picks for every row what
+    the same scores give as one decode row [1, S_i]; a prompt from position 0 keeps the batched topk."""
+    from colibri.models.deepseek_v32 import DSAttention
+
+    sel = DSAttention.__new__(DSAttention)
+    sel.topk = 8
+    g = torch.Generator().manual_seed(0)
+    differs = 0
+    for _ in range(50):
+        start, n = int(torch.randint(9, 30, (1,), generator=g)), 5
+        S = start + n
+        index = torch.relu(torch.randn(n, S, generator=g)).round(decimals=1)  # ties: zeros and equal tenths
+        future = torch.arange(S)[None] > torch.arange(start, S)[:, None]
+        index = index.masked_fill(future, float("-inf"))
+        got = sel._top(index, start).sort().values
+        for i in range(n):
+            row = index[i, :start + i + 1].contiguous()[None]  # (one decode row's scores: its positions only)
+            assert torch.equal(got[i], row.topk(8, -1).indices[0].sort().values)
+        differs += int((got != index.topk(8, -1).indices.sort().values).any())
+    assert differs > 0  # (the batched form would have picked otherwise: the ties were there)
+    assert torch.equal(sel._top(index, 0), index.topk(8, -1).indices)
 
 
 def test_streamed_experts_draft_only_when_asked(ckpt) -> None:

@@ -111,8 +111,8 @@ class DraftModel:
             self.model.eval()
             self.slots = SlotPool(self.model, n_slots, ctx, self.dtype, self.store.layer_device)
             if not all(rewinds(x) for x in self.slots.caches[0]):
-                raise ColibriError(f"draft model {self.path}: a draft must keep plain K/V (not a recurrent state or a "
-                                   "sparse attention's indexer: engine/kv.py `rewinds`)")
+                raise ColibriError(f"draft model {self.path}: a draft must keep K/V by position (not a recurrent "
+                                   "state: engine/kv.py `rewinds`)")
             self.plan = DecodePlan(self.model)
         except BaseException:
             self.close()

@@ -30,9 +30,9 @@ def positions(cache, start: int, end: int) -> dict[str, torch.Tensor]:
 
 def rewinds(cache) -> bool:
     """Whether rows written past a sequence's length can be dropped by bookkeeping alone (a speculative verify's
-    rejected drafts: engine/speculative.py): a cache indexed by position (`parts()`), unless it says a verify's
-    rows cannot be trusted there (`speculates = False`: a sparse attention's indexer, in its family file)."""
-    return bool(cache.parts()) and getattr(cache, "speculates", True)
+    rejected drafts: engine/speculative.py): a cache indexed by position (`parts()`; a sparse attention's indexer
+    keys included)."""
+    return bool(cache.parts())
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -15,14 +15,11 @@ attention, Mamba, short convolutions) keeps a snapshot after each verify row and
 kept (layers/linear_attn.py `verify_rows`, `StateCache.rollback`).
 
 Exactness needs a verify's rows to get what they get one at a time, so a model speculates (`Speculator.able`)
-where
-- no layer is a sparse attention: its indexer (DeepSeek-V3.2's, MiniMax-M3's) picks each row's positions by a
-  top-k, which the rounding of a step of more rows, or a tie broken by the step's shape, changes (seen on the tiny
-  models: other tokens);
-- and each row is computed alone: the native whole step (its kernels keep a row's accumulators to itself; a layer
-  whose experts stream sums its slots in the fixed order too), or torch at f32 (whose GEMMs round a row within
-  f32 differently with the step's rows, as they do a batch's). torch at bf16 rounds visibly: on the demo model one
-  of six random draft patterns changed the 196th of 200 tokens.
+where each row is computed alone: the native whole step (its kernels keep a row's accumulators to itself; a layer
+whose experts stream sums its slots in the fixed order too), or torch at f32 (whose GEMMs round a row within f32
+differently with the step's rows, as they do a batch's). torch at bf16 rounds visibly: on the demo model one of six
+random draft patterns changed the 196th of 200 tokens. A sparse attention's top-k selection breaks its ties as one
+decode row does (deepseek_v32.py `DSAttention._top`: relu's zero scores tie often).
 
 The gate (`choose`) sets the depth of each lookup verify from measured figures: per draft position the chance it
 is accepted (counted per n-gram length by replaying the lookup against every token a request generates, drafted
@@ -295,11 +292,11 @@ class Speculator:
         streamed = any(not m.source.holds_all(m.layer) for m in model.modules() if isinstance(m, SwitchGLU))
         sp = cls(plain and (alone or f32), streamed, ctx, slot_caches)
         if not plain:
-            sp.why_not = "a layer's cache cannot drop a verify's rejected rows (a sparse attention's indexer, or a " \
-                         "cluster stage's)"
+            sp.why_not = "a layer's cache cannot drop a verify's rejected rows (a cluster stage's)"
         elif not sp.able:
-            sp.why_not = ("its layers do not run in the native whole step (not int8/int4 native weights), and torch "
-                          "at bf16 rounds a verify's rows otherwise than one at a time")
+            sp.why_not = ("its layers do not run in the native whole step (not int8/int4 native weights, or a "
+                          "recurrent state, or a sparse attention past index_topk positions: --ctx-size at most that "
+                          "keeps it dense), and torch at bf16 rounds a verify's rows otherwise than one at a time")
         return sp
 
     def plan(self, chunks: list, plain_s: float | None) -> bool:

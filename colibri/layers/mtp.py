@@ -1,4 +1,5 @@
-"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3, GLM-4.5/4.7, Qwen3-Next/3.5 ship.
+"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Qwen3-Next/3.5
+ship.
 
 Such a layer predicts the token after next: from the main model's final hidden state at position i (after its final
 norm) and the embedding of token i + 1, e = enorm(embed(t_{i+1})), h = hnorm(h_i), it runs one decoder layer of the

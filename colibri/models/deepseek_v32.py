@@ -15,6 +15,8 @@ attends to the `index_topk` best only.
   context (`ctx_size`) is at most `index_topk` never selects: it caches no indexer keys and takes V3's one-call
   step; a longer one does not (that call would not write the keys).
 - Layers are MoE by `mlp_layer_types`, else from `first_k_dense_replace` (3) on; RoPE pairs are interleaved.
+- The MTP layer (layer `num_hidden_layers`, V3's layout) is a routed layer with an indexer of its own
+  (`mtp_config`; layers/mtp.py).
 """
 
 from __future__ import annotations
@@ -65,10 +67,6 @@ def layer_types(given: list | None, first_dense: int, n: int) -> list[str]:
 
 class IndexedLatentCache(LatentCache):
     """The MLA latent cache plus the indexer's key per position ([ctx, Di])."""
-
-    # a verify step's rows can select other positions (the indexer's top-k rounds or breaks a tie otherwise in a
-    # step of more rows: other tokens on the tiny models), so no speculation (engine/kv.py `rewinds`)
-    speculates = False
 
     def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int, max_len: int, dtype: torch.dtype,
                  device: str = "cpu"):
@@ -201,9 +199,25 @@ class DSAttention(MLAttention):
             future = torch.arange(S, device=dev)[None] > torch.arange(start, S, device=dev)[:, None]
             index = index.masked_fill(future, float("-inf"))
             keep = torch.zeros(r1 - r0, S, dtype=torch.bool, device=dev)
-            keep.scatter_(1, index.topk(self.topk, -1).indices, True)
+            keep.scatter_(1, self._top(index, start), True)
             out.append(keep & ~future)
         return out
+
+    def _top(self, index: torch.Tensor, start: int) -> torch.Tensor:
+        """The index_topk best positions of each row of index [n, S] (-inf after a row's own) -> [n, index_topk].
+        Tied scores (relu's zeros tie often) are broken by topk's shape-dependent order: a prompt from its first
+        position takes the batched form, as transformers does; a continuation (decode, a verify's rows, a cached
+        prefix's chunk) redoes each row whose last kept and first dropped scores tie over its own positions alone,
+        as one decode row computes it, so a verify selects what decoding one row at a time would."""
+        k = self.topk
+        if start == 0:
+            return index.topk(k, -1).indices
+        top = index.topk(k + 1, -1)  # (the set of the best k is the rows' own unless the k-th and (k+1)-th tie)
+        kth, nxt = top.values[:, k - 1], top.values[:, k]
+        picks = top.indices[:, :k].clone()
+        for i in ((kth == nxt) & (nxt > float("-inf"))).nonzero()[:, 0].tolist():
+            picks[i] = index[i, :start + i + 1].contiguous()[None].topk(k, -1).indices[0]
+        return picks
 
     def _expanded(self, q_nope, q_pe, latent, start, keep=None):
         return super()._expanded(q_nope, q_pe, latent, start, self._next_keep(latent))
@@ -273,4 +287,9 @@ def check_config(cfg: dict) -> None:
         refuse(NAME, "index_head_dim", cfg.get("index_head_dim"), f"at least qk_rope_head_dim={rope}")
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (routed, its own indexer) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "first_k_dense_replace": 0, "mlp_layer_types": ["sparse"]}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, mtp_config=mtp_config)

@@ -5,6 +5,7 @@ and shared expert) with GLM's defaults and two differences:
 - Cross-layer top-k sharing: a "shared" layer (`indexer_types`, else from `index_topk_pattern` or
   `index_topk_freq` / `index_skip_topk_offset`, transformers' rules) has no indexer and attends to the positions
   the last "full" layer before it selected in the same step.
+- The MTP layer (layer `num_hidden_layers`) is a "full" one: the checkpoint ships its indexer (`mtp_config`).
 """
 
 from __future__ import annotations
@@ -59,4 +60,9 @@ def check_config(cfg: dict) -> None:
         refuse(NAME, "indexer_types", kinds, f'{n} of "full" / "shared", the first "full"')
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (routed, its own indexer) as layer 0 of a one-layer model."""
+    return {**v32.mtp_config(cfg), "indexer_types": ["full"]}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, mtp_config=mtp_config)

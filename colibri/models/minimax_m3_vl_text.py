@@ -119,8 +119,6 @@ class ClampedMLP(MLP):
 class IndexedKVCache(KVCache):
     """The layer's keys and values plus the indexer's key per position ([1, ctx, Di]: positions on dim 1, as k's)."""
 
-    speculates = False  # (as deepseek_v32's IndexedLatentCache: a verify step's indexer may pick other positions)
-
     def __init__(self, kv_heads: int, head_dim: int, index_dim: int, max_len: int, dtype: torch.dtype,
                  device: str = "cpu"):
         super().__init__(kv_heads, head_dim, max_len, dtype, None, device)
