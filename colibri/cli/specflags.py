@@ -22,7 +22,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", type=_spec_mode, default=None, metavar="auto|off|lookup|draft|mtp",
                    help="auto: prompt-lookup drafts where the measured gate says they pay (and the draft model's "
                         "where lookup finds no match); lookup: every match verified; draft: the draft model's; "
-                        "mtp: the model's own multi-token-prediction layer's (DeepSeek-V3, GLM-4.5/4.7, "
+                        "mtp: the model's own multi-token-prediction layer's (DeepSeek-V3/V3.2, GLM-4.5/4.7/5, "
                         "Qwen3-Next/3.5: loaded for it); off: one token per forward (default: draft with "
                         "--draft-model, else off)")
     g.add_argument("--draft-max", type=bounded("--draft-max", 0, CAP - 1), default=DRAFT_MAX, metavar="N",

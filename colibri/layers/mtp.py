@@ -9,7 +9,7 @@ drafts further tokens (engine/mtp.py).
 
 Stored in the container under `mtp.{j}.` (the converter keeps it where the family knows its one-layer config,
 `Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in
-two layouts: DeepSeek-V3's and GLM-4.5/4.7's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj,
+two layouts: DeepSeek-V3/V3.2's and GLM-4.5/4.7/5's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj,
 shared_head.norm, the layer's own names), whose copies of the embedding and head (`embed_tokens`, `shared_head.head`)
 are the main model's and are not kept; Qwen3-Next's and Qwen3.5's under `mtp.` (`qwen_canonical`: fc,
 pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm; their families' `sanitize` maps them). `View`
