@@ -95,6 +95,7 @@ def engine(model: str, after: int, lengths: list[int]) -> dict:
     import colibri
 
     llm = colibri.load(model, ctx_size=after + max(lengths) + 16, threads=2)
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     rng = random.Random(0)
     base = [1] + [rng.randrange(3, 384) for _ in range(after - 1)]  # ids the test tokenizer has
     list(llm.generate_ids(base, 1, ignore_eos=True))

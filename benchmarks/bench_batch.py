@@ -57,6 +57,7 @@ def child(path: str, budget: str | None, tokens: int, threads: int, counts: list
     # No prompt caching: every round sends the same prompts, and each should cost what the first did.
     llm = colibri.load(path, ctx_size=256, threads=threads, slots=max(counts), cache_prompt=False,
                        mem_budget=parse_size(budget) if budget else None, prefetch=prefetch, cache_policy=policy)
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     # Warm-up: every count's path, with enough tokens to touch (nearly) every expert: the first touch of a
     # mapped page faults, and a warm-up of a few tokens left that to the first measured run (N=1 then
     # ran at ~0.75 of its steady speed, flattering every ratio to it).

@@ -66,7 +66,8 @@ def bench(model: Path, a: argparse.Namespace, cap: str | None, mem_budget: str |
           usage: Path | None = None) -> dict:
     """One `colibri bench --json` run in a fresh process (under memcap when `cap`)."""
     cmd = [sys.executable, "-m", "colibri", "bench", "--model", str(model), "-n", str(a.tokens),
-           "--prompts", str(a.prompts), "--ctx-size", str(a.ctx_size), "--threads", str(a.threads), "--json"]
+           "--prompts", str(a.prompts), "--ctx-size", str(a.ctx_size), "--threads", str(a.threads), "--json",
+           "--spec", "off"]  # (plain decoding, as llama.cpp's)
     if mem_budget:
         cmd += ["--mem-budget", mem_budget]
     if usage is not None:

@@ -102,6 +102,7 @@ def child(a: argparse.Namespace) -> None:
     kw = dict(cluster=a.address, cluster_stages=a.stages, cluster_mode=a.mode) if a.address else {}
     llm = colibri.load(a.model, ctx_size=256, threads=a.threads, slots=max(a.streams), cache_prompt=False,
                        mem_budget=a.engine_budget, **kw)
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     out = []
     for n in a.streams:

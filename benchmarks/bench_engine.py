@@ -80,6 +80,7 @@ def worker_colibri(a: argparse.Namespace) -> dict:
 
     llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads,
                        cache_prompt=False)  # the same prompt is timed in every round
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     prompt = _prompt(a.prompt_len)
     # Warm-up: oneDNN primitive creation and first page faults are not decode speed.
     list(llm.generate_ids(prompt[:8], 4, temperature=0, ignore_eos=True))

@@ -42,12 +42,14 @@ def main() -> None:
         int8 = convert(src, root / f"{mt}.int8.coli", "int8", group_size=32, progress=False)
         hf = load_hf(src)
         llm = colibri.load(f32, ctx_size=256, threads=a.threads)
+        llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
         ids = PROMPT * 3
         diff = (llm.logits(ids) - hf_logits(hf, ids)).abs().max().item()
         ours = list(llm.generate_ids(PROMPT, a.greedy, ignore_eos=True))
         ref = hf_greedy(hf, PROMPT, a.greedy)
         match = next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y), a.greedy)
         q = colibri.load(int8, ctx_size=256, threads=a.threads)
+        q.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
         list(q.generate_ids(PROMPT, 8, ignore_eos=True))  # warm-up
         t0 = time.perf_counter()
         list(q.generate_ids(PROMPT, a.tokens, ignore_eos=True))

@@ -95,6 +95,7 @@ def worker(a: argparse.Namespace) -> dict:
     if a.worker == "speed":
         llm = colibri.load(a.model, ctx_size=a.depth + a.tokens + 16, threads=a.threads, kv_type=a.kv,
                            cache_prompt=False)
+        llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
         prompt = _ids(rng, a.depth)
         list(llm.generate_ids(prompt[:8], 64, ignore_eos=True))  # warm-up
         dec, pre = [], []

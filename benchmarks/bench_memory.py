@@ -41,6 +41,7 @@ def measure(path: str, tokens: int, mem_budget: int | None, threads: int) -> dic
     import colibri
 
     llm = colibri.load(path, ctx_size=tokens + 16, threads=threads, mem_budget=mem_budget)
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     out = {"0": rss_mib()}
     ids = llm.tokenizer.encode("Once upon a time")
     for n, _ in enumerate(llm.generate_ids(ids, tokens, temperature=0, ignore_eos=True), 1):

@@ -439,6 +439,7 @@ def main() -> None:
         if not coli.exists():
             convert(_source(root, fam), coli, a.scheme, progress=False)
         with colibri.load(coli, threads=a.threads, ctx_size=256) as llm:
+            llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
             _decode(llm, 16)  # warm-up: the thread-count timing, the kernels' first builds
             states: dict = {}
             got: dict[str, list[float]] = {m: [] for m in MODES}

@@ -97,6 +97,7 @@ def batch_table(model: Path, threads: int) -> None:
     import colibri
 
     llm = colibri.load(str(model), slots=8, threads=threads)
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     prompts = [f"Request {i}: tell me a story." for i in range(8)]
     runs: dict[tuple[str, int], list[float]] = {}
     settings = {"greedy": {"temperature": 0.0}, "t0.8 top_p0.95": {"temperature": 0.8, "top_p": 0.95, "seed": 1},

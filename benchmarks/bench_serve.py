@@ -49,7 +49,7 @@ PROMPTS = ["Tell me a story about a little girl and a dog.", "What is the capita
 def cache_servers(a: argparse.Namespace, coli: Path, gguf: Path, bin_dir: Path, slots: int, ctx: int) -> dict:
     """colibri serve with and without prompt caching, and llama-server: name -> (port -> command)."""
     ccmd = [sys.executable, "-m", "colibri", "serve", "--model", str(coli), "--slots", str(slots), "--threads",
-            str(a.threads), "--ctx-size", str(ctx)]
+            str(a.threads), "--ctx-size", str(ctx), "--spec", "off"]  # (llama-server drafts nothing either)
     return {"colibri": lambda p: ccmd + ["--port", str(p)],
             "colibri no-cache": lambda p: ccmd + ["--no-cache-prompt", "--port", str(p)],
             "llama-server": lambda p: llamacpp.server_cmd(bin_dir, gguf, p, a.threads, slots, ctx)}
@@ -229,7 +229,8 @@ def main() -> None:
     coli, gguf = colis[a.scheme], ggufs[a.scheme]
     slots = max(a.clients)
     ccmd = [sys.executable, "-m", "colibri", "serve", "--model", str(coli), "--slots", str(slots),
-            "--threads", str(a.threads), "--ctx-size", str(a.ctx_per_slot), "--max-queue", str(4 * slots)]
+            "--threads", str(a.threads), "--ctx-size", str(a.ctx_per_slot), "--max-queue", str(4 * slots),
+            "--spec", "off"]  # (llama-server drafts nothing either)
     if a.memcap:
         ccmd += ["--mem-budget", a.mem_budget or BUDGET[a.scheme]]
     results = {}

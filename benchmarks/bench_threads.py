@@ -39,7 +39,7 @@ def run(model: str, n: int, threads: int, env: dict) -> float:
     full = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "COLIBRI_NATIVE")}
     full.update(env)
     out = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model", model, "-n", str(n),
-                          "--threads", str(threads), "--prompts", "1", "--json"],
+                          "--threads", str(threads), "--prompts", "1", "--json", "--spec", "off"],
                          env=full, capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s"])
 

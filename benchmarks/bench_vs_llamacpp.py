@@ -180,6 +180,7 @@ def worker(a: argparse.Namespace) -> dict:
     # No prompt caching: the same prompt is timed again and again (llama-bench's pp computes it each time).
     llm = colibri.load(a.model, ctx_size=a.prompt_len + a.tokens + 8, threads=a.threads, mem_budget=budget,
                        cache_prompt=False)
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     rng = random.Random(0)
     prompt = [1] + [rng.randrange(3, 384) for _ in range(a.prompt_len - 1)]  # ids the test tokenizer has
     # Warm-up (llama-bench warms up too): the timed prompt's path (up to 192 tokens: native 64-row

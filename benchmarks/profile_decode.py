@@ -59,6 +59,7 @@ def main() -> None:
         setattr(mod, name, timed(name, getattr(mod, name)))
     native_mla.mla_block = timed("mla_block", native_mla.mla_block)  # (DeepSeek's attention: kernels/mla.c)
     llm = colibri.load(a.model, ctx_size=a.steps + 16, threads=a.threads, slots=a.rows)
+    llm.speculative = "off"  # (plain decoding: no lookup drafts in what is measured)
     if a.per_layer:
         llm.plan.rebuild(native=False)
     torch.set_num_threads(1)  # as the engine runs a decode step: the pool gets the threads

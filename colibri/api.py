@@ -250,7 +250,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     # The defaults of submit's `speculative` and `draft_max` (the CLI's --spec and --draft-max set them).
-    speculative: str = "off"  # (opt-in: "auto" measured 0.96-0.97x on free text where drafts rarely pay: ENGINE.md)
+    speculative: str = "auto"  # (its gate drafts where measured costs say it pays: docs/ENGINE.md)
     draft_max: int = DRAFT_MAX
 
     def submit(self, prompt_ids: list[int], max_tokens: int = 256, *, sampling: SamplingParams | None = None,
@@ -261,9 +261,10 @@ class Engine:
         """Queue a request; returns its handle at once (iterate it for tokens, `cancel()` to stop it).
 
         `listener`: registered before the request is queued, so it sees every event (see
-        `RequestHandle.add_listener`). `speculative` (engine/speculative.py): "auto" (prompt-lookup drafts
-        where the measured gate says they pay), "lookup" (every match verified) or "off" (the default); greedy
-        requests without processors, grammar or log-probs only, and the same tokens either way; `draft_max`: drafts
+        `RequestHandle.add_listener`). `speculative` (engine/speculative.py): "auto" (the default: prompt-lookup
+        drafts, and the draft model's, where the measured gate says they pay; none for a seeded sampled request),
+        "lookup" (every match verified), "draft", "mtp" or "off"; requests without processors, grammar or log-probs
+        only: greedy ones get the same tokens either way, sampled ones the same distribution; `draft_max`: drafts
         per verify at most (None: the engine's `speculative` / `draft_max`). Raises `QueueFullError` when
         `max_queue` requests already wait, `ColibriError` for bad input."""
         self._check_open()

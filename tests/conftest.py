@@ -52,6 +52,18 @@ def _cpu_engine_unless_marked_cuda(request, monkeypatch):
             monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
+@pytest.fixture(autouse=True)
+def _plain_decoding_unless_asked(request, monkeypatch):
+    """Requests that do not say decode without drafts in the suite's own engines: the default ("auto") verifies
+    lookup drafts where its gate's measured times say they pay, which would make step and expert counters vary
+    from run to run (never the tokens); the speculation tests ask for their mode, and the tests marked
+    `default_spec` check the default."""
+    if request.node.get_closest_marker("default_spec") is None:
+        from colibri.api import Engine
+
+        monkeypatch.setattr(Engine, "speculative", "off")
+
+
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("ckpt"))

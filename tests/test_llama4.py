@@ -89,7 +89,7 @@ def test_positions_past_the_temperature_table_leave_the_native_blocks(ckpt, monk
     runs: list[bool] = []
     monkeypatch.setattr(native_step, "steps", _spy(native_step.steps, runs))
     try:
-        full = list(llm.generate_ids(PROMPT[:12], max_tokens=16, temperature=0))
+        full = list(llm.generate_ids(PROMPT[:12], max_tokens=16, temperature=0, speculative="off"))
         nope = [b.self_attn for b in llm.model.model.layers if b.self_attn.temperature is not None]
         assert nope
         for a in nope:  # 3 entries: positions below 2 * floor_scale - 1 = 7
@@ -99,7 +99,7 @@ def test_positions_past_the_temperature_table_leave_the_native_blocks(ckpt, monk
         assert all(a.pos_limit() == 7 for a in nope)
         assert runs and all(runs)  # native runs took the steps
         runs.clear()
-        cut = list(llm.generate_ids(PROMPT[:12], max_tokens=16, temperature=0))
+        cut = list(llm.generate_ids(PROMPT[:12], max_tokens=16, temperature=0, speculative="off"))
     finally:
         llm.close()
     assert cut == full

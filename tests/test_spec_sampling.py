@@ -121,3 +121,21 @@ def test_seeded_sampled_requests_speculate_reproducibly(ckpt) -> None:
         d, _ = run(12)
     assert a == b == c and a != d and len(a) == 40
     assert 0 < h.stats.accepted < h.stats.drafted
+
+
+def test_auto_leaves_a_seeded_sampled_request_plain(ckpt, monkeypatch) -> None:
+    """Under "auto" the gate's measured times pick the drafts, and which drafts a sampled request verified decides
+    its text: a seeded one drafts nothing there (plain sampling's text for its seed, however the gate is set),
+    an unseeded one drafts where the gate says."""
+    from colibri.engine import speculative
+
+    monkeypatch.setattr(speculative, "choose", lambda gains, *_: [len(g) for g in gains])  # (every draft pays)
+    monkeypatch.setattr(speculative.Speculator, "hopeless", lambda *_: False)
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=128, threads=2) as llm:
+        kw = dict(temperature=0.8, seed=11, ignore_eos=True)
+        plain = llm.submit(REPEAT, 40, speculative="off", **kw).wait()
+        h = llm.submit(REPEAT, 40, speculative="auto", **kw)
+        got = h.wait()
+        u = llm.submit(REPEAT, 40, speculative="auto", **{**kw, "seed": None})
+        u.wait()
+    assert got == plain and h.stats.drafted == 0 and u.stats.drafted > 0

@@ -259,6 +259,27 @@ def test_requests_that_do_not_speculate(ckpt) -> None:
         assert _run(llm, n=16)[1].stats.drafted == 0
 
 
+@pytest.mark.default_spec
+def test_auto_is_the_default(ckpt, monkeypatch) -> None:
+    """Requests that do not say take "auto" (the engine's and the CLI's default without a draft model): on a prompt
+    that repeats, with every depth paying, they draft, and give plain tokens; `--spec off` turns it off."""
+    import argparse
+
+    from colibri.api import Engine
+    from colibri.cli.specflags import apply_spec_args
+
+    assert Engine.speculative == "auto"
+    monkeypatch.setattr(speculative, "choose", lambda gains, *_: [len(g) for g in gains])
+    monkeypatch.setattr(speculative.Speculator, "hopeless", lambda *_: False)
+    with colibri.load(ckpt.coli("olmoe", "f32"), ctx_size=128, threads=2) as llm:
+        apply_spec_args(llm, argparse.Namespace(spec=None))
+        assert llm.speculative == "auto"
+        got, h = _run(llm)
+        apply_spec_args(llm, argparse.Namespace(spec="off"))
+        ref, h0 = _run(llm)
+    assert got == ref and h.stats.drafted > 0 and h0.stats.drafted == 0
+
+
 def test_lookup_index() -> None:
     """The longest n-gram ending the context, its most recent earlier occurrence, the copy running on over its own
     output; the index kept up to date token by token is the index built at once."""
@@ -354,7 +375,7 @@ def test_cli_flags(capsys) -> None:
 
     a = run_parser().parse_args(["--spec", "lookup", "--draft-max", "4", "-p", "x"])
     assert (a.spec, a.draft_max) == ("lookup", 4)
-    assert spec_mode(serve_parser().parse_args([])) is None  # (the engine's default: off)
+    assert spec_mode(serve_parser().parse_args([])) is None  # (the engine's default: "auto")
     a = serve_parser().parse_args(["--draft-model", "d.coli", "--draft-p-min", "0.3"])
     assert spec_mode(a) == "draft" and a.draft_p_min == 0.3
     with pytest.raises(SystemExit):

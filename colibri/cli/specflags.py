@@ -24,7 +24,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "where lookup finds no match); lookup: every match verified; draft: the draft model's; "
                         "mtp: the model's own multi-token-prediction layer's (DeepSeek-V3/V3.2, GLM-4.5/4.7/5, "
                         "Qwen3-Next/3.5: loaded for it); off: one token per forward (default: draft with "
-                        "--draft-model, else off)")
+                        "--draft-model, else auto)")
     g.add_argument("--draft-max", type=bounded("--draft-max", 0, CAP - 1), default=DRAFT_MAX, metavar="N",
                    help="most drafted tokens verified per forward")
     g.add_argument("--draft-model", "-md", metavar="PATH", default=None,
@@ -63,8 +63,9 @@ def spec_mode(a: argparse.Namespace) -> str | None:
 def apply_spec_args(llm, a: argparse.Namespace) -> None:
     """The engine's defaults from --spec / --draft-max / --draft-p-min (a namespace built without them keeps the
     engine's)."""
-    llm.speculative = spec_mode(a) or ("off" if hasattr(a, "spec") else llm.speculative)
-    if llm.speculative != "off" and (why := llm._runner.spec.why_not):
+    asked = spec_mode(a)
+    llm.speculative = asked or ("auto" if hasattr(a, "spec") else llm.speculative)
+    if asked not in (None, "off") and (why := llm._runner.spec.why_not):  # (not for the default's "auto")
         log.warning("colibri: --spec %s: this model decodes without drafts: %s", llm.speculative, why)
     llm.draft_max = getattr(a, "draft_max", llm.draft_max)
     for src in (llm._draft, llm._mtp):  # (the draft model's and the MTP layer's confidence cut)

@@ -159,8 +159,11 @@ def expected(seen: np.ndarray, ok: np.ndarray) -> np.ndarray:
 class RequestSpec:
     """A speculating request's state: its lookup, and the replay that counts its acceptance (`sync`)."""
 
-    def __init__(self, mode: str, draft_max: int, context: list[int]):
+    def __init__(self, mode: str, draft_max: int, context: list[int], fixed: bool = False):
         self.mode, self.draft_max = mode, draft_max
+        # a seeded sampled request: which drafts it verifies must not depend on measured times (the gate's), or
+        # its text would depend on the machine (`Speculator.state`)
+        self.fixed = fixed
         self.lookup = Lookup(context)
         self.counts = Acceptance()
         self.synced = 0  # generated tokens indexed
@@ -270,14 +273,17 @@ class Speculator:
         """The request's RequestSpec (engine/scheduler.py Active.spec), made at its first decode step; None where
         it cannot speculate: a processor, a grammar, log-probs or prompt scoring; a model that cannot (`able`);
         "auto" where experts stream and no draft model is loaded. Sampled requests speculate with the
-        accept/resample rule (engine/verify.py)."""
+        accept/resample rule (engine/verify.py); a seeded one's text depends on which drafts it verified, so it
+        takes none where the gate's measured times decide ("auto"), and all its MTP layer makes ("mtp")."""
         if a.spec is None:
             h, p = a.h, a.picker
-            mode = "off" if self.streamed and h.speculative == "auto" and self.drafter is None else h.speculative
+            fixed = p.sample is not greedy and p.sp.seed is not None
+            mode = "off" if (self.streamed and h.speculative == "auto" and self.drafter is None
+                             or fixed and h.speculative == "auto") else h.speculative
             able = (self.able and mode != "off" and h.draft_max > 0 and p.run_spec is not None
                     and p.run_procs() is None and p.sp.logprobs is None
                     and h.prompt_logprobs is None and not h.want_logits)
-            a.spec = RequestSpec(h.speculative, h.draft_max, h.prompt_ids) if able else False
+            a.spec = RequestSpec(h.speculative, h.draft_max, h.prompt_ids, fixed) if able else False
         return a.spec or None
 
     @classmethod
@@ -348,11 +354,12 @@ class Speculator:
             self.draft_s = time.perf_counter() - t0
             for (c, _), drafts in zip(asks, got):
                 rows += _extend(c, drafts[: max(CAP - rows, 0)])
-        for c, st, n, drafts in cands:  # "lookup": every match verified, while the step's rows allow
-            if st.mode == "lookup" and (d := _extend(c, drafts[: max(CAP - rows, 0)])):
+        for c, st, n, drafts in cands:  # "lookup" (and a seeded request's MTP drafts): all, while the rows allow
+            if (st.mode == "lookup" or st.fixed) and (d := _extend(c, drafts[: max(CAP - rows, 0)])):
                 rows += d
-                tokens += float(st.gains(self.acceptance, n, d).sum())
-        gated = [x for x in cands if x[1].mode in ("auto", "mtp")]
+                tokens += float((st.gains(self.acceptance, n, d) if n is not None
+                                 else self.mtp_acceptance.gains(0, d)).sum())
+        gated = [x for x in cands if x[1].mode in ("auto", "mtp") and not x[1].fixed]
         if gated and plain_s is not None:  # (plain decoding's cost is measured first)
             gains = [st.gains(self.acceptance, n, len(d)) if n is not None else self.mtp_acceptance.gains(0, len(d))
                      for _, st, n, d in gated]
@@ -396,7 +403,7 @@ class Speculator:
                 if after is None:
                     continue
                 nexts = [*c.tokens[1:], after]
-            k = 0 if c.start + n < P else min(st.draft_max, self.mtp_depth)
+            k = 0 if c.start + n < P else st.draft_max if st.fixed else min(st.draft_max, self.mtp_depth)
             asks.append((a.slot, mtp_rows(a.slot, c.start, list(range(r, r + len(nexts))), nexts, k, a.h,
                                           lambda h=a.h: [*h.prompt_ids, *h.tokens])))
         if asks:
