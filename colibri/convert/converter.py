@@ -449,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                    "file); see docs/QUANT.md")
     p.add_argument("--no-mtp", action="store_true", help="drop the checkpoint's multi-token-prediction layers "
                    "(kept by default where colibri runs them: DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Qwen3-Next/3.5; "
-                   "`--spec mtp` "
-                   "drafts with them)")
+                   "`--spec mtp` drafts with them)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     a = p.parse_args(argv)
     if a.group_size <= 0 or a.group_size % 2:

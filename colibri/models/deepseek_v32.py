@@ -206,8 +206,8 @@ class DSAttention(MLAttention):
     def _top(self, index: torch.Tensor, start: int) -> torch.Tensor:
         """The index_topk best positions of each row of index [n, S] (-inf after a row's own) -> [n, index_topk].
         Tied scores (relu's zeros tie often) are broken by topk's shape-dependent order: a prompt from its first
-        position takes the batched form, as transformers does; a continuation (decode, a verify's rows, a cached
-        prefix's chunk) redoes each row whose last kept and first dropped scores tie over its own positions alone,
+        position takes the batched form, as transformers does; a continuation (decode, a verify's rows, a later prompt
+        chunk) redoes each row whose last kept and first dropped scores tie over its own positions alone,
         as one decode row computes it, so a verify selects what decoding one row at a time would."""
         k = self.topk
         if start == 0:
