@@ -261,11 +261,9 @@ class Engine:
         """Queue a request; returns its handle at once (iterate it for tokens, `cancel()` to stop it).
 
         `listener`: registered before the request is queued, so it sees every event (see
-        `RequestHandle.add_listener`). `speculative` (engine/speculative.py): "auto" (the default: prompt-lookup
-        drafts, and the draft model's, where the measured gate says they pay; none for a seeded sampled request),
-        "lookup" (every match verified), "draft", "mtp" or "off"; requests without processors, grammar or log-probs
-        only: greedy ones get the same tokens either way, sampled ones the same distribution; `draft_max`: drafts
-        per verify at most (None: the engine's `speculative` / `draft_max`). Raises `QueueFullError` when
+        `RequestHandle.add_listener`). `speculative`: "auto" (the default), "lookup", "draft", "mtp" or "off"
+        (docs/ENGINE.md, "Speculative decoding": the same greedy tokens, the same sampling distribution either way);
+        `draft_max`: drafts per verify at most (None: the engine's `speculative` / `draft_max`). Raises `QueueFullError` when
         `max_queue` requests already wait, `ColibriError` for bad input."""
         self._check_open()
         speculative = self.speculative if speculative is None else speculative
