@@ -263,8 +263,8 @@ class Engine:
         `listener`: registered before the request is queued, so it sees every event (see
         `RequestHandle.add_listener`). `speculative`: "auto" (the default), "lookup", "draft", "mtp" or "off"
         (docs/ENGINE.md, "Speculative decoding": the same greedy tokens, the same sampling distribution either way);
-        `draft_max`: drafts per verify at most (None: the engine's `speculative` / `draft_max`). Raises `QueueFullError` when
-        `max_queue` requests already wait, `ColibriError` for bad input."""
+        `draft_max`: drafts per verify at most (None: the engine's `speculative` / `draft_max`). Raises
+        `QueueFullError` when `max_queue` requests already wait, `ColibriError` for bad input."""
         self._check_open()
         speculative = self.speculative if speculative is None else speculative
         draft_max = self.draft_max if draft_max is None else draft_max
