@@ -32,7 +32,9 @@ def test_claude_code_cli_completes_a_turn(tmp_path, monkeypatch):
     from colibri.demo import demo_model
 
     monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))
-    s = Server(demo_model(), "--api-key", KEY, "--ctx-size", "1024")
+    # (Claude Code sends no temperature: a sampled story, a few hundred tokens, once 683 of a 1024 context, where
+    # the CLI's "continue" request after max_tokens overflowed it; 4096 leaves room: 120 replays, longest 649)
+    s = Server(demo_model(), "--api-key", KEY, "--ctx-size", "4096")
     env = {**os.environ, "HOME": str(tmp_path), "CLAUDE_CONFIG_DIR": str(tmp_path / ".claude"),
            "ANTHROPIC_BASE_URL": s.url, "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1"}
