@@ -84,12 +84,14 @@ class ExpertCache:
     `n_slots` slots of `slot_bytes` bytes each live in one arena on `device`; `extra_bytes`
     is what the loader allocates per loaded expert beyond the slot (counted in `capacity_bytes`
     so that budgets stay honest). `submit(fn, *args) -> Future` runs loads (default: inline).
-    `layers` lists the layers served (for the fair share).
+    `layers` lists the layers served (for the fair share). `ahead`: the reader (store/reader.py), when
+    its reads ahead queue behind the reads a step waits for (submit_ahead, promote, waiting_ahead).
     """
 
     def __init__(self, loader: ExpertLoader, n_slots: int, slot_bytes: int, layers: list[int], *,
                  submit: Callable[..., Future] | None = None, device: torch.device | str = "cpu",
-                 policy: str = "fair", extra_bytes: int = 0, min_precision: float = 0.0, io_depth: int = 0):
+                 policy: str = "fair", extra_bytes: int = 0, min_precision: float = 0.0, io_depth: int = 0,
+                 ahead: Any = None):
         if n_slots < 1:
             raise ValueError(f"an expert cache needs at least one slot, got {n_slots}")
         if policy not in POLICIES:
@@ -102,6 +104,9 @@ class ExpertCache:
         # queued behind demand reads it lands no sooner than they would, and a wrong one delays them
         # (8 streams from disk: 19.6 -> 14.7 MiB read per token, benchmarks/bench_batch.py).
         self.io_depth = io_depth
+        # With a reader whose reads ahead wait behind a step's, one token's ranked guesses (precise by the rank
+        # gate) may also queue, up to io_depth of them: more of the disk time hidden (docs/BENCHMARKS.md).
+        self._ahead = ahead
         self._inflight: set[_Slot] = set()  # slots whose read may still be running (pruned by _loading)
         if self.device.type == "cpu":
             self.arena = aligned_buffer(n_slots * slot_bytes)
@@ -164,6 +169,8 @@ class ExpertCache:
         f = s.future
         if f is not None:
             if not f.done():
+                if self._ahead is not None:
+                    self._ahead.promote(f)  # (a read ahead not started yet: the step waits for it now)
                 t0 = time.perf_counter()
                 f.exception()  # waits
                 self.wait_s += time.perf_counter() - t0
@@ -255,6 +262,8 @@ class ExpertCache:
                 if not loading:
                     raise RuntimeError("expert cache: no slot can be freed (all claimed or pinned)")
                 t0 = time.perf_counter()
+                if self._ahead is not None:
+                    self._ahead.promote(loading[0].future)
                 loading[0].future.exception()
                 self.wait_s += time.perf_counter() - t0
                 s = loading[0]
@@ -271,7 +280,8 @@ class ExpertCache:
         self._touch(s)
         self.counts["bytes_read"] += self.loader.nbytes(layer, e)
         self.counts["reads"] += 1
-        s.future = self.submit(self.loader.load, layer, e, s.buf)
+        submit = self._ahead.submit_ahead if prefetched and self._ahead is not None else self.submit
+        s.future = submit(self.loader.load, layer, e, s.buf)
         self._inflight.add(s)
 
     def _touch(self, s: _Slot) -> None:
@@ -309,7 +319,8 @@ class ExpertCache:
         scored against the next `fetch` of the layer and each rank is read only while its
         precision holds; without (a prefill's union), only while the top rank's does. Only free
         or evictable slots are used, at most the layer's share (fair, reuse) or half the cache (lru),
-        and no more than the reader has idle (`io_depth` minus the reads in flight).
+        and no more than the reader has idle (`io_depth` minus the reads in flight), or, with `ahead`
+        and `track`, `io_depth` reads waiting behind the step's own.
         """
         if track:
             self._predicted[layer] = list(ids)
@@ -317,7 +328,8 @@ class ExpertCache:
             return 0
         cap = max(1, int(self.share)) if self.policy != "lru" else max(1, (self.n_slots - self.n_pinned) // 2)
         if self.io_depth:
-            cap = min(cap, self.io_depth - self._loading())
+            queued = self._ahead.waiting_ahead() if track and self._ahead is not None else self._loading()
+            cap = min(cap, self.io_depth - queued)
         started = 0
         for r, e in enumerate(ids):
             if started >= cap:
@@ -406,6 +418,8 @@ class ExpertCache:
                 if s.prefetched:
                     s.prefetched = False
                     c["prefetch_used"] += 1
+                    if self._ahead is not None and s.future is not None and not s.future.done():
+                        self._ahead.promote(s.future)
         c["hits"] += len(hits)
         c["misses"] += len(misses)
         pred = self._predicted.pop(layer, None)

@@ -22,13 +22,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from ..errors import ColibriError
 from ..format.integrity import Checks
+from .iopool import IOPool
 
 log = logging.getLogger("colibri")
 
@@ -47,7 +48,8 @@ class RecordReader:
     """preads byte ranges of one file into caller-owned CPU buffers, on a small thread pool.
 
     `read_into` is synchronous; `submit(fn, *args)` runs any callable (typically one that
-    calls `read_into` then builds modules over the bytes) on the pool. `direct` tells whether
+    calls `read_into` then builds modules over the bytes) on the pool; `submit_ahead` the same
+    after every job `submit` queued (the look-ahead's guesses: store/iopool.py). `direct` tells whether
     O_DIRECT is in use (it can turn False after a refused read). `bytes_read` counts every
     byte requested through this reader (thread-safe). With `checks`, every read of a whole
     record or tensor is checksummed before it returns (a ContainerError naming the tensor).
@@ -75,7 +77,7 @@ class RecordReader:
         self.requested_direct = direct
         self.file_size = os.fstat(self._fd).st_size
         self.threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="colibri-io")
+        self._pool = IOPool(self.threads)
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
@@ -146,6 +148,15 @@ class RecordReader:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)
+
+    def submit_ahead(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit_ahead(fn, *args)
+
+    def promote(self, f: Future) -> None:
+        self._pool.promote(f)
+
+    def waiting_ahead(self) -> int:
+        return self._pool.waiting_ahead()
 
     def read_ranges(self, jobs: list[tuple[torch.Tensor, int, int]], chunk: int = 16 << 20) -> None:
         """Read many (buf, offset, nbytes) ranges in parallel, big ones split into chunks; waits.

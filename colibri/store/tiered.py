@@ -315,7 +315,7 @@ class TieredStore(WeightStore):
         span = self._slot_span(layers, self._gpu_expert_bytes if name == "gpu" else s.expert_bytes)
         cache = ExpertCache(self.loader, n_slots, span, layers, submit=self.reader.submit, device=device,
                             policy=self.policy, min_precision=self.prefetch_min_precision,
-                            io_depth=self.reader.threads)
+                            io_depth=self.reader.threads, ahead=self.reader)
         for layer in layers:
             pins = self.placement.pinned.get(layer, [])
             if pins:
