@@ -11,22 +11,21 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 _Job = tuple[Future, Callable[..., Any], tuple]
 
 
 class IOPool:
+    """Runs on a ThreadPoolExecutor (its threads are joined at interpreter exit, so no read is cut off): each job
+    queued adds one task to the executor, and a task runs whichever job is first when a thread takes it."""
+
     def __init__(self, threads: int, name: str = "colibri-io"):
         self._now: deque[_Job] = deque()  # run first, in order
         self._ahead: deque[_Job] = deque()  # run when nothing waits in _now, in order
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                         for i in range(max(1, threads))]
-        for t in self._threads:
-            t.start()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._put(self._now, fn, args)
@@ -36,16 +35,23 @@ class IOPool:
 
     def _put(self, q: deque[_Job], fn: Callable[..., Any], args: tuple) -> Future:
         f: Future = Future()
-        with self._cv:
-            if self._stopping:
-                raise RuntimeError("the reader is closed")
-            q.append((f, fn, args))
-            self._cv.notify()
+        job = (f, fn, args)
+        with self._lock:
+            q.append(job)
+        try:
+            self._pool.submit(self._run_next)
+        except RuntimeError:  # (shut down)
+            with self._lock:
+                for i, other in enumerate(q):
+                    if other is job:
+                        del q[i]
+                        break
+            raise RuntimeError("the reader is closed") from None
         return f
 
     def promote(self, f: Future) -> None:
         """Move a read ahead that has not started into the first queue (a step waits for it now)."""
-        with self._cv:
+        with self._lock:
             for i, job in enumerate(self._ahead):
                 if job[0] is f:
                     del self._ahead[i]
@@ -56,26 +62,16 @@ class IOPool:
         """Reads ahead queued and not started."""
         return len(self._ahead)
 
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._now or self._ahead or self._stopping):
-                    self._cv.wait()
-                if not (self._now or self._ahead):
-                    return  # (stopping, and every queued job has run)
-                f, fn, args = (self._now or self._ahead).popleft()
-            if not f.set_running_or_notify_cancel():
-                continue
-            try:
-                f.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                f.set_exception(e)
+    def _run_next(self) -> None:
+        with self._lock:
+            f, fn, args = (self._now or self._ahead).popleft()  # (one job queued per task: never empty)
+        if not f.set_running_or_notify_cancel():
+            return
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            f.set_exception(e)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop taking jobs; the queued ones still run (a slot waits on each). `wait`: until they have."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        if wait:
-            for t in self._threads:
-                t.join()
+        self._pool.shutdown(wait=wait)
