@@ -325,5 +325,4 @@ def test_replicas_serve_one_endpoint_through_ray_serve(ckpt, cluster) -> None:
             proc.kill()
     log.seek(0)
     out = log.read()
-    open("/tmp/cl/replica_log.txt", "w").write(out)
     assert "serving 2 replica(s)" in out and proc.returncode == 0, out[-3000:]

@@ -29,7 +29,9 @@ def _cfg(**over) -> dict:
     {"attn_layer_offset": 0, "expert_layer_period": 1, "expert_layer_offset": 0},
     {"mamba_conv_bias": False, "mamba_proj_bias": True, "mamba_dt_rank": 6, "mamba_d_state": 12, "mamba_d_conv": 3}])
 def test_variants_give_transformers_logits(ckpt, over: dict) -> None:
-    matches_transformers(ckpt, "jamba", over, PROMPT)
+    # (experts in every layer: logits up to ~96, so f32's rounding alone reaches 1e-4 where the machine's BLAS
+    # sums in another order -- 1.2e-4 measured on an Intel Xeon, ~16 ulps of 96; the greedy tokens stay equal)
+    matches_transformers(ckpt, "jamba", over, PROMPT, bound=2e-4)
 
 
 def test_a_slot_counts_its_mamba_states() -> None:

@@ -100,12 +100,12 @@ class ExpertCache:
         self.extra_bytes, self.policy, self.device = extra_bytes, policy, torch.device(device)
         self.layers = list(layers)
         self.submit = submit or _run_now
-        # Reads the reader runs at once (0: unbounded). A prefetch only takes the reader's idle places:
-        # queued behind demand reads it lands no sooner than they would, and a wrong one delays them
-        # (8 streams from disk: 19.6 -> 14.7 MiB read per token, benchmarks/bench_batch.py).
+        # Reads the reader runs at once (0: unbounded). A batch's or a prompt's predicted union only takes the
+        # reader's idle places: its many wrong reads cost the disk and the cache (8 streams from disk: 19.6 ->
+        # 14.7 MiB read per token, benchmarks/bench_batch.py). With a reader whose reads ahead wait behind a
+        # step's (`ahead`), one token's ranked guesses (precise by the rank gate) may queue, up to io_depth of
+        # them: more of the disk time hidden (docs/BENCHMARKS.md "Streamed decode at the disk's limit").
         self.io_depth = io_depth
-        # With a reader whose reads ahead wait behind a step's, one token's ranked guesses (precise by the rank
-        # gate) may also queue, up to io_depth of them: more of the disk time hidden (docs/BENCHMARKS.md).
         self._ahead = ahead
         self._inflight: set[_Slot] = set()  # slots whose read may still be running (pruned by _loading)
         if self.device.type == "cpu":
