@@ -53,6 +53,16 @@ class ExpertLoader(Protocol):
         ...
 
 
+class AheadQueue(Protocol):
+    """A reader whose reads ahead wait behind the reads a step waits for (store/reader.py, store/iopool.py)."""
+
+    def submit_ahead(self, fn: Callable[..., Any], *args: Any) -> Future: ...
+
+    def promote(self, f: Future) -> None: ...
+
+    def waiting_ahead(self) -> int: ...
+
+
 class _Slot:
     __slots__ = ("index", "buf", "key", "weights", "future", "users", "pinned", "prefetched")
 
@@ -84,14 +94,14 @@ class ExpertCache:
     `n_slots` slots of `slot_bytes` bytes each live in one arena on `device`; `extra_bytes`
     is what the loader allocates per loaded expert beyond the slot (counted in `capacity_bytes`
     so that budgets stay honest). `submit(fn, *args) -> Future` runs loads (default: inline).
-    `layers` lists the layers served (for the fair share). `ahead`: the reader (store/reader.py), when
-    its reads ahead queue behind the reads a step waits for (submit_ahead, promote, waiting_ahead).
+    `layers` lists the layers served (for the fair share). `ahead`: the reader, when its reads ahead
+    queue behind the reads a step waits for (AheadQueue).
     """
 
     def __init__(self, loader: ExpertLoader, n_slots: int, slot_bytes: int, layers: list[int], *,
                  submit: Callable[..., Future] | None = None, device: torch.device | str = "cpu",
                  policy: str = "fair", extra_bytes: int = 0, min_precision: float = 0.0, io_depth: int = 0,
-                 ahead: Any = None):
+                 ahead: AheadQueue | None = None):
         if n_slots < 1:
             raise ValueError(f"an expert cache needs at least one slot, got {n_slots}")
         if policy not in POLICIES:
