@@ -239,3 +239,87 @@ def test_reuse_estimate_by_hand():
     keys = list(want)
     many = est.expected_next_many(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
     assert many.tolist() == [est.expected_next(k) for k in keys]
+
+
+def _random_accesses(seed: int, n: int):
+    """(layer, experts) fetches over 6 of 18 layers and up to 70 expert ids, repeats allowed (the tables grow)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        E = int(rng.choice([8, 40, 70]))
+        yield int(rng.integers(0, 6)) * 3, [int(x) for x in rng.choice(E, int(rng.integers(1, 17)))]
+
+
+def test_reuse_estimate_kernel_and_numpy_agree_bit_for_bit():
+    """kernels/reuse.c's update is the numpy one's arithmetic, op for op: every state array equal after a few
+    thousand fetches, with rows and columns grown by fetches and by scores of keys not seen yet."""
+    import numpy as np
+
+    from colibri.store.reuse import ReuseEstimator
+
+    fast = ReuseEstimator(6, rate=0.1, reuse_rate=0.2)
+    if fast.c is None:
+        pytest.skip("the native kernels are not built here")
+    slow = ReuseEstimator(6, rate=0.1, reuse_rate=0.2, native=False)
+    for t, (layer, ids) in enumerate(_random_accesses(3, 4000)):
+        fast.observe(layer, ids, t)
+        slow.observe(layer, ids, t)
+        if t % 7 == 0:
+            key = (t // 7 % 20, t * 13 % 90)  # (new layers and expert ids too)
+            assert fast.score(*key) == slow.score(*key)
+    assert fast.exp.shape == (20, 90)
+    for name in ("b", "a_skip", "prev", "seen", "exp", "a_reuse", "last"):
+        assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+
+
+@pytest.mark.parametrize("native,head", [(True, 16), (False, 16), (True, 1)])
+def test_reuse_victims_follow_the_estimate(native, head, monkeypatch):
+    """The reuse policy keeps each resident's expected next use current (scored as its read starts, rescored as
+    its layer is fetched) rather than asking the estimator for all of them at each eviction: at every step the
+    kept scores equal the estimator's own, and the evictions equal those of the other implementation (kernel or
+    numpy) on the same accesses, also when the kernel's head of the order is one slot (then numpy's order past
+    it decides whenever that slot is claimed)."""
+    import numpy as np
+
+    from colibri.store import cache as cache_module
+    from colibri.store.reuse import ReuseEstimator
+
+    monkeypatch.setattr(cache_module, "ORDER_HEAD", head)
+
+    def reference(cache, layer, anywhere=False):  # every resident scored by the estimator, the whole order
+        occ = np.flatnonzero(cache._key_layer >= 0)
+        far = cache._reuse.expected_next_many(cache._key_layer[occ], cache._key_expert[occ])
+        for i in occ[np.lexsort((cache._tick[occ], cache._key_lpos[occ], -far))]:
+            s = cache.slots[i]
+            if s.evictable():
+                return s
+            if not anywhere and s.key[0] == layer and s.future is None:
+                return None
+        return None
+
+    logs, checked = [], [0]
+    for c_path in (native, not native):
+        cache, loader = make(40, layers=range(0, 18, 3), policy="reuse")
+        if not c_path:
+            cache._reuse = ReuseEstimator(6, native=False)
+        elif cache._reuse.c is None:
+            pytest.skip("the native kernels are not built here")
+
+        def victim(layer, anywhere=False, cache=cache, fast=cache._victim):
+            want = reference(cache, layer, anywhere)
+            got = fast(layer, anywhere)
+            assert got is want
+            checked[0] += got is not None
+            return got
+
+        cache._victim = victim
+        for t, (layer, ids) in enumerate(_random_accesses(5, 600)):
+            drain(cache, layer, list(dict.fromkeys(ids)))
+            cache.prefetch((layer + 3) % 18, [(e * 7 + t) % 70 for e in ids[:3]])
+            occ = np.flatnonzero(cache._key_layer >= 0)
+            want = cache._reuse.expected_next_many(cache._key_layer[occ], cache._key_expert[occ])
+            assert np.array_equal(cache._far[occ], want)
+            assert (cache._far[cache._key_layer < 0] == -np.inf).all()
+        logs.append(loader.loads)
+    assert len(logs[0]) > 600 and logs[0] == logs[1] and checked[0] > 1000

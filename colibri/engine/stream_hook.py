@@ -57,17 +57,18 @@ class LayerHook:
         T = n // self.k
         tables = self.tables.get(layer)
         if tables is not None:
-            routes = np.ctypeslib.as_array(idx, (n,)).tolist()
+            routes = idx[:n]  # (a ctypes pointer's slice: a list of ints)
             # (the ids SwitchGLU would fetch: one row's in its own order, a batch's union sorted)
             ids = list(dict.fromkeys(routes)) if T == 1 else sorted(set(routes))
             self.source.collect_landed([layer])  # (prefetches that landed: into the table first)
             fetched = self.source.fetch(layer, ids)
-            self.fetching = (fetched, {e for e in ids if tables.gu[e].q})
+            owner = tables.owner  # (an entry's modules, None while it is empty: what the kernel sees)
+            self.fetching = (fetched, {e for e in ids if owner[e] is not None})
         ahead = self.source.ahead
         if ahead is None or layer not in ahead.next:
             return 0
         if n_pred:  # (the kernel applied the next layer's norm and router)
-            ahead.read(layer, np.ctypeslib.as_array(pred, (n_pred,)).reshape(T, -1))
+            ahead.read(layer, np.array(pred[:n_pred], dtype=np.int64).reshape(T, -1))
         elif h:
             resid = torch.frombuffer((ctypes.c_uint16 * (T * self.hidden)).from_address(h), dtype=torch.bfloat16)
             ahead(layer, resid.view(T, self.hidden))

@@ -34,7 +34,7 @@ log = logging.getLogger("colibri")
 _SRCS = [Path(__file__).with_name(n) for n in ("pool.c", "gemv.c", "moe.c", "route.c", "attn.c", "block.c",
                                                         "mla.c", "step.c", "sample.c", "procs.c", "logprobs.c",
                                                         "delta.c", "conv.c", "mamba.c", "mamba1.c", "lightning.c",
-                                                        "kda.c", "msa.c", "kvq.c")]
+                                                        "kda.c", "msa.c", "kvq.c", "reuse.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("common.h", "rows.h", "rows_q4.h", "attn.h", "vmath.h")]
 # -ffp-contract=off: a * b + c is two roundings unless the code asks for an FMA, as in torch's f32 math
 # (the int4 dequantization then gives quant.dequantize's bits).

@@ -41,6 +41,7 @@ from .reuse import ReuseEstimator
 
 POLICIES = ("fair", "lru", "reuse")
 RANK_WARMUP = 32  # predictions of a rank scored before its precision may switch its prefetches off
+ORDER_HEAD = 16  # victims ranked at once by kernels/reuse.c (the rest, in the rare case, by numpy)
 
 
 class ExpertLoader(Protocol):
@@ -134,6 +135,13 @@ class ExpertCache:
         self._key_layer = np.full(n_slots, -1, dtype=np.int64)
         self._key_expert = np.full(n_slots, -1, dtype=np.int64)
         self._key_lpos = np.zeros(n_slots, dtype=np.int64)
+        # Per slot, the reuse policy's expected next use of its unpinned resident (-inf: none), kept current: a
+        # read started scores its key, a fetch rescores its layer's slots (only that layer's estimate moved).
+        self._far = np.full(n_slots, -np.inf)
+        self._head = np.zeros(ORDER_HEAD, dtype=np.int64)  # the victim order's head, as kernels/reuse.c writes it
+        # (the addresses kernels/reuse.c reads and writes: far, layer positions, last-use ticks, keys, head)
+        self._at = tuple(a.ctypes.data for a in (self._far, self._key_lpos, self._tick, self._key_layer,
+                                                 self._key_expert, self._head))
         self._lpos = {layer: i for i, layer in enumerate(self.layers)}
         self._reuse = ReuseEstimator(len(self.layers)) if policy == "reuse" else None
         self._accesses = 0  # fetches so far: the reuse estimator's clock
@@ -150,7 +158,7 @@ class ExpertCache:
         self.wait_s = 0.0
         # layer -> (native pointer table, which experts it may hold): kept equal to the slots whose
         # weights are in, for a one-call native step over cached layers (engine/native_step.py)
-        self._live: dict[int, tuple[Any, Callable[[ExpertWeights], bool]]] = {}
+        self._live: dict[int, tuple[Any, Callable[[ExpertWeights], bool], dict[int, ExpertWeights]]] = {}
 
     # ------------------------------------------------------------------ sizes
 
@@ -203,6 +211,7 @@ class ExpertCache:
         self.lru[layer].pop(e, None)
         s.key = s.weights = None
         self._key_layer[s.index] = self._key_expert[s.index] = -1
+        self._far[s.index] = -np.inf
         s.prefetched = False
 
     def _evict(self, s: _Slot) -> None:
@@ -234,16 +243,7 @@ class ExpertCache:
             # The furthest expected next use goes. This layer's own experts count even while claimed: when
             # one of them is the furthest, wait for its release (the fetch streams through it) rather than
             # evict an expert another layer needs sooner.
-            # Residents by expected next use, furthest first (ties: layer order, then least recently used).
-            occ = np.flatnonzero(self._key_layer >= 0)
-            if not len(occ):
-                return None
-            far = self._reuse.expected_next_many(self._key_layer[occ], self._key_expert[occ])
-            top = occ[far == far.max()]  # (the order's first, without sorting them all: usually evictable)
-            first = self.slots[top[0] if len(top) == 1 else top[np.lexsort((self._tick[top], self._key_lpos[top]))[0]]]
-            if first.evictable():
-                return first
-            for i in occ[np.lexsort((self._tick[occ], self._key_lpos[occ], -far))]:
+            for i in self._order():
                 s = self.slots[i]
                 if s.evictable():
                     return s
@@ -257,6 +257,30 @@ class ExpertCache:
             if s is not None and (best_tick is None or self._tick[s.index] < best_tick):
                 best, best_tick = s, self._tick[s.index]
         return best
+
+    def _order(self) -> Iterator[int]:
+        """The unpinned residents by expected next use, furthest first (ties: layer order, then least recently
+        used): the kernel's first ORDER_HEAD (the victim is almost always among them), then numpy's whole order."""
+        c = self._reuse.c
+        if c is not None:
+            got = c.coli_reuse_order(*self._at[:3], self.n_slots, self._at[5], ORDER_HEAD)
+            yield from self._head[:got].tolist()
+            if got < ORDER_HEAD:
+                return
+        occ = np.flatnonzero(self._key_layer >= 0)
+        order = occ[np.lexsort((self._tick[occ], self._key_lpos[occ], -self._far[occ]))].tolist()
+        yield from (order if c is None else order[ORDER_HEAD:])
+
+    def _rescore(self, layer: int) -> None:
+        """A fetch of `layer` moved its estimate: its residents' expected next uses again."""
+        c = self._reuse.c
+        if c is not None:
+            row, E = self._reuse.row_address(layer)
+            if c.coli_reuse_rescore(self._at[0], self._at[3], self._at[4], self.n_slots, layer, row, E) != 0:
+                raise RuntimeError("coli_reuse_rescore: an expert id outside the estimate")
+            return
+        mine = np.flatnonzero(self._key_layer == layer)
+        self._far[mine] = self._reuse.row(layer)[self._key_expert[mine]]
 
     def _take(self, layer: int, block: bool) -> _Slot | None:
         """A slot to load into: a free one, else an evicted one; with `block`, wait until one can go
@@ -285,6 +309,8 @@ class ExpertCache:
         s.key, s.prefetched = (layer, e), prefetched
         self._key_layer[s.index], self._key_expert[s.index] = layer, e
         self._key_lpos[s.index] = self._lpos.get(layer, len(self._lpos))
+        if self._reuse is not None:
+            self._far[s.index] = self._reuse.score(layer, e)
         self.table[s.key] = s
         self.lru[layer][e] = s
         self._touch(s)
@@ -358,8 +384,18 @@ class ExpertCache:
 
     def _publish(self, s: _Slot) -> None:
         live = self._live.get(s.key[0])
-        if live is not None and live[1](s.weights):
-            live[0].set(s.key[1], s.weights.gate_up, s.weights.down)
+        if live is None:
+            return
+        tables, ok, passed = live
+        w = s.weights
+        # (a slot's reloads keep their modules, scheme and group: `ok` is asked once per modules and layer)
+        if passed.get(id(w)) is not w:
+            if not ok(w):
+                return
+            if len(passed) > 2 * self.n_slots:  # (modules rebuilt: forget the old ones)
+                passed.clear()
+            passed[id(w)] = w
+        tables.set(s.key[1], w.gate_up, w.down)
 
     def expert_quant(self, layer: int) -> tuple[str, int] | None:
         """The scheme and group size of `layer`'s experts, as the loader will build them (None: unknown)."""
@@ -370,7 +406,7 @@ class ExpertCache:
         """Keep `tables` (kernels/native.py MoeTables) holding exactly the experts of `layer` whose weights
         are in memory and pass `ok`: set as a read is collected, cleared as its slot is evicted. Valid
         while no fetch runs: what a native step reads between the engine's fetches."""
-        self._live[layer] = (tables, ok)
+        self._live[layer] = (tables, ok, {})
         for (lay, _), s in self.table.items():
             if lay == layer and s.future is None and s.weights is not None:
                 self._publish(s)
@@ -406,6 +442,7 @@ class ExpertCache:
         if self._reuse is not None:
             self._reuse.observe(layer, ids, self._accesses)
             self._accesses += 1
+            self._rescore(layer)
         table = self.table
         hits: list[tuple[int, _Slot]] = []
         misses: deque[int] = deque()

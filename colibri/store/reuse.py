@@ -11,7 +11,11 @@ long-run rate b; expected next use = last[l] + L + (1 - a) * L / b. The cache-po
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
+
+from ..kernels import native_reuse
 
 
 class ReuseEstimator:
@@ -22,8 +26,12 @@ class ReuseEstimator:
 
     State per layer row and expert column, grown as layers and expert ids appear."""
 
-    def __init__(self, n_layers: int, rate: float = 0.03, prior: float = 0.1, reuse_rate: float = 0.05):
+    def __init__(self, n_layers: int, rate: float = 0.03, prior: float = 0.1, reuse_rate: float = 0.05,
+                 native: bool = True):
         self.n_layers, self.rate, self.prior, self.reuse_rate = max(1, n_layers), rate, prior, reuse_rate
+        # kernels/reuse.c does observe's arithmetic op for op (the same bits); numpy where the kernels are absent
+        self.c = native_reuse.lib() if native else None
+        self._at: tuple[int, ...] | None = None  # the state arrays' addresses for it (None: take them again)
         self._row_of = np.zeros(0, dtype=np.int64)  # layer id -> its row (-1: none yet)
         self.last = np.zeros(0)  # [rows] time of the layer's last access
         self.a_reuse = np.zeros(0)  # [rows] P(used | used at the layer's last access)
@@ -33,6 +41,7 @@ class ReuseEstimator:
         self.seen = np.zeros((0, 0), dtype=bool)  # [rows, E] ever used
         # [rows, E] expected next use, kept up to date row by row (the store asks at every eviction)
         self.exp = np.zeros((0, 0))
+        self._decays: dict[int, np.ndarray] = {}
 
     def _ensure(self, layer: int, n_experts: int) -> int:
         if layer >= len(self._row_of):
@@ -44,6 +53,7 @@ class ReuseEstimator:
             self._row_of[layer] = r
             self.last = np.append(self.last, 0.0)
             self.a_reuse = np.append(self.a_reuse, 0.5)
+            self._at = None
             rows += 1
         if rows > self.b.shape[0] or n_experts > E:
             E2 = max(E, n_experts)
@@ -56,35 +66,81 @@ class ReuseEstimator:
             self.b, self.a_skip = grow(self.b, self.prior), grow(self.a_skip, self.prior)
             self.prev, self.seen = grow(self.prev, False), grow(self.seen, False)
             self.exp = np.zeros((rows, E2))
+            self._at = None
             for row in range(rows):
                 self._expect(row)
         return r
 
     def _expect(self, r: int) -> None:
-        a = np.where(self.prev[r], self.a_reuse[r], self.a_skip[r])
-        self.exp[r] = self.last[r] + self.n_layers + (1 - a) * self.n_layers / np.maximum(self.b[r], 1e-6)
+        # exp = (last + L) + (1 - a) * L / max(b, 1e-6), a = a_reuse where used at the last access else a_skip:
+        # in place, a few ufunc calls on the row (the store calls this at every fetch)
+        out, L = self.exp[r], self.n_layers
+        np.subtract(1.0, self.a_skip[r], out=out)
+        out[self.prev[r]] = 1 - self.a_reuse[r]
+        out *= L
+        out /= np.maximum(self.b[r], 1e-6)
+        out += self.last[r] + L
 
     def observe(self, layer: int, experts, t: int) -> None:
-        ids = np.asarray(experts, dtype=np.int64).reshape(-1)
-        r = self._ensure(layer, int(ids.max()) + 1 if ids.size else 0)
-        used = np.zeros(self.b.shape[1], dtype=bool)
-        used[ids] = True
-        prev, seen = self.prev[r].copy(), self.seen[r] | used
-        self.seen[r] = seen
-        u = used.astype(np.float64)
-        b = self.b[r]
-        b[seen] += self.rate * (u[seen] - b[seen])
-        pu = u[prev]  # the last access's experts, ascending: one EWMA step each, in that order
-        if pu.size:
+        ids = list(experts)
+        r = self._ensure(layer, max(ids) + 1 if ids else 0)
+        if self.c is not None:
+            at, E = self._addresses(), self.b.shape[1]
+            rc = self.c.coli_reuse_observe(at[0] + 8 * r * E, at[1] + 8 * r * E, at[2] + r * E, at[3] + r * E,
+                                           at[4] + 8 * r * E, E, (ctypes.c_long * len(ids))(*ids), len(ids),
+                                           self.rate, self.reuse_rate, at[5] + 8 * r, at[6] + 8 * r, float(t),
+                                           self.n_layers)
+            if rc != 0:
+                raise RuntimeError(f"coli_reuse_observe failed ({rc})")
+            return
+        u = np.zeros(self.b.shape[1])  # [E] 1.0 where used now
+        u[ids] = 1.0
+        used = u > 0
+        prev, seen = self.prev[r], self.seen[r]
+        seen |= used
+        b, d = self.b[r], u - self.b[r]
+        d *= self.rate
+        np.add(b, d, out=b, where=seen)  # b += rate * (u - b) where seen
+        k = int(np.count_nonzero(prev))
+        if k:  # the last access's experts, ascending: one EWMA step each, in that order (summed in order)
             c = self.reuse_rate
-            self.a_reuse[r] = (1 - c) ** pu.size * self.a_reuse[r] + c * float(
-                ((1 - c) ** np.arange(pu.size - 1, -1, -1) * pu).sum())
-        skip = seen & ~prev
-        a = self.a_skip[r]
-        a[skip] += 3 * self.rate * (u[skip] - a[skip])
-        self.prev[r] = used
+            self.a_reuse[r] = (1 - c) ** k * self.a_reuse[r] + c * float(np.cumsum(self._decay(k) * u[prev])[-1])
+        a, d = self.a_skip[r], u - self.a_skip[r]
+        d *= 3 * self.rate
+        np.add(a, d, out=a, where=seen & ~prev)  # a_skip moves only where seen and not used last time
+        prev[:] = used
         self.last[r] = t
         self._expect(r)
+
+    def _addresses(self) -> tuple[int, ...]:
+        if self._at is None:
+            self._at = tuple(a.ctypes.data for a in (self.b, self.a_skip, self.prev, self.seen, self.exp,
+                                                     self.a_reuse, self.last))
+        return self._at
+
+    def _decay(self, k: int) -> np.ndarray:
+        """(1 - reuse_rate) ** [k-1, ..., 0]: the weights of k EWMA steps, oldest first (cached per k)."""
+        w = self._decays.get(k)
+        if w is None:
+            # (Python's float power: the C library's pow, as kernels/reuse.c; numpy's may be a SIMD one off by an ulp)
+            w = self._decays[k] = np.array([(1 - self.reuse_rate) ** j for j in range(k - 1, -1, -1)])
+        return w
+
+    def score(self, layer: int, expert: int) -> float:
+        """expected_next((layer, expert)), the key made known first (a new row or column holds the prior's
+        state, so its value is the one expected_next gives an unseen key): the store scores each read it starts."""
+        return float(self.row(layer, expert + 1)[expert])
+
+    def row(self, layer: int, n_experts: int = 0) -> np.ndarray:
+        """[E] the expected next use of `layer`'s experts, kept up to date in place until the table grows."""
+        r = self._ensure(layer, n_experts)  # (first: it may replace self.exp)
+        return self.exp[r]
+
+    def row_address(self, layer: int) -> tuple[int, int]:
+        """(address, E) of `layer`'s row of expected next uses (a layer observed), for kernels/reuse.c: valid
+        until the next observe or score."""
+        E = self.exp.shape[1]
+        return self._addresses()[4] + 8 * E * int(self._row_of[layer]), E
 
     def expected_next(self, key: tuple[int, int]) -> float:
         return float(self.expected_next_many(np.array([key[0]]), np.array([key[1]]))[0])
