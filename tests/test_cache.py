@@ -323,3 +323,16 @@ def test_reuse_victims_follow_the_estimate(native, head, monkeypatch):
             assert (cache._far[cache._key_layer < 0] == -np.inf).all()
         logs.append(loader.loads)
     assert len(logs[0]) > 600 and logs[0] == logs[1] and checked[0] > 1000
+
+
+def test_reuse_estimate_wider_than_the_kernel_stays_on_numpy():
+    """A layer with more expert ids than kernels/reuse.c holds (MAX_EXPERTS) is estimated by numpy, the same
+    formulas: the expert just used is expected back sooner than one never seen."""
+    from colibri.kernels.native_reuse import MAX_EXPERTS
+    from colibri.store.reuse import ReuseEstimator
+
+    est = ReuseEstimator(2)
+    est.observe(0, [MAX_EXPERTS + 3], 0)
+    est.observe(0, [MAX_EXPERTS + 3, 1], 2)
+    assert est.exp.shape[1] == MAX_EXPERTS + 4
+    assert est.expected_next((0, MAX_EXPERTS + 3)) < est.expected_next((0, 7))

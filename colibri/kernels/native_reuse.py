@@ -11,6 +11,7 @@ _D, _L, _P, _I = ctypes.c_double, ctypes.c_long, ctypes.c_void_p, ctypes.c_int
 _SIGS = {"coli_reuse_observe": (_I, [_P, _P, _P, _P, _P, _L, _P, _I, _D, _D, _P, _P, _D, _L]),
          "coli_reuse_rescore": (_I, [_P, _P, _P, _L, _L, _P, _L]),
          "coli_reuse_order": (_L, [_P, _P, _P, _L, _P, _L])}
+MAX_EXPERTS = 4096  # reuse.c MAX_E: a layer with more expert ids stays on the numpy path
 _lib: ctypes.PyDLL | None = None
 _tried = False
 

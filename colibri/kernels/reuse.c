@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_E 4096
+#define MAX_E 4096 /* native_reuse.py MAX_EXPERTS: a wider layer stays on the numpy path */
 
 /* One fetch of a layer whose row is (b, a_skip, prev, seen, exp)[E]; ids[n] the experts it used; *a_reuse and
  * *last the row's scalars; rate, reuse_rate and L as in ReuseEstimator. */

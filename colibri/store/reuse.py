@@ -21,8 +21,9 @@ from ..kernels import native_reuse
 class ReuseEstimator:
     """`observe(layer, experts, t)` at every access of a layer (t counts accesses over all layers);
     `expected_next((layer, expert))` is the estimated access time of its next use (larger = evict first),
-    `expected_next_many(layers, experts)` the same for arrays of keys (the store scores every cached
-    expert at each eviction: a Python loop over hundreds of slots cost ~1 ms a miss).
+    `expected_next_many(layers, experts)` the same for arrays of keys (the cache-policy lab's victims);
+    `score` and `row` / `row_address` what the store keeps per slot (a key as its read starts, a layer's row
+    after its fetch).
 
     State per layer row and expert column, grown as layers and expert ids appear."""
 
@@ -84,7 +85,7 @@ class ReuseEstimator:
     def observe(self, layer: int, experts, t: int) -> None:
         ids = list(experts)
         r = self._ensure(layer, max(ids) + 1 if ids else 0)
-        if self.c is not None:
+        if self.c is not None and self.b.shape[1] <= native_reuse.MAX_EXPERTS:
             at, E = self._addresses(), self.b.shape[1]
             rc = self.c.coli_reuse_observe(at[0] + 8 * r * E, at[1] + 8 * r * E, at[2] + r * E, at[3] + r * E,
                                            at[4] + 8 * r * E, E, (ctypes.c_long * len(ids))(*ids), len(ids),
