@@ -158,6 +158,8 @@ def test_routes_refuses_bad_input(capsys, tmp_path):
     assert rc == 1 and "not a colibri route trace" in err and "Traceback" not in err
     rc, _, err = run(["routes"], capsys)
     assert rc == 1 and "give a route trace file" in err
+    rc, _, err = run(["routes", str(bad), "--simulate", "--horizons", "two"], capsys)
+    assert rc == 1 and "--horizons must be integers" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------- cache simulation
@@ -177,7 +179,8 @@ def _random_trace(seed: int, n: int = 300, E: int = 16, k: int = 2, L: int = 3) 
 
 def test_belady_bounds_every_policy():
     for seed in range(3):
-        sim = cachesim.simulate(_random_trace(seed), [2, 4, 8])
+        sim = cachesim.simulate(_random_trace(seed), [2, 4, 8], horizons=(1, 4))
+        assert list(sim["pool"][2])[-3:] == ["horizon-1", "horizon-4", "belady"]
         for mode in ("per_layer", "pool"):
             for size, row in sim[mode].items():
                 best = row["belady"]["hit_rate"]
@@ -215,6 +218,20 @@ def test_policies_on_a_hand_checked_sequence():
     assert len(pool.layer[0]) == 2 and len(pool.layer[1]) == 2  # layer 0 evicted its own, not layer 1's
 
 
+def test_horizon_knows_the_next_tokens():
+    # One layer, two slots, experts 0 1 2 in a cycle: knowing one access ahead, the resident not needed next
+    # goes, as Belady's choice (a hit every other access once warm); LRU and the estimate keep the wrong one.
+    seq = [(0, (t % 3,)) for t in range(90)]
+    hits = {p: cachesim.replay(cachesim.make_cache(p, 2, [0], seq), seq)[0]
+            for p in ("lru", "reuse", "horizon-1", "belady")}
+    assert hits["horizon-1"] == hits["belady"] == 44 and hits["lru"] == 0 and hits["reuse"] < 44
+    # With no window it is the estimate alone: the reuse policy's choices, access for access.
+    tr = _random_trace(7)
+    seq = [a for s in cachesim.access_sets(tr) for a in s]
+    got = {p: cachesim.replay(cachesim.make_cache(p, 6, tr.layers, seq), seq) for p in ("reuse", "horizon-0")}
+    assert got["reuse"] == got["horizon-0"]
+
+
 def test_reuse_keeps_the_expert_that_keeps_coming_back():
     # One layer, two slots: expert 0 every third access, the others never twice. LRU drops 0 each time
     # two strangers pass; the reuse estimate learns 0's rate and keeps it, as Belady does.
@@ -243,10 +260,10 @@ def test_simulate_cli_with_lookahead(ckpt, capsys, tmp_path):
     text = tmp_path / "in.txt"
     text.write_text(TEXT)
     rc, out, _ = run(["routes", "-m", model, "--file", str(text), "--threads", "1", "--simulate",
-                      "--cache-sizes", "2,4", "--json"], capsys)
+                      "--cache-sizes", "2,4", "--horizons", "2", "--json"], capsys)
     assert rc == 0
     sim = json.loads(out)["simulate"]
-    assert set(sim["pool"]["4"]) == set(cachesim.POLICIES)
+    assert set(sim["pool"]["4"]) == set(cachesim.POLICIES) | {"horizon-2"}
     assert all("bytes_per_token" in r for r in sim["per_layer"]["2"].values())  # expert sizes from the model
     la = sim["lookahead"]
     assert la["0"]["router_lookahead"] is None if "router_lookahead" in la["0"] else True  # nothing predicts layer 0

@@ -17,13 +17,18 @@ Policies (victims are never taken from the set being served while anything else 
 - reuse: evict the expert with the latest *expected* next use (colibri/store/reuse.py);
 - reuse-oracle: reuse told the true experts of the rest of the current token's layers (pool only: per
   layer it is reuse), never evicting those: the most any router look-ahead could add (not online);
+- horizon-N (asked for: `simulate(horizons=...)`, `colibri routes --horizons`): reuse told every access of the
+  next N tokens exactly (not online): a resident needed within them goes last, the furthest first; the others
+  by the estimate. How much of the future a policy would need to come near Belady;
 - belady: evict the expert needed furthest in the future (optimal; the upper bound).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 
 import numpy as np
@@ -239,10 +244,13 @@ class Reuse:
             if len(self.cached) >= self.capacity:
                 victims = ([c for c in self.cached if c not in used and c not in keep]
                            or [c for c in self.cached if c not in used] or list(self.cached))
-                far = self.est.expected_next_many([v[0] for v in victims], [v[1] for v in victims])
-                self.cached.discard(victims[int(np.argmax(far))])  # (the first of equals, as max would)
+                self.cached.discard(self._pick(victims, t))
             self.cached.add(key)
         return hits
+
+    def _pick(self, victims: list, t: int):
+        far = self.est.expected_next_many([v[0] for v in victims], [v[1] for v in victims])
+        return victims[int(np.argmax(far))]  # (the first of equals, as max would)
 
     def _soon(self, keys: tuple, t: int) -> set:
         """Keys known to be needed soon (kept while anything else can go): none, online."""
@@ -259,6 +267,30 @@ class ReuseOracle(Reuse):
 
     def _soon(self, keys: tuple, t: int) -> set:
         return {(lay, e) for lay, ids in self.seq[t + 1 : t + 1 + self.after[keys[0][0]]] for e in ids}
+
+
+class Horizon(Reuse):
+    """Reuse told every access of the next `window` accesses (N tokens' worth) exactly: a resident used within
+    them is kept until its true next use is the furthest; one not used within them goes first, by the estimate."""
+
+    def __init__(self, capacity: float, layers: list[int], seq: list[tuple[int, tuple]], window: int):
+        super().__init__(capacity, layers)
+        self.window = window
+        self.times: dict = defaultdict(list)  # key -> the times it is accessed, ascending
+        for t, (layer, ids) in enumerate(seq):
+            for e in ids:
+                self.times[(layer, e)].append(t)
+
+    def _pick(self, victims: list, t: int):
+        far = self.est.expected_next_many([v[0] for v in victims], [v[1] for v in victims])
+
+        def rank(i: int) -> tuple[int, float]:  # (beyond the window, then the estimate; within, the true time)
+            ts = self.times[victims[i]]
+            j = bisect.bisect_right(ts, t)
+            nxt = ts[j] if j < len(ts) else INF
+            return (1, float(far[i])) if nxt - t > self.window else (0, nxt)
+
+        return victims[max(range(len(victims)), key=rank)]  # (the first of equals)
 
 
 def _next_uses(seq: list[tuple[int, tuple]]) -> dict:
@@ -305,6 +337,8 @@ def make_cache(policy: str, capacity: int, layers: list[int], seq, *, counts=Non
         return ReuseOracle(capacity, layers, seq)
     if policy == "belady":
         return Belady(capacity, _next_uses(seq))
+    if policy.startswith("horizon-") and policy[8:].isdigit():  # (an access per layer of each token)
+        return Horizon(capacity, layers, seq, int(policy[8:]) * len(layers))
     raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
 
 
@@ -322,8 +356,12 @@ def replay(cache, seq: list[tuple[int, tuple]]) -> tuple[int, int, dict[int, int
 
 
 def simulate(tr: RouteTrace, sizes: list[int], policies: tuple[str, ...] = POLICIES, *, unit: str = "token",
-             train: RouteTrace | None = None, half_life: float = 64.0) -> dict:
-    """Hit rates and reads per token for every (mode, size, policy). Sizes are per layer."""
+             train: RouteTrace | None = None, half_life: float = 64.0, horizons: Iterable[int] = ()) -> dict:
+    """Hit rates and reads per token for every (mode, size, policy). Sizes are per layer; `horizons` adds a
+    horizon-N policy each, before belady."""
+    extra = tuple(f"horizon-{n}" for n in horizons)
+    if extra:
+        policies = tuple(p for p in policies if p != "belady") + extra + (("belady",) if "belady" in policies else ())
     sets = access_sets(tr, unit)
     layers, k = tr.layers, tr.top_k
     src = train if train is not None else tr

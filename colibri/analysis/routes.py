@@ -321,6 +321,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--unit", choices=["token", "step"], default="token",
                    help="an access is one token's experts (a decoding stream) or one step's union (as run)")
     s.add_argument("--train", metavar="TRACE", help="trace to learn the hot set from (default: this one)")
+    s.add_argument("--horizons", default=None, metavar="N,N,...",
+                   help="also simulate the reuse policy told the exact routes of the next N tokens (not online: "
+                        "how much future coming near Belady would need)")
     add_engine_args(p)
     return p
 
@@ -331,13 +334,19 @@ def _sizes(text: str | None, tr: RouteTrace) -> list[int]:
         k = tr.top_k
         cand = [k, E // 4, E // 2, 3 * E // 4]
         return sorted({c for c in cand if 0 < c < E}) or [max(1, k)]
+    return _counts(text, "--cache-sizes")
+
+
+def _counts(text: str | None, flag: str) -> list[int]:
+    if text is None:
+        return []
     try:
-        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+        out = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise ColibriError(f"--cache-sizes must be integers separated by commas, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ColibriError(f"--cache-sizes must be positive, got {text!r}")
-    return sizes
+        raise ColibriError(f"{flag} must be integers separated by commas, got {text!r}") from None
+    if not out or out[0] < 1:
+        raise ColibriError(f"{flag} must be positive, got {text!r}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(a.log_level)
     if (a.trace is None) == (a.file is None):
         raise ColibriError("give a route trace file, or --model M --file TEXT (one of them)")
+    horizons = _counts(a.horizons, "--horizons")  # (before a model runs: a typo fails at once)
     if a.file is not None:
         try:
             text = Path(a.file).read_text()
@@ -372,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(("WARNING: " if r["first_disagreeing_layer"] is not None else "") + r["verdict"])
     if a.simulate:
         train = read_trace(a.train) if a.train else None
-        sim = cachesim.simulate(tr, _sizes(a.cache_sizes, tr), unit=a.unit, train=train)
+        sim = cachesim.simulate(tr, _sizes(a.cache_sizes, tr), unit=a.unit, train=train,
+                                horizons=horizons)
         sim["lookahead"] = {str(k): v for k, v in cachesim.lookahead(tr).items()}
         rep["simulate"] = sim
         lines += cachesim.format_table(sim)
