@@ -54,7 +54,7 @@ class Oracle:
         self.playing = False
         fetch = source.fetch
 
-        def traced(layer: int, ids: list[int]):
+        def traced(layer: int, ids: list[int], **kw):
             if self.playing:
                 self.pos += 1
                 got = self.routes[self.pos] if self.pos < len(self.routes) else (-1, [])
@@ -64,7 +64,7 @@ class Oracle:
                     self.mismatches += 1
             else:
                 self.routes.append((layer, list(ids)))
-            return fetch(layer, ids)
+            return fetch(layer, ids, **kw)
 
         source.fetch = traced  # (an instance attribute: the layer hook calls source.fetch)
 

@@ -336,3 +336,19 @@ def test_reuse_estimate_wider_than_the_kernel_stays_on_numpy():
     est.observe(0, [MAX_EXPERTS + 3, 1], 2)
     assert est.exp.shape[1] == MAX_EXPERTS + 4
     assert est.expected_next((0, MAX_EXPERTS + 3)) < est.expected_next((0, 7))
+
+
+def test_fetch_without_the_loaded_experts():
+    """`fetch(..., loaded=False)` (the native step's hook: the kernel computes the experts in memory from the
+    layer's table first) yields only what was not in memory, as it lands; the others' claims end at the first
+    request, so a read may evict them then, not before."""
+    cache, loader = make(3)
+    drain(cache, 0, [0, 1])
+    it = cache.fetch(0, [0, 1, 2], loaded=False)  # 2 is read into the free slot
+    assert [s.users for s in cache.slots] == [1, 1, 1]
+    got = [e for e, _ in it]
+    assert got == [2] and [s.users for s in cache.slots] == [0, 0, 0]
+    it = cache.fetch(0, [0, 1, 2, 3], loaded=False)  # 3 must wait: every slot holds a claimed hit
+    assert [s.users for s in cache.slots] == [1, 1, 1] and loader.loads[-1] == (0, 2)
+    assert [e for e, _ in it] == [3] and loader.loads[-1] == (0, 3)
+    assert sorted(cache.cached(0)) == [1, 2, 3]  # (0, the least recently used, made room)

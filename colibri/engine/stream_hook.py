@@ -30,7 +30,7 @@ class LayerHook:
     def __init__(self, source, tables: dict[int, native.MoeTables], k: int, hidden: int):
         self.source, self.tables, self.k, self.hidden = source, tables, k, hidden
         self.fn = native.LAYER_HOOK(self._call)  # (kept alive here: the structs hold only its address)
-        self.fetching: tuple[Iterator, set[int]] | None = None  # a layer's fetch, the experts it had at the start
+        self.fetching: Iterator | None = None  # a layer's fetch: the experts not in memory at its start, as they land
         self.error: BaseException | None = None
 
     def run(self, call, *args, **kw):
@@ -61,9 +61,8 @@ class LayerHook:
             # (the ids SwitchGLU would fetch: one row's in its own order, a batch's union sorted)
             ids = list(dict.fromkeys(routes)) if T == 1 else sorted(set(routes))
             self.source.collect_landed([layer])  # (prefetches that landed: into the table first)
-            fetched = self.source.fetch(layer, ids)
-            owner = tables.owner  # (an entry's modules, None while it is empty: what the kernel sees)
-            self.fetching = (fetched, {e for e in ids if owner[e] is not None})
+            # (loaded=False: the experts in memory now the kernel computes from the table before it asks for more)
+            self.fetching = self.source.fetch(layer, ids, loaded=False)
         ahead = self.source.ahead
         if ahead is None or layer not in ahead.next:
             return 0
@@ -78,14 +77,12 @@ class LayerHook:
         """Until another of the layer's experts is in its table: 1, or 0 when none is left to come."""
         if self.fetching is None:
             return 0
-        fetched, had = self.fetching
-        for e, _ in fetched:  # (each one claimed until the next is asked for: the kernel computes it first)
-            if e not in had:
-                return 1
+        for _ in self.fetching:  # (each one claimed until the next is asked for: the kernel computes it first)
+            return 1
         self.fetching = None
         return 0
 
     def _close(self) -> None:
         if self.fetching is not None:
-            self.fetching[0].close()
+            self.fetching.close()
             self.fetching = None

@@ -425,19 +425,21 @@ class ExpertCache:
         self._inflight = {s for s in self._inflight if s.future is not None and not s.future.done()}
         return len(self._inflight)
 
-    def fetch(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+    def fetch(self, layer: int, ids: list[int], loaded: bool = True) -> Iterator[tuple[int, ExpertWeights]]:
         """Claim the cached experts among `ids` and start reading the others, now; the iterator
         returned yields (expert, weights) for each id: cached ones first, then misses as their
         reads land. A prefetch issued after this call never evicts what it claimed.
 
         Each yielded expert stays claimed (unevictable) until the consumer asks for the next;
-        closing the iterator early releases every claim.
+        closing the iterator early releases every claim. With `loaded=False` the experts already in
+        memory at the first request are not yielded: their claims end there (a native step computed
+        them from the layer's table before asking: engine/stream_hook.py).
         """
-        it = self._fetch(layer, ids)
+        it = self._fetch(layer, ids, loaded)
         next(it)  # runs up to the claims and the first reads (the generator's first yield)
         return it
 
-    def _fetch(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights] | None]:
+    def _fetch(self, layer: int, ids: list[int], loaded: bool = True) -> Iterator[tuple[int, ExpertWeights] | None]:
         c = self.counts
         if self._reuse is not None:
             self._reuse.observe(layer, ids, self._accesses)
@@ -487,6 +489,12 @@ class ExpertCache:
             self._issue(layer, misses, pending, held, block=False)
             yield None  # (fetch returns here: claims made, reads started)
             hits.sort(key=lambda es: es[1].future is not None)  # loaded ones first, then still loading
+            if not loaded:
+                ready = sum(1 for _, s in hits if s.future is None)
+                for _, s in hits[:ready]:
+                    s.users -= 1
+                    held.remove(s)
+                del hits[:ready]
             for e, s in hits:
                 w = self._collect(s)
                 yield e, w

@@ -29,11 +29,12 @@ class Experts:
         self.ahead: Callable[[int, torch.Tensor], None] | None = None
         self._tables: dict[int, native.MoeTables | None] = {}  # layer -> its native tables (built on first use)
 
-    def fetch(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """(expert, weights) for each id, in any order; cache misses are already being read on return."""
+    def fetch(self, layer: int, ids: list[int], loaded: bool = True) -> Iterator[tuple[int, ExpertWeights]]:
+        """(expert, weights) for each id, in any order; cache misses are already being read on return.
+        `loaded=False`: a cached layer's experts in memory at the first request are skipped (ExpertCache.fetch)."""
         cache = self.cached.get(layer)
         if cache is not None:
-            return cache.fetch(layer, ids)
+            return cache.fetch(layer, ids, loaded)
         weights = self.resident[layer]
         return iter([(e, weights[e]) for e in ids])
 
