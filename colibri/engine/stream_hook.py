@@ -66,7 +66,9 @@ class LayerHook:
         ahead = self.source.ahead
         if ahead is None or layer not in ahead.next:
             return 0
-        if n_pred:  # (the kernel applied the next layer's norm and router)
+        if n_pred and T == 1:  # (the kernel applied the next layer's norm and router)
+            ahead.read_row(layer, pred[:n_pred])
+        elif n_pred:
             ahead.read(layer, np.array(pred[:n_pred], dtype=np.int64).reshape(T, -1))
         elif h:
             resid = torch.frombuffer((ctypes.c_uint16 * (T * self.hidden)).from_address(h), dtype=torch.bfloat16)

@@ -158,7 +158,7 @@ class ExpertCache:
         self.wait_s = 0.0
         # layer -> (native pointer table, which experts it may hold): kept equal to the slots whose
         # weights are in, for a one-call native step over cached layers (engine/native_step.py)
-        self._live: dict[int, tuple[Any, Callable[[ExpertWeights], bool], dict[int, ExpertWeights]]] = {}
+        self._live: dict[int, tuple[Any, Callable[[ExpertWeights], bool]]] = {}
 
     # ------------------------------------------------------------------ sizes
 
@@ -384,18 +384,8 @@ class ExpertCache:
 
     def _publish(self, s: _Slot) -> None:
         live = self._live.get(s.key[0])
-        if live is None:
-            return
-        tables, ok, passed = live
-        w = s.weights
-        # (a slot's reloads keep their modules, scheme and group: `ok` is asked once per modules and layer)
-        if passed.get(id(w)) is not w:
-            if not ok(w):
-                return
-            if len(passed) > 2 * self.n_slots:  # (modules rebuilt: forget the old ones)
-                passed.clear()
-            passed[id(w)] = w
-        tables.set(s.key[1], w.gate_up, w.down)
+        if live is not None and live[1](s.weights):
+            live[0].set(s.key[1], s.weights.gate_up, s.weights.down)
 
     def expert_quant(self, layer: int) -> tuple[str, int] | None:
         """The scheme and group size of `layer`'s experts, as the loader will build them (None: unknown)."""
@@ -406,7 +396,7 @@ class ExpertCache:
         """Keep `tables` (kernels/native.py MoeTables) holding exactly the experts of `layer` whose weights
         are in memory and pass `ok`: set as a read is collected, cleared as its slot is evicted. Valid
         while no fetch runs: what a native step reads between the engine's fetches."""
-        self._live[layer] = (tables, ok, {})
+        self._live[layer] = (tables, ok)
         for (lay, _), s in self.table.items():
             if lay == layer and s.future is None and s.weights is not None:
                 self._publish(s)

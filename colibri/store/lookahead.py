@@ -46,14 +46,18 @@ class LookAhead:
     def read(self, layer: int, idx: np.ndarray) -> None:
         """Start reading the experts of the MoE layer after `layer` that its routes idx [T, k] (int64), predicted
         from layer's residual (here, or by the one-call step's kernel: engine/stream_hook.py), name."""
-        target, _, _, n = self.next[layer]
         if idx.shape[0] == 1:
-            ids, track = idx[0].tolist(), True
-        else:  # the union, most requested first (the cache caps how many it starts)
-            counts = np.bincount(idx.reshape(-1))
-            order = np.argsort(-counts, kind="stable")
-            ids, track = order[: int((counts > 0).sum())].tolist(), False
-        self.source.prefetch(target, [e for e in ids if e < n], track)
+            self.read_row(layer, idx[0].tolist())
+            return
+        target, _, _, n = self.next[layer]
+        counts = np.bincount(idx.reshape(-1))  # the union, most requested first (the cache caps how many it starts)
+        order = np.argsort(-counts, kind="stable")
+        self.source.prefetch(target, [e for e in order[: int((counts > 0).sum())].tolist() if e < n], False)
+
+    def read_row(self, layer: int, ids: list[int]) -> None:
+        """`read` of one row: its top-k ids, ranked (the kernel's prediction for a single decode, as a list)."""
+        target, _, _, n = self.next[layer]
+        self.source.prefetch(target, [e for e in ids if e < n], True)
 
 
 def is_routed(block: nn.Module) -> bool:
