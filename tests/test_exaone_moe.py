@@ -39,10 +39,13 @@ def test_layer_patterns_are_transformers(over) -> None:
 def test_hub_names_map_to_the_canonical_ones() -> None:
     assert sanitize("model.layers.3.mlp.e_score_correction_bias") == "model.layers.3.mlp.gate.e_score_correction_bias"
     assert sanitize("model.layers.3.mlp.gate.weight") == "model.layers.3.mlp.gate.weight"
-    assert sanitize("mtp.layers.0.mlp.gate.weight") is None and sanitize("mtp.norm.weight") is None
+    # the MTP module: Qwen3-Next's layout (tests/test_spec_mtp.py runs one)
+    assert sanitize("mtp.layers.0.mlp.up_proj.weight") == "mtp.0.block.mlp.up_proj.weight"
+    assert sanitize("mtp.fc.weight") == "mtp.0.eh_proj.weight" and sanitize("mtp.norm.weight") == "mtp.0.norm.weight"
 
 
 def test_mtp_module_is_dropped_and_recorded(ckpt, tmp_path) -> None:
+    """A config that counts no MTP layer (no `num_nextn_predict_layers`): the module is dropped and listed."""
     def mtp(base: dict) -> dict:  # its projection and norm, plus a whole decoder layer under mtp.layers.0
         return {"mtp.fc.weight": torch.randn(4, 8), "mtp.norm.weight": torch.ones(4)} | {
             k.replace("model.layers.3.", "mtp.layers.0."): v.clone() for k, v in base.items()

@@ -29,7 +29,15 @@ def test_defaults_and_released_names_follow_transformers() -> None:
     assert a.sliding_window == ref.sliding_window == 128 and a.routed_scaling_factor == ref.routed_scaling_factor
     assert {k: a.rope(k) for k in ("full_attention", "sliding_attention")} == ref.rope_parameters
     assert sanitize("model.layers.1.self_attn.attention_sink_bias") == "model.layers.1.self_attn.sinks"
-    assert sanitize("model.mtp.layers.0.mlp.gate.weight") is None
+    # the release's MTP layers (layers/mtp.py's names; tests/test_spec_mtp.py runs one)
+    assert {n: sanitize(f"model.mtp.layers.2.{n}") for n in (
+        "enorm.weight", "eh_proj.weight", "final_layernorm.weight", "pre_mlp_layernorm.weight",
+        "self_attn.attention_sink_bias", "mlp.up_proj.weight")} == {
+        "enorm.weight": "mtp.2.enorm.weight", "eh_proj.weight": "mtp.2.eh_proj.weight",
+        "final_layernorm.weight": "mtp.2.norm.weight",
+        "pre_mlp_layernorm.weight": "mtp.2.block.post_attention_layernorm.weight",
+        "self_attn.attention_sink_bias": "mtp.2.block.self_attn.sinks",
+        "mlp.up_proj.weight": "mtp.2.block.mlp.up_proj.weight"}
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

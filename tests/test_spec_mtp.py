@@ -1,9 +1,10 @@
-"""The model's own MTP layer as a draft source (layers/mtp.py, engine/mtp.py): tiny DeepSeek-V3 and GLM-4.5
-checkpoints with one MTP layer appended as they ship it (layer `num_hidden_layers`: enorm, hnorm, eh_proj,
-shared_head, one decoder layer, copies of the embedding and head). The converter keeps it (and drops it with
---no-mtp); its logits match the layer composed from transformers' own decoder layer; its drafts after every verify
-equal what it predicts from the true context (its K/V rolled back right); greedy output with it equals plain
-decoding's; the demo's trained layer drafts right."""
+"""The model's own MTP layer as a draft source (layers/mtp.py, engine/mtp.py): tiny checkpoints of every family that
+runs one, with one MTP layer as each ships it (`LAYOUT`: DeepSeek's layer `num_hidden_layers` with enorm, hnorm,
+eh_proj, shared_head, one decoder layer, copies of the embedding and head; Qwen's `mtp.*`; MiMo's
+`model.mtp.layers.0.*`), built from layer L of an (L + 1)-layer transformers model. The converter keeps it (and
+drops it with --no-mtp); its logits match the layer composed from transformers' own decoder layer; its drafts after
+every verify equal what it predicts from the true context (its K/V rolled back right); greedy output with it equals
+plain decoding's; the demo's trained layer drafts right."""
 
 from __future__ import annotations
 
@@ -40,8 +41,12 @@ def _every_draft_verified(monkeypatch):
 
 # where a family's checkpoints ship the MTP layer: as layer `num_hidden_layers` (DeepSeek-V3's layout) or under
 # `mtp.` (Qwen3-Next's)
+# or under `model.mtp.layers.{j}` (MiMo-V2-Flash's: a sliding-window layer with a dense MLP)
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
-          "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer"}
+          "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
+          "exaone_moe": "qwen"}
+ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text")  # (their norms, the MTP layer's own included, apply 1 + w)
+DENSE = ("mimo_v2_flash", "exaone_moe")  # (an MTP layer whose MLP is dense)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUT))
@@ -49,11 +54,17 @@ def mtp_ckpt(tmp_path_factory, request):
     """(HF folder with an MTP layer, the 4-layer transformers model whose layer 3 it is, the MTP layer's own
     weights by role as the checkpoint holds them, its f32 container)."""
     model_type, root = request.param, tmp_path_factory.mktemp("mtp")
-    qwen = LAYOUT[model_type] == "qwen"
+    qwen, mimo = LAYOUT[model_type] == "qwen", LAYOUT[model_type] == "mimo"
     tiny = tiny_config_kwargs(model_type)
     types, mlps = tiny.get("layer_types"), tiny.get("mlp_layer_types")
-    more = {"layer_types": [*types, "full_attention"]} if qwen else {}  # (the MTP layer: full attention, MoE)
+    more = {"layer_types": [*types, "full_attention"]} if qwen and types else {}  # (the MTP layer: full, MoE)
     more |= {"mlp_layer_types": [*mlps, "sparse"]} if mlps else {}
+    if mimo:  # (the MTP layer: sliding window with sinks, dense MLP)
+        more |= {"layer_types": ["full_attention"] + ["sliding_attention"] * L,
+                 "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
+    if model_type == "exaone_moe":  # (the MTP layer: sliding window with RoPE, dense MLP; the full layers NoPE)
+        more |= {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                 "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
     more |= {"indexer_types": [*tiny["indexer_types"], "full"]} if "indexer_types" in tiny else {}  # (GLM-5's)
     # a sparse attention keeping every position of these contexts: the one-call step and the true-context reference
     # apply as for V3 (a verify's selection past index_topk: test_speculative.py)
@@ -63,15 +74,16 @@ def mtp_ckpt(tmp_path_factory, request):
     hf = root / "hf"
     shutil.copytree(big, hf)
     cfg = json.loads((hf / "config.json").read_text())
-    cfg.update(num_hidden_layers=L, **({"layer_types": types, "mtp_num_hidden_layers": 1} if qwen
-                                      else {"num_nextn_predict_layers": 1}))
-    for key in ("mlp_layer_types", "indexer_types"):  # (per-layer lists, saved for the L + 1 layers)
+    cfg.update(num_hidden_layers=L, **({"mtp_num_hidden_layers": 1} if qwen else {"num_nextn_predict_layers": 1}))
+    if model_type == "exaone_moe":
+        cfg["mtp_layer_types"] = ["sliding_attention"]
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # (per-layer lists, saved for L + 1 layers)
         if isinstance(cfg.get(key), list):
             cfg[key] = cfg[key][:L]
     (hf / "config.json").write_text(json.dumps(cfg))
     H = cfg["hidden_size"]
     g = torch.Generator().manual_seed(7)
-    one = 0.0 if qwen else 1.0  # (Qwen's norms are zero-centred: weight 1 + w)
+    one = 0.0 if model_type in ZERO_CENTRED else 1.0
     own = {"enorm": one + 0.1 * torch.randn(H, generator=g), "hnorm": one + 0.1 * torch.randn(H, generator=g),
            "eh_proj": 0.05 * torch.randn(H, 2 * H, generator=g), "norm": one + 0.1 * torch.randn(H, generator=g)}
     p = f"model.layers.{L}."
@@ -81,6 +93,14 @@ def mtp_ckpt(tmp_path_factory, request):
         save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
         names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "norm": "norm"}
         extra |= {f"mtp.{names[k]}.weight": v for k, v in own.items()}
+    elif mimo:  # the layer moves under model.mtp.layers.0 (its post-attention norm renamed), its own beside it
+        st = load_file(hf / "model.safetensors")
+        q = "model.mtp.layers.0."
+        extra = {q + k.removeprefix(p).replace("post_attention_layernorm", "pre_mlp_layernorm"): st.pop(k)
+                 for k in list(st) if k.startswith(p)}
+        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
+        extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
     else:
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
         extra = {f"{p}{names[k]}.weight": v for k, v in own.items()}
@@ -109,9 +129,13 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
         x = torch.cat([rms(e, own["enorm"]), rms(h, own["hnorm"])], -1) @ own["eh_proj"].T
         T = x.shape[1]
         pos = torch.arange(T)[None]
-        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        y = ref.model.layers[L](x, attention_mask=mask, position_ids=pos,
-                                position_embeddings=ref.model.rotary_emb(x, pos))
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        kind = (getattr(ref.config, "layer_types", None) or [None] * (L + 1))[L]
+        if kind == "sliding_attention":  # (transformers' window: a query sees its last `sliding_window` positions)
+            mask = mask + torch.full((T, T), float("-inf")).tril(-ref.config.sliding_window)
+        rotary = ref.model.rotary_emb(x, pos, kind) if LAYOUT[ref.config.model_type] == "mimo" else \
+            ref.model.rotary_emb(x, pos)
+        y = ref.model.layers[L](x, attention_mask=mask[None, None], position_ids=pos, position_embeddings=rotary)
         y = y[0] if isinstance(y, tuple) else y
         return (rms(y, own["norm"]) @ ref.lm_head.weight.T)[0]  # [T, V]
 
@@ -131,12 +155,13 @@ def test_the_converter_keeps_the_mtp_layer_and_drops_it_when_asked(mtp_ckpt, tmp
         names = [n for n in c.names() if n.startswith("mtp.")]
         assert "mtp.0.eh_proj.weight" in names and "mtp.0.norm.weight" in names
         assert any(n.startswith("mtp.0.block.self_attn.") for n in names)
-        assert any(r.startswith("mtp.0.block.mlp.experts.") for r in c.record_names())
+        assert any(r.startswith("mtp.0.block.mlp.experts.") for r in c.record_names()) != (c.model_type in DENSE)
         assert not any("shared_head.head" in n or "embed_tokens" in n for n in names)  # (the main model's serve)
     dropped = convert(hf, tmp_path / "no-mtp.coli", "f32", 32, progress=False, keep_mtp=False)
     with Container(dropped) as c:
         assert not any(n.startswith("mtp.") for n in c.names())
-        assert {f"model.layers.{L}.eh_proj.weight", "mtp.fc.weight"} & set(c.meta["converter"]["dropped"])
+        assert {f"model.layers.{L}.eh_proj.weight", "mtp.fc.weight", "model.mtp.layers.0.eh_proj.weight"} & set(
+            c.meta["converter"]["dropped"])
     with colibri.load(dropped, ctx_size=64, threads=2) as llm, pytest.raises(ColibriError, match="needs the model"):
         llm.submit(PROMPT, 4, speculative="mtp")
     with pytest.raises(ColibriError, match="no multi-token-prediction layer"):
@@ -209,9 +234,12 @@ def test_mtp_in_batches_with_staggered_joins_gives_plain_tokens(mtp_ckpt, tmp_pa
             pytest.skip(f"native kernels: {native.why_unavailable()}")
         coli = convert(hf, tmp_path / f"m.{scheme}.coli", scheme, 32, progress=False)
     prompts = [PROMPT, PROMPT[:4] + [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
-    # (room for the dense weights, the MTP layer and a few experts: the sparse attentions' indexers weigh more)
-    sparse = json.loads((hf / "config.json").read_text())["model_type"] in ("deepseek_v32", "glm_moe_dsa")
-    budget = ("720K" if sparse else "600K") if streamed else None
+    # (room for the dense weights, the MTP layer and a few experts: the sparse attentions' indexers weigh more,
+    # MiMo's and EXAONE's smaller shapes less)
+    model_type = json.loads((hf / "config.json").read_text())["model_type"]
+    budget = {"deepseek_v32": "720K", "glm_moe_dsa": "720K", "mimo_v2_flash": "450K",
+                  "exaone_moe": "480K"}.get(model_type, "600K")
+    budget = budget if streamed else None
     with colibri.load(coli, ctx_size=64, threads=2, slots=3, mtp=True, mem_budget=budget) as llm:
         able = llm._runner.spec.able
         assert budget is None or not able or llm.plan.native_layers().cached  # (experts streamed)

@@ -1,5 +1,5 @@
-"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Qwen3-Next/3.5
-ship.
+"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Qwen3-Next/3.5,
+K-EXAONE and MiMo-V2-Flash ship.
 
 Such a layer predicts the token after next: from the main model's final hidden state at position i (after its final
 norm) and the embedding of token i + 1, e = enorm(embed(t_{i+1})), h = hnorm(h_i), it runs one decoder layer of the
@@ -11,8 +11,9 @@ Stored in the container under `mtp.{j}.` (the converter keeps it where the famil
 `Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in
 two layouts: DeepSeek-V3/V3.2's and GLM-4.5/4.7/5's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj,
 shared_head.norm, the layer's own names), whose copies of the embedding and head (`embed_tokens`, `shared_head.head`)
-are the main model's and are not kept; Qwen3-Next's and Qwen3.5's under `mtp.` (`qwen_canonical`: fc,
-pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm; their families' `sanitize` maps them). `View`
+are the main model's and are not kept; Qwen3-Next's, Qwen3.5's and K-EXAONE's under `mtp.` (`qwen_canonical`:
+fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm; their families' `sanitize` maps them). MiMo-V2-Flash's
+(`model.mtp.layers.{j}.`) are DeepSeek's names under other roots; its `sanitize` maps them through `canonical`. `View`
 presents one MTP layer as a one-layer model's container (`model.layers.0.*`, `model.norm`), so the tiered store,
 the placement and the K/V slots treat it as any model; the main model's store never reads `mtp.*`.
 """

@@ -8,14 +8,17 @@ layers (the layers of glm4_moe.py, which dots1 shares):
 - MoE: DeepSeek-V3's sigmoid router with a selection-only bias and group-limited top-k, `num_shared_experts`
   always-on experts fused into one MLP, dense layers where `mlp_layer_types` says "dense" (else the first
   `first_k_dense_replace`).
-- Converter: the router's `mlp.e_score_correction_bias` moves onto the router (`mlp.gate.`); the
-  multi-token-prediction module (`mtp.*`) is dropped and listed in the header.
+- Converter: the router's `mlp.e_score_correction_bias` moves onto the router (`mlp.gate.`).
+- The multi-token-prediction module (`mtp.*`) is Qwen3-Next's layout (fc, pre_fc_norm_embedding / _hidden,
+  `mtp.layers.0`, norm) over one EXAONE layer with a dense MLP, sliding or full as `mtp_layer_types` says (its
+  window `mtp_sliding_windows`); kept (layers/mtp.py `qwen_canonical`, `mtp_config`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layers import mtp
 from . import glm4_moe
 from .base import refuse
 from .family import Family
@@ -97,11 +100,22 @@ class Model(glm4_moe.Model):
 
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the router's correction bias sits on the MoE block in the released
-    checkpoints, on the router here; the multi-token-prediction module (`mtp.*`) goes (colibri decodes one token
-    at a time)."""
+    checkpoints, on the router here; the multi-token-prediction module's names are Qwen3-Next's."""
     if name.startswith("mtp."):
-        return None
-    return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+        name = mtp.qwen_canonical(name.removeprefix("mtp."))
+    return None if name is None else name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (its attention kind from `mtp_layer_types`, full where a config names none; a dense MLP) as
+    layer 0 of a one-layer model. The model's `sliding_window` stays set where the MTP layer is full: it is what
+    makes a full layer skip RoPE, as in the model's own full layers."""
+    kind = (cfg.get("mtp_layer_types") or ["full_attention"])[0]
+    out = {**cfg, "num_hidden_layers": 1, "layer_types": [kind], "mlp_layer_types": ["dense"]}
+    windows = cfg.get("mtp_sliding_windows")
+    if kind == "sliding_attention" and windows and isinstance(windows[0], int):
+        out["sliding_window"] = windows[0]
+    return out
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_config=mtp_config)

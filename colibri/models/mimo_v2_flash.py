@@ -10,18 +10,22 @@ without a shared one.
 - Values are multiplied by `attention_value_scale` before they are cached.
 - MoE layers by `mlp_layer_types` (else all but the first); the router is GLM's / DeepSeek-V3's (selection bias,
   groups, renormalised, times `routed_scaling_factor`, which a released config leaves null: 1.0).
-- The hub's `self_attn.attention_sink_bias` is the sinks; the multi-token-prediction weights (`model.mtp.*`) are
-  dropped.
+- The hub's `self_attn.attention_sink_bias` is the sinks.
+- The multi-token-prediction layers (`model.mtp.layers.{j}.*`, `num_nextn_predict_layers` of them: enorm, hnorm,
+  eh_proj, one sliding-window layer with sinks and a dense MLP whose `pre_mlp_layernorm` is the usual
+  post-attention norm, `final_layernorm`) are kept (layers/mtp.py, `mtp_config`; `--spec mtp` chains the first).
 Decode takes the fused native blocks layer by layer (kernels/block.c with the values' width and scale); the
 one-call step needs one RoPE table for all layers, which the released model's two thetas rule out.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from torch import nn
 
+from ..layers import mtp
 from ..layers.attention import Attention, AttentionArgs, Positions, Scores, Values
 from ..layers.layers import MLP, DecoderBlock
 from ..layers.moe import SparseMoE, SwitchGLU
@@ -130,10 +134,28 @@ def check_config(cfg: dict) -> None:
         refuse(NAME, "n_group", groups, f"must split the {experts} experts into groups of >= 2")
 
 
+MTP = re.compile(r"model\.mtp\.layers\.(\d+)\.(.+)")
+# the release's MTP names that differ from DeepSeek-V3's layout (layers/mtp.py `canonical`)
+MTP_NAMES = {"final_layernorm.": "shared_head.norm.", "pre_mlp_layernorm.": "post_attention_layernorm."}
+
+
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the released checkpoints' `attention_sink_bias` is the sinks; the
-    multi-token-prediction weights go (colibri decodes one token at a time)."""
-    return None if name.startswith("model.mtp.") else name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
+    multi-token-prediction layers' names become the container's `mtp.{j}.*`."""
+    name = name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
+    if m := MTP.fullmatch(name):
+        rest = m[2]
+        for src, dst in MTP_NAMES.items():
+            if rest.startswith(src):
+                rest = dst + rest.removeprefix(src)
+        return mtp.canonical(rest, int(m[1]))
+    return None if name.startswith("model.mtp.") else name
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)
+def mtp_config(cfg: dict) -> dict:
+    """An MTP layer (a sliding-window layer with sinks, a dense MLP of `intermediate_size`) as layer 0 of a
+    one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["dense"]}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_config=mtp_config)
