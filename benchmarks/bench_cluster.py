@@ -8,7 +8,9 @@ Every node is a `ray start` process group on this machine (its own raylet and st
 gains per hop (a hop: one process crossing, S of them for S stages: stage 0 -> 1 -> ... -> the head; 1 stage has
 none and measures the head's own cost), bytes crossing processes per token, the pipeline's bubble. The single node runs
 with as many threads as one stage (`--threads`), so the difference is the pipeline's, not the cores'.
-(netem) 2 stages with stage 1 in its own network namespace over a veth pair, 0 and 0.5 ms of `tc netem` delay.
+(netem) 2 stages with stage 1 in its own network namespace, 0 and 0.5 ms of delay each way: over a veth pair with
+`tc netem`, and over two taps joined by benchmarks/delayline.py (a userspace delay line, where the kernel has no
+sch_netem; its 0 ms row is its own cost).
 (b) one node streaming the model under `memcap CAP` (its experts beyond `--mem-budget` read from disk, from a cold
 page cache) vs 2 nodes, each `ray start` under `memcap CAP` with the same --mem-budget, holding half the layers in
 RAM; the head process runs under the same cap. Peak memory per node from memcap's cgroup peak.
@@ -18,6 +20,7 @@ Load average printed with every row; nothing else should run meanwhile (2 cores)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -223,7 +226,9 @@ def show(name: str, rows: list[dict], base: dict[int, dict] | None, hops: int, p
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("ram", "capped", "netem"), default="ram")
-    ap.add_argument("--delays", default="0,0.5", help="(netem): ms of `tc netem` delay on each side of the veth")
+    ap.add_argument("--delays", default="0,0.5", help="(netem): ms of delay each way")
+    ap.add_argument("--links", default=",".join(LINKS), help="(netem): veth (with tc netem), delay line "
+                    "(benchmarks/delayline.py: taps and a userspace delay, for kernels without sch_netem)")
     ap.add_argument("--workdir", default="/tmp/colibri-bench")
     ap.add_argument("--model", default=None, help="(a): the 0.44B shape; (b): the 7B shape int8 (bench_capped.py)")
     ap.add_argument("--tokens", type=int, default=64)
@@ -306,55 +311,89 @@ def main() -> None:
 
 
 NS, HOST_IP, NS_IP = "colibri-n1", "10.201.0.1", "10.201.0.2"
+LINKS = ("veth", "delay line")
 
 
 def sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=60)
 
 
-def netem(a: argparse.Namespace, model: Path) -> None:
-    """(a) over a network: stage 1 in its own network namespace, joined to this one by a veth pair, with `tc
-    netem` delay on both ends (a crossing pays the delay once each way)."""
-    print(f"(netem) {model.name} in RAM, 2 stages, stage 1 in network namespace {NS} over a veth pair; {a.tokens} "
-          f"greedy tokens a stream, {a.threads} thread(s) per process; load {os.getloadavg()[0]:.1f}\n")
-    head(delay=True)
-    rows, _ = run_child(model, a.threads, a.streams, a.tokens)
-    base = show("single node | -", rows, None, 1)
+@contextlib.contextmanager
+def namespace_link(kind: str):
+    """Network namespace NS joined to this one at HOST_IP / NS_IP by a veth pair, or by two taps and
+    benchmarks/delayline.py between them (where the kernel has no sch_netem); yields a function that sets the
+    delay each way in ms (None: `tc netem` refused it, with the reason)."""
     subprocess.run(["ip", "netns", "del", NS], capture_output=True)
     sh("ip", "netns", "add", NS)
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    port = free_port()
+    line = None
     try:
-        sh("ip", "link", "add", "cveth0", "type", "veth", "peer", "name", "cveth1")
-        sh("ip", "link", "set", "cveth1", "netns", NS)
+        if kind == "veth":
+            sh("ip", "link", "add", "cveth0", "type", "veth", "peer", "name", "cveth1")
+            sh("ip", "link", "set", "cveth1", "netns", NS)
+        else:
+            line = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "delayline.py"), "cveth0", "cveth1",
+                                     "--netns", NS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if line.stdout.readline().strip() != "ready":
+                sys.exit("delayline.py did not start")
         sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", "cveth0")
         sh("ip", "link", "set", "cveth0", "up")
         for cmd in (["addr", "add", f"{NS_IP}/24", "dev", "cveth1"], ["link", "set", "cveth1", "up"],
                     ["link", "set", "lo", "up"]):
             sh("ip", "netns", "exec", NS, "ip", *cmd)
-        stage = ["--num-cpus", str(a.threads), "--resources", '{"colibri": 1}']
-        subprocess.run([RAY, "start", "--head", "--port", str(port), "--node-ip-address", HOST_IP,
-                        "--include-dashboard", "false", *stage], check=True, capture_output=True, env=env, timeout=120)
-        subprocess.run(["ip", "netns", "exec", NS, RAY, "start", "--address", f"{HOST_IP}:{port}",
-                        "--node-ip-address", NS_IP, *stage], check=True, capture_output=True, env=env, timeout=120)
-        for delay in [float(d) for d in a.delays.split(",")]:
+
+        def delay(ms: float) -> str | None:
+            if line is not None:
+                line.stdin.write(f"{ms}\n")
+                line.stdin.flush()
+                return None
             refused = None
             for dev, ns in (("cveth0", []), ("cveth1", ["ip", "netns", "exec", NS])):
                 subprocess.run([*ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
-                if delay:
-                    p = subprocess.run([*ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", "delay",
-                                        f"{delay}ms"], capture_output=True, text=True)
+                if ms:
+                    p = subprocess.run([*ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{ms}ms"],
+                                       capture_output=True, text=True)
                     refused = refused or (p.stderr.strip() if p.returncode else None)
-            if refused:  # (a kernel without sch_netem: "Specified qdisc kind is unknown")
-                print(f"| 2 stages | {delay} ms | tc netem refused here: {refused} |")
-                continue
-            rows, _ = run_child(model, a.threads, a.streams, a.tokens, address=f"{HOST_IP}:{port}", stages=2)
-            show(f"2 stages | {delay} ms", rows, base, 2)
+            return refused
+
+        yield delay
     finally:
-        subprocess.run(["ip", "netns", "exec", NS, RAY, "stop", "--force"], capture_output=True, timeout=120)
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        if line is not None:
+            line.stdin.close()
+            line.wait(30)
         subprocess.run(["ip", "link", "del", "cveth0"], capture_output=True)
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+
+
+def netem(a: argparse.Namespace, model: Path) -> None:
+    """(a) over a network: stage 1 in its own network namespace, joined to this one by a veth pair with `tc netem`
+    delay on both ends, or by benchmarks/delayline.py (a crossing pays the delay once each way)."""
+    print(f"(netem) {model.name} in RAM, 2 stages, stage 1 in network namespace {NS}; {a.tokens} greedy tokens a "
+          f"stream, {a.threads} thread(s) per process; load {os.getloadavg()[0]:.1f}\n")
+    head(delay=True)
+    rows, _ = run_child(model, a.threads, a.streams, a.tokens)
+    base = show("single node | -", rows, None, 1)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    stage = ["--num-cpus", str(a.threads), "--resources", '{"colibri": 1}']
+    for kind in a.links.split(","):
+        port = free_port()
+        with namespace_link(kind) as set_delay:
+            try:
+                subprocess.run([RAY, "start", "--head", "--port", str(port), "--node-ip-address", HOST_IP,
+                                "--include-dashboard", "false", *stage], check=True, capture_output=True, env=env,
+                               timeout=120)
+                subprocess.run(["ip", "netns", "exec", NS, RAY, "start", "--address", f"{HOST_IP}:{port}",
+                                "--node-ip-address", NS_IP, *stage], check=True, capture_output=True, env=env,
+                               timeout=120)
+                for delay in [float(d) for d in a.delays.split(",")]:
+                    if refused := set_delay(delay):  # (a kernel without sch_netem: "Specified qdisc kind is unknown")
+                        print(f"| 2 stages | {kind}, {delay} ms | tc netem refused here: {refused} |")
+                        continue
+                    rows, _ = run_child(model, a.threads, a.streams, a.tokens, address=f"{HOST_IP}:{port}",
+                                        stages=2)
+                    show(f"2 stages | {kind}, {delay} ms", rows, base, 2)
+            finally:
+                subprocess.run(["ip", "netns", "exec", NS, RAY, "stop", "--force"], capture_output=True, timeout=120)
+                subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
 
 
 def _bytes(size: str) -> int:
