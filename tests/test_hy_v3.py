@@ -58,13 +58,18 @@ def test_default_rope_base_gives_transformers_logits(ckpt, tmp_path) -> None:
     assert torch.allclose(got, want, atol=2e-4, rtol=0)
 
 
-def test_mtp_layer_is_dropped_and_recorded(ckpt, tmp_path) -> None:
-    def mtp(base: dict) -> dict:  # a whole decoder layer past the stack, as the release's model.layers.80
+def test_mtp_layer_is_dropped_with_no_mtp_and_recorded(ckpt, tmp_path) -> None:
+    """The release's MTP layer past the stack (model.layers.80: a decoder layer, its input projection and norms, a
+    copy of the head), dropped and listed with --no-mtp (kept otherwise: tests/test_spec_mtp.py)."""
+    def mtp(base: dict) -> dict:
+        H = base["model.norm.weight"].shape[0]
+        own = {"enorm.weight": torch.ones(H), "hnorm.weight": torch.ones(H), "final_layernorm.weight": torch.ones(H),
+               "eh_proj.weight": torch.randn(H, 2 * H), "shared_head.weight": base["lm_head.weight"].clone()}
         return {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in base.items()
-                if k.startswith("model.layers.2.")}
+                if k.startswith("model.layers.2.")} | {f"model.layers.3.{k}": v for k, v in own.items()}
 
     src = edited_copy(ckpt.hf("hy_v3"), tmp_path / "src")
-    converts_dropping(src, mtp, ckpt.coli("hy_v3", "f32"), tmp_path / "m.coli", IDS)
+    converts_dropping(src, mtp, ckpt.coli("hy_v3", "f32"), tmp_path / "m.coli", IDS, keep_mtp=False)
 
 
 @pytest.mark.parametrize("over,field", [

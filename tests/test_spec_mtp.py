@@ -44,7 +44,7 @@ def _every_draft_verified(monkeypatch):
 # or under `model.mtp.layers.{j}` (MiMo-V2-Flash's: a sliding-window layer with a dense MLP)
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
-          "exaone_moe": "qwen"}
+          "exaone_moe": "qwen", "hy_v3": "layer"}
 ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text")  # (their norms, the MTP layer's own included, apply 1 + w)
 DENSE = ("mimo_v2_flash", "exaone_moe")  # (an MTP layer whose MLP is dense)
 
@@ -74,7 +74,9 @@ def mtp_ckpt(tmp_path_factory, request):
     hf = root / "hf"
     shutil.copytree(big, hf)
     cfg = json.loads((hf / "config.json").read_text())
-    cfg.update(num_hidden_layers=L, **({"mtp_num_hidden_layers": 1} if qwen else {"num_nextn_predict_layers": 1}))
+    # (Hy3's config, transformers', has no count: the family's own says one)
+    cfg.update(num_hidden_layers=L, **({"mtp_num_hidden_layers": 1} if qwen else {} if model_type == "hy_v3" else
+                                      {"num_nextn_predict_layers": 1}))
     if model_type == "exaone_moe":
         cfg["mtp_layer_types"] = ["sliding_attention"]
     for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # (per-layer lists, saved for L + 1 layers)
@@ -101,10 +103,12 @@ def mtp_ckpt(tmp_path_factory, request):
         save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
         extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
-    else:
-        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
+    else:  # (Hy3's names its norm final_layernorm and its copy of the head shared_head.weight)
+        hy = model_type == "hy_v3"
+        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                 "norm": "final_layernorm" if hy else "shared_head.norm"}
         extra = {f"{p}{names[k]}.weight": v for k, v in own.items()}
-        extra |= {p + "shared_head.head.weight": ref.lm_head.weight.detach().clone(),
+        extra |= {p + ("shared_head.weight" if hy else "shared_head.head.weight"): ref.lm_head.weight.detach().clone(),
                   p + "embed_tokens.weight": ref.model.embed_tokens.weight.detach().clone()}
     save_file(extra, str(hf / "mtp.safetensors"), metadata={"format": "pt"})
     return hf, ref, own, convert(hf, root / "m.coli", "f32", 32, progress=False)

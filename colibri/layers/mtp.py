@@ -1,5 +1,5 @@
-"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Qwen3-Next/3.5,
-K-EXAONE and MiMo-V2-Flash ship.
+"""Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Hy3,
+Qwen3-Next/3.5, K-EXAONE and MiMo-V2-Flash ship.
 
 Such a layer predicts the token after next: from the main model's final hidden state at position i (after its final
 norm) and the embedding of token i + 1, e = enorm(embed(t_{i+1})), h = hnorm(h_i), it runs one decoder layer of the
@@ -9,7 +9,7 @@ drafts further tokens (engine/mtp.py).
 
 Stored in the container under `mtp.{j}.` (the converter keeps it where the family knows its one-layer config,
 `Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in
-two layouts: DeepSeek-V3/V3.2's and GLM-4.5/4.7/5's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj,
+two layouts: DeepSeek-V3/V3.2's, GLM-4.5/4.7/5's and Hy3's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj,
 shared_head.norm, the layer's own names), whose copies of the embedding and head (`embed_tokens`, `shared_head.head`)
 are the main model's and are not kept; Qwen3-Next's, Qwen3.5's and K-EXAONE's under `mtp.` (`qwen_canonical`:
 fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm; their families' `sanitize` maps them). MiMo-V2-Flash's
@@ -43,7 +43,8 @@ def present(header: dict) -> bool:
 def kept(model_type: str, cfg: dict) -> int:
     """MTP layers a container of this family and config carries (0 where the family has no MTP config)."""
     fam = family(model_type)
-    n = cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0  # (DeepSeek's, Qwen's)
+    # (DeepSeek's count, Qwen's; else the family's own where its config names none: Hy3's)
+    n = cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or fam.mtp_layers
     return int(n) if fam.mtp_config is not None else 0
 
 

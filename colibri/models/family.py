@@ -76,7 +76,8 @@ class Family:
     expert_record: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = expert_record
     # Canonical names dropped where the model has no such tensor (weights the family computes itself).
     ignored: re.Pattern | None = None
-    # Multi-token-prediction layers past the decoder stack, dropped, where the config does not count them.
+    # Multi-token-prediction layers past the decoder stack where the config does not count them (dropped, or kept
+    # where the family has an `mtp_config`).
     mtp_layers: int = 0
     # The config that builds the family's MTP decoder layer as layer 0 of a one-layer model (layers/mtp.py); None:
     # the converter drops the MTP layers.

@@ -7,12 +7,16 @@
   (added in f32 when `enable_moe_fp32_combine`: colibri sums in f32 anyway); dense layers where
   `mlp_layer_types` says "dense" (transformers' default: layer 0).
 - Converter: the release's names (`mlp.router.gate`, `mlp.expert_bias`, `mlp.shared_mlp`) map to GLM's, the
-  correction bias onto the router; the multi-token-prediction layer the release ships past the decoder stack
-  (`model.layers.80.*`) is dropped.
+  correction bias onto the router.
+- The multi-token-prediction layer the release ships past the decoder stack (`model.layers.80.*`: DeepSeek-V3's
+  layout, an MoE layer, its norm `final_layernorm`, a copy of the head as `shared_head.weight`) is kept
+  (layers/mtp.py, `mtp_config`), counted by `num_nextn_predict_layers` or, where transformers' config has no such
+  field, by `MTP_LAYERS`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from . import glm4_moe
@@ -21,7 +25,7 @@ from .family import Family
 
 NAME = "hy_v3"
 # The release's multi-token-prediction layer is one extra decoder layer after the stack (transformers ignores
-# `model.layers.80.*`); the converter drops this many layers past num_hidden_layers.
+# `model.layers.80.*`).
 MTP_LAYERS = 1
 
 
@@ -82,10 +86,22 @@ _HUB_NAMES = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.ga
               (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"))
 
 
+MTP_HEAD = re.compile(r"model\.layers\.\d+\.shared_head\.weight")  # (the MTP layer's copy of the model's head)
+
+
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release's router is `mlp.router.gate`, its correction bias `mlp.expert_bias`
-    (on the MoE block in transformers too; on the router here), its shared expert `mlp.shared_mlp`."""
-    return rename_first(name, _HUB_NAMES)
+    (on the MoE block in transformers too; on the router here), its shared expert `mlp.shared_mlp`; the MTP layer's
+    norm is DeepSeek's `shared_head.norm` (no decoder layer has a `final_layernorm`), its copy of the head goes."""
+    if MTP_HEAD.fullmatch(name):
+        return None
+    return rename_first(name, _HUB_NAMES).replace(".final_layernorm.", ".shared_head.norm.")
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_layers=MTP_LAYERS)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (routed, as the release's layers past the first) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"]}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_layers=MTP_LAYERS,
+                mtp_config=mtp_config)
