@@ -8,7 +8,7 @@ own norm (`shared_head.norm`). Chained on its own output (the layer's output bef
 drafts further tokens (engine/mtp.py).
 
 Stored in the container under `mtp.{j}.` (the converter keeps it where the family knows its one-layer config,
-`Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in two
+`Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in three
 layouts: DeepSeek-V3/V3.2's, GLM-4.5/4.7/5's and Hy3's as layer `num_hidden_layers` (`canonical`: enorm, hnorm,
 eh_proj, shared_head.norm, the layer's own names), whose copies of the embedding and head (`embed_tokens`,
 `shared_head.head`) are the main model's and are not kept; Qwen3-Next's, Qwen3.5's and K-EXAONE's under `mtp.`
