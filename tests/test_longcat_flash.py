@@ -108,7 +108,12 @@ def test_release_names_map_to_the_canonical_ones() -> None:
              "model.layers.0.mlps.1.up_proj.weight": "model.layers.0.mlps.1.up_proj.weight",
              "model.norm.weight": "model.norm.weight"}
     assert {k: lc.sanitize(k) for k in pairs} == pairs
-    assert lc.sanitize("model.mtp.layers.0.self_attn.q_a_proj.weight") is None
+    # the MTP module's (vLLM's longcat_flash_mtp.py names; tests/test_spec_mtp.py runs one)
+    mtp = {"model.mtp.layers.0.self_attn.q_a_proj.weight": "mtp.0.block.self_attn.q_a_proj.weight",
+           "model.mtp.layers.0.transformer_layer.mlp.down_proj.weight": "mtp.0.block.mlp.down_proj.weight",
+           "model.mtp.layers.0.enorm.m.weight": "mtp.0.enorm.weight", "model.mtp.norm.weight": "mtp.0.norm.weight",
+           "model.mtp.layers.0.eh_proj.weight": "mtp.0.eh_proj.weight", "model.mtp.embed_tokens.weight": None}
+    assert {k: lc.sanitize(k) for k in mtp} == mtp
 
 
 @pytest.mark.parametrize("fused", [False, True])

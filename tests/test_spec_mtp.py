@@ -44,9 +44,14 @@ def _every_draft_verified(monkeypatch):
 # or under `model.mtp.layers.{j}` (MiMo-V2-Flash's: a sliding-window layer with a dense MLP)
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
-          "exaone_moe": "qwen", "hy_v3": "layer"}
+          "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat"}
 ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text")  # (their norms, the MTP layer's own included, apply 1 + w)
-DENSE = ("mimo_v2_flash", "exaone_moe")  # (an MTP layer whose MLP is dense)
+DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash")  # (an MTP layer whose MLP is dense)
+# (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts)
+PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash")
+# LongCat's MTP layer: one of its layer's MLA and MLP sublayers (the module's names -> the checkpoint's)
+LONGCAT = {"self_attn.0.": "self_attn.", "mlps.0.": "transformer_layer.mlp.", "input_layernorm.0.": "input_layernorm.",
+           "post_attention_layernorm.0.": "post_attention_layernorm."}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUT))
@@ -54,7 +59,7 @@ def mtp_ckpt(tmp_path_factory, request):
     """(HF folder with an MTP layer, the 4-layer transformers model whose layer 3 it is, the MTP layer's own
     weights by role as the checkpoint holds them, its f32 container)."""
     model_type, root = request.param, tmp_path_factory.mktemp("mtp")
-    qwen, mimo = LAYOUT[model_type] == "qwen", LAYOUT[model_type] == "mimo"
+    qwen, mimo, longcat = (LAYOUT[model_type] == k for k in ("qwen", "mimo", "longcat"))
     tiny = tiny_config_kwargs(model_type)
     types, mlps = tiny.get("layer_types"), tiny.get("mlp_layer_types")
     more = {"layer_types": [*types, "full_attention"]} if qwen and types else {}  # (the MTP layer: full, MoE)
@@ -69,14 +74,17 @@ def mtp_ckpt(tmp_path_factory, request):
     # a sparse attention keeping every position of these contexts: the one-call step and the true-context reference
     # apply as for V3 (a verify's selection past index_topk: test_speculative.py)
     more |= {"index_topk": 64} if "index_topk" in tiny else {}
-    big = make_tiny_checkpoint(model_type, root / "big", num_hidden_layers=L + 1, **more)
+    # (LongCat's layers hold two attention sublayers: transformers counts those as num_hidden_layers)
+    layers = (lambda n: {"num_layers": n, "num_hidden_layers": 2 * n}) if longcat else \
+        (lambda n: {"num_hidden_layers": n})
+    big = make_tiny_checkpoint(model_type, root / "big", **layers(L + 1), **more)
     ref = load_hf(big)
     hf = root / "hf"
     shutil.copytree(big, hf)
     cfg = json.loads((hf / "config.json").read_text())
-    # (Hy3's config, transformers', has no count: the family's own says one)
-    cfg.update(num_hidden_layers=L, **({"mtp_num_hidden_layers": 1} if qwen else {} if model_type == "hy_v3" else
-                                      {"num_nextn_predict_layers": 1}))
+    # (Hy3's and LongCat's configs have no count: the family's own says one)
+    cfg.update(**layers(L), **({"mtp_num_hidden_layers": 1} if qwen else {} if model_type in ("hy_v3", "longcat_flash")
+                               else {"num_nextn_predict_layers": 1}))
     if model_type == "exaone_moe":
         cfg["mtp_layer_types"] = ["sliding_attention"]
     for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # (per-layer lists, saved for L + 1 layers)
@@ -103,6 +111,16 @@ def mtp_ckpt(tmp_path_factory, request):
         save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
         extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
+    elif longcat:  # layer L's first MLA and MLP move under model.mtp.layers.0 (the rest of it goes)
+        st = load_file(hf / "model.safetensors")
+        extra = {f"model.mtp.layers.0.{dst}{k.removeprefix(p + src)}": st[k] for k in st for src, dst in LONGCAT.items()
+                 if k.startswith(p + src)}
+        st = {k: v for k, v in st.items() if not k.startswith(p)}
+        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        names = {"enorm": "layers.0.enorm.m", "hnorm": "layers.0.hnorm.m", "eh_proj": "layers.0.eh_proj",
+                 "norm": "norm"}
+        extra |= {f"model.mtp.{names[k]}.weight": v for k, v in own.items()}
+        extra["model.mtp.embed_tokens.weight"] = ref.model.embed_tokens.weight.detach().clone()
     else:  # (Hy3's names its norm final_layernorm and its copy of the head shared_head.weight)
         hy = model_type == "hy_v3"
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
@@ -139,8 +157,15 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
             mask = mask + torch.full((T, T), float("-inf")).tril(-ref.config.sliding_window)
         rotary = ref.model.rotary_emb(x, pos, kind) if LAYOUT[ref.config.model_type] == "mimo" else \
             ref.model.rotary_emb(x, pos)
-        y = ref.model.layers[L](x, attention_mask=mask[None, None], position_ids=pos, position_embeddings=rotary)
-        y = y[0] if isinstance(y, tuple) else y
+        layer = ref.model.layers[L]
+        if LAYOUT[ref.config.model_type] == "longcat":  # (its layer's first MLA and MLP, as a plain layer)
+            a, _ = layer.self_attn[0](hidden_states=layer.input_layernorm[0](x), attention_mask=mask[None, None],
+                                      position_ids=pos, position_embeddings=rotary)
+            y = x + a
+            y = y + layer.mlps[0](layer.post_attention_layernorm[0](y))
+        else:
+            y = layer(x, attention_mask=mask[None, None], position_ids=pos, position_embeddings=rotary)
+            y = y[0] if isinstance(y, tuple) else y
         return (rms(y, own["norm"]) @ ref.lm_head.weight.T)[0]  # [T, V]
 
 
@@ -230,24 +255,24 @@ def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt,
 @pytest.mark.parametrize("scheme,streamed", [("f32", False), ("int8", False), ("int8", True)])
 def test_mtp_in_batches_with_staggered_joins_gives_plain_tokens(mtp_ckpt, tmp_path, scheme, streamed) -> None:
     """Batched requests joining while others decode, at f32, on the native whole step at int8, and with the
-    experts streamed through a small cache (`budget`). A hybrid at int8 (its state layers run per layer, where a
-    verify is not exact) does not draft, and gives plain tokens."""
+    experts streamed through a small cache (`budget`). A hybrid or LongCat at int8 (their layers run per layer,
+    where a verify is not exact) does not draft, and gives plain tokens."""
     hf, _, _, coli = mtp_ckpt
     if scheme != "f32":
         if not native.available():
             pytest.skip(f"native kernels: {native.why_unavailable()}")
         coli = convert(hf, tmp_path / f"m.{scheme}.coli", scheme, 32, progress=False)
     prompts = [PROMPT, PROMPT[:4] + [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
-    # (room for the dense weights, the MTP layer and a few experts: the sparse attentions' indexers weigh more,
-    # MiMo's and EXAONE's smaller shapes less)
+    # (room for the dense weights, the MTP layer and a few experts: the sparse attentions' indexers and LongCat's
+    # two sublayers a layer weigh more, MiMo's and EXAONE's smaller shapes less)
     model_type = json.loads((hf / "config.json").read_text())["model_type"]
-    budget = {"deepseek_v32": "720K", "glm_moe_dsa": "720K", "mimo_v2_flash": "450K",
-                  "exaone_moe": "480K"}.get(model_type, "600K")
+    budget = {"deepseek_v32": "720K", "glm_moe_dsa": "720K", "longcat_flash": "820K", "mimo_v2_flash": "450K",
+              "exaone_moe": "480K"}.get(model_type, "600K")
     budget = budget if streamed else None
     with colibri.load(coli, ctx_size=64, threads=2, slots=3, mtp=True, mem_budget=budget) as llm:
         able = llm._runner.spec.able
         assert budget is None or not able or llm.plan.native_layers().cached  # (experts streamed)
-        assert able or (scheme != "f32" and LAYOUT[llm.container.model_type] == "qwen")
+        assert able or (scheme != "f32" and model_type in PER_LAYER)
         llm._mtp.p_min = 0.0
         plain = [llm.submit(p, N, temperature=0, ignore_eos=True).wait() for p in prompts]
         hs = []

@@ -15,11 +15,14 @@ layer holds two sublayers and a shortcut-connected MoE (transformers' LongcatFla
   (`ZeroExpertMoE`), so a token runs a varying number of real experts and reads only theirs.
 
 The checkpoint's `mlp.router.classifier` is the MoE's gate, its norms `.0` / `.1` become `input_layernorm`,
-`input_layernorm_1`, `post_attention_layernorm` (the MoE's: the look-ahead applies it), `post_attention_layernorm_1`;
-the multi-token-prediction module (`model.mtp.*`) is dropped, and so are the placeholder gate/up weights transformers
-saves for the zero experts (`source_view`). The blocks run layer by layer (not the one-call step's shape): MLA and the
-MLPs natively for bf16 decode rows, the MoE in one kernels/moe.c call (coli_zero_moe: router, zero slots, experts,
-identity) for a resident layer's rows, else the experts there with the router and zero slots around them.
+`input_layernorm_1`, `post_attention_layernorm` (the MoE's: the look-ahead applies it),
+`post_attention_layernorm_1`; the placeholder gate/up weights transformers saves for the zero experts are dropped
+(`source_view`). The multi-token-prediction module (`model.mtp.*`: enorm / hnorm (`.m`), eh_proj, one DeepSeek-V2
+layer -- an MLA and a dense MLP of `ffn_hidden_size`, its MLP under `transformer_layer.` --, `model.mtp.norm`, a
+copy of the embedding) is kept (layers/mtp.py): `mtp_config` marks its one-layer model (`MTP_KEY`), which this file
+builds as that layer. The blocks run layer by layer (not the one-call step's shape): MLA and the MLPs natively for
+bf16 decode rows, the MoE in one kernels/moe.c call (coli_zero_moe: router, zero slots, experts, identity) for a
+resident layer's rows, else the experts there with the router and zero slots around them.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch import nn
 from ..kernels import native, native_zero
 from ..layers.batch import LayerKV
 from ..layers.kvquant import DEFAULT, KVTypes
-from ..layers.layers import MLP, RMSNorm, rope_scaling, rope_theta
+from ..layers.layers import MLP, DecoderBlock, RMSNorm, rope_scaling, rope_theta
 from ..layers.mla import LatentCache, MLAArgs, MLAttention
 from ..layers.moe import RouteRule, SparseMoE, SwitchGLU, native_route, native_router_ok, native_routing
 from .base import BaseArgs, CausalLM, check_act_and_rope, refuse, rename_first
@@ -213,9 +216,14 @@ class Block(nn.Module):
         return h, post_norm(h)
 
 
+MTP_KEY = "colibri_mtp_layer"  # (set by `mtp_config` only: the model is the MTP module's one plain layer)
+
+
 class Model(CausalLM):
     def __init__(self, a: ModelArgs):
-        blocks = [Block(a, i) for i in range(a.num_hidden_layers)]
+        H, eps = a.hidden_size, a.rms_norm_eps
+        blocks = [DecoderBlock(MLAttention(a.mla()), MLP(H, a.intermediate_size), H, eps)] \
+            if (a.raw or {}).get(MTP_KEY) else [Block(a, i) for i in range(a.num_hidden_layers)]
         super().__init__(a.vocab_size, a.hidden_size, a.rms_norm_eps, blocks)
         self.args = a
 
@@ -265,11 +273,26 @@ _RENAMES = ((".input_layernorm.0.", ".input_layernorm."), (".input_layernorm.1."
             (".mlp.router.classifier.", ".mlp.gate."), (".mlp.router.", ".mlp.gate."))
 
 
+_MTP_NAMES = (("model.mtp.layers.0.enorm.m.", "mtp.0.enorm."), ("model.mtp.layers.0.hnorm.m.", "mtp.0.hnorm."),
+              ("model.mtp.layers.0.eh_proj.", "mtp.0.eh_proj."), ("model.mtp.norm.", "mtp.0.norm."),
+              ("model.mtp.layers.0.transformer_layer.", "mtp.0.block."), ("model.mtp.layers.0.", "mtp.0.block."))
+
+
 def sanitize(name: str) -> str | None:
-    """HF name (after `source_view`) -> canonical name; the MTP module goes."""
+    """HF name (after `source_view`) -> canonical name; the MTP module's under layers/mtp.py's `mtp.0.` (its copy
+    of the embedding goes)."""
     if name.startswith("model.mtp."):
+        for src, dst in _MTP_NAMES:
+            if name.startswith(src):
+                return dst + name.removeprefix(src)
         return None
     return rename_first(name, _RENAMES)
+
+
+def mtp_config(cfg: dict) -> dict:
+    """The MTP module's layer as a one-layer model (`MTP_KEY`: built as an MLA and a dense MLP, not LongCat's
+    layer)."""
+    return {**cfg, "num_layers": 1, "num_hidden_layers": 1, MTP_KEY: True}
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -313,5 +336,6 @@ def source_view(st, cfg: dict):
     return _RoutedOnly(st, cfg)
 
 
+# (one MTP layer: the release's config does not count it)
 FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, flat_config=flat_config, source_view=source_view,
-                sanitize=sanitize, prepare=prepare)
+                sanitize=sanitize, prepare=prepare, mtp_layers=1, mtp_config=mtp_config)
