@@ -39,9 +39,9 @@ def _every_draft_verified(monkeypatch):
     monkeypatch.setattr(speculative, "choose", lambda gains, *_: [len(g) for g in gains])
 
 
-# where a family's checkpoints ship the MTP layer: as layer `num_hidden_layers` (DeepSeek-V3's layout) or under
-# `mtp.` (Qwen3-Next's)
-# or under `model.mtp.layers.{j}` (MiMo-V2-Flash's: a sliding-window layer with a dense MLP)
+# where a family's checkpoints ship the MTP layer: as layer `num_hidden_layers` (DeepSeek-V3's layout), under `mtp.`
+# (Qwen3-Next's), under `model.mtp.layers.{j}` (MiMo-V2-Flash's) or `model.mtp.` (LongCat-Flash's: one MLA and one
+# MLP of its layer)
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
           "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat"}
