@@ -29,7 +29,11 @@ def test_released_names() -> None:
         "model.layers.3.mlp.gate.e_score_correction_bias"
     assert sanitize("model.layers.3.mlp.gate.moe_statics.e_score_correction_bias") == \
         "model.layers.3.mlp.gate.e_score_correction_bias"
-    assert sanitize("model.mtp_block.0.self_attn.q_proj.weight") is None
+    # the MTP layer's (tests/test_spec_mtp.py runs one)
+    assert sanitize("model.mtp_block.0.self_attn.q_proj.weight") == "mtp.0.block.self_attn.q_proj.weight"
+    assert sanitize("model.mtp_linear_proj.0.weight") == "mtp.0.eh_proj.weight"
+    assert sanitize("model.mtp_emb_norm.0.weight") == "mtp.0.enorm.weight"
+    assert sanitize("model.mtp_hidden_norm.0.weight") == "mtp.0.hnorm.weight"
     assert sanitize("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
 
 

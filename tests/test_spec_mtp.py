@@ -40,13 +40,13 @@ def _every_draft_verified(monkeypatch):
 
 
 # where a family's checkpoints ship the MTP layer: as layer `num_hidden_layers` (DeepSeek-V3's layout), under `mtp.`
-# (Qwen3-Next's), under `model.mtp.layers.{j}` (MiMo-V2-Flash's) or `model.mtp.` (LongCat-Flash's: one MLA and one
-# MLP of its layer)
+# (Qwen3-Next's), under `model.mtp.layers.{j}` (MiMo-V2-Flash's), `model.mtp.` (LongCat-Flash's: one MLA and one
+# MLP of its layer) or `model.mtp_*.0` (ERNIE-4.5's, whose norm is the model's)
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
-          "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat"}
+          "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie"}
 ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text")  # (their norms, the MTP layer's own included, apply 1 + w)
-DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash")  # (an MTP layer whose MLP is dense)
+DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash", "ernie4_5_moe")  # (an MTP layer whose MLP is dense)
 # (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts)
 PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash")
 # LongCat's MTP layer: one of its layer's MLA and MLP sublayers (the module's names -> the checkpoint's)
@@ -59,7 +59,7 @@ def mtp_ckpt(tmp_path_factory, request):
     """(HF folder with an MTP layer, the 4-layer transformers model whose layer 3 it is, the MTP layer's own
     weights by role as the checkpoint holds them, its f32 container)."""
     model_type, root = request.param, tmp_path_factory.mktemp("mtp")
-    qwen, mimo, longcat = (LAYOUT[model_type] == k for k in ("qwen", "mimo", "longcat"))
+    qwen, mimo, longcat, ernie = (LAYOUT[model_type] == k for k in ("qwen", "mimo", "longcat", "ernie"))
     tiny = tiny_config_kwargs(model_type)
     types, mlps = tiny.get("layer_types"), tiny.get("mlp_layer_types")
     more = {"layer_types": [*types, "full_attention"]} if qwen and types else {}  # (the MTP layer: full, MoE)
@@ -70,6 +70,7 @@ def mtp_ckpt(tmp_path_factory, request):
     if model_type == "exaone_moe":  # (the MTP layer: sliding window with RoPE, dense MLP; the full layers NoPE)
         more |= {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
                  "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
+    more |= {"moe_layer_end_index": L - 1} if ernie else {}  # (the MTP layer dense, as the one-layer model's layer 0)
     more |= {"indexer_types": [*tiny["indexer_types"], "full"]} if "indexer_types" in tiny else {}  # (GLM-5's)
     # a sparse attention keeping every position of these contexts: the one-call step and the true-context reference
     # apply as for V3 (a verify's selection past index_topk: test_speculative.py)
@@ -97,6 +98,8 @@ def mtp_ckpt(tmp_path_factory, request):
     own = {"enorm": one + 0.1 * torch.randn(H, generator=g), "hnorm": one + 0.1 * torch.randn(H, generator=g),
            "eh_proj": 0.05 * torch.randn(H, 2 * H, generator=g), "norm": one + 0.1 * torch.randn(H, generator=g)}
     p = f"model.layers.{L}."
+    if ernie:  # (its layer ends with the model's own final norm)
+        own["norm"] = ref.model.norm.weight.detach().clone()
     if qwen:  # the layer moves under mtp.layers.0, its input projection and norms beside it
         st = load_file(hf / "model.safetensors")
         extra = {f"mtp.layers.0.{k.removeprefix(p)}": st.pop(k) for k in list(st) if k.startswith(p)}
@@ -111,6 +114,12 @@ def mtp_ckpt(tmp_path_factory, request):
         save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
         extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
+    elif ernie:  # the layer moves under model.mtp_block.0, its input projection and norm beside it
+        st = load_file(hf / "model.safetensors")
+        extra = {f"model.mtp_block.0.{k.removeprefix(p)}": st.pop(k) for k in list(st) if k.startswith(p)}
+        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        names = {"enorm": "mtp_emb_norm", "hnorm": "mtp_hidden_norm", "eh_proj": "mtp_linear_proj"}
+        extra |= {f"model.{names[k]}.0.weight": own[k] for k in names}
     elif longcat:  # layer L's first MLA and MLP move under model.mtp.layers.0 (the rest of it goes)
         st = load_file(hf / "model.safetensors")
         extra = {f"model.mtp.layers.0.{dst}{k.removeprefix(p + src)}": st[k] for k in st for src, dst in LONGCAT.items()
@@ -189,8 +198,8 @@ def test_the_converter_keeps_the_mtp_layer_and_drops_it_when_asked(mtp_ckpt, tmp
     dropped = convert(hf, tmp_path / "no-mtp.coli", "f32", 32, progress=False, keep_mtp=False)
     with Container(dropped) as c:
         assert not any(n.startswith("mtp.") for n in c.names())
-        assert {f"model.layers.{L}.eh_proj.weight", "mtp.fc.weight", "model.mtp.layers.0.eh_proj.weight"} & set(
-            c.meta["converter"]["dropped"])
+        assert {f"model.layers.{L}.eh_proj.weight", "mtp.fc.weight", "model.mtp.layers.0.eh_proj.weight",
+                "model.mtp_linear_proj.0.weight"} & set(c.meta["converter"]["dropped"])
     with colibri.load(dropped, ctx_size=64, threads=2) as llm, pytest.raises(ColibriError, match="needs the model"):
         llm.submit(PROMPT, 4, speculative="mtp")
     with pytest.raises(ColibriError, match="no multi-token-prediction layer"):
@@ -264,10 +273,10 @@ def test_mtp_in_batches_with_staggered_joins_gives_plain_tokens(mtp_ckpt, tmp_pa
         coli = convert(hf, tmp_path / f"m.{scheme}.coli", scheme, 32, progress=False)
     prompts = [PROMPT, PROMPT[:4] + [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
     # (room for the dense weights, the MTP layer and a few experts: the sparse attentions' indexers and LongCat's
-    # two sublayers a layer weigh more, MiMo's and EXAONE's smaller shapes less)
+    # two sublayers a layer weigh more, MiMo's, EXAONE's and ERNIE's smaller shapes less)
     model_type = json.loads((hf / "config.json").read_text())["model_type"]
     budget = {"deepseek_v32": "720K", "glm_moe_dsa": "720K", "longcat_flash": "820K", "mimo_v2_flash": "450K",
-              "exaone_moe": "480K"}.get(model_type, "600K")
+              "exaone_moe": "480K", "ernie4_5_moe": "480K"}.get(model_type, "600K")
     budget = budget if streamed else None
     with colibri.load(coli, ctx_size=64, threads=2, slots=3, mtp=True, mem_budget=budget) as llm:
         able = llm._runner.spec.able

@@ -151,6 +151,9 @@ class Plan:
         if "lm_head.weight" in self.expected and "lm_head.weight" not in self.sources:
             if "model.embed_tokens.weight" in self.sources and cfg.get("tie_word_embeddings", False):
                 self.sources["lm_head.weight"] = self.sources["model.embed_tokens.weight"]
+        if self.mtp and fam.mtp_model_norm and "model.norm.weight" in self.sources:
+            for j in range(self.mtp):
+                self.sources.setdefault(f"{mtp.PREFIX}{j}.norm.weight", self.sources["model.norm.weight"])
         self._check()
 
     def _check(self) -> None:

@@ -6,10 +6,15 @@ are the unbiased probabilities, renormalised (the sum clamped at moe_norm_min).
 The interleaved RoPE is turned into the rotate-half RoPE every other family uses at conversion (`prepare`):
 within each head, q_proj's and k_proj's output rows are reordered so that channel pair (2i, 2i+1) becomes
 (i, i + head_dim/2). q and k move alike, so every attention score -- and the output -- is unchanged, and the
-native attention kernels run the layer as they are."""
+native attention kernels run the layer as they are.
+
+The multi-token-prediction layer (`model.mtp_emb_norm.0`, `mtp_hidden_norm.0`, `mtp_linear_proj.0`, `mtp_block.0`)
+is kept (layers/mtp.py): Baidu's FastDeploy runs it on the model's normed output, as layer 0 of the model, and
+ends it with the model's own final norm (`mtp_model_norm`), as here."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -113,12 +118,26 @@ class Model(CausalLM):
         self.args = a
 
 
+# the release's multi-token-prediction names -> layers/mtp.py's (its layer's own norm is the model's: `Family`)
+MTP = re.compile(r"model\.mtp_(emb_norm|hidden_norm|linear_proj|block)\.(\d+)\.(.+)")
+MTP_ROLES = {"emb_norm": "enorm", "hidden_norm": "hnorm", "linear_proj": "eh_proj", "block": "block"}
+
+
 def sanitize(name: str) -> str | None:
     """The router's correction bias sits in `mlp.moe_statics` in the released checkpoints (`mlp.gate.moe_statics`
-    in transformers' own layout), on the router here; the multi-token-prediction weights (`mtp*`) are not used."""
-    if name.startswith(("mtp", "model.mtp")):
+    in transformers' own layout), on the router here; the multi-token-prediction layer's names become
+    `mtp.{j}.*`."""
+    if m := MTP.fullmatch(name):
+        name = f"mtp.{m[2]}.{MTP_ROLES[m[1]]}.{m[3]}"
+    elif name.startswith(("mtp", "model.mtp")):
         return None
     return name.replace(".mlp.gate.moe_statics.", ".mlp.gate.").replace(".mlp.moe_statics.", ".mlp.gate.")
+
+
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer as layer 0 of a one-layer model: dense or routed by the model's own rule for index 0 (Baidu's
+    FastDeploy builds it as layer 0), so dense in the releases, whose routed layers start past it."""
+    return {**cfg, "num_hidden_layers": 1}
 
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -129,4 +148,5 @@ def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     return rotate_half_rows(t, ModelArgs.from_dict(cfg).head_dim)
 
 
-FAMILY = Family("ernie4_5_moe", ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare)
+FAMILY = Family("ernie4_5_moe", ModelArgs, Model, check_config=check_config, sanitize=sanitize, prepare=prepare,
+                mtp_config=mtp_config, mtp_model_norm=True)

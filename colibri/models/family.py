@@ -82,6 +82,9 @@ class Family:
     # The config that builds the family's MTP decoder layer as layer 0 of a one-layer model (layers/mtp.py); None:
     # the converter drops the MTP layers.
     mtp_config: Callable[[dict], dict] | None = None
+    # The MTP layers end with the model's own final norm, having none of their own (ERNIE-4.5's): the converter
+    # stores that norm as each one's `norm`.
+    mtp_model_norm: bool = False
 
     def __post_init__(self):
         if _REGISTRY.setdefault(self.name, self) is not self:
