@@ -1,9 +1,9 @@
 """Ling 3.0 hybrid (bailing_hybrid): the variants the tiny model does not take (Kimi's softplus decay instead of the
 bounded one, transformers' default layer groups, explicit layer lists with two dense layers, YaRN) against
 transformers' logits and greedy tokens; the decay and the head gate against transformers' modules; a slot's bytes;
-the release's names; its MTP layer dropped; refusals. KDA's kernels for both KDA families: tests/test_kda.py; chunked
-prompts, batches and caching off: tests/test_state_models.py. Its oracle, batch, tier and kernel-accuracy tests run
-with every family's (tests/tiny_configs.py)."""
+the release's names; its MTP layer dropped with --no-mtp; refusals. KDA's kernels for both KDA families:
+tests/test_kda.py; chunked prompts, batches and caching off: tests/test_state_models.py. Its oracle, batch, tier and
+kernel-accuracy tests run with every family's (tests/tiny_configs.py)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,8 @@ def test_the_per_expert_checkpoint_carries_the_release_names(ckpt) -> None:
     assert "model.layers.0.attention.q_conv1d.weight" in names and "model.layers.1.mlp.gate.expert_bias" in names
 
 
-def test_the_mtp_layer_is_dropped(ckpt, tmp_path) -> None:
+def test_the_mtp_layer_is_dropped_with_no_mtp(ckpt, tmp_path) -> None:
+    """Dropped and listed with --no-mtp (kept otherwise: tests/test_spec_mtp.py)."""
     src = edited_copy(ckpt.hf("bailing_hybrid"), tmp_path / "src")
     n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
 
@@ -136,7 +137,7 @@ def test_the_mtp_layer_is_dropped(ckpt, tmp_path) -> None:
         return {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in base.items()
                 if k.startswith(f"model.layers.{n - 1}.")} | {f"model.layers.{n}.enorm.weight": torch.ones(64)}
 
-    converts_dropping(src, mtp, ckpt.coli("bailing_hybrid", "f32"), tmp_path / "m.coli", PROMPT)
+    converts_dropping(src, mtp, ckpt.coli("bailing_hybrid", "f32"), tmp_path / "m.coli", PROMPT, keep_mtp=False)
 
 
 @pytest.mark.parametrize("over,field", [

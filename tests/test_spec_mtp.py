@@ -44,11 +44,12 @@ def _every_draft_verified(monkeypatch):
 # MLP of its layer) or `model.mtp_*.0` (ERNIE-4.5's, whose norm is the model's)
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
-          "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie"}
+          "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
+          "bailing_hybrid": "layer"}
 ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text")  # (their norms, the MTP layer's own included, apply 1 + w)
 DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash", "ernie4_5_moe")  # (an MTP layer whose MLP is dense)
 # (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts)
-PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash")
+PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash", "bailing_hybrid")
 # LongCat's MTP layer: one of its layer's MLA and MLP sublayers (the module's names -> the checkpoint's)
 LONGCAT = {"self_attn.0.": "self_attn.", "mlps.0.": "transformer_layer.mlp.", "input_layernorm.0.": "input_layernorm.",
            "post_attention_layernorm.0.": "post_attention_layernorm."}
@@ -67,6 +68,8 @@ def mtp_ckpt(tmp_path_factory, request):
     if mimo:  # (the MTP layer: sliding window with sinks, dense MLP)
         more |= {"layer_types": ["full_attention"] + ["sliding_attention"] * L,
                  "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
+    if model_type == "bailing_hybrid":  # (the MTP layer: gated MLA, MoE)
+        more |= {"layer_types": ["linear_attention", "linear_attention", "full_attention", "full_attention"]}
     if model_type == "exaone_moe":  # (the MTP layer: sliding window with RoPE, dense MLP; the full layers NoPE)
         more |= {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
                  "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
@@ -130,10 +133,10 @@ def mtp_ckpt(tmp_path_factory, request):
                  "norm": "norm"}
         extra |= {f"model.mtp.{names[k]}.weight": v for k, v in own.items()}
         extra["model.mtp.embed_tokens.weight"] = ref.model.embed_tokens.weight.detach().clone()
-    else:  # (Hy3's names its norm final_layernorm and its copy of the head shared_head.weight)
+    else:  # (Hy3's and Ling's name its norm final_layernorm, Hy3's its copy of the head shared_head.weight)
         hy = model_type == "hy_v3"
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-                 "norm": "final_layernorm" if hy else "shared_head.norm"}
+                 "norm": "final_layernorm" if model_type in ("hy_v3", "bailing_hybrid") else "shared_head.norm"}
         extra = {f"{p}{names[k]}.weight": v for k, v in own.items()}
         extra |= {p + ("shared_head.weight" if hy else "shared_head.head.weight"): ref.lm_head.weight.detach().clone(),
                   p + "embed_tokens.weight": ref.model.embed_tokens.weight.detach().clone()}

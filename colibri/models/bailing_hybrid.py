@@ -12,8 +12,10 @@ dense layers.
   names come first); the convolution `linear_conv_kernel_dim`, else `short_conv_kernel_size`.
 - Names: the release's (`model.word_embeddings`, `attention.*` with `attention.dense` as o_proj, `q/k/v_conv1d`,
   `mlp.gate.expert_bias`, per-expert weights) and transformers' in-memory ones (`self_attn.forget_gate.*`, the
-  concatenated `self_attn.conv1d`, read as three by kimi_linear's `source_view`); the MTP layers past the last are
-  dropped by the converter.
+  concatenated `self_attn.conv1d`, read as three by kimi_linear's `source_view`).
+- The multi-token-prediction layer past the last (`num_nextn_predict_layers`, the port's `num_mtp_layers`;
+  DeepSeek-V3's layout with its norm named `final_layernorm`: vLLM's reading) is a gated-MLA MoE layer, kept
+  (layers/mtp.py, `mtp_config`).
 
 The KDA states keep prompt caching off. KDA rows take kernels/kda.c (rows and the whole decode block, full-rank
 gates), the gated MLA layers kernels/mla.c's block (with the head gate), the MoE layers kernels/moe.c.
@@ -148,8 +150,15 @@ _RENAMES = (("model.word_embeddings.", "model.embed_tokens."), (".attention.dens
 
 
 def sanitize(name: str) -> str | None:
-    """HF name (after `source_view`) -> canonical name."""
-    return rename_first(name, _RENAMES)
+    """HF name (after `source_view`) -> canonical name (the MTP layer's `final_layernorm` is DeepSeek's
+    `shared_head.norm`: no decoder layer has one)."""
+    return rename_first(name, _RENAMES).replace(".final_layernorm.", ".shared_head.norm.")
+
+
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer (gated MLA, routed) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "layer_types": ["full_attention"], "mlp_layer_types": ["sparse"],
+            "first_k_dense_replace": 0}
 
 
 def source_view(st, cfg: dict):
@@ -159,4 +168,5 @@ def source_view(st, cfg: dict):
     return kimi_linear.source_view(st, {"linear_num_heads": heads, "linear_head_dim": width})
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize)
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize,
+                mtp_config=mtp_config)
