@@ -40,12 +40,15 @@ def test_defaults_are_transformers() -> None:
 
 
 def test_mtp_module_is_dropped_and_recorded(ckpt, tmp_path) -> None:
+    """A config that counts no MTP layer (no `num_mtp_layers`): the module is dropped and listed (a counted one is
+    kept: tests/test_spec_mtp.py)."""
     def mtp(base: dict) -> dict:  # its projection and norms, plus a whole decoder layer under mtp.layers.0
         return {"mtp.eh_proj.weight": torch.randn(64, 128), "mtp.enorm.weight": torch.ones(64)} | {
             k.replace("model.layers.2.", "mtp.layers.0."): v.clone() for k, v in base.items()
             if k.startswith("model.layers.2.")}
 
-    assert sanitize("mtp.layers.0.mlp.gate.weight") is None and sanitize("model.layers.0.mlp.gate.weight")
+    assert sanitize("mtp.layers.0.mlp.gate.weight") == "mtp.0.block.mlp.gate.weight"  # (Qwen3-Next's names)
+    assert sanitize("mtp.fc.weight") == "mtp.0.eh_proj.weight" and sanitize("model.layers.0.mlp.gate.weight")
     src = edited_copy(ckpt.hf("mellum"), tmp_path / "src")
     converts_dropping(src, mtp, ckpt.coli("mellum", "f32"), tmp_path / "m.coli", IDS)
 

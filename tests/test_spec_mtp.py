@@ -45,7 +45,7 @@ def _every_draft_verified(monkeypatch):
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
           "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
-          "bailing_hybrid": "layer"}
+          "bailing_hybrid": "layer", "mellum": "qwen"}
 ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text")  # (their norms, the MTP layer's own included, apply 1 + w)
 DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash", "ernie4_5_moe")  # (an MTP layer whose MLP is dense)
 # (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts)
@@ -68,6 +68,8 @@ def mtp_ckpt(tmp_path_factory, request):
     if mimo:  # (the MTP layer: sliding window with sinks, dense MLP)
         more |= {"layer_types": ["full_attention"] + ["sliding_attention"] * L,
                  "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
+    if model_type == "mellum":  # (the MTP layer: sliding, MoE: what a config that names no kinds gets)
+        more["layer_types"] = [*types, "sliding_attention"]
     if model_type == "bailing_hybrid":  # (the MTP layer: gated MLA, MoE)
         more |= {"layer_types": ["linear_attention", "linear_attention", "full_attention", "full_attention"]}
     if model_type == "exaone_moe":  # (the MTP layer: sliding window with RoPE, dense MLP; the full layers NoPE)
@@ -87,8 +89,9 @@ def mtp_ckpt(tmp_path_factory, request):
     shutil.copytree(big, hf)
     cfg = json.loads((hf / "config.json").read_text())
     # (Hy3's and LongCat's configs have no count: the family's own says one)
-    cfg.update(**layers(L), **({"mtp_num_hidden_layers": 1} if qwen else {} if model_type in ("hy_v3", "longcat_flash")
-                               else {"num_nextn_predict_layers": 1}))
+    count = "num_mtp_layers" if model_type == "mellum" else "mtp_num_hidden_layers" if qwen else \
+        None if model_type in ("hy_v3", "longcat_flash") else "num_nextn_predict_layers"  # (transformers' MtpModel's)
+    cfg.update(**layers(L), **({count: 1} if count else {}))
     if model_type == "exaone_moe":
         cfg["mtp_layer_types"] = ["sliding_attention"]
     for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # (per-layer lists, saved for L + 1 layers)
@@ -167,8 +170,8 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
         kind = (getattr(ref.config, "layer_types", None) or [None] * (L + 1))[L]
         if kind == "sliding_attention":  # (transformers' window: a query sees its last `sliding_window` positions)
             mask = mask + torch.full((T, T), float("-inf")).tril(-ref.config.sliding_window)
-        rotary = ref.model.rotary_emb(x, pos, kind) if LAYOUT[ref.config.model_type] == "mimo" else \
-            ref.model.rotary_emb(x, pos)
+        per_type = ref.config.model_type in ("mimo_v2_flash", "mellum")  # (a RoPE per layer type)
+        rotary = ref.model.rotary_emb(x, pos, kind) if per_type else ref.model.rotary_emb(x, pos)
         layer = ref.model.layers[L]
         if LAYOUT[ref.config.model_type] == "longcat":  # (its layer's first MLA and MLP, as a plain layer)
             a, _ = layer.self_attn[0](hidden_states=layer.input_layernorm[0](x), attention_mask=mask[None, None],
@@ -276,10 +279,10 @@ def test_mtp_in_batches_with_staggered_joins_gives_plain_tokens(mtp_ckpt, tmp_pa
         coli = convert(hf, tmp_path / f"m.{scheme}.coli", scheme, 32, progress=False)
     prompts = [PROMPT, PROMPT[:4] + [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
     # (room for the dense weights, the MTP layer and a few experts: the sparse attentions' indexers and LongCat's
-    # two sublayers a layer weigh more, MiMo's, EXAONE's and ERNIE's smaller shapes less)
+    # two sublayers a layer weigh more, the smaller shapes of MiMo, EXAONE, ERNIE and Mellum less)
     model_type = json.loads((hf / "config.json").read_text())["model_type"]
     budget = {"deepseek_v32": "720K", "glm_moe_dsa": "720K", "longcat_flash": "820K", "mimo_v2_flash": "450K",
-              "exaone_moe": "480K", "ernie4_5_moe": "480K"}.get(model_type, "600K")
+              "exaone_moe": "480K", "ernie4_5_moe": "480K", "mellum": "480K"}.get(model_type, "600K")
     budget = budget if streamed else None
     with colibri.load(coli, ctx_size=64, threads=2, slots=3, mtp=True, mem_budget=budget) as llm:
         able = llm._runner.spec.able

@@ -5,7 +5,9 @@ router, renormalised by default) with a RoPE per layer type:
   each type has its own RoPE base (`rope_parameters` keyed by layer type; without it transformers' defaults,
   500000 for the full layers and 10000 for the sliding ones), over the whole head.
 - `mlp_layer_types`: "dense" layers have an MLP of `intermediate_size` (default: every layer sparse).
-- Converter: the multi-token-prediction module (`mtp.*`, `num_mtp_layers`) is dropped and listed in the header.
+- The multi-token-prediction module (`mtp.*`, `num_mtp_layers`, at most one: transformers' MtpModel) is Qwen3-Next's
+  layout (fc, pre_fc_norm_embedding / _hidden, `mtp.layers.0`, norm) over one Mellum layer of the kinds
+  `mtp_layer_types` / `mtp_mlp_layer_types` name (transformers' defaults: sliding, sparse); kept (layers/mtp.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..layers import mtp
 from ..layers.attention import Attention, QKNorm
 from ..layers.layers import MLP, DecoderBlock
 from ..layers.moe import SparseMoE, SwitchGLU, TopKRouter
@@ -98,9 +101,17 @@ def check_config(cfg: dict) -> None:
 
 
 def sanitize(name: str) -> str | None:
-    """HF name -> canonical name: the multi-token-prediction module (`mtp.*`) goes (colibri decodes one token at a
-    time)."""
-    return None if name.startswith(("mtp.", "model.mtp.")) else name
+    """HF name -> canonical name: the multi-token-prediction module's names are Qwen3-Next's."""
+    if name.startswith("mtp."):
+        return mtp.qwen_canonical(name.removeprefix("mtp."))
+    return None if name.startswith("model.mtp.") else name
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)
+def mtp_config(cfg: dict) -> dict:
+    """The MTP layer as layer 0 of a one-layer model, of the kinds the config names (transformers' defaults)."""
+    kind = (cfg.get("mtp_layer_types") or ["sliding_attention"])[0]
+    mlp = (cfg.get("mtp_mlp_layer_types") or ["sparse"])[0]
+    return {**cfg, "num_hidden_layers": 1, "layer_types": [kind], "mlp_layer_types": [mlp]}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_config=mtp_config)
