@@ -247,16 +247,22 @@ def test_names() -> None:
                       "model.layers.3.mlp.gate.e_score_correction_bias"),
                      ("language_model.model.layers.3.block_sparse_moe.experts.7.w3.weight",
                       "model.layers.3.mlp.experts.7.w3.weight"),
-                     ("language_model.lm_head.weight", "lm_head.weight"), ("lm_head.weight", "lm_head.weight")):
+                     ("language_model.lm_head.weight", "lm_head.weight"), ("lm_head.weight", "lm_head.weight"),
+                     # the MTP module's (vLLM's names; tests/test_spec_mtp.py runs one)
+                     ("language_model.model.mtp.layers.0.eh_proj.weight", "mtp.0.eh_proj.weight"),
+                     ("language_model.model.mtp.layers.0.final_layernorm.weight", "mtp.0.norm.weight"),
+                     ("language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.experts.7.w3.weight",
+                      "mtp.0.block.mlp.experts.7.w3.weight")):
         assert m3.sanitize(hf) == ours
     for gone in ("model.vision_tower.blocks.0.attn.qkv.weight", "model.multi_modal_projector.linear_1.weight",
                  "vision_tower.vision_model.pre_layrnorm.weight", "patch_merge_mlp.linear_2.weight",
-                 "mtp.0.enorm.weight", "model.mtp.layers.0.eh_proj.weight"):
+                 "mtp.0.enorm.weight", "model.mtp.embed_tokens.weight"):
         assert m3.sanitize(gone) is None
     # the zero-centred norms are stored as applied
     w = torch.tensor([0.5, -0.25])
     for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
-                 "model.layers.1.self_attn.indexer.k_norm.weight", "model.layers.1.self_attn.q_norm.weight"):
+                 "model.layers.1.self_attn.indexer.k_norm.weight", "model.layers.1.self_attn.q_norm.weight",
+                 "mtp.0.enorm.weight", "mtp.0.norm.weight", "mtp.0.block.input_layernorm.weight"):
         assert torch.equal(m3.prepare(name, w, {}), torch.tensor([1.5, 0.75]))
     assert torch.equal(m3.prepare("model.layers.0.mlp.gate.weight", w, {}), w)
 

@@ -45,11 +45,13 @@ def _every_draft_verified(monkeypatch):
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
           "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
-          "bailing_hybrid": "layer", "mellum": "qwen"}
-ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text")  # (their norms, the MTP layer's own included, apply 1 + w)
+          "bailing_hybrid": "layer", "mellum": "qwen", "minimax_m3_vl_text": "minimax"}
+# (their norms, the MTP layer's own included, apply 1 + w)
+ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text", "minimax_m3_vl_text")
 DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash", "ernie4_5_moe")  # (an MTP layer whose MLP is dense)
-# (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts)
-PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash", "bailing_hybrid")
+# (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts;
+# MiniMax-M3's where a context is long enough to select blocks)
+PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash", "bailing_hybrid", "minimax_m3_vl_text")
 # LongCat's MTP layer: one of its layer's MLA and MLP sublayers (the module's names -> the checkpoint's)
 LONGCAT = {"self_attn.0.": "self_attn.", "mlps.0.": "transformer_layer.mlp.", "input_layernorm.0.": "input_layernorm.",
            "post_attention_layernorm.0.": "post_attention_layernorm."}
@@ -68,6 +70,8 @@ def mtp_ckpt(tmp_path_factory, request):
     if mimo:  # (the MTP layer: sliding window with sinks, dense MLP)
         more |= {"layer_types": ["full_attention"] + ["sliding_attention"] * L,
                  "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
+    if model_type == "minimax_m3_vl_text":  # (the MTP layer: sparse attention, MoE)
+        more |= {"layer_types": [*types, "minimax_m3_sparse"], "mlp_layer_types": [*mlps, "sparse"]}
     if model_type == "mellum":  # (the MTP layer: sliding, MoE: what a config that names no kinds gets)
         more["layer_types"] = [*types, "sliding_attention"]
     if model_type == "bailing_hybrid":  # (the MTP layer: gated MLA, MoE)
@@ -89,8 +93,8 @@ def mtp_ckpt(tmp_path_factory, request):
     shutil.copytree(big, hf)
     cfg = json.loads((hf / "config.json").read_text())
     # (Hy3's and LongCat's configs have no count: the family's own says one)
-    count = "num_mtp_layers" if model_type == "mellum" else "mtp_num_hidden_layers" if qwen else \
-        None if model_type in ("hy_v3", "longcat_flash") else "num_nextn_predict_layers"  # (transformers' MtpModel's)
+    count = {"mellum": "num_mtp_layers", "minimax_m3_vl_text": "num_mtp_modules", "hy_v3": None,
+             "longcat_flash": None}.get(model_type, "mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers")
     cfg.update(**layers(L), **({count: 1} if count else {}))
     if model_type == "exaone_moe":
         cfg["mtp_layer_types"] = ["sliding_attention"]
@@ -117,6 +121,13 @@ def mtp_ckpt(tmp_path_factory, request):
         q = "model.mtp.layers.0."
         extra = {q + k.removeprefix(p).replace("post_attention_layernorm", "pre_mlp_layernorm"): st.pop(k)
                  for k in list(st) if k.startswith(p)}
+        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
+        extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
+    elif LAYOUT[model_type] == "minimax":  # the layer moves under model.mtp.layers.0.transformer_layer, its own beside
+        st = load_file(hf / "model.safetensors")
+        q = "model.mtp.layers.0."
+        extra = {f"{q}transformer_layer.{k.removeprefix(p)}": st.pop(k) for k in list(st) if k.startswith(p)}
         save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
         extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
@@ -270,8 +281,8 @@ def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt,
 @pytest.mark.parametrize("scheme,streamed", [("f32", False), ("int8", False), ("int8", True)])
 def test_mtp_in_batches_with_staggered_joins_gives_plain_tokens(mtp_ckpt, tmp_path, scheme, streamed) -> None:
     """Batched requests joining while others decode, at f32, on the native whole step at int8, and with the
-    experts streamed through a small cache (`budget`). A hybrid or LongCat at int8 (their layers run per layer,
-    where a verify is not exact) does not draft, and gives plain tokens."""
+    experts streamed through a small cache (`budget`). A model whose quantized layers run one by one (`PER_LAYER`),
+    where a verify is not exact, does not draft at int8, and gives plain tokens."""
     hf, _, _, coli = mtp_ckpt
     if scheme != "f32":
         if not native.available():

@@ -1,5 +1,5 @@
 """Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Hy3, Ling 3.0 hybrid,
-Qwen3-Next/3.5, K-EXAONE, Mellum, LongCat-Flash, ERNIE-4.5 and MiMo-V2-Flash ship.
+Qwen3-Next/3.5, K-EXAONE, Mellum, LongCat-Flash, MiniMax-M3, ERNIE-4.5 and MiMo-V2-Flash ship.
 
 Such a layer predicts the token after next: from the main model's final hidden state at position i (after its final
 norm) and the embedding of token i + 1, e = enorm(embed(t_{i+1})), h = hnorm(h_i), it runs one decoder layer of the
@@ -13,12 +13,13 @@ several layouts: DeepSeek-V3/V3.2's, GLM-4.5/4.7/5's, Hy3's and Ling's as layer 
 enorm, hnorm, eh_proj, shared_head.norm, the layer's own names), whose copies of the embedding and head
 (`embed_tokens`, `shared_head.head`) are the main model's and are not kept; Qwen3-Next's, Qwen3.5's, K-EXAONE's and
 Mellum's under `mtp.` (`qwen_canonical`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm; their
-families' `sanitize` maps them). MiMo-V2-Flash's (`model.mtp.layers.{j}.`) are DeepSeek's names under other roots;
-its `sanitize` maps them through `canonical`; ERNIE-4.5's (`model.mtp_*.0`) its family file maps (its norm is the
-model's, `Family.mtp_model_norm`); LongCat-Flash's (`model.mtp.`) its family file maps (a plain MLA layer in a
-family whose own layers differ: its `mtp_config` marks the one-layer model it builds so). `View` presents one MTP
-layer as a one-layer model's container (`model.layers.0.*`, `model.norm`), so the tiered store, the placement and
-the K/V slots treat it as any model; the main model's store never reads `mtp.*`.
+families' `sanitize` maps them). MiMo-V2-Flash's and MiniMax-M3's (`model.mtp.layers.{j}.`, the latter's layer under
+`transformer_layer.`) are DeepSeek's names under other roots, which their families map; ERNIE-4.5's
+(`model.mtp_*.0`) its family file maps (its norm is the model's, `Family.mtp_model_norm`); LongCat-Flash's
+(`model.mtp.`) its family file maps (a plain MLA layer in a family whose own layers differ: its `mtp_config` marks
+the one-layer model it builds so). `View` presents one MTP layer as a one-layer model's container
+(`model.layers.0.*`, `model.norm`), so the tiered store, the placement and the K/V slots treat it as any model; the
+main model's store never reads `mtp.*`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def kept(model_type: str, cfg: dict) -> int:
     fam = family(model_type)
     # (DeepSeek's count, Qwen's, transformers' MtpModel's; else the family's own where its config names none: Hy3's)
     n = cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or cfg.get("num_mtp_layers") \
-        or fam.mtp_layers
+        or cfg.get("num_mtp_modules") or fam.mtp_layers  # (MiniMax-M3's last)
     return int(n) if fam.mtp_config is not None else 0
 
 

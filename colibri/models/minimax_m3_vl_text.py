@@ -1,5 +1,5 @@
 """MiniMax-M3's text model (`minimax_m3_vl_text`; the released multimodal `minimax_m3_vl`, MiniMax-M3, converts to
-it: its vision tower, projector and MTP layers are dropped). MiniMax-M2's layers with:
+it: its vision tower and projector are dropped). MiniMax-M2's layers with:
 
 - Gemma's zero-centred RMSNorms everywhere (weights applied as 1 + w: stored so, `prepare`), q/k norms per head;
 - partial RoPE over the first `rotary_dim` channels of each head, the release's field (transformers' M3 port reads
@@ -13,6 +13,10 @@ it: its vision tower, projector and MTP layers are dropped). MiniMax-M2's layers
 - MiniMax-M2's router (sigmoid scores, a selection bias, renormalised) times `routed_scaling_factor`, beside one
   shared expert of `shared_intermediate_size`.
 
+The multi-token-prediction modules (`model.mtp.layers.{j}`, `num_mtp_modules`: enorm, hnorm, eh_proj, one sparse MoE
+layer under `transformer_layer.`, `final_layernorm`, its norms zero-centred too; vLLM's layout) are kept
+(layers/mtp.py, `mtp_config`).
+
 While a sequence holds at most index_topk_blocks x index_block_size positions every block is kept: the sparse layers
 are dense attention. A context (`ctx_size`) that small never selects, so it caches no indexer keys and takes the
 native blocks and the one-call step; a larger one caches each sparse layer's indexer keys and, past that many
@@ -23,6 +27,7 @@ kernels' block (coli_attn_keep) or in torch.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -316,15 +321,30 @@ _RELEASE = ((".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_cor
             (".self_attn.index_k_norm.", ".self_attn.indexer.k_norm."))
 
 
+MTP = re.compile(r"model\.mtp\.layers\.(\d+)\.(enorm|hnorm|eh_proj|final_layernorm|transformer_layer)\.(.+)")
+MTP_ROLES = {"final_layernorm": "norm", "transformer_layer": "block"}
+MTP_NORM = re.compile(r"mtp\.\d+\.(enorm|hnorm|norm)\.weight")  # (the MTP module's own norms: zero-centred too)
+
+
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the multimodal release's text model moves up (`language_model.model.` as released,
-    `model.language_model.` as transformers saves it); its vision tower, projectors and MTP layers go."""
-    if name.startswith(_OTHER) or name.startswith("mtp.") or ".mtp." in name:
+    `model.language_model.` as transformers saves it), its MTP modules to `mtp.{j}.`; its vision tower and
+    projectors go."""
+    if name.startswith(_OTHER):
         return None
     if name.startswith("language_model."):
         name = name.removeprefix("language_model.")  # (language_model.model.X -> model.X, .lm_head -> lm_head)
     name = text_model_name(name)
-    return None if name is None else rename_first(name, _RELEASE)
+    if name is not None and (m := MTP.fullmatch(name)):
+        name = f"mtp.{m[1]}.{MTP_ROLES.get(m[2], m[2])}.{m[3]}"
+    elif name is None or name.startswith("mtp.") or ".mtp." in name:
+        return None
+    return rename_first(name, _RELEASE)
+
+
+def mtp_config(cfg: dict) -> dict:
+    """The MTP module's layer (sparse attention, MoE: vLLM forces both) as layer 0 of a one-layer model."""
+    return {**cfg, "num_hidden_layers": 1, "layer_types": ["minimax_m3_sparse"], "mlp_layer_types": ["sparse"]}
 
 
 def source_view(st, cfg: dict):
@@ -340,10 +360,10 @@ def source_view(st, cfg: dict):
 
 def prepare(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
     """The zero-centred norms' weights as applied (1 + w, in f32)."""
-    if name == "model.norm.weight" or name.endswith(ZERO_CENTRED):
+    if name == "model.norm.weight" or name.endswith(ZERO_CENTRED) or MTP_NORM.fullmatch(name):
         return 1.0 + t.float()
     return t
 
 
 FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, source_view=source_view, sanitize=sanitize,
-                prepare=prepare)
+                prepare=prepare, mtp_config=mtp_config)
