@@ -56,7 +56,12 @@ def test_release_names_and_layer_kinds() -> None:
              "backbone.norm_f.weight": "model.norm.weight",
              "model.norm_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
     assert {k: sanitize(k) for k in pairs} == pairs
-    assert sanitize("mtp.layers.0.mixer.q_proj.weight") is None
+    # the MTP module's (vLLM's names: a step of two layers; tests/test_spec_mtp.py runs one)
+    mtp = {"mtp.layers.0.mixer.q_proj.weight": "mtp.0.block.mixer.q_proj.weight",
+           "language_model.mtp.layers.1.mixer.experts.3.up_proj.weight": "mtp.0.block1.mixer.experts.3.up_proj.weight",
+           "mtp.layers.0.eh_proj.weight": "mtp.0.eh_proj.weight", "mtp.layers.1.final_layernorm.weight":
+           "mtp.0.norm.weight", "mtp.layers.1.norm.weight": "mtp.0.block1.norm.weight"}
+    assert {k: sanitize(k) for k in mtp} == mtp
     assert layer_kinds({"hybrid_override_pattern": "M-*E"}) == ["linear_attention", "mlp", "full_attention", "moe"]
     assert layer_kinds({"layers_block_type": ["mamba", "attention", "moe"]}) == \
         ["linear_attention", "full_attention", "moe"]

@@ -45,13 +45,14 @@ def _every_draft_verified(monkeypatch):
 LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
           "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
-          "bailing_hybrid": "layer", "mellum": "qwen", "minimax_m3_vl_text": "minimax"}
+          "bailing_hybrid": "layer", "mellum": "qwen", "minimax_m3_vl_text": "minimax", "nemotron_h": "nemotron"}
+STEP = {"nemotron_h": 2}  # (the layers of one MTP step: Nemotron-H's, an attention layer then an MoE one)
 # (their norms, the MTP layer's own included, apply 1 + w)
 ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text", "minimax_m3_vl_text")
 DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash", "ernie4_5_moe")  # (an MTP layer whose MLP is dense)
 # (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts;
 # MiniMax-M3's where a context is long enough to select blocks)
-PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash", "bailing_hybrid", "minimax_m3_vl_text")
+PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash", "bailing_hybrid", "minimax_m3_vl_text", "nemotron_h")
 # LongCat's MTP layer: one of its layer's MLA and MLP sublayers (the module's names -> the checkpoint's)
 LONGCAT = {"self_attn.0.": "self_attn.", "mlps.0.": "transformer_layer.mlp.", "input_layernorm.0.": "input_layernorm.",
            "post_attention_layernorm.0.": "post_attention_layernorm."}
@@ -70,6 +71,8 @@ def mtp_ckpt(tmp_path_factory, request):
     if mimo:  # (the MTP layer: sliding window with sinks, dense MLP)
         more |= {"layer_types": ["full_attention"] + ["sliding_attention"] * L,
                  "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
+    if model_type == "nemotron_h":  # (Mamba, MoE, attention; the MTP step: attention, MoE)
+        more |= {"layers_block_type": ["linear_attention", "moe", "full_attention", "full_attention", "moe"]}
     if model_type == "minimax_m3_vl_text":  # (the MTP layer: sparse attention, MoE)
         more |= {"layer_types": [*types, "minimax_m3_sparse"], "mlp_layer_types": [*mlps, "sparse"]}
     if model_type == "mellum":  # (the MTP layer: sliding, MoE: what a config that names no kinds gets)
@@ -87,7 +90,8 @@ def mtp_ckpt(tmp_path_factory, request):
     # (LongCat's layers hold two attention sublayers: transformers counts those as num_hidden_layers)
     layers = (lambda n: {"num_layers": n, "num_hidden_layers": 2 * n}) if longcat else \
         (lambda n: {"num_hidden_layers": n})
-    big = make_tiny_checkpoint(model_type, root / "big", **layers(L + 1), **more)
+    step = STEP.get(model_type, 1)
+    big = make_tiny_checkpoint(model_type, root / "big", **layers(L + step), **more)
     ref = load_hf(big)
     hf = root / "hf"
     shutil.copytree(big, hf)
@@ -98,7 +102,9 @@ def mtp_ckpt(tmp_path_factory, request):
     cfg.update(**layers(L), **({count: 1} if count else {}))
     if model_type == "exaone_moe":
         cfg["mtp_layer_types"] = ["sliding_attention"]
-    for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # (per-layer lists, saved for L + 1 layers)
+    if model_type == "nemotron_h":
+        cfg["mtp_layers_block_type"] = ["full_attention", "moe"]
+    for key in ("layer_types", "mlp_layer_types", "indexer_types", "layers_block_type"):  # (per-layer lists)
         if isinstance(cfg.get(key), list):
             cfg[key] = cfg[key][:L]
     (hf / "config.json").write_text(json.dumps(cfg))
@@ -124,6 +130,13 @@ def mtp_ckpt(tmp_path_factory, request):
         save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
         extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
+    elif LAYOUT[model_type] == "nemotron":  # layers L, L + 1 move under mtp.layers.0 / 1, the own weights on the ends
+        st = load_file(hf / "model.safetensors")
+        extra = {f"mtp.layers.{i}.{k.removeprefix(f'backbone.layers.{L + i}.')}": st.pop(k) for i in range(step)
+                 for k in list(st) if k.startswith(f"backbone.layers.{L + i}.")}
+        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        names = {"enorm": "0.enorm", "hnorm": "0.hnorm", "eh_proj": "0.eh_proj", "norm": f"{step - 1}.final_layernorm"}
+        extra |= {f"mtp.layers.{names[k]}.weight": v for k, v in own.items()}
     elif LAYOUT[model_type] == "minimax":  # the layer moves under model.mtp.layers.0.transformer_layer, its own beside
         st = load_file(hf / "model.safetensors")
         q = "model.mtp.layers.0."
@@ -167,10 +180,10 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
     ids = torch.tensor([tokens])
     with torch.no_grad():
         h = main(ids[:, :-1])  # [1, T, H]: after the final norm
-        e = ref.model.embed_tokens(ids[:, 1:])
+        e = ref.get_input_embeddings()(ids[:, 1:])
 
         def rms(x, w):
-            n = type(ref.model.norm)(w.shape[0], eps=ref.config.rms_norm_eps)
+            n = type(_final_norm(ref))(w.shape[0], eps=_eps(ref.config))
             n.weight.copy_(w)
             return n(x)
 
@@ -182,9 +195,15 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
         if kind == "sliding_attention":  # (transformers' window: a query sees its last `sliding_window` positions)
             mask = mask + torch.full((T, T), float("-inf")).tril(-ref.config.sliding_window)
         per_type = ref.config.model_type in ("mimo_v2_flash", "mellum")  # (a RoPE per layer type)
-        rotary = ref.model.rotary_emb(x, pos, kind) if per_type else ref.model.rotary_emb(x, pos)
+        rotary = None if getattr(ref.model, "rotary_emb", None) is None else \
+            ref.model.rotary_emb(x, pos, kind) if per_type else ref.model.rotary_emb(x, pos)  # (Nemotron-H: none)
         layer = ref.model.layers[L]
-        if LAYOUT[ref.config.model_type] == "longcat":  # (its layer's first MLA and MLP, as a plain layer)
+        if LAYOUT[ref.config.model_type] == "nemotron":  # (the step's layers in turn)
+            y = x
+            for i in range(STEP["nemotron_h"]):
+                y = ref.model.layers[L + i](y, attention_mask=mask[None, None], position_ids=pos)
+                y = y[0] if isinstance(y, tuple) else y
+        elif LAYOUT[ref.config.model_type] == "longcat":  # (its layer's first MLA and MLP, as a plain layer)
             a, _ = layer.self_attn[0](hidden_states=layer.input_layernorm[0](x), attention_mask=mask[None, None],
                                       position_ids=pos, position_embeddings=rotary)
             y = x + a
@@ -200,8 +219,16 @@ def load_hf_prefix(ref):
     def run(ids):
         out = ref.model(ids, output_hidden_states=True)
         # hidden_states[L] is layer L-1's output before the final norm (transformers: [embeddings, layer 0, ...])
-        return ref.model.norm(out.hidden_states[L])
+        return _final_norm(ref)(out.hidden_states[L])
     return run
+
+
+def _final_norm(ref) -> torch.nn.Module:
+    return getattr(ref.model, "norm", None) or ref.model.norm_f  # (Nemotron-H's name)
+
+
+def _eps(cfg) -> float:
+    return getattr(cfg, "rms_norm_eps", None) or cfg.layer_norm_epsilon
 
 
 def test_the_converter_keeps_the_mtp_layer_and_drops_it_when_asked(mtp_ckpt, tmp_path) -> None:
@@ -209,14 +236,17 @@ def test_the_converter_keeps_the_mtp_layer_and_drops_it_when_asked(mtp_ckpt, tmp
     with Container(coli) as c:
         names = [n for n in c.names() if n.startswith("mtp.")]
         assert "mtp.0.eh_proj.weight" in names and "mtp.0.norm.weight" in names
-        assert any(n.startswith("mtp.0.block.self_attn.") for n in names)
-        assert any(r.startswith("mtp.0.block.mlp.experts.") for r in c.record_names()) != (c.model_type in DENSE)
+        assert any(n.startswith(("mtp.0.block.self_attn.", "mtp.0.block.mixer.")) for n in names)  # (Nemotron-H's)
+        # (the step's routed experts: in its one layer, or in its second, Nemotron-H's)
+        routed = any(r.startswith(("mtp.0.block.mlp.experts.", "mtp.0.block1.mixer.experts")) for r in c.record_names())
+        assert routed != (c.model_type in DENSE)
         assert not any("shared_head.head" in n or "embed_tokens" in n for n in names)  # (the main model's serve)
     dropped = convert(hf, tmp_path / "no-mtp.coli", "f32", 32, progress=False, keep_mtp=False)
     with Container(dropped) as c:
         assert not any(n.startswith("mtp.") for n in c.names())
-        assert {f"model.layers.{L}.eh_proj.weight", "mtp.fc.weight", "model.mtp.layers.0.eh_proj.weight",
-                "model.mtp_linear_proj.0.weight"} & set(c.meta["converter"]["dropped"])
+        # (the layer's input projection, under each layout's name, among the names listed)
+        assert any(n.endswith(("eh_proj.weight", "mtp.fc.weight", "mtp_linear_proj.0.weight"))
+                   for n in c.meta["converter"]["dropped"])
     with colibri.load(dropped, ctx_size=64, threads=2) as llm, pytest.raises(ColibriError, match="needs the model"):
         llm.submit(PROMPT, 4, speculative="mtp")
     with pytest.raises(ColibriError, match="no multi-token-prediction layer"):

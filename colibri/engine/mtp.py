@@ -76,10 +76,10 @@ class MTPHead:
         except BaseException:
             self.store.close()
             raise
-        self.block = self.model.model.layers[0]
-        # the layer in one native call where the kernels take it (int8/int4 weights, bf16), else its torch forward
-        self._nat = native_step.build([self.block], 0, whole=False) if dtype == torch.bfloat16 else "f32"
-        self._experts = [m for m in self.block.modules() if isinstance(m, SwitchGLU)]
+        self.blocks = list(self.model.model.layers)  # (one layer; a few where a step runs several: Nemotron-H's)
+        # the layers in one native call where the kernels take them (int8/int4 weights, bf16), else their torch forward
+        self._nat = native_step.build(self.blocks, 0, whole=False) if dtype == torch.bfloat16 else "f32"
+        self._experts = [m for b in self.blocks for m in b.modules() if isinstance(m, SwitchGLU)]
         self.target = target
         self.caches = [self.model.make_cache(ctx, dtype) for _ in range(n_slots)]  # [slot][1]
         self.held: list[list[int]] = [[] for _ in range(n_slots)]  # (module doc)
@@ -161,7 +161,12 @@ class MTPHead:
             r += n
         x, batch = self.model.inputs(e, h), StepBatch(seqs)
         got = None if isinstance(self._nat, str) else native_step.layers(self._nat, x, batch)
-        y = got[0] if got is not None else self.block(x, batch.layer(0))
+        if got is not None:
+            y = got[0]
+        else:
+            y = x
+            for i, block in enumerate(self.blocks):
+                y = block(y, batch.layer(i))
         for ex in self._experts:  # (nobody counts the MTP layer's routes)
             ex.route = None
         self.forwards += 1

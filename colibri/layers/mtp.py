@@ -1,5 +1,5 @@
 """Multi-token-prediction (MTP) layers: the extra decoder layer DeepSeek-V3/V3.2, GLM-4.5/4.7/5, Hy3, Ling 3.0 hybrid,
-Qwen3-Next/3.5, K-EXAONE, Mellum, LongCat-Flash, MiniMax-M3, ERNIE-4.5 and MiMo-V2-Flash ship.
+Qwen3-Next/3.5, K-EXAONE, Mellum, LongCat-Flash, MiniMax-M3, Nemotron-H, ERNIE-4.5 and MiMo-V2-Flash ship.
 
 Such a layer predicts the token after next: from the main model's final hidden state at position i (after its final
 norm) and the embedding of token i + 1, e = enorm(embed(t_{i+1})), h = hnorm(h_i), it runs one decoder layer of the
@@ -8,23 +8,25 @@ own norm (`shared_head.norm`). Chained on its own output (the layer's output bef
 drafts further tokens (engine/mtp.py).
 
 Stored in the container under `mtp.{j}.` (the converter keeps it where the family knows its one-layer config,
-`Family.mtp_config`): `block.*` (the decoder layer), `enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in
-several layouts: DeepSeek-V3/V3.2's, GLM-4.5/4.7/5's, Hy3's and Ling's as layer `num_hidden_layers` (`canonical`:
-enorm, hnorm, eh_proj, shared_head.norm, the layer's own names), whose copies of the embedding and head
-(`embed_tokens`, `shared_head.head`) are the main model's and are not kept; Qwen3-Next's, Qwen3.5's, K-EXAONE's and
-Mellum's under `mtp.` (`qwen_canonical`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm; their
-families' `sanitize` maps them). MiMo-V2-Flash's and MiniMax-M3's (`model.mtp.layers.{j}.`, the latter's layer under
-`transformer_layer.`) are DeepSeek's names under other roots, which their families map; ERNIE-4.5's
-(`model.mtp_*.0`) its family file maps (its norm is the model's, `Family.mtp_model_norm`); LongCat-Flash's
-(`model.mtp.`) its family file maps (a plain MLA layer in a family whose own layers differ: its `mtp_config` marks
-the one-layer model it builds so). `View` presents one MTP layer as a one-layer model's container
-(`model.layers.0.*`, `model.norm`), so the tiered store, the placement and the K/V slots treat it as any model; the
-main model's store never reads `mtp.*`.
+`Family.mtp_config`): `block.*` (the decoder layer; `block1.*`, ... where one step runs several, Nemotron-H's),
+`enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in several layouts: DeepSeek-V3/V3.2's, GLM-4.5/4.7/5's,
+Hy3's and Ling's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj, shared_head.norm, the layer's own
+names), whose copies of the embedding and head (`embed_tokens`, `shared_head.head`) are the main model's and are not
+kept; Qwen3-Next's, Qwen3.5's, K-EXAONE's and Mellum's under `mtp.` (`qwen_canonical`: fc, pre_fc_norm_embedding,
+pre_fc_norm_hidden, layers.{j}, norm; their families' `sanitize` maps them). MiMo-V2-Flash's and MiniMax-M3's
+(`model.mtp.layers.{j}.`, the latter's layer under `transformer_layer.`) are DeepSeek's names under other roots,
+which their families map; ERNIE-4.5's (`model.mtp_*.0`) its family file maps (its norm is the model's,
+`Family.mtp_model_norm`); LongCat-Flash's (`model.mtp.`) its family file maps (a plain MLA layer in a family whose
+own layers differ: its `mtp_config` marks the one-layer model it builds so). Nemotron-H's (`mtp.layers.{i}`, a step
+of several layers, each its own `block{i}`) its family file maps. `View` presents one MTP layer as a one-layer
+model's container (`model.layers.0.*`, `model.norm`), so the tiered store, the placement and the K/V slots treat it
+as any model; the main model's store never reads `mtp.*`.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -80,22 +82,26 @@ def qwen_canonical(rest: str) -> str | None:
     return None
 
 
+_BLOCK = re.compile(r"block(\d*)\.(.+)")  # (a step of several layers: block., block1., ...)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
 def _to_view(name: str, j: int) -> str | None:
     """A container name -> its name in MTP layer j's view (None: not that layer's)."""
     p = f"{PREFIX}{j}."
     if not name.startswith(p):
         return None
     rest = name[len(p) :]
-    if rest.startswith("block."):
-        return "model.layers.0." + rest.removeprefix("block.")
+    if m := _BLOCK.fullmatch(rest):
+        return f"model.layers.{m[1] or 0}.{m[2]}"
     if rest.startswith("norm."):
         return "model." + rest
     return rest
 
 
 def _from_view(name: str, j: int) -> str:
-    if name.startswith("model.layers.0."):
-        return f"{PREFIX}{j}.block." + name.removeprefix("model.layers.0.")
+    if m := _LAYER.fullmatch(name):
+        return f"{PREFIX}{j}.block{m[1] if m[1] != '0' else ''}.{m[2]}"
     if name.startswith("model.norm."):
         return f"{PREFIX}{j}." + name.removeprefix("model.")
     return f"{PREFIX}{j}.{name}"
@@ -133,7 +139,8 @@ def build(model_type: str, cfg: dict) -> MTPModel:
     sub = config(model_type, cfg)
     inner, args = family(model_type).build(sub)
     del inner.lm_head
-    eps = float(getattr(args, "rms_norm_eps", None) or sub.get("rms_norm_eps", 1e-6))
+    # (the model's own norm says its epsilon, whatever the config calls it: Nemotron-H's layer_norm_epsilon)
+    eps = float(getattr(inner.model.norm, "eps", None) or getattr(args, "rms_norm_eps", None) or 1e-6)
     return MTPModel(inner, int(sub["hidden_size"]), eps)
 
 

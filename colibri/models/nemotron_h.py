@@ -14,11 +14,17 @@ Each layer is a `SublayerBlock` whose one module, `mixer`, answers as `self_attn
 `mlp` (the look-ahead's router) by kind. The Mamba layers' states keep prompt caching off (linear_attn.py); their
 decode rows take kernels/mamba.c, the experts kernels/moe.c, layer by layer (no one-call step: its layers are not
 decoder blocks). Nemotron 3 Super's latent MoE (`moe_latent_size`: the routed experts between two projections,
-`LatentMoE`) runs the experts alone in the kernels; multi-token-prediction weights are dropped.
+`LatentMoE`) runs the experts alone in the kernels.
+
+The multi-token-prediction module (`mtp.layers.{i}`, `num_nextn_predict_layers` steps of the layers
+`mtp_layers_block_type` names, transformers' default an attention layer then an MoE one; the legacy
+`mtp_hybrid_override_pattern` read too) is kept (layers/mtp.py: a step of several layers, `block`, `block1`, ...):
+enorm / hnorm / eh_proj on its first layer, `final_layernorm` on its last (vLLM's layout).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -231,9 +237,18 @@ def check_config(cfg: dict) -> None:
 _RENAMES = (("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm."))
 
 
+MTP = re.compile(r"(?:language_model\.)?mtp\.layers\.(\d+)\.(.+)")
+MTP_OWN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "norm"}
+
+
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release's `backbone.` prefix, embeddings and final norm under the decoder's
-    names; each layer's `norm` and `mixer` kept; multi-token-prediction weights dropped."""
+    names; each layer's `norm` and `mixer` kept; the MTP module's layers as layers/mtp.py's step `mtp.0.`."""
+    if m := MTP.fullmatch(name):
+        role, _, rest = m[2].partition(".")
+        if role in MTP_OWN:
+            return f"mtp.0.{MTP_OWN[role]}.{rest}"
+        return f"mtp.0.block{'' if m[1] == '0' else m[1]}.{m[2]}"
     if name.startswith("mtp.") or ".mtp." in name:
         return None
     for old, new in _RENAMES:
@@ -242,4 +257,15 @@ def sanitize(name: str) -> str | None:
     return name
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)
+def mtp_config(cfg: dict) -> dict:
+    """One MTP step as a model of its layers (`mtp_layers_block_type`, else the legacy pattern, else transformers'
+    default: attention, then MoE)."""
+    kinds = cfg.get("mtp_layers_block_type")
+    if kinds is None and isinstance(cfg.get("mtp_hybrid_override_pattern"), str):
+        kinds = [_PATTERN.get(c, c) for c in cfg["mtp_hybrid_override_pattern"]]
+    kinds = [LEGACY_KINDS.get(k, k) for k in kinds or ["full_attention", "moe"]]
+    out = {k: v for k, v in cfg.items() if k not in ("layer_types", "hybrid_override_pattern")}
+    return {**out, "num_hidden_layers": len(kinds), "layers_block_type": kinds}
+
+
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_config=mtp_config)
