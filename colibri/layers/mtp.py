@@ -8,19 +8,16 @@ own norm (`shared_head.norm`). Chained on its own output (the layer's output bef
 drafts further tokens (engine/mtp.py).
 
 Stored in the container under `mtp.{j}.` (the converter keeps it where the family knows its one-layer config,
-`Family.mtp_config`): `block.*` (the decoder layer; `block1.*`, ... where one step runs several, Nemotron-H's),
-`enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in several layouts: DeepSeek-V3/V3.2's, GLM-4.5/4.7/5's,
-Hy3's and Ling's as layer `num_hidden_layers` (`canonical`: enorm, hnorm, eh_proj, shared_head.norm, the layer's own
-names), whose copies of the embedding and head (`embed_tokens`, `shared_head.head`) are the main model's and are not
-kept; Qwen3-Next's, Qwen3.5's, K-EXAONE's and Mellum's under `mtp.` (`qwen_canonical`: fc, pre_fc_norm_embedding,
-pre_fc_norm_hidden, layers.{j}, norm; their families' `sanitize` maps them). MiMo-V2-Flash's and MiniMax-M3's
-(`model.mtp.layers.{j}.`, the latter's layer under `transformer_layer.`) are DeepSeek's names under other roots,
-which their families map; ERNIE-4.5's (`model.mtp_*.0`) its family file maps (its norm is the model's,
-`Family.mtp_model_norm`); LongCat-Flash's (`model.mtp.`) its family file maps (a plain MLA layer in a family whose
-own layers differ: its `mtp_config` marks the one-layer model it builds so). Nemotron-H's (`mtp.layers.{i}`, a step
-of several layers, each its own `block{i}`) its family file maps. `View` presents one MTP layer as a one-layer
-model's container (`model.layers.0.*`, `model.norm`), so the tiered store, the placement and the K/V slots treat it
-as any model; the main model's store never reads `mtp.*`.
+`Family.mtp_config`): `block.*` (the decoder layer; `block1.*`, ... where one step runs several: Nemotron-H's),
+`enorm`, `hnorm`, `eh_proj`, `norm`. Checkpoints ship it in several layouts, which each family's `sanitize` maps
+(docs/MODELS.md lists them): as layer `num_hidden_layers` (DeepSeek-V3's: `canonical`; its copies of the embedding
+and head, `embed_tokens` and `shared_head.head`, are the main model's and are not kept), under `mtp.` (Qwen3-Next's:
+`qwen_canonical`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{j}, norm), or under roots of their own
+(MiMo-V2-Flash's, MiniMax-M3's, LongCat-Flash's, ERNIE-4.5's, Nemotron-H's). Where the MTP layer is not one of the
+family's own layers, the config `mtp_config` gives makes the family build it (LongCat's plain MLA layer); where it
+has no norm of its own, the converter stores the model's as its (`Family.mtp_model_norm`: ERNIE-4.5's). `View`
+presents one MTP layer as a one-layer model's container (`model.layers.0.*`, `model.norm`), so the tiered store, the
+placement and the K/V slots treat it as any model; the main model's store never reads `mtp.*`.
 """
 
 from __future__ import annotations
