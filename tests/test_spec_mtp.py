@@ -42,7 +42,8 @@ def _every_draft_verified(monkeypatch):
 # where a family's checkpoints ship the MTP layer: as layer `num_hidden_layers` (DeepSeek-V3's layout), under `mtp.`
 # (Qwen3-Next's), under `model.mtp.layers.{j}` (MiMo-V2-Flash's), `model.mtp.` (LongCat-Flash's: one MLA and one
 # MLP of its layer) or `model.mtp_*.0` (ERNIE-4.5's, whose norm is the model's)
-LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "qwen3_next": "qwen",
+LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "glm4v_moe_text": "layer",
+          "qwen3_next": "qwen",
           "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
           "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
           "bailing_hybrid": "layer", "mellum": "qwen", "minimax_m3_vl_text": "minimax", "nemotron_h": "nemotron"}
@@ -95,7 +96,8 @@ def mtp_ckpt(tmp_path_factory, request):
     ref = load_hf(big)
     hf = root / "hf"
     shutil.copytree(big, hf)
-    cfg = json.loads((hf / "config.json").read_text())
+    full = json.loads((hf / "config.json").read_text())
+    cfg = full.get("text_config", full)  # (GLM-4.5V's: a multimodal checkpoint's text model)
     # (Hy3's and LongCat's configs have no count: the family's own says one)
     count = {"mellum": "num_mtp_layers", "minimax_m3_vl_text": "num_mtp_modules", "hy_v3": None,
              "longcat_flash": None}.get(model_type, "mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers")
@@ -107,7 +109,7 @@ def mtp_ckpt(tmp_path_factory, request):
     for key in ("layer_types", "mlp_layer_types", "indexer_types", "layers_block_type"):  # (per-layer lists)
         if isinstance(cfg.get(key), list):
             cfg[key] = cfg[key][:L]
-    (hf / "config.json").write_text(json.dumps(cfg))
+    (hf / "config.json").write_text(json.dumps(full))
     H = cfg["hidden_size"]
     g = torch.Generator().manual_seed(7)
     one = 0.0 if model_type in ZERO_CENTRED else 1.0
@@ -115,7 +117,7 @@ def mtp_ckpt(tmp_path_factory, request):
            "eh_proj": 0.05 * torch.randn(H, 2 * H, generator=g), "norm": one + 0.1 * torch.randn(H, generator=g)}
     p = f"model.layers.{L}."
     if ernie:  # (its layer ends with the model's own final norm)
-        own["norm"] = ref.model.norm.weight.detach().clone()
+        own["norm"] = _final_norm(ref).weight.detach().clone()
     if qwen:  # the layer moves under mtp.layers.0, its input projection and norms beside it
         st = load_file(hf / "model.safetensors")
         extra = {f"mtp.layers.0.{k.removeprefix(p)}": st.pop(k) for k in list(st) if k.startswith(p)}
@@ -159,14 +161,14 @@ def mtp_ckpt(tmp_path_factory, request):
         names = {"enorm": "layers.0.enorm.m", "hnorm": "layers.0.hnorm.m", "eh_proj": "layers.0.eh_proj",
                  "norm": "norm"}
         extra |= {f"model.mtp.{names[k]}.weight": v for k, v in own.items()}
-        extra["model.mtp.embed_tokens.weight"] = ref.model.embed_tokens.weight.detach().clone()
+        extra["model.mtp.embed_tokens.weight"] = ref.get_input_embeddings().weight.detach().clone()
     else:  # (Hy3's and Ling's name its norm final_layernorm, Hy3's its copy of the head shared_head.weight)
         hy = model_type == "hy_v3"
         names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
                  "norm": "final_layernorm" if model_type in ("hy_v3", "bailing_hybrid") else "shared_head.norm"}
         extra = {f"{p}{names[k]}.weight": v for k, v in own.items()}
         extra |= {p + ("shared_head.weight" if hy else "shared_head.head.weight"): ref.lm_head.weight.detach().clone(),
-                  p + "embed_tokens.weight": ref.model.embed_tokens.weight.detach().clone()}
+                  p + "embed_tokens.weight": ref.get_input_embeddings().weight.detach().clone()}
     save_file(extra, str(hf / "mtp.safetensors"), metadata={"format": "pt"})
     return hf, ref, own, convert(hf, root / "m.coli", "f32", 32, progress=False)
 
@@ -182,8 +184,10 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
         h = main(ids[:, :-1])  # [1, T, H]: after the final norm
         e = ref.get_input_embeddings()(ids[:, 1:])
 
+        text, tc = _text(ref), _text_config(ref)
+
         def rms(x, w):
-            n = type(_final_norm(ref))(w.shape[0], eps=_eps(ref.config))
+            n = type(_final_norm(ref))(w.shape[0], eps=_eps(tc))
             n.weight.copy_(w)
             return n(x)
 
@@ -191,19 +195,19 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
         T = x.shape[1]
         pos = torch.arange(T)[None]
         mask = torch.full((T, T), float("-inf")).triu(1)
-        kind = (getattr(ref.config, "layer_types", None) or [None] * (L + 1))[L]
+        kind = (getattr(tc, "layer_types", None) or [None] * (L + 1))[L]
         if kind == "sliding_attention":  # (transformers' window: a query sees its last `sliding_window` positions)
-            mask = mask + torch.full((T, T), float("-inf")).tril(-ref.config.sliding_window)
-        per_type = ref.config.model_type in ("mimo_v2_flash", "mellum")  # (a RoPE per layer type)
-        rotary = None if getattr(ref.model, "rotary_emb", None) is None else \
-            ref.model.rotary_emb(x, pos, kind) if per_type else ref.model.rotary_emb(x, pos)  # (Nemotron-H: none)
-        layer = ref.model.layers[L]
-        if LAYOUT[ref.config.model_type] == "nemotron":  # (the step's layers in turn)
+            mask = mask + torch.full((T, T), float("-inf")).tril(-tc.sliding_window)
+        per_type = tc.model_type in ("mimo_v2_flash", "mellum")  # (a RoPE per layer type)
+        rotary = None if getattr(text, "rotary_emb", None) is None else \
+            text.rotary_emb(x, pos, kind) if per_type else text.rotary_emb(x, pos)  # (Nemotron-H: none)
+        layer = text.layers[L]
+        if LAYOUT[tc.model_type] == "nemotron":  # (the step's layers in turn)
             y = x
             for i in range(STEP["nemotron_h"]):
-                y = ref.model.layers[L + i](y, attention_mask=mask[None, None], position_ids=pos)
+                y = text.layers[L + i](y, attention_mask=mask[None, None], position_ids=pos)
                 y = y[0] if isinstance(y, tuple) else y
-        elif LAYOUT[ref.config.model_type] == "longcat":  # (its layer's first MLA and MLP, as a plain layer)
+        elif LAYOUT[tc.model_type] == "longcat":  # (its layer's first MLA and MLP, as a plain layer)
             a, _ = layer.self_attn[0](hidden_states=layer.input_layernorm[0](x), attention_mask=mask[None, None],
                                       position_ids=pos, position_embeddings=rotary)
             y = x + a
@@ -217,14 +221,23 @@ def _reference(ref, own: dict, tokens: list[int]) -> torch.Tensor:
 def load_hf_prefix(ref):
     """The 4-layer model's first L layers and final norm as a function: ids [1, T] -> hidden [1, T, H]."""
     def run(ids):
-        out = ref.model(ids, output_hidden_states=True)
+        out = _text(ref)(input_ids=ids, output_hidden_states=True)
         # hidden_states[L] is layer L-1's output before the final norm (transformers: [embeddings, layer 0, ...])
         return _final_norm(ref)(out.hidden_states[L])
     return run
 
 
+def _text(ref) -> torch.nn.Module:
+    """The transformers model's decoder stack (a multimodal one's text model: GLM-4.5V's)."""
+    return getattr(ref.model, "language_model", ref.model)
+
+
+def _text_config(ref):
+    return getattr(ref.config, "text_config", ref.config)
+
+
 def _final_norm(ref) -> torch.nn.Module:
-    return getattr(ref.model, "norm", None) or ref.model.norm_f  # (Nemotron-H's name)
+    return getattr(_text(ref), "norm", None) or _text(ref).norm_f  # (Nemotron-H's name)
 
 
 def _eps(cfg) -> float:
@@ -285,7 +298,7 @@ def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt,
                 pos = a.start + len(a.nexts)
                 seen.append((pos, d[0]))
                 j = next(turn) % 4  # right before draft j
-                d[:] = [t if i < j else (t + 1) % ref.config.vocab_size for i, t in enumerate(full[pos + 1 : pos + 4])]
+                d[:] = [t if i < j else (t + 1) % _text_config(ref).vocab_size for i, t in enumerate(full[pos + 1 : pos + 4])]
         return out
 
     monkeypatch.setattr(engine_mtp.MTPHead, "step", spy)

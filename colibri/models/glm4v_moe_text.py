@@ -6,6 +6,8 @@ with its selection bias) under the multimodal checkpoint's names:
   not supported.
 - RoPE is the multimodal one (`mrope_section` over the rotated half of each head); a text-only sequence has the same
   position on its three axes, which is GLM-4.5's plain partial RoPE.
+- The multi-token-prediction layer past the stack (`num_nextn_predict_layers`) is GLM-4.5's, kept as it
+  (`glm4_moe.mtp_config`).
 """
 
 from __future__ import annotations
@@ -34,4 +36,4 @@ def sanitize(name: str) -> str | None:
     return text_model_name(name)
 
 
-FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize)
+FAMILY = Family(NAME, ModelArgs, Model, check_config=check_config, sanitize=sanitize, mtp_config=glm4_moe.mtp_config)
