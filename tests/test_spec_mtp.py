@@ -298,7 +298,8 @@ def test_mtp_drafts_follow_the_true_context_and_greedy_output_is_plain(mtp_ckpt,
                 pos = a.start + len(a.nexts)
                 seen.append((pos, d[0]))
                 j = next(turn) % 4  # right before draft j
-                d[:] = [t if i < j else (t + 1) % _text_config(ref).vocab_size for i, t in enumerate(full[pos + 1 : pos + 4])]
+                V = _text_config(ref).vocab_size
+                d[:] = [t if i < j else (t + 1) % V for i, t in enumerate(full[pos + 1 : pos + 4])]
         return out
 
     monkeypatch.setattr(engine_mtp.MTPHead, "step", spy)
