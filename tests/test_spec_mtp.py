@@ -1,10 +1,9 @@
-"""The model's own MTP layer as a draft source (layers/mtp.py, engine/mtp.py): tiny checkpoints of every family that
-runs one, with one MTP layer as each ships it (`LAYOUT`: DeepSeek's layer `num_hidden_layers` with enorm, hnorm,
-eh_proj, shared_head, one decoder layer, copies of the embedding and head; Qwen's `mtp.*`; MiMo's
-`model.mtp.layers.0.*`), built from layer L of an (L + 1)-layer transformers model. The converter keeps it (and
-drops it with --no-mtp); its logits match the layer composed from transformers' own decoder layer; its drafts after
-every verify equal what it predicts from the true context (its K/V rolled back right); greedy output with it equals
-plain decoding's; the demo's trained layer drafts right."""
+"""The model's own MTP layer as a draft source (layers/mtp.py, engine/mtp.py): tiny checkpoints of every family
+that runs one, each shipping its MTP layer as the family's release does (tests/mtp_layouts.py: the last layer(s) of
+an (L + STEP)-layer transformers model under the release's names). The converter keeps it (and drops it with
+--no-mtp); its logits match the layer composed from transformers' own modules; its drafts after every verify equal
+what it predicts from the true context (its K/V rolled back right); greedy output with it equals plain decoding's;
+the demo's trained layer drafts right."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import shutil
 import pytest
 import torch
 from hf_tiny import load_hf, make_tiny_checkpoint, tiny_config_kwargs
+from mtp_layouts import DENSE, LAYOUT, PER_LAYER, STEP, ZERO_CENTRED, L, big_kwargs, main_config, ship
 from safetensors.torch import load_file, save_file
 
 import colibri
@@ -28,7 +28,6 @@ from colibri.kernels import native
 
 PROMPT = [1, 88, 5, 61, 230, 12, 9, 88, 5]
 N = 20
-L = 3  # main layers; the MTP layer is the tiny model's layer 3
 
 
 @pytest.fixture(autouse=True)
@@ -39,136 +38,30 @@ def _every_draft_verified(monkeypatch):
     monkeypatch.setattr(speculative, "choose", lambda gains, *_: [len(g) for g in gains])
 
 
-# where a family's checkpoints ship the MTP layer: as layer `num_hidden_layers` (DeepSeek-V3's layout), under `mtp.`
-# (Qwen3-Next's), under `model.mtp.layers.{j}` (MiMo-V2-Flash's), `model.mtp.` (LongCat-Flash's: one MLA and one
-# MLP of its layer) or `model.mtp_*.0` (ERNIE-4.5's, whose norm is the model's)
-LAYOUT = {"deepseek_v3": "layer", "glm4_moe": "layer", "glm4_moe_lite": "layer", "glm4v_moe_text": "layer",
-          "qwen3_next": "qwen",
-          "qwen3_5_moe_text": "qwen", "deepseek_v32": "layer", "glm_moe_dsa": "layer", "mimo_v2_flash": "mimo",
-          "exaone_moe": "qwen", "hy_v3": "layer", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
-          "bailing_hybrid": "layer", "mellum": "qwen", "minimax_m3_vl_text": "minimax", "nemotron_h": "nemotron"}
-STEP = {"nemotron_h": 2}  # (the layers of one MTP step: Nemotron-H's, an attention layer then an MoE one)
-# (their norms, the MTP layer's own included, apply 1 + w)
-ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe_text", "minimax_m3_vl_text")
-DENSE = ("mimo_v2_flash", "exaone_moe", "longcat_flash", "ernie4_5_moe")  # (an MTP layer whose MLP is dense)
-# (families whose quantized layers run layer by layer, not in the native whole step: no exact verify, no drafts;
-# MiniMax-M3's where a context is long enough to select blocks)
-PER_LAYER = ("qwen3_next", "qwen3_5_moe_text", "longcat_flash", "bailing_hybrid", "minimax_m3_vl_text", "nemotron_h")
-# LongCat's MTP layer: one of its layer's MLA and MLP sublayers (the module's names -> the checkpoint's)
-LONGCAT = {"self_attn.0.": "self_attn.", "mlps.0.": "transformer_layer.mlp.", "input_layernorm.0.": "input_layernorm.",
-           "post_attention_layernorm.0.": "post_attention_layernorm."}
-
-
 @pytest.fixture(scope="module", params=list(LAYOUT))
 def mtp_ckpt(tmp_path_factory, request):
-    """(HF folder with an MTP layer, the 4-layer transformers model whose layer 3 it is, the MTP layer's own
-    weights by role as the checkpoint holds them, its f32 container)."""
+    """(HF folder with an MTP layer as the family ships it, the (L + STEP)-layer transformers model whose last
+    layers it is, the MTP layer's own weights by role, its f32 container)."""
     model_type, root = request.param, tmp_path_factory.mktemp("mtp")
-    qwen, mimo, longcat, ernie = (LAYOUT[model_type] == k for k in ("qwen", "mimo", "longcat", "ernie"))
-    tiny = tiny_config_kwargs(model_type)
-    types, mlps = tiny.get("layer_types"), tiny.get("mlp_layer_types")
-    more = {"layer_types": [*types, "full_attention"]} if qwen and types else {}  # (the MTP layer: full, MoE)
-    more |= {"mlp_layer_types": [*mlps, "sparse"]} if mlps else {}
-    if mimo:  # (the MTP layer: sliding window with sinks, dense MLP)
-        more |= {"layer_types": ["full_attention"] + ["sliding_attention"] * L,
-                 "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
-    if model_type == "nemotron_h":  # (Mamba, MoE, attention; the MTP step: attention, MoE)
-        more |= {"layers_block_type": ["linear_attention", "moe", "full_attention", "full_attention", "moe"]}
-    if model_type == "minimax_m3_vl_text":  # (the MTP layer: sparse attention, MoE)
-        more |= {"layer_types": [*types, "minimax_m3_sparse"], "mlp_layer_types": [*mlps, "sparse"]}
-    if model_type == "mellum":  # (the MTP layer: sliding, MoE: what a config that names no kinds gets)
-        more["layer_types"] = [*types, "sliding_attention"]
-    if model_type == "bailing_hybrid":  # (the MTP layer: gated MLA, MoE)
-        more |= {"layer_types": ["linear_attention", "linear_attention", "full_attention", "full_attention"]}
-    if model_type == "exaone_moe":  # (the MTP layer: sliding window with RoPE, dense MLP; the full layers NoPE)
-        more |= {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-                 "mlp_layer_types": ["dense"] + ["sparse"] * (L - 1) + ["dense"]}
-    more |= {"moe_layer_end_index": L - 1} if ernie else {}  # (the MTP layer dense, as the one-layer model's layer 0)
-    more |= {"indexer_types": [*tiny["indexer_types"], "full"]} if "indexer_types" in tiny else {}  # (GLM-5's)
-    # a sparse attention keeping every position of these contexts: the one-call step and the true-context reference
-    # apply as for V3 (a verify's selection past index_topk: test_speculative.py)
-    more |= {"index_topk": 64} if "index_topk" in tiny else {}
-    # (LongCat's layers hold two attention sublayers: transformers counts those as num_hidden_layers)
-    layers = (lambda n: {"num_layers": n, "num_hidden_layers": 2 * n}) if longcat else \
-        (lambda n: {"num_hidden_layers": n})
-    step = STEP.get(model_type, 1)
-    big = make_tiny_checkpoint(model_type, root / "big", **layers(L + step), **more)
+    big = make_tiny_checkpoint(model_type, root / "big", **big_kwargs(model_type, tiny_config_kwargs(model_type)))
     ref = load_hf(big)
     hf = root / "hf"
     shutil.copytree(big, hf)
     full = json.loads((hf / "config.json").read_text())
     cfg = full.get("text_config", full)  # (GLM-4.5V's: a multimodal checkpoint's text model)
-    # (Hy3's and LongCat's configs have no count: the family's own says one)
-    count = {"mellum": "num_mtp_layers", "minimax_m3_vl_text": "num_mtp_modules", "hy_v3": None,
-             "longcat_flash": None}.get(model_type, "mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers")
-    cfg.update(**layers(L), **({count: 1} if count else {}))
-    if model_type == "exaone_moe":
-        cfg["mtp_layer_types"] = ["sliding_attention"]
-    if model_type == "nemotron_h":
-        cfg["mtp_layers_block_type"] = ["full_attention", "moe"]
-    for key in ("layer_types", "mlp_layer_types", "indexer_types", "layers_block_type"):  # (per-layer lists)
-        if isinstance(cfg.get(key), list):
-            cfg[key] = cfg[key][:L]
+    main_config(model_type, cfg)
     (hf / "config.json").write_text(json.dumps(full))
     H = cfg["hidden_size"]
     g = torch.Generator().manual_seed(7)
     one = 0.0 if model_type in ZERO_CENTRED else 1.0
     own = {"enorm": one + 0.1 * torch.randn(H, generator=g), "hnorm": one + 0.1 * torch.randn(H, generator=g),
            "eh_proj": 0.05 * torch.randn(H, 2 * H, generator=g), "norm": one + 0.1 * torch.randn(H, generator=g)}
-    p = f"model.layers.{L}."
-    if ernie:  # (its layer ends with the model's own final norm)
+    if LAYOUT[model_type] == "ernie":  # (its layer ends with the model's own final norm)
         own["norm"] = _final_norm(ref).weight.detach().clone()
-    if qwen:  # the layer moves under mtp.layers.0, its input projection and norms beside it
-        st = load_file(hf / "model.safetensors")
-        extra = {f"mtp.layers.0.{k.removeprefix(p)}": st.pop(k) for k in list(st) if k.startswith(p)}
-        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
-        names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "norm": "norm"}
-        extra |= {f"mtp.{names[k]}.weight": v for k, v in own.items()}
-    elif mimo:  # the layer moves under model.mtp.layers.0 (its post-attention norm renamed), its own beside it
-        st = load_file(hf / "model.safetensors")
-        q = "model.mtp.layers.0."
-        extra = {q + k.removeprefix(p).replace("post_attention_layernorm", "pre_mlp_layernorm"): st.pop(k)
-                 for k in list(st) if k.startswith(p)}
-        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
-        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
-        extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
-    elif LAYOUT[model_type] == "nemotron":  # layers L, L + 1 move under mtp.layers.0 / 1, the own weights on the ends
-        st = load_file(hf / "model.safetensors")
-        extra = {f"mtp.layers.{i}.{k.removeprefix(f'backbone.layers.{L + i}.')}": st.pop(k) for i in range(step)
-                 for k in list(st) if k.startswith(f"backbone.layers.{L + i}.")}
-        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
-        names = {"enorm": "0.enorm", "hnorm": "0.hnorm", "eh_proj": "0.eh_proj", "norm": f"{step - 1}.final_layernorm"}
-        extra |= {f"mtp.layers.{names[k]}.weight": v for k, v in own.items()}
-    elif LAYOUT[model_type] == "minimax":  # the layer moves under model.mtp.layers.0.transformer_layer, its own beside
-        st = load_file(hf / "model.safetensors")
-        q = "model.mtp.layers.0."
-        extra = {f"{q}transformer_layer.{k.removeprefix(p)}": st.pop(k) for k in list(st) if k.startswith(p)}
-        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
-        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "final_layernorm"}
-        extra |= {f"{q}{names[k]}.weight": v for k, v in own.items()}
-    elif ernie:  # the layer moves under model.mtp_block.0, its input projection and norm beside it
-        st = load_file(hf / "model.safetensors")
-        extra = {f"model.mtp_block.0.{k.removeprefix(p)}": st.pop(k) for k in list(st) if k.startswith(p)}
-        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
-        names = {"enorm": "mtp_emb_norm", "hnorm": "mtp_hidden_norm", "eh_proj": "mtp_linear_proj"}
-        extra |= {f"model.{names[k]}.0.weight": own[k] for k in names}
-    elif longcat:  # layer L's first MLA and MLP move under model.mtp.layers.0 (the rest of it goes)
-        st = load_file(hf / "model.safetensors")
-        extra = {f"model.mtp.layers.0.{dst}{k.removeprefix(p + src)}": st[k] for k in st for src, dst in LONGCAT.items()
-                 if k.startswith(p + src)}
-        st = {k: v for k, v in st.items() if not k.startswith(p)}
-        save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
-        names = {"enorm": "layers.0.enorm.m", "hnorm": "layers.0.hnorm.m", "eh_proj": "layers.0.eh_proj",
-                 "norm": "norm"}
-        extra |= {f"model.mtp.{names[k]}.weight": v for k, v in own.items()}
-        extra["model.mtp.embed_tokens.weight"] = ref.get_input_embeddings().weight.detach().clone()
-    else:  # (Hy3's and Ling's name its norm final_layernorm, Hy3's its copy of the head shared_head.weight)
-        hy = model_type == "hy_v3"
-        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-                 "norm": "final_layernorm" if model_type in ("hy_v3", "bailing_hybrid") else "shared_head.norm"}
-        extra = {f"{p}{names[k]}.weight": v for k, v in own.items()}
-        extra |= {p + ("shared_head.weight" if hy else "shared_head.head.weight"): ref.lm_head.weight.detach().clone(),
-                  p + "embed_tokens.weight": ref.get_input_embeddings().weight.detach().clone()}
+    st = load_file(hf / "model.safetensors")
+    extra = ship(model_type, st, own, ref.lm_head.weight.detach().clone(),
+                 ref.get_input_embeddings().weight.detach().clone())
+    save_file(st, str(hf / "model.safetensors"), metadata={"format": "pt"})
     save_file(extra, str(hf / "mtp.safetensors"), metadata={"format": "pt"})
     return hf, ref, own, convert(hf, root / "m.coli", "f32", 32, progress=False)
 
