@@ -35,7 +35,9 @@ from .layers import Linear, RMSNorm
 
 PREFIX = "mtp."  # the container's MTP tensors and records
 _INPUT = ("enorm.", "hnorm.", "eh_proj.")  # the layer's own input projection, stored as is
-_SHARED = ("embed_tokens.", "shared_head.head.")  # the main model's embedding and head, copied into the checkpoint
+# the main model's embedding and head, copied into the checkpoint (Hy3's head as `shared_head.weight`)
+_SHARED = ("embed_tokens.", "shared_head.head.", "shared_head.weight")
+_NORM = ("shared_head.norm.", "final_layernorm.")  # the layer's own norm (DeepSeek's name; Hy3's, Ling's, MiMo's)
 
 
 def present(header: dict) -> bool:
@@ -59,8 +61,9 @@ def canonical(rest: str, j: int) -> str | None:
         return None
     if rest.startswith(_INPUT):
         return f"{PREFIX}{j}.{rest}"
-    if rest.startswith("shared_head.norm."):
-        return f"{PREFIX}{j}.norm.{rest.removeprefix('shared_head.norm.')}"
+    for norm in _NORM:
+        if rest.startswith(norm):
+            return f"{PREFIX}{j}.norm.{rest.removeprefix(norm)}"
     return f"{PREFIX}{j}.block.{rest}"
 
 

@@ -150,9 +150,8 @@ _RENAMES = (("model.word_embeddings.", "model.embed_tokens."), (".attention.dens
 
 
 def sanitize(name: str) -> str | None:
-    """HF name (after `source_view`) -> canonical name (the MTP layer's `final_layernorm` is DeepSeek's
-    `shared_head.norm`: no decoder layer has one)."""
-    return rename_first(name, _RENAMES).replace(".final_layernorm.", ".shared_head.norm.")
+    """HF name (after `source_view`) -> canonical name (the MTP layer's own names: layers/mtp.py `canonical`)."""
+    return rename_first(name, _RENAMES)
 
 
 def mtp_config(cfg: dict) -> dict:

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from . import glm4_moe
@@ -86,16 +85,11 @@ _HUB_NAMES = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.ga
               (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"))
 
 
-MTP_HEAD = re.compile(r"model\.layers\.\d+\.shared_head\.weight")  # (the MTP layer's copy of the model's head)
-
-
 def sanitize(name: str) -> str | None:
     """HF name -> canonical name: the release's router is `mlp.router.gate`, its correction bias `mlp.expert_bias`
-    (on the MoE block in transformers too; on the router here), its shared expert `mlp.shared_mlp`; the MTP layer's
-    norm is DeepSeek's `shared_head.norm` (no decoder layer has a `final_layernorm`), its copy of the head goes."""
-    if MTP_HEAD.fullmatch(name):
-        return None
-    return rename_first(name, _HUB_NAMES).replace(".final_layernorm.", ".shared_head.norm.")
+    (on the MoE block in transformers too; on the router here), its shared expert `mlp.shared_mlp` (the MTP layer's
+    own names: layers/mtp.py `canonical`)."""
+    return rename_first(name, _HUB_NAMES)
 
 
 def mtp_config(cfg: dict) -> dict:

@@ -282,10 +282,8 @@ def sanitize(name: str) -> str | None:
     """HF name (after `source_view`) -> canonical name; the MTP module's under layers/mtp.py's `mtp.0.` (its copy
     of the embedding goes)."""
     if name.startswith("model.mtp."):
-        for src, dst in _MTP_NAMES:
-            if name.startswith(src):
-                return dst + name.removeprefix(src)
-        return None
+        mapped = rename_first(name, _MTP_NAMES)
+        return None if mapped == name else mapped
     return rename_first(name, _RENAMES)
 
 

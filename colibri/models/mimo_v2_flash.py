@@ -135,8 +135,7 @@ def check_config(cfg: dict) -> None:
 
 
 MTP = re.compile(r"model\.mtp\.layers\.(\d+)\.(.+)")
-# the release's MTP names that differ from DeepSeek-V3's layout (layers/mtp.py `canonical`)
-MTP_NAMES = {"final_layernorm.": "shared_head.norm.", "pre_mlp_layernorm.": "post_attention_layernorm."}
+MTP_MLP_NORM = "pre_mlp_layernorm."  # (the release's post-attention norm of its MTP layers; else DeepSeek's names)
 
 
 def sanitize(name: str) -> str | None:
@@ -145,9 +144,8 @@ def sanitize(name: str) -> str | None:
     name = name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
     if m := MTP.fullmatch(name):
         rest = m[2]
-        for src, dst in MTP_NAMES.items():
-            if rest.startswith(src):
-                rest = dst + rest.removeprefix(src)
+        if rest.startswith(MTP_MLP_NORM):
+            rest = "post_attention_layernorm." + rest.removeprefix(MTP_MLP_NORM)
         return mtp.canonical(rest, int(m[1]))
     return None if name.startswith("model.mtp.") else name
 

@@ -37,7 +37,7 @@ from torch import nn
 from .. import arena
 from ..convert.safetensors_reader import SplitRows
 from ..kernels import native, native_block, native_msa
-from ..layers import native_mlp
+from ..layers import mtp, native_mlp
 from ..layers.attention import Attention, AttentionArgs, KVCache, Positions, QKNorm
 from ..layers.batch import LayerKV
 from ..layers.kvquant import DEFAULT, KVTypes, refuse_quantized
@@ -321,8 +321,7 @@ _RELEASE = ((".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_cor
             (".self_attn.index_k_norm.", ".self_attn.indexer.k_norm."))
 
 
-MTP = re.compile(r"model\.mtp\.layers\.(\d+)\.(enorm|hnorm|eh_proj|final_layernorm|transformer_layer)\.(.+)")
-MTP_ROLES = {"final_layernorm": "norm", "transformer_layer": "block"}
+MTP = re.compile(r"model\.mtp\.layers\.(\d+)\.(.+)")  # (DeepSeek's names, its layer under `transformer_layer.`)
 MTP_NORM = re.compile(r"mtp\.\d+\.(enorm|hnorm|norm)\.weight")  # (the MTP module's own norms: zero-centred too)
 
 
@@ -336,10 +335,10 @@ def sanitize(name: str) -> str | None:
         name = name.removeprefix("language_model.")  # (language_model.model.X -> model.X, .lm_head -> lm_head)
     name = text_model_name(name)
     if name is not None and (m := MTP.fullmatch(name)):
-        name = f"mtp.{m[1]}.{MTP_ROLES.get(m[2], m[2])}.{m[3]}"
-    elif name is None or name.startswith("mtp.") or ".mtp." in name:
+        name = mtp.canonical(m[2].removeprefix("transformer_layer."), int(m[1]))
+    elif name is not None and (name.startswith("mtp.") or ".mtp." in name):
         return None
-    return rename_first(name, _RELEASE)
+    return None if name is None else rename_first(name, _RELEASE)
 
 
 def mtp_config(cfg: dict) -> dict:
